@@ -1,0 +1,12 @@
+"""autopar: measure the machine, price every way to split every layer, solve, generate, run, prove.
+
+Data flow (one sub-package per stage, each reading one artifact and writing the next)::
+
+    calibrate -> trace -> cost -> solve -> codegen -> execute -> report
+    (profile)   (layer graph) (cost table) (plan.json) (generated module) (run.json) (report.md)
+
+``decomp`` holds the decompositions (value types + one registry); ``runtime`` is what generated
+code imports and stays free of solver and tracing imports.
+"""
+
+__version__ = "0.1.0"

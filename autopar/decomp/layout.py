@@ -1,0 +1,194 @@
+"""Layout: how one tensor is spread over the ranks of the world. Pure arithmetic, no process group.
+
+Vocabulary: a tensor *dim* is an axis of a tensor (0 = N samples, 1 = C channels, 2.. = spatial
+D/H/W); a mesh *axis* is one factor of the process grid. A ``Layout`` is a tuple of splits
+``((dim, parts), ...)``, outermost mesh axis first. With world size P and Q = prod(parts), the
+remaining factor R = P / Q is *replication*; it is the innermost mesh axis. Ranks map onto the
+grid row-major::
+
+    rank = ((c_0 * p_1 + c_1) * p_2 + c_2 ...) * R + r
+
+so spatial neighbours (inner axes) are nearby ranks, which keeps halo traffic within a node, and
+the replica axis (the group that shares one block, e.g. a filter-parallel group) is innermost.
+
+A dim of extent n split into p parts gives block i the extent ``n // p + (1 if i < n % p else
+0)`` starting at ``i * (n // p) + min(i, n % p)`` (the rule of ``torch.tensor_split``), so
+remainders are handled wherever a block is at least one element.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+def block_extent(n: int, parts: int, index: int) -> int:
+    """Extent of block ``index`` when ``n`` elements are split into ``parts`` blocks."""
+    return n // parts + (1 if index < n % parts else 0)
+
+
+def block_start(n: int, parts: int, index: int) -> int:
+    """First element of block ``index`` when ``n`` elements are split into ``parts`` blocks."""
+    return index * (n // parts) + min(index, n % parts)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Splits of a tensor over the mesh: ``((dim, parts), ...)``, outermost first; () = replicated."""
+
+    splits: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        dims = [d for d, _ in self.splits]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"Layout splits one dim twice: {self.splits}")
+        if any(p < 1 for _, p in self.splits):
+            raise ValueError(f"Layout parts must be >= 1: {self.splits}")
+        # Normalise away trivial splits so that equal distributions compare equal.
+        clean = tuple((int(d), int(p)) for d, p in self.splits if p > 1)
+        object.__setattr__(self, "splits", clean)
+
+    # ---- constructors -------------------------------------------------------------------
+    @staticmethod
+    def replicate() -> "Layout":
+        return Layout(())
+
+    @staticmethod
+    def of(*splits: tuple[int, int]) -> "Layout":
+        return Layout(tuple(splits))
+
+    @staticmethod
+    def from_json(obj: Sequence[Sequence[int]]) -> "Layout":
+        return Layout(tuple((int(d), int(p)) for d, p in obj))
+
+    def to_json(self) -> list[list[int]]:
+        return [[d, p] for d, p in self.splits]
+
+    # ---- properties ---------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(p for _, p in self.splits)
+
+    def parts_of(self, dim: int) -> int:
+        for d, p in self.splits:
+            if d == dim:
+                return p
+        return 1
+
+    def replicas(self, world: int) -> int:
+        q = self.num_blocks
+        if world % q:
+            raise ValueError(f"layout {self} has {q} blocks, which does not divide world {world}")
+        return world // q
+
+    def is_replicated(self) -> bool:
+        return not self.splits
+
+    def __str__(self) -> str:
+        if not self.splits:
+            return "R"
+        names = {0: "N", 1: "C"}
+        return "x".join(f"{names.get(d, f'd{d}')}{p}" for d, p in self.splits)
+
+    # ---- rank arithmetic ----------------------------------------------------------------
+    def coords(self, rank: int, world: int) -> tuple[tuple[int, ...], int]:
+        """(block coordinates per split, replica index) of ``rank``."""
+        r = self.replicas(world)
+        rep = rank % r
+        rest = rank // r
+        cs = []
+        for _, p in reversed(self.splits):
+            cs.append(rest % p)
+            rest //= p
+        return tuple(reversed(cs)), rep
+
+    def rank_of(self, coords: Sequence[int], replica: int, world: int) -> int:
+        rank = 0
+        for (_, p), c in zip(self.splits, coords):
+            rank = rank * p + c
+        return rank * self.replicas(world) + replica
+
+    def block_index(self, rank: int, world: int) -> int:
+        """Linear block id of ``rank`` (ranks with equal id hold the same data)."""
+        return rank // self.replicas(world)
+
+    def axis_group(self, axis: int, rank: int, world: int) -> list[int]:
+        """Ranks that differ from ``rank`` only along split ``axis`` (in coordinate order)."""
+        cs, rep = self.coords(rank, world)
+        out = []
+        for c in range(self.splits[axis][1]):
+            cc = list(cs)
+            cc[axis] = c
+            out.append(self.rank_of(cc, rep, world))
+        return out
+
+    def split_group(self, dims: Iterable[int], rank: int, world: int) -> list[int]:
+        """Ranks that differ from ``rank`` only along the splits of tensor ``dims`` (sorted)."""
+        dims = set(dims)
+        axes = [i for i, (d, _) in enumerate(self.splits) if d in dims]
+        cs, rep = self.coords(rank, world)
+        groups = [list(cs)]
+        for a in axes:
+            groups = [g[:a] + [c] + g[a + 1:] for g in groups for c in range(self.splits[a][1])]
+        return sorted(self.rank_of(g, rep, world) for g in groups)
+
+    def data_group(self, rank: int, world: int) -> list[int]:
+        """Ranks holding different blocks of the tensor with the same replica index."""
+        return self.split_group([d for d, _ in self.splits], rank, world)
+
+    def replica_group(self, rank: int, world: int) -> list[int]:
+        r = self.replicas(world)
+        base = (rank // r) * r
+        return list(range(base, base + r))
+
+    def block_bounds(self, shape: Sequence[int], block: int, world: int) -> tuple[tuple[int, int], ...]:
+        """Per dim (start, extent) of linear block id ``block`` for a tensor of ``shape``."""
+        rank = block * self.replicas(world)
+        cs, _ = self.coords(rank, world)
+        bounds = [(0, int(n)) for n in shape]
+        for (d, p), c in zip(self.splits, cs):
+            n = int(shape[d])
+            bounds[d] = (block_start(n, p, c), block_extent(n, p, c))
+        return tuple(bounds)
+
+    def local_bounds(self, shape: Sequence[int], rank: int, world: int) -> tuple[tuple[int, int], ...]:
+        return self.block_bounds(shape, self.block_index(rank, world), world)
+
+    def local_shape(self, shape: Sequence[int], rank: int, world: int) -> tuple[int, ...]:
+        return tuple(e for _, e in self.local_bounds(shape, rank, world))
+
+    def max_local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """Largest block's shape (block 0 is always the largest)."""
+        out = list(int(n) for n in shape)
+        for d, p in self.splits:
+            out[d] = block_extent(int(shape[d]), p, 0)
+        return tuple(out)
+
+    def min_local_extent(self, shape: Sequence[int]) -> int:
+        """Smallest extent of any split dim in any block (0 means some rank holds nothing)."""
+        ext = [int(shape[d]) // p for d, p in self.splits]
+        return min(ext) if ext else min((int(n) for n in shape), default=1)
+
+    def fits(self, shape: Sequence[int], world: int) -> str | None:
+        """None if legal for ``shape`` at ``world``; else the reason."""
+        q = self.num_blocks
+        if world % q:
+            return f"{q} blocks do not divide world size {world}"
+        for d, p in self.splits:
+            if d >= len(shape):
+                return f"splits dim {d} of a {len(shape)}-d tensor"
+            if int(shape[d]) < p:
+                return f"dim {d} has extent {shape[d]} < {p} parts"
+        return None
+
+
+def overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
+    """Intersection of two boxes given as per-dim (start, extent); None when empty."""
+    out = []
+    for (s0, e0), (s1, e1) in zip(a, b):
+        lo, hi = max(s0, s1), min(s0 + e0, s1 + e1)
+        if hi <= lo:
+            return None
+        out.append((lo, hi - lo))
+    return tuple(out)

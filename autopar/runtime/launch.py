@@ -1,0 +1,136 @@
+"""Local multi-process launcher: start ``world`` ranks, collect their results, never hang.
+
+``run_ranks(fn, world, ...)`` forks (default) or spawns one process per rank, initialises a
+process group (gloo on CPU, NCCL on GPU) on a free loopback port, calls ``fn(rank, world,
+*args)`` and returns the list of its return values in rank order. The parent watches every
+child: if one exits with an error, dies, or the whole run exceeds ``timeout_s``, every rank is
+killed and :class:`~autopar.errors.RankFailure` names the rank(s) and their last error.
+
+Fork is ~50x faster to start than spawn on small machines; it needs ``torch.set_num_threads``
+in each child and no torch compute (no OpenMP pool) in the parent before forking, so the parent
+only forks before it touches torch kernels. Generated code run under ``torchrun`` does not use
+this module: it reads RANK/WORLD_SIZE from the environment (see ``init_from_env``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+from ..errors import RankFailure
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, args, backend, port, threads, timeout_s, q):  # pragma: no cover - in child
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        out = fn(rank, world, *args)
+        q.put((rank, "ok", out))
+        # Leave the group together so that no rank tears down sockets a peer still uses.
+        try:
+            dist.barrier()
+        except Exception:
+            pass
+        dist.destroy_process_group()
+    except BaseException as e:  # report, then die: the parent kills the others
+        q.put((rank, "error", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+        q.close()
+        q.join_thread()  # flush the message before dying
+        os._exit(1)
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo",
+              timeout_s: float = 300.0, start_method: str = "fork", threads: int = 1) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return results in rank order.
+
+    Raises RankFailure (naming the ranks) if any rank fails, dies, or the run outlasts
+    ``timeout_s``; all ranks are killed before it is raised.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, args, backend, port, threads, timeout_s, q),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = q.get(timeout=0.2)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+                continue
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in results and p.exitcode not in (None, 0):
+                    # Drain a late error message before declaring a silent death.
+                    try:
+                        while True:
+                            rank, status, payload = q.get(timeout=0.5)
+                            (results if status == "ok" else errors)[rank] = payload
+                    except queue_mod.Empty:
+                        pass
+                    if r not in results and r not in errors:
+                        errors[r] = f"died with exit code {p.exitcode} without reporting"
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if r not in results]
+                for r in missing:
+                    errors.setdefault(r, f"did not finish within {timeout_s:.0f} s (hung or too slow)")
+                break
+        if errors:
+            first = min(errors)
+            detail = errors[first].strip().splitlines()
+            raise RankFailure(
+                f"rank(s) {sorted(errors)} failed; rank {first}: {detail[0] if detail else '?'}",
+                "all ranks were stopped; rerun with --debug for the traceback" if len(detail) > 1 else
+                "all ranks were stopped")
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=2.0 if not errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+        q.close()
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; return (rank, world)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
