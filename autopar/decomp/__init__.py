@@ -1,0 +1,8 @@
+"""Decompositions: one module each, registered into ``base.REGISTRY`` by this explicit import."""
+
+from .base import REGISTRY, CostContext, Decomposition, LayerCost, ParamShard, decomposition_from_json, register
+from .layout import Layout
+from . import replicate, sample  # noqa: F401  (registration)
+
+__all__ = ["REGISTRY", "CostContext", "Decomposition", "LayerCost", "ParamShard", "Layout",
+           "decomposition_from_json", "register"]

@@ -1,0 +1,421 @@
+"""Kernel benchmarks: one sample per (op class, size) for the kernel fits, and exact shapes.
+
+FLOP and byte conventions (the cost model must count the same way; the helpers ``*_features``
+below are the reference, all pure Python). Tensors are float32 (4 bytes per element) unless a
+spec says otherwise; "bytes" is the sum of the sizes of the operands read and the result
+written, not the hardware's real traffic (the fitted constants absorb the difference).
+
+=================  ======================================  =====================================
+op class           flops                                   bytes
+=================  ======================================  =====================================
+conv_fwd           2 * N * F * prod(out) * C/g * prod(k)   4 * (|x| + |w| + |y|)
+conv_bwd_data      same as conv_fwd                         4 * (|dy| + |w| + |dx|)  (= fwd)
+conv_bwd_filter    same as conv_fwd                         4 * (|x| + |dy| + |dw|)  (= fwd)
+matmul             2 * M * K * O  (y[M,O] = x[M,K] w^T)     4 * (M*K + O*K + M*O)
+elementwise        numel (relu: y = max(x,0); add: a+b)     4 * numel * (2 relu | 3 add)
+norm               8 * numel (batch-norm fwd, training)     4 * (2 * numel + 4 * C)
+pool               |y| * prod(k)  (max pool)                4 * (|x| + |y|)
+gather_scatter     M * D  (rows moved x row width)          4 * 2 * M * D + 8 * M
+attention          4 * B * H * Lq * Lk * D  (QK^T, AV)      4 * B * H * (2*Lq*D + 2*Lk*D)
+=================  ======================================  =====================================
+
+(N batch, C input channels, F filters, g groups, k kernel extents, out output spatial extents,
+|t| number of elements of tensor t). A linear layer's backward is two matmuls with the
+forward's FLOPs; the cost model prices them with the "matmul" class.
+
+Shape legend: x_NC* input (N, C, *spatial), w_FCk* filter (F, C/g, *k), y output.
+
+torch is imported inside functions: ``shape_key`` and the feature helpers stay cheap to import.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from typing import Callable, Iterable
+
+from .profile import OP_CLASSES
+
+F32 = 4
+_INT64 = 8
+
+# --------------------------------------------------------------------------------------------
+# Shape specs and keys (pure)
+# --------------------------------------------------------------------------------------------
+
+
+def _tuple(v, n: int, name: str) -> list[int]:
+    if v is None:
+        raise ValueError(f"{name} is required")
+    if isinstance(v, int):
+        return [int(v)] * n
+    v = [int(a) for a in v]
+    if len(v) == 1 and n > 1:
+        v = v * n
+    if len(v) != n:
+        raise ValueError(f"{name} has {len(v)} entries, expected {n}")
+    return v
+
+
+def normalize_spec(spec: dict) -> dict:
+    """Fill defaults (stride 1, padding 0, dilation 1, groups 1, float32) and canonical types."""
+    op = spec.get("op")
+    if op == "conv":
+        x = [int(a) for a in spec["x"]]
+        w = [int(a) for a in spec["w"]]
+        d = len(x) - 2
+        if d < 1 or len(w) != len(x):
+            raise ValueError(f"conv spec needs x [N,C,*spatial] and w [F,C/g,*k] of equal rank: {spec}")
+        pad = spec.get("padding", 0)
+        out = {"op": "conv", "x": x, "w": w,
+               "stride": _tuple(spec.get("stride", 1), d, "stride"),
+               "padding": pad if isinstance(pad, str) else _tuple(pad, d, "padding"),
+               "dilation": _tuple(spec.get("dilation", 1), d, "dilation"),
+               "groups": int(spec.get("groups", 1))}
+        if x[1] != w[1] * out["groups"]:
+            raise ValueError(f"conv spec: C={x[1]} != w[1]*groups={w[1]}*{out['groups']}")
+    elif op == "linear":
+        x = [int(a) for a in spec["x"]]
+        w = [int(a) for a in spec["w"]]
+        if len(w) != 2 or x[-1] != w[1]:
+            raise ValueError(f"linear spec needs x [..., K] and w [O, K]: {spec}")
+        out = {"op": "linear", "x": x, "w": w}
+    else:
+        raise ValueError(f"shape spec op must be 'conv' or 'linear', got {op!r}")
+    out["dtype"] = str(spec.get("dtype", "float32")).replace("torch.", "")
+    return out
+
+
+def shape_key(spec: dict) -> str:
+    """Canonical string of a shape spec (a pure function of the spec; defaults filled in).
+
+    e.g. ``conv2d x=8x3x32x32 w=16x3x3x3 s=1,1 p=1,1 d=1,1 g=1`` or ``linear x=64x512 w=10x512``;
+    `` dtype=...`` is appended only for non-float32 specs.
+    """
+    s = normalize_spec(spec)
+    dims = lambda v: "x".join(str(a) for a in v)  # noqa: E731
+    commas = lambda v: v if isinstance(v, str) else ",".join(str(a) for a in v)  # noqa: E731
+    if s["op"] == "conv":
+        key = (f"conv{len(s['x']) - 2}d x={dims(s['x'])} w={dims(s['w'])} s={commas(s['stride'])} "
+               f"p={commas(s['padding'])} d={commas(s['dilation'])} g={s['groups']}")
+    else:
+        key = f"linear x={dims(s['x'])} w={dims(s['w'])}"
+    if s["dtype"] != "float32":
+        key += f" dtype={s['dtype']}"
+    return key
+
+
+def conv_out_shape(x, w, stride, padding, dilation) -> list[int]:
+    d = len(x) - 2
+    if isinstance(padding, str):
+        if padding == "same":
+            return [x[0], w[0], *x[2:]]
+        padding = [0] * d
+    return [x[0], w[0]] + [
+        (x[2 + i] + 2 * padding[i] - dilation[i] * (w[2 + i] - 1) - 1) // stride[i] + 1
+        for i in range(d)]
+
+
+def conv_features(x, w, stride, padding, dilation, groups=1) -> tuple[float, float]:
+    """(flops, bytes) of a convolution; the same for fwd, bwd_data and bwd_filter."""
+    y = conv_out_shape(x, w, stride, padding, dilation)
+    flops = 2.0 * y[0] * w[0] * math.prod(y[2:]) * w[1] * math.prod(w[2:])
+    return flops, float(F32 * (math.prod(x) + math.prod(w) + math.prod(y)))
+
+
+def matmul_features(m: int, k: int, o: int) -> tuple[float, float]:
+    return 2.0 * m * k * o, float(F32 * (m * k + o * k + m * o))
+
+
+def elementwise_features(numel: int, n_operands: int) -> tuple[float, float]:
+    """n_operands: 2 for a unary op (read x, write y), 3 for a binary one."""
+    return float(numel), float(F32 * numel * n_operands)
+
+
+def norm_features(shape) -> tuple[float, float]:
+    numel = math.prod(shape)
+    return 8.0 * numel, float(F32 * (2 * numel + 4 * shape[1]))
+
+
+def pool_features(x, y, k) -> tuple[float, float]:
+    return float(math.prod(y) * math.prod(k)), float(F32 * (math.prod(x) + math.prod(y)))
+
+
+def gather_scatter_features(m: int, d: int) -> tuple[float, float]:
+    return float(m * d), float(F32 * 2 * m * d + _INT64 * m)
+
+
+def attention_features(b: int, h: int, lq: int, lk: int, d: int) -> tuple[float, float]:
+    return 4.0 * b * h * lq * lk * d, float(F32 * b * h * (2 * lq * d + 2 * lk * d))
+
+
+def spec_features(spec: dict) -> tuple[str, float, float]:
+    """(op class of the forward, flops, bytes) of a shape spec, by the conventions above."""
+    s = normalize_spec(spec)
+    if s["op"] == "conv":
+        f, b = conv_features(s["x"], s["w"], s["stride"], s["padding"], s["dilation"], s["groups"])
+        return "conv_fwd", f, b
+    m = math.prod(s["x"][:-1])
+    f, b = matmul_features(m, s["x"][-1], s["w"][0])
+    return "matmul", f, b
+
+
+# --------------------------------------------------------------------------------------------
+# Size sweeps (pure: lists of config dicts from a seed)
+# --------------------------------------------------------------------------------------------
+
+
+def _conv_config(rng: random.Random, max_flops: float) -> dict | None:
+    d = 2 if rng.random() < 0.7 else 3
+    n = rng.choice([1, 2, 4, 8, 16] if d == 2 else [1, 2, 4])
+    c = rng.choice([1, 3, 8, 16, 32, 64, 128] if d == 2 else [1, 4, 8, 16, 32])
+    f = rng.choice([8, 16, 32, 64, 128] if d == 2 else [4, 8, 16, 32])
+    k = rng.choice([1, 3, 5])
+    s = rng.choice([1, 2])
+    sp = rng.choice([4, 8, 16, 32, 64, 128] if d == 2 else [4, 8, 16, 32])
+    if sp < k:
+        return None
+    spec = {"op": "conv", "x": [n, c] + [sp] * d, "w": [f, c] + [k] * d,
+            "stride": [s] * d, "padding": [k // 2] * d, "dilation": [1] * d, "groups": 1}
+    flops, _ = spec_features(spec)[1:]
+    return spec if flops <= max_flops else None
+
+
+def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: int,
+                  seed: int = 0) -> list[dict]:
+    """``n_configs`` random, distinct sizes for ``op_class`` below the FLOP/element caps.
+
+    The conv classes share one sweep (same seed gives the same shapes for fwd and both bwds).
+    """
+    if op_class not in OP_CLASSES:
+        raise ValueError(f"unknown op class {op_class!r}")
+    base = op_class if not op_class.startswith("conv") else "conv"
+    rng = random.Random(f"{base}:{seed}")
+    pow2 = lambda lo, hi: 2 ** rng.randint(lo, hi)  # noqa: E731
+    out, seen = [], set()
+    for _ in range(200 * n_configs):
+        if len(out) >= n_configs:
+            break
+        cfg = None
+        if base == "conv":
+            cfg = _conv_config(rng, max_flops)
+        elif base == "matmul":
+            m, k, o = pow2(3, 11), pow2(3, 11), pow2(3, 11)
+            if matmul_features(m, k, o)[0] <= max_flops and m * k + k * o + m * o <= max_numel:
+                cfg = {"m": m, "k": k, "o": o}
+        elif base == "elementwise":
+            cfg = {"kind": rng.choice(["relu", "add"]), "numel": min(pow2(8, 24), max_numel)}
+        elif base == "norm":
+            n, c, h = pow2(0, 4), pow2(1, 7), pow2(2, 7)
+            if n * c * h * h <= max_numel:
+                cfg = {"shape": [n, c, h, h]}
+        elif base == "pool":
+            d = 2 if rng.random() < 0.75 else 3
+            n, c, h, k = pow2(0, 4), pow2(0, 6), pow2(3, 7 if d == 2 else 5), rng.choice([2, 3])
+            if n * c * h ** d <= max_numel:
+                cfg = {"x": [n, c] + [h] * d, "k": k, "stride": rng.choice([1, k])}
+        elif base == "gather_scatter":
+            rows, width, m = pow2(6, 16), pow2(3, 9), pow2(4, 16)
+            if (rows + m) * width <= max_numel:
+                cfg = {"kind": rng.choice(["index_select", "index_add"]), "rows": rows,
+                       "width": width, "m": m}
+        elif base == "attention":
+            b, h, lq, d = pow2(0, 2), pow2(0, 3), pow2(4, 10), rng.choice([16, 32, 64, 128])
+            if attention_features(b, h, lq, lq, d)[0] <= max_flops and b * h * lq * lq <= max_numel:
+                cfg = {"b": b, "h": h, "lq": lq, "lk": lq, "d": d}
+        if cfg is not None:
+            key = repr(sorted(cfg.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(cfg)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def time_fn(fn: Callable[[], object], device: str = "cpu", repeats: int = 10, warmup: int = 2,
+            min_sample_s: float = 2e-4) -> list[float]:
+    """Per-call times (s) of ``fn``: ``warmup`` untimed calls, then ``repeats`` samples.
+
+    Each sample runs ``fn`` ``inner`` times back to back and divides, with ``inner`` chosen so a
+    sample lasts at least ``min_sample_s`` (timer resolution and jitter). CPU uses
+    ``time.perf_counter``; CUDA uses ``torch.cuda.Event`` pairs around the calls.
+    """
+    if device == "cuda":
+        import torch
+
+        def run(inner: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / inner
+    else:
+        def run(inner: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            return (time.perf_counter() - t0) / inner
+
+    for _ in range(max(warmup, 1)):
+        first = run(1)
+    inner = max(1, min(10000, math.ceil(min_sample_s / max(first, 1e-9))))
+    return [run(inner) for _ in range(repeats)]
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _conv_fns(spec: dict, device: str):
+    """Zero-arg callables for fwd, bwd_data and bwd_filter of a conv or linear spec."""
+    import torch
+    import torch.nn.functional as F
+
+    s = normalize_spec(spec)
+    dt = _dtype(s["dtype"])
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(s["x"], generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+    w = torch.randn(s["w"], generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+    if s["op"] == "linear":
+        x2 = x.reshape(-1, s["x"][-1])
+        dy = torch.randn(x2.shape[0], s["w"][0], generator=g).to(device=device, dtype=dt)
+        return {"fwd": lambda: F.linear(x2, w),
+                "bwd_data": lambda: dy @ w,
+                "bwd_filter": lambda: dy.t() @ x2}
+    d = len(s["x"]) - 2
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[d]
+    gin = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input,
+           3: torch.nn.grad.conv3d_input}[d]
+    gw = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight,
+          3: torch.nn.grad.conv3d_weight}[d]
+    kw = dict(stride=s["stride"], padding=s["padding"], dilation=s["dilation"], groups=s["groups"])
+    y = conv(x, w, **kw)
+    dy = torch.randn(y.shape, generator=g).to(device=device, dtype=dt)
+    return {"fwd": lambda: conv(x, w, **kw),
+            "bwd_data": lambda: gin(x.shape, w, dy, **kw),
+            "bwd_filter": lambda: gw(x, w.shape, dy, **kw)}
+
+
+def _runner(op_class: str, cfg: dict, device: str) -> tuple[Callable[[], object], float, float]:
+    """(callable, flops, bytes) for one sweep config of ``op_class``."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    if op_class.startswith("conv"):
+        phase = {"conv_fwd": "fwd", "conv_bwd_data": "bwd_data",
+                 "conv_bwd_filter": "bwd_filter"}[op_class]
+        _, flops, nbytes = spec_features(cfg)
+        return _conv_fns(cfg, device)[phase], flops, nbytes
+    if op_class == "matmul":
+        m, k, o = cfg["m"], cfg["k"], cfg["o"]
+        x, w = rand(m, k), rand(o, k)
+        return (lambda: F.linear(x, w)), *matmul_features(m, k, o)
+    if op_class == "elementwise":
+        a, b = rand(cfg["numel"]), rand(cfg["numel"])
+        if cfg["kind"] == "relu":
+            return (lambda: torch.relu(a)), *elementwise_features(cfg["numel"], 2)
+        return (lambda: a + b), *elementwise_features(cfg["numel"], 3)
+    if op_class == "norm":
+        shape = cfg["shape"]
+        x = rand(*shape)
+        c = shape[1]
+        rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
+        wt, bs = torch.ones(c, device=device), torch.zeros(c, device=device)
+        return (lambda: F.batch_norm(x, rm, rv, wt, bs, training=True)), *norm_features(shape)
+    if op_class == "pool":
+        x = rand(*cfg["x"])
+        d = len(cfg["x"]) - 2
+        pool = F.max_pool2d if d == 2 else F.max_pool3d
+        k, s = cfg["k"], cfg["stride"]
+        y_shape = list(pool(x, k, s).shape)
+        return (lambda: pool(x, k, s)), *pool_features(cfg["x"], y_shape, [k] * d)
+    if op_class == "gather_scatter":
+        src = rand(cfg["rows"], cfg["width"])
+        idx = torch.randint(0, cfg["rows"], (cfg["m"],), generator=g).to(device)
+        if cfg["kind"] == "index_select":
+            return (lambda: src.index_select(0, idx)), *gather_scatter_features(cfg["m"], cfg["width"])
+        vals = rand(cfg["m"], cfg["width"])
+        return (lambda: src.index_add_(0, idx, vals)), *gather_scatter_features(cfg["m"], cfg["width"])
+    if op_class == "attention":
+        b, h, lq, lk, d = cfg["b"], cfg["h"], cfg["lq"], cfg["lk"], cfg["d"]
+        q, k_, v = rand(b, h, lq, d), rand(b, h, lk, d), rand(b, h, lk, d)
+        return (lambda: F.scaled_dot_product_attention(q, k_, v)), *attention_features(b, h, lq, lk, d)
+    raise ValueError(f"unknown op class {op_class!r}")
+
+
+def _round(t: float) -> float:
+    return float(f"{t:.6g}")
+
+
+def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cpu",
+                       repeats: int = 10, warmup: int = 2, min_sample_s: float = 2e-4) -> list[dict]:
+    """One sample per config: ``{"config", "flops", "bytes", "median_s", "times_s"}``."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for cfg in configs:
+            fn, flops, nbytes = _runner(op_class, cfg, device)
+            times = time_fn(fn, device, repeats, warmup, min_sample_s)
+            out.append({"config": cfg, "flops": flops, "bytes": nbytes,
+                        "median_s": _round(statistics.median(times)),
+                        "times_s": [_round(t) for t in times]})
+    return out
+
+
+def measure_exact(shape_specs: Iterable[dict], device: str = "cpu", repeats: int = 10,
+                  warmup: int = 2, return_samples: bool = False):
+    """Median time of fwd, bwd_data and bwd_filter of each exact shape, keyed by ``shape_key``.
+
+    Returns ``{shape_key: {"fwd": s, "bwd_data": s, "bwd_filter": s}}``; with
+    ``return_samples=True`` also ``{shape_key: {phase: [all repeats]}}``.
+    """
+    import torch
+
+    result, samples = {}, {}
+    with torch.no_grad():
+        for spec in shape_specs:
+            key = shape_key(spec)
+            if key in result:
+                continue
+            fns = _conv_fns(spec, device)
+            result[key], samples[key] = {}, {}
+            for phase, fn in fns.items():
+                times = time_fn(fn, device, repeats, warmup)
+                result[key][phase] = _round(statistics.median(times))
+                samples[key][phase] = [_round(t) for t in times]
+    return (result, samples) if return_samples else result
+
+
+def slowdown_kernel_set(device: str = "cpu") -> Callable[[], None]:
+    """A fixed mix (conv fwd + bwd_filter, matmul, relu, batch-norm), ~5 ms on one core here."""
+    import torch
+    import torch.nn.functional as F
+
+    fwd = _conv_fns({"op": "conv", "x": [4, 32, 32, 32], "w": [32, 32, 3, 3], "padding": 1}, device)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    a = torch.randn(384, 384, generator=g).to(device)
+    e = torch.randn(1 << 20, generator=g).to(device)
+    bn = torch.randn(8, 32, 32, 32, generator=g).to(device)
+    ones, zeros = torch.ones(32, device=device), torch.zeros(32, device=device)
+
+    def run() -> None:
+        with torch.no_grad():
+            fwd["fwd"]()
+            fwd["bwd_filter"]()
+            a @ a
+            torch.relu(e)
+            F.batch_norm(bn, zeros, ones, ones, zeros, training=True)
+    return run

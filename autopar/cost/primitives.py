@@ -1,0 +1,131 @@
+"""Cost primitives shared by every decomposition: local op compute, memory, collectives.
+
+Compute of one op on a local shape (the slowest rank holds block 0, the largest)::
+
+    t_phase = profile.exact_time_s(shape_key, phase)                       if measured ("exact")
+            = profile.kernel_time_s(class(op, phase), flops, bytes)        otherwise ("fit")
+    t       = t_phase * profile.slowdown(ranks_on_node)
+
+FLOPs (per phase, multiply-add = 2): convolution ``2 * N * F * prod(out_spatial) * C/g *
+prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M * K * O`` for
+forward and each of the two backward matmuls; elementwise, norm and pool are priced by bytes
+moved (inputs + output, times 2 in backward). Views cost nothing.
+
+Saved activations (what autograd keeps for backward, per op): convolution, linear, batch norm,
+pooling and multiplications keep their inputs; activations keep their output; additions, views
+and dropout with p = 0 keep nothing. This is the ``activation_bytes`` term of every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from ..decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CAT, CONV, DROPOUT, FLATTEN, LINEAR,
+                         MEAN, OTHER, POOL, UNARY, VIEW, OpSpec)
+
+PHASES = ("fwd", "bwd_data", "bwd_filter")
+
+
+def conv_spec(op: OpSpec, x_shape: Sequence[int], w_shape: Sequence[int] | None = None) -> dict:
+    """The calibrator's shape spec of a convolution on local input ``x_shape``."""
+    a = op.attrs
+    w = list(w_shape if w_shape is not None else op.params["weight"])
+    return {"op": "conv", "x": [int(s) for s in x_shape], "w": [int(s) for s in w],
+            "stride": list(a["stride"]), "padding": list(a["padding"]) if not isinstance(a["padding"], str) else a["padding"],
+            "dilation": list(a["dilation"]), "groups": int(a["groups"])}
+
+
+def linear_spec(x_shape: Sequence[int], w_shape: Sequence[int]) -> dict:
+    m = math.prod(x_shape[:-1])
+    return {"op": "linear", "x": [int(m), int(x_shape[-1])], "w": [int(s) for s in w_shape]}
+
+
+def _shape_key(spec: dict) -> str:
+    from ..calibrate.kernels import shape_key
+    return shape_key(spec)
+
+
+def conv_flops(x_shape: Sequence[int], w_shape: Sequence[int], out_shape: Sequence[int], groups: int) -> float:
+    n, f = x_shape[0], w_shape[0]
+    return 2.0 * n * f * math.prod(out_shape[2:]) * w_shape[1] * math.prod(w_shape[2:])
+
+
+def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
+                 ctx, w_shape: Sequence[int] | None = None, itemsize: int = 4) -> tuple[float, float, str]:
+    """(forward s, backward s, source) of ``op`` on local shapes, on one rank."""
+    prof = ctx.profile
+    slow = prof.slowdown(ctx.ranks_on_node)
+    out_numel = math.prod(out_shape)
+    in_bytes = sum(math.prod(s) for s in in_shapes) * itemsize
+    out_bytes = out_numel * itemsize
+    if op.kind == CONV:
+        w = list(w_shape if w_shape is not None else op.params["weight"])
+        x = in_shapes[0]
+        fl = conv_flops(x, w, out_shape, op.attrs.get("groups", 1))
+        wbytes = math.prod(w) * itemsize
+        times, sources = [], []
+        key = _shape_key(conv_spec(op, x, w)) if ctx.prefer_exact else None
+        for phase, cls in zip(PHASES, ("conv_fwd", "conv_bwd_data", "conv_bwd_filter")):
+            t = prof.exact_time_s(key, phase) if key else None
+            if t is None:
+                t, src = prof.kernel_time_s(cls, fl, in_bytes + out_bytes + wbytes), "fit"
+            else:
+                src = "exact"
+            times.append(t)
+            sources.append(src)
+        src = sources[0] if len(set(sources)) == 1 else "mixed"
+        return times[0] * slow, (times[1] + times[2]) * slow, src
+    if op.kind == LINEAR:
+        w = list(w_shape if w_shape is not None else op.params["weight"])
+        x = in_shapes[0]
+        m = math.prod(x[:-1])
+        fl = 2.0 * m * w[0] * w[1]
+        by = (m * w[1] + m * w[0] + w[0] * w[1]) * itemsize
+        key = _shape_key(linear_spec(x, w)) if ctx.prefer_exact else None
+        tf = prof.exact_time_s(key, "fwd") if key else None
+        if tf is not None:
+            tbd = prof.exact_time_s(key, "bwd_data") or tf
+            tbf = prof.exact_time_s(key, "bwd_filter") or tf
+            return tf * slow, (tbd + tbf) * slow, "exact"
+        t = prof.kernel_time_s("matmul", fl, by)
+        return t * slow, 2 * t * slow, "fit"
+    if op.kind in (VIEW, FLATTEN):
+        return 0.0, 0.0, "fit"
+    cls = {BATCH_NORM: "norm", POOL: "pool", ADAPTIVE_POOL: "pool"}.get(op.kind, "elementwise")
+    flops = {BATCH_NORM: 8.0, UNARY: 1.0, BINARY: 1.0}.get(op.kind, 1.0) * out_numel
+    t = prof.kernel_time_s(cls, flops, in_bytes + out_bytes)
+    return t * slow, 2 * t * slow, "fit"
+
+
+def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
+                itemsize: int = 4) -> float:
+    """Bytes autograd keeps for backward (see module docstring)."""
+    if op.kind in (CONV, LINEAR, BATCH_NORM, POOL, MEAN, ADAPTIVE_POOL, OTHER, CAT):
+        return sum(math.prod(s) for s in in_shapes[:1 if op.kind != CAT else None]) * itemsize
+    if op.kind == BINARY:
+        return sum(math.prod(s) for s in in_shapes) * itemsize if op.target.startswith(("aten.mul", "aten.div")) else 0.0
+    if op.kind == UNARY:
+        return math.prod(out_shape) * itemsize
+    if op.kind == DROPOUT:
+        p = op.attrs.get("p", 0.0)
+        return math.prod(out_shape) * 1.0 if p and op.attrs.get("train", True) else 0.0
+    return 0.0
+
+
+def allreduce_s(ctx, nbytes: float, ranks: Sequence[int]) -> float:
+    """All-reduce of ``nbytes`` per rank among ``ranks``, on the link those ranks use."""
+    ranks = list(ranks)
+    if len(ranks) <= 1 or nbytes <= 0:
+        return 0.0
+    return ctx.profile.collective_time_s("allreduce", len(ranks), nbytes, ctx.level(ranks))
+
+
+def grad_sync_time_s(ctx, param_bytes: float, group: Sequence[int]) -> float:
+    """Gradient SUM-allreduce of a layer's ``param_bytes`` over its gradient ``group``
+    (the runtime twin is ``autopar.runtime.gradsync.GradSync``)."""
+    return allreduce_s(ctx, param_bytes, group)
+
+
+def optimizer_bytes(ctx, param_bytes: float) -> float:
+    return ctx.optimizer_state_per_param * param_bytes

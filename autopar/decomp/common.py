@@ -1,0 +1,76 @@
+"""Pieces shared by decompositions whose weights are replicated (sample, replicate, spatial)."""
+
+from __future__ import annotations
+
+import math
+
+from ..cost import primitives as prim
+from .base import CostContext, LayerCost
+from .ir import BATCH_NORM, Layer
+from .layout import Layout
+
+
+def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
+                             extra_fwd_comm_s: float = 0.0, extra_bwd_comm_s: float = 0.0,
+                             workspace_bytes: float = 0.0, bn_group_size: int = 1,
+                             compute_shapes=None) -> LayerCost:
+    """Price a layer whose every tensor has ``layout`` and whose weights are whole on every rank.
+
+    compute  = sum over ops of op_compute_s(local block-0 shapes)            (primitives)
+    bn stats = per batch norm: fwd 2 allreduces of C floats, bwd 2 of C floats over the group
+               whose blocks differ (``bn_group_size`` ranks); zero when 1
+    grad     = allreduce(param bytes) over the world (replicated weights)    -> grad_sync_s
+    memory   = params + grads + optimizer state (whole) + saved activations (local) + workspace
+    """
+    fwd = bwd = 0.0
+    saved = 0.0
+    sources = set()
+    bn_fwd = bn_bwd = 0.0
+    item = layer.itemsize
+    for op in layer.ops:
+        ins = [layout.max_local_shape(s) for s in op.in_shapes]
+        out = layout.max_local_shape(op.out_shape)
+        if compute_shapes is not None:
+            ins, out = compute_shapes(op, ins, out)
+        f, b, src = prim.op_compute_s(op, ins, out, ctx, itemsize=item)
+        fwd += f
+        bwd += b
+        sources.add(src)
+        saved += prim.saved_bytes(op, ins, out, item)
+        if op.kind == BATCH_NORM and bn_group_size > 1 and op.attrs.get("training", True):
+            c = op.out_shape[1]
+            group = list(range(bn_group_size))
+            one = prim.allreduce_s(ctx, c * 4, group)
+            bn_fwd += 2 * one
+            bn_bwd += 2 * one
+    pbytes = float(layer.param_numel * item)
+    gsync = prim.grad_sync_time_s(ctx, pbytes, range(ctx.world)) if pbytes else 0.0
+    src = sources.pop() if len(sources) == 1 else "mixed"
+    return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd,
+                     fwd_comm_s=bn_fwd + extra_fwd_comm_s, bwd_comm_s=bn_bwd + extra_bwd_comm_s,
+                     grad_sync_s=gsync, grad_sync_bytes=pbytes if ctx.world > 1 else 0.0,
+                     param_bytes=pbytes, grad_bytes=pbytes,
+                     optim_bytes=prim.optimizer_bytes(ctx, pbytes),
+                     activation_bytes=saved, workspace_bytes=workspace_bytes, source=src)
+
+
+def batch_dim_ok(layer: Layer) -> str | None:
+    """Sample splitting needs dim 0 to be the batch in every tensor of the layer."""
+    n = None
+    for op in layer.ops:
+        for s in list(op.in_shapes) + [op.out_shape]:
+            if not s:
+                return f"op {op.name} has a scalar tensor"
+            if n is None:
+                n = s[0]
+            elif s[0] != n:
+                return f"op {op.name} changes dim 0 ({n} -> {s[0]}): dim 0 is not the batch"
+        if op.kind in ("mean",) and 0 in [d % max(1, len(op.in_shapes[0])) for d in op.attrs.get("dims", [])]:
+            return f"op {op.name} reduces over the batch dim"
+        if op.kind == "cat" and op.attrs.get("dim", 0) % max(1, len(op.out_shape)) == 0:
+            return f"op {op.name} concatenates along the batch dim"
+    return None
+
+
+def global_count_per_channel(shape) -> int:
+    return int(shape[0]) * math.prod(int(s) for s in shape[2:])

@@ -1,0 +1,189 @@
+"""The layer graph's value types: ops (one traced aten call each) grouped into layers.
+
+An *op* is one call of the traced program (a convolution, a batch norm, a ReLU, an add...).
+A *layer* is what the planner decides for: an anchor op plus the layout-transparent ops that
+follow it in a chain (batch norm, activations, dropout), so that ``conv -> bn -> relu`` is one
+choice. Every layer's ops run under the one decomposition chosen for the layer. Edges between
+layers carry one activation tensor each; residual and skip edges are kept.
+
+Values in op arguments are JSON-able: ``{"v": name}`` an activation, ``{"p": qualname}`` a
+parameter, ``{"b": qualname}`` a buffer, anything else a literal (lists, numbers, strings,
+None). Shapes are global (single-process) shapes. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Op kinds the decompositions know. Anything else is "other" and can only run replicated.
+CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN, FLATTEN, VIEW, DROPOUT, \
+    CAT, BUFFER_UPDATE, OTHER = ("conv", "linear", "batch_norm", "unary", "binary", "pool",
+                                 "adaptive_pool", "mean", "flatten", "view", "dropout", "cat",
+                                 "buffer_update", "other")
+
+#: Ops that keep the layout of their input and can be folded into the preceding layer.
+TRANSPARENT = frozenset({BATCH_NORM, UNARY, DROPOUT})
+#: Ops that own parameters whose gradients must be synchronised.
+PARAMETRIC = frozenset({CONV, LINEAR, BATCH_NORM})
+
+
+@dataclass
+class OpSpec:
+    """One traced call: ``out = target(*args, **kwargs)`` with global shapes."""
+
+    name: str                       # unique value name of the output (from the traced graph)
+    kind: str                       # one of the kinds above
+    target: str                     # e.g. "aten.conv2d.default"
+    args: list[Any]                 # JSON-able, with {"v"|"p"|"b": name} references
+    kwargs: dict[str, Any]
+    out_shape: list[int]
+    dtype: str                      # e.g. "float32"
+    inputs: list[str]               # activation value names consumed, in argument order
+    in_shapes: list[list[int]]      # their global shapes
+    params: dict[str, list[int]]    # role ("weight", "bias", ...) -> shape of the parameter
+    param_names: dict[str, str]     # role -> qualified name in the user's model
+    buffers: dict[str, str] = field(default_factory=dict)  # role -> qualified buffer name
+    attrs: dict[str, Any] = field(default_factory=dict)    # normalised attributes (stride, ...)
+    module: str = ""                # owning module path ("layer1.0.conv1"), "" for the root
+    module_type: str = ""           # e.g. "torch.nn.modules.conv.Conv2d"
+    source: str = ""                # "file.py:123" where the op was written, when known
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+
+    @property
+    def out_numel(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(math.prod(s) for s in self.params.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> "OpSpec":
+        return OpSpec(**obj)
+
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+               "bool": 1, "uint8": 1, "int8": 1}
+
+
+@dataclass
+class Layer:
+    """A planning unit: an anchor op and the transparent ops folded after it."""
+
+    index: int
+    name: str                       # anchor op name
+    ops: list[OpSpec]
+    inputs: list[str]               # activation values entering the layer from outside
+    output: str                     # the value leaving the layer (last op's output)
+    module: str = ""
+
+    @property
+    def anchor(self) -> OpSpec:
+        return self.ops[0]
+
+    @property
+    def kind(self) -> str:
+        return self.anchor.kind
+
+    @property
+    def out_shape(self) -> list[int]:
+        return self.ops[-1].out_shape
+
+    @property
+    def dtype(self) -> str:
+        return self.ops[-1].dtype
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(op.param_numel for op in self.ops)
+
+    @property
+    def flops_fwd(self) -> float:
+        return sum(op.flops_fwd for op in self.ops)
+
+    @property
+    def flops_bwd(self) -> float:
+        return sum(op.flops_bwd for op in self.ops)
+
+    def in_shape(self, value: str) -> list[int]:
+        for op in self.ops:
+            for v, s in zip(op.inputs, op.in_shapes):
+                if v == value:
+                    return s
+        raise KeyError(value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "module": self.module,
+                "inputs": self.inputs, "output": self.output,
+                "ops": [op.to_json() for op in self.ops]}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> "Layer":
+        return Layer(index=obj["index"], name=obj["name"], module=obj.get("module", ""),
+                     inputs=list(obj["inputs"]), output=obj["output"],
+                     ops=[OpSpec.from_json(o) for o in obj["ops"]])
+
+
+@dataclass
+class GraphInput:
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
+class LayerGraphData:
+    """The JSON-able part of a layer graph (the networkx view is built by ``trace.graph``)."""
+
+    layers: list[Layer]
+    inputs: list[GraphInput]
+    output: str                     # name of the model's output value
+    batch_size: int
+    model_name: str = ""
+
+    def producer(self) -> dict[str, int]:
+        """value name -> index of the layer producing it (graph inputs are absent)."""
+        return {lay.output: lay.index for lay in self.layers}
+
+    def edges(self) -> list[tuple[int, int, str]]:
+        """(producer layer, consumer layer, value) for every activation edge between layers."""
+        prod = self.producer()
+        out = []
+        for lay in self.layers:
+            for v in lay.inputs:
+                if v in prod:
+                    out.append((prod[v], lay.index, v))
+        return out
+
+    def value_shape(self, value: str) -> list[int]:
+        for gi in self.inputs:
+            if gi.name == value:
+                return gi.shape
+        for lay in self.layers:
+            for op in lay.ops:
+                if op.name == value:
+                    return op.out_shape
+        raise KeyError(value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "batch_size": self.batch_size,
+                "output": self.output,
+                "inputs": [asdict(i) for i in self.inputs],
+                "layers": [lay.to_json() for lay in self.layers]}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> "LayerGraphData":
+        return LayerGraphData(layers=[Layer.from_json(x) for x in obj["layers"]],
+                              inputs=[GraphInput(**i) for i in obj["inputs"]],
+                              output=obj["output"], batch_size=int(obj["batch_size"]),
+                              model_name=obj.get("model_name", ""))

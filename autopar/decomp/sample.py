@@ -1,0 +1,76 @@
+"""Sample (data) parallelism: split dim 0 (the samples) into ``parts`` blocks.
+
+Every tensor of the layer has layout ``N<parts>``; with world P, P/parts ranks replicate each
+block. Weights are whole on every rank and their gradients are summed over the world (the DDP
+allreduce, bucketed and overlapped with backward by the runtime). Batch norm aggregates its
+statistics over the ``parts`` ranks holding different samples, otherwise the function would
+change (torch DDP without SyncBatchNorm computes a different function).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import CostContext, Decomposition, LayerCost, divisors, register
+from .common import batch_dim_ok, global_count_per_channel, price_replicated_weights
+from .ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CAT, CONV, DROPOUT, FLATTEN, LINEAR, MEAN,
+                 POOL, UNARY, VIEW, Layer)
+from .layout import Layout
+
+
+@register
+@dataclass(frozen=True)
+class Sample(Decomposition):
+    parts: int = 1
+    kind = "sample"
+    supported_ops = frozenset({CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN,
+                               FLATTEN, VIEW, DROPOUT, CAT})
+
+    def layout(self) -> Layout:
+        return Layout(((0, self.parts),))
+
+    def in_layout(self, layer: Layer, value: str) -> Layout:
+        return self.layout()
+
+    def out_layout(self, layer: Layer) -> Layout:
+        return self.layout()
+
+    def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
+        lay = self.layout()
+        groups = {tuple(lay.data_group(r, world)) for r in range(world)}
+        return [sorted(list(g) for g in groups)]
+
+    @classmethod
+    def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
+        return [cls(p) for p in divisors(ctx.world) if p > 1]
+
+    def check(self, layer: Layer, ctx: CostContext) -> str | None:
+        why = super().check(layer, ctx)
+        if why:
+            return why
+        if ctx.world % self.parts:
+            return f"{self.parts} parts do not divide world size {ctx.world}"
+        why = batch_dim_ok(layer)
+        if why:
+            return why
+        n = layer.out_shape[0]
+        if n < self.parts:
+            return f"batch {n} < {self.parts} sample parts (some rank would hold no sample)"
+        return None
+
+    def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
+        """``price_replicated_weights`` with layout N<parts>; batch-norm statistics over the
+        ``parts`` ranks that hold different samples."""
+        return price_replicated_weights(layer, self.layout(), ctx, bn_group_size=self.parts)
+
+    def run(self, comm, layer, op, inputs, params, buffers):
+        from ..runtime.ops import call_local, substitute, sync_batch_norm
+        lay = self.layout()
+        if op.kind == BATCH_NORM:
+            x, w, b, rm, rv, training, momentum, eps = substitute(
+                op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
+            return sync_batch_norm(x, w, b, rm, rv, training, momentum, eps, comm,
+                                   lay.data_group(comm.rank, comm.world),
+                                   global_count_per_channel(op.in_shapes[0]))
+        return call_local(op, inputs, params, buffers,
+                          local_out_shape=lay.local_shape(op.out_shape, comm.rank, comm.world))
