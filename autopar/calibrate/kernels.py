@@ -206,7 +206,7 @@ def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: in
             if matmul_features(m, k, o)[0] <= max_flops and m * k + k * o + m * o <= max_numel:
                 cfg = {"m": m, "k": k, "o": o}
         elif base == "elementwise":
-            cfg = {"kind": rng.choice(["relu", "add"]), "numel": min(pow2(8, 24), max_numel)}
+            cfg = {"kind": rng.choice(["relu", "add"]), "numel": min(pow2(10, 24), max_numel)}
         elif base == "norm":
             n, c, h = pow2(0, 4), pow2(1, 7), pow2(2, 7)
             if n * c * h * h <= max_numel:
@@ -239,12 +239,13 @@ def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: in
 
 
 def time_fn(fn: Callable[[], object], device: str = "cpu", repeats: int = 10, warmup: int = 2,
-            min_sample_s: float = 2e-4) -> list[float]:
+            min_sample_s: float = 2e-4, budget_s: float | None = None) -> list[float]:
     """Per-call times (s) of ``fn``: ``warmup`` untimed calls, then ``repeats`` samples.
 
     Each sample runs ``fn`` ``inner`` times back to back and divides, with ``inner`` chosen so a
-    sample lasts at least ``min_sample_s`` (timer resolution and jitter). CPU uses
-    ``time.perf_counter``; CUDA uses ``torch.cuda.Event`` pairs around the calls.
+    sample lasts at least ``min_sample_s`` (timer resolution and jitter). With ``budget_s``, a
+    slow kernel gets fewer samples (at least 3) so that it takes about that long in all. CPU
+    uses ``time.perf_counter``; CUDA uses ``torch.cuda.Event`` pairs around the calls.
     """
     if device == "cuda":
         import torch
@@ -267,6 +268,8 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", repeats: int = 10, wa
     for _ in range(max(warmup, 1)):
         first = run(1)
     inner = max(1, min(10000, math.ceil(min_sample_s / max(first, 1e-9))))
+    if budget_s is not None:
+        repeats = max(3, min(repeats, int(budget_s / max(first * inner, 1e-9))))
     return [run(inner) for _ in range(repeats)]
 
 
@@ -360,7 +363,8 @@ def _round(t: float) -> float:
 
 
 def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cpu",
-                       repeats: int = 10, warmup: int = 2, min_sample_s: float = 2e-4) -> list[dict]:
+                       repeats: int = 10, warmup: int = 2, min_sample_s: float = 2e-4,
+                       budget_s: float | None = None) -> list[dict]:
     """One sample per config: ``{"config", "flops", "bytes", "median_s", "times_s"}``."""
     import torch
 
@@ -368,7 +372,7 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
     with torch.no_grad():
         for cfg in configs:
             fn, flops, nbytes = _runner(op_class, cfg, device)
-            times = time_fn(fn, device, repeats, warmup, min_sample_s)
+            times = time_fn(fn, device, repeats, warmup, min_sample_s, budget_s)
             out.append({"config": cfg, "flops": flops, "bytes": nbytes,
                         "median_s": _round(statistics.median(times)),
                         "times_s": [_round(t) for t in times]})

@@ -1,0 +1,233 @@
+"""DistModel: the base class of every generated module.
+
+A generated module subclasses ``DistModel`` and writes ``forward`` as one line per traced op
+(``self.op(name, *inputs)``) and one per transition (``self.move(...)``). The base class:
+
+* loads the plan's layer graph and per-layer decisions (plain JSON, no process group needed to
+  read them);
+* takes the user's model (built with the same seed on every rank) and keeps, for every
+  parameter, only this rank's shard (``Decomposition.param_shard``) as an ``nn.Parameter``, and
+  a private copy of every buffer;
+* creates the process groups the plan needs, collectively, in one order;
+* runs each op through its layer's decomposition, each transition through ``redistribute``;
+* synchronises gradients with ``GradSync`` (bucketed, overlapped SUM-allreduce per group);
+* computes the local loss share ``L_r = loss(out_r, y_r) * n_r / N / replicas`` so that
+  ``sum_r L_r`` is the single-process loss for any per-sample mean loss.
+
+It imports neither the solver nor the tracer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..decomp import decomposition_from_json
+from ..decomp.base import Decomposition, ParamShard
+from ..decomp.ir import LayerGraphData, OpSpec
+from ..decomp.layout import Layout
+from .comm import Comm, local_slice, redistribute
+from .gradsync import GradSync
+
+
+def _safe(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class LayerTimer:
+    """Timestamps of layer boundaries in forward and backward (per-layer measured time)."""
+
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
+        self.sync = sync
+        self.fwd: list[tuple[float, int]] = []
+        self.bwd: list[tuple[float, int]] = []
+
+    def mark_fwd(self, layer: int) -> None:
+        self.sync()
+        self.fwd.append((time.perf_counter(), layer))
+
+    def mark_bwd(self, layer: int) -> None:
+        self.sync()
+        self.bwd.append((time.perf_counter(), layer))
+
+    def per_layer_s(self, t_fwd_end: float, t_bwd_end: float) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for events, end, key in ((self.fwd, t_fwd_end, "fwd_s"), (self.bwd, t_bwd_end, "bwd_s")):
+            ev = sorted(events)
+            for i, (t, lay) in enumerate(ev):
+                nxt = ev[i + 1][0] if i + 1 < len(ev) else end
+                out.setdefault(lay, {"fwd_s": 0.0, "bwd_s": 0.0})[key] += max(0.0, nxt - t)
+        return out
+
+
+class DistModel(nn.Module):
+    def __init__(self, plan: dict[str, Any], model: nn.Module, comm: Comm | None = None,
+                 bucket_cap_bytes: int = 25 * 1024 * 1024) -> None:
+        super().__init__()
+        self.comm = comm or Comm.from_env()
+        world = self.comm.world
+        if int(plan["world_size"]) != world:
+            from ..errors import PlanFileError
+            raise PlanFileError(f"plan was made for world size {plan['world_size']}, running at {world}",
+                                f"re-plan with --world-size {world}")
+        self.graph = LayerGraphData.from_json(plan["graph"])
+        self.decisions: dict[int, Decomposition] = {
+            int(d["layer"]): decomposition_from_json(d["decomposition"]) for d in plan["layers"]}
+        self.layer_of: dict[str, int] = {}
+        self.spec: dict[str, OpSpec] = {}
+        for lay in self.graph.layers:
+            for op in lay.ops:
+                self.layer_of[op.name] = lay.index
+                self.spec[op.name] = op
+        self.first_op = {lay.ops[0].name: lay.index for lay in self.graph.layers}
+        self.last_op = {lay.ops[-1].name: lay.index for lay in self.graph.layers}
+        self.buffer_updates = [OpSpec.from_json(o) for o in plan["graph"].get("buffer_updates", [])]
+        self.timer: LayerTimer | None = None
+
+        # ---- parameters: this rank's shard of each ----------------------------------------
+        full_params = dict(model.named_parameters())
+        shards: dict[str, ParamShard] = {}
+        for lay in self.graph.layers:
+            dec = self.decisions[lay.index]
+            for op in lay.ops:
+                for role, qual in op.param_names.items():
+                    sh = dec.param_shard(op, role)
+                    if qual in shards and shards[qual] != sh:
+                        raise ValueError(f"parameter {qual} is used by several layers with different "
+                                         f"shardings; the planner must not allow this")
+                    shards[qual] = sh
+        self.shards = shards
+        self.params = nn.ParameterDict()
+        self.qualname: dict[str, str] = {}
+        for qual, p in full_params.items():
+            sh = shards.get(qual, ParamShard())
+            b = sh.local_bounds(p.shape, self.comm.rank, world)
+            local = p.detach()[tuple(slice(s, s + e) for s, e in b)].clone()
+            self.params[_safe(qual)] = nn.Parameter(local, requires_grad=p.requires_grad)
+            self.qualname[_safe(qual)] = qual
+        self.bufs: dict[str, torch.Tensor] = {}
+        for qual, buf in model.named_buffers():
+            t = buf.detach().clone()
+            self.register_buffer(_safe(qual), t)
+            self.bufs[qual] = t
+
+        # ---- process groups (collective, one order everywhere) -----------------------------
+        partitions = []
+        for qual, sh in shards.items():
+            partitions.append([sh.grad_group(r, world) for r in range(world)])
+        for lay in self.graph.layers:
+            partitions.extend(self.decisions[lay.index].partitions(lay, world))
+        self.comm.ensure_partitions(partitions)
+
+        self.gradsync = GradSync(self.comm, [
+            (self.params[_safe(q)], tuple(shards.get(q, ParamShard()).grad_group(self.comm.rank, world)))
+            for q in full_params], bucket_cap_bytes=bucket_cap_bytes)
+
+    # ---- what generated forward() calls ------------------------------------------------------
+    def param(self, qual: str) -> torch.Tensor:
+        return self.params[_safe(qual)]
+
+    def op(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+        spec = self.spec[name]
+        li = self.layer_of[name]
+        if self.timer is not None and name in self.first_op:
+            self.timer.mark_fwd(li)
+        dec = self.decisions[li]
+        params = {q: self.params[_safe(q)] for q in spec.param_names.values()}
+        buffers = {q: self.bufs[q] for q in spec.buffers.values()}
+        out = dec.run(self.comm, self.graph.layers[li], spec, list(inputs), params, buffers)
+        if self.timer is not None and name in self.last_op and out.requires_grad:
+            out.register_hook(lambda g, li=li: (self.timer.mark_bwd(li), None)[1])
+        return out
+
+    def move(self, x: torch.Tensor, value: str, src: Sequence, dst: Sequence) -> torch.Tensor:
+        """Transition of activation ``value`` from layout ``src`` to ``dst`` (JSON splits)."""
+        return redistribute(x, Layout.from_json(src), Layout.from_json(dst),
+                            self.graph.value_shape(value), self.comm)
+
+    def update_buffers(self) -> None:
+        """Buffer-only ops of the traced program (e.g. BatchNorm's num_batches_tracked += 1)."""
+        if not self.training:
+            return
+        from .ops import call_local
+        for op in self.buffer_updates:
+            call_local(op, [], {}, self.bufs)
+
+    # ---- layouts of the model's inputs and output ---------------------------------------------
+    def input_layout(self, name: str) -> Layout:
+        for lay in self.graph.layers:
+            if name in lay.inputs:
+                return self.decisions[lay.index].in_layout(lay, name)
+        return Layout()
+
+    def output_layout(self) -> Layout:
+        prod = self.graph.producer()
+        li = prod[self.graph.output]
+        return self.decisions[li].out_layout(self.graph.layers[li])
+
+    def loss_layout(self) -> Layout:
+        """The layout the loss is computed in: the output's if it splits only samples, else the
+        widest sample split that divides the world (the generated forward moves it there)."""
+        out = self.output_layout()
+        if all(d == 0 for d, _ in out.splits):
+            return out
+        n = self.graph.value_shape(self.graph.output)[0]
+        p = max(d for d in range(1, self.comm.world + 1) if self.comm.world % d == 0 and d <= n)
+        return Layout(((0, p),))
+
+    def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [local_slice(x, self.input_layout(gi.name), self.comm)
+                for gi, x in zip(self.graph.inputs, full_inputs)]
+
+    def local_loss(self, out_local: torch.Tensor, target_full: torch.Tensor | None,
+                   loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the loss: loss(out_r, y_r) * n_r / N / replicas."""
+        lay = self.loss_layout()
+        n_global = self.graph.value_shape(self.graph.output)[0]
+        n_local = out_local.shape[0]
+        t = local_slice(target_full, lay, self.comm) if target_full is not None else None
+        loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
+        return loss * (n_local / n_global / lay.replicas(self.comm.world))
+
+    def finish_grads(self) -> None:
+        self.gradsync.finish()
+
+    # ---- assembling full tensors (validation) -------------------------------------------------
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter rebuilt in full on every rank (values; replicas are equal)."""
+        return self._full(lambda p: p.detach())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return self._full(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+    def _full(self, get: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+        out = {}
+        world, rank = self.comm.world, self.comm.rank
+        for safe, p in self.params.items():
+            qual = self.qualname[safe]
+            sh = self.shards.get(qual, ParamShard())
+            if not sh.dims:
+                out[qual] = get(p).clone()
+                continue
+            grp = sh.grad_group(rank, world)
+            shape = list(self._global_param_shape(qual, p))
+            full = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            if rank == min(grp):
+                b = sh.local_bounds(shape, rank, world)
+                full[tuple(slice(s, s + e) for s, e in b)] = get(p)
+            if world > 1:
+                dist.all_reduce(full)
+            out[qual] = full
+        return out
+
+    def _global_param_shape(self, qual: str, p: torch.Tensor) -> list[int]:
+        for lay in self.graph.layers:
+            for op in lay.ops:
+                for role, q in op.param_names.items():
+                    if q == qual:
+                        return list(op.params[role])
+        return list(p.shape)
