@@ -167,7 +167,7 @@ def spec_features(spec: dict) -> tuple[str, float, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _conv_config(rng: random.Random, max_flops: float) -> dict | None:
+def _conv_config(rng: random.Random, max_flops: float, min_flops: float) -> dict | None:
     d = 2 if rng.random() < 0.7 else 3
     n = rng.choice([1, 2, 4, 8, 16] if d == 2 else [1, 2, 4])
     c = rng.choice([1, 3, 8, 16, 32, 64, 128] if d == 2 else [1, 4, 8, 16, 32])
@@ -180,14 +180,16 @@ def _conv_config(rng: random.Random, max_flops: float) -> dict | None:
     spec = {"op": "conv", "x": [n, c] + [sp] * d, "w": [f, c] + [k] * d,
             "stride": [s] * d, "padding": [k // 2] * d, "dilation": [1] * d, "groups": 1}
     flops, _ = spec_features(spec)[1:]
-    return spec if flops <= max_flops else None
+    return spec if min_flops <= flops <= max_flops else None
 
 
 def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: int,
-                  seed: int = 0) -> list[dict]:
+                  seed: int = 0, conv_min_flops: float = 0.0) -> list[dict]:
     """``n_configs`` random, distinct sizes for ``op_class`` below the FLOP/element caps.
 
     The conv classes share one sweep (same seed gives the same shapes for fwd and both bwds).
+    ``conv_min_flops`` drops tiny convolutions (microseconds of fixed overhead whose odd
+    efficiencies would dominate a relative-error fit meant for real layers).
     """
     if op_class not in OP_CLASSES:
         raise ValueError(f"unknown op class {op_class!r}")
@@ -200,7 +202,7 @@ def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: in
             break
         cfg = None
         if base == "conv":
-            cfg = _conv_config(rng, max_flops)
+            cfg = _conv_config(rng, max_flops, conv_min_flops)
         elif base == "matmul":
             m, k, o = pow2(3, 11), pow2(3, 11), pow2(3, 11)
             if matmul_features(m, k, o)[0] <= max_flops and m * k + k * o + m * o <= max_numel:

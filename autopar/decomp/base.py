@@ -83,6 +83,7 @@ class LayerCost:
     activation_bytes: float = 0.0     # saved for backward
     workspace_bytes: float = 0.0      # transient buffers (halos, gathers)
     source: str = "fit"               # what priced the compute: "exact", "fit", "mixed"
+    optim_step_s: float = 0.0         # optimizer update of the local parameters (set by the table)
 
     @property
     def memory_bytes(self) -> float:

@@ -150,6 +150,8 @@ class LayerGraphData:
     output: str                     # name of the model's output value
     batch_size: int
     model_name: str = ""
+    buffer_updates: list[OpSpec] = field(default_factory=list)  # buffer-only ops (BN counters)
+    tracer: str = ""
 
     def producer(self) -> dict[str, int]:
         """value name -> index of the layer producing it (graph inputs are absent)."""
@@ -178,12 +180,16 @@ class LayerGraphData:
     def to_json(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "batch_size": self.batch_size,
                 "output": self.output,
+                "tracer": self.tracer,
                 "inputs": [asdict(i) for i in self.inputs],
-                "layers": [lay.to_json() for lay in self.layers]}
+                "layers": [lay.to_json() for lay in self.layers],
+                "buffer_updates": [op.to_json() for op in self.buffer_updates]}
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> "LayerGraphData":
         return LayerGraphData(layers=[Layer.from_json(x) for x in obj["layers"]],
                               inputs=[GraphInput(**i) for i in obj["inputs"]],
                               output=obj["output"], batch_size=int(obj["batch_size"]),
-                              model_name=obj.get("model_name", ""))
+                              model_name=obj.get("model_name", ""),
+                              buffer_updates=[OpSpec.from_json(o) for o in obj.get("buffer_updates", [])],
+                              tracer=obj.get("tracer", ""))

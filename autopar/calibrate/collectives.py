@@ -1,0 +1,116 @@
+"""Collective benchmarks, run inside every rank of a process group (see ``run.calibrate``).
+
+Each group size p is measured in its own fresh world of p processes (the "whole world" form:
+a gloo error poisons a group, and idle extra ranks would only sit in a barrier). Per
+collective and message size: ``warmup`` untimed ops, then ``repeats`` iterations of
+``barrier -> perf_counter -> op (-> cuda synchronize) -> perf_counter``. Every rank returns its
+own times; the parent takes the max across ranks per iteration (a collective is done when its
+last rank is) and the median over iterations.
+
+Byte conventions (the same as ``Profile.collective_time_s``): allreduce/broadcast: buffer per
+rank; allgather: whole gathered output (input n/p per rank, output concatenated on dim 0, as
+gloo needs); reduce_scatter: whole input per rank (scattered on dim 0); all_to_all: total one
+rank sends, its own block included (``all_to_all_single`` with even splits); p2p: one message,
+measured as half a ping-pong between ranks 0 and 1 (no barrier skew in it).
+
+float32 elements: a requested size is rounded to whole elements (and to a multiple of p where
+the buffer is split p ways); the size actually moved is what is recorded.
+"""
+
+from __future__ import annotations
+
+import time
+
+MEASURED_KINDS = ("allreduce", "allgather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+
+
+def _elements(kind: str, nbytes: int, p: int) -> tuple[int, int]:
+    """(elements per rank buffer to allocate, actual bytes by the convention) for ``kind``."""
+    e = max(1, round(nbytes / 4))
+    if kind in ("allgather", "reduce_scatter", "all_to_all"):
+        per = max(1, round(e / p))
+        return per, 4 * per * p
+    return e, 4 * e
+
+
+def measure_rank(rank: int, world: int, kinds: tuple, sizes: tuple, repeats: int, warmup: int,
+                 device: str = "cpu") -> dict:
+    """Run in every rank: ``{kind: [{"nbytes": n, "times_s": [...]}]}`` for this rank.
+
+    p2p is measured only when ``world == 2``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    p = world
+    # torch >= 2.10 names them *_single; older ones only have *_into_tensor / *_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out: dict[str, list] = {}
+    for kind in kinds:
+        if kind == "p2p" and world != 2:
+            continue
+        rows = []
+        for nbytes in sizes:
+            e, actual = _elements(kind, nbytes, p)
+            if kind == "allreduce":
+                buf = torch.ones(e, device=dev)
+                op = lambda: dist.all_reduce(buf)  # noqa: E731
+            elif kind == "broadcast":
+                buf = torch.ones(e, device=dev)
+                op = lambda: dist.broadcast(buf, src=0)  # noqa: E731
+            elif kind == "allgather":
+                inp, outp = torch.ones(e, device=dev), torch.empty(e * p, device=dev)
+                op = lambda: gather(outp, inp)  # noqa: E731
+            elif kind == "reduce_scatter":
+                inp, outp = torch.ones(e * p, device=dev), torch.empty(e, device=dev)
+                op = lambda: scatter(outp, inp)  # noqa: E731
+            elif kind == "all_to_all":
+                inp, outp = torch.ones(e * p, device=dev), torch.empty(e * p, device=dev)
+                op = lambda: dist.all_to_all_single(outp, inp, [e] * p, [e] * p)  # noqa: E731
+            elif kind == "p2p":
+                buf = torch.ones(e, device=dev)
+
+                def op():
+                    # one round trip; recorded as half of it below
+                    if rank == 0:
+                        dist.send(buf, 1)
+                        dist.recv(buf, 1)
+                    else:
+                        dist.recv(buf, 0)
+                        dist.send(buf, 0)
+            else:
+                raise ValueError(f"unknown collective {kind!r}")
+            scale = 0.5 if kind == "p2p" else 1.0
+            for _ in range(warmup):
+                op()
+            sync()
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                op()
+                sync()
+                times.append((time.perf_counter() - t0) * scale)
+            rows.append({"nbytes": actual, "times_s": times})
+        out[kind] = rows
+    return out
+
+
+def combine_ranks(per_rank: list[dict]) -> dict:
+    """Per-iteration max across ranks: ``{kind: [{"nbytes", "median_s", "times_s"}]}``."""
+    import statistics
+
+    combined: dict[str, list] = {}
+    for kind in per_rank[0]:
+        rows = []
+        for i, row in enumerate(per_rank[0][kind]):
+            iters = zip(*(r[kind][i]["times_s"] for r in per_rank))
+            times = [float(f"{max(t):.6g}") for t in iters]
+            rows.append({"nbytes": row["nbytes"], "median_s": float(f"{statistics.median(times):.6g}"),
+                         "times_s": times})
+        combined[kind] = rows
+    return combined

@@ -1,0 +1,305 @@
+"""Calibration driver: measure kernels, compute slowdown and collectives; fit; write a profile.
+
+Order (every measurement runs in freshly forked ranks via ``runtime.launch.run_ranks``; this
+process only imports torch and fits, so it stays safe to fork from):
+
+1. kernels: one 1-rank run per op class (``kernels.benchmark_op_class`` over a size sweep),
+   then the exact shapes, if any (``kernels.measure_exact``);
+2. compute slowdown: k = 1..world ranks at once run ``kernels.slowdown_kernel_set`` for the
+   same wall-clock window; factor(k) = t(k) / t(1), t(k) = median over the k ranks of each
+   rank's MEAN time per kernel-set run (see ``_slowdown_rank``; the mean, because time
+   slicing hides the waiting from a per-run median);
+3. collectives: one run of p ranks for each group size p = 2..world
+   (``collectives.measure_rank``);
+4. fits (``fit.fit_kernel``, ``fit.fit_collective``), then ONE atomic write of the profile.
+
+Nothing is written before the end: an interrupted or failed calibration (Ctrl-C included)
+leaves any previous profile at ``out`` untouched.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import CalibrationError
+from . import collectives as coll
+from . import fit, kernels
+from .profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint, save_profile
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """How much to measure. ``QUICK`` (~1 min at world 4 on 2 cores), ``FULL`` (~5 min)."""
+
+    kernel_configs: int = 48            # sizes per op class
+    kernel_repeats: int = 11
+    kernel_warmup: int = 2
+    kernel_max_flops: float = 1e9       # cap per kernel call
+    conv_min_flops: float = 1e6         # floor for conv sizes (see kernels.sweep_configs)
+    kernel_max_numel: int = 1 << 23     # cap on elements of the largest operand(s)
+    kernel_budget_s: float = 0.25       # max time per size (slow kernels get fewer repeats)
+    message_sizes: tuple = tuple(4 ** i for i in range(1, 13))   # 4 B .. 16 MiB
+    coll_repeats: int = 31
+    coll_warmup: int = 2
+    slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
+    exact_repeats: int = 11
+    op_classes: tuple = OP_CLASSES
+    kinds: tuple = COLLECTIVES
+
+
+FULL = Sweep()
+QUICK = Sweep(kernel_configs=20, kernel_repeats=5, kernel_warmup=1, kernel_max_flops=2e8,
+              kernel_max_numel=1 << 21, kernel_budget_s=0.06,
+              message_sizes=tuple(4 ** i for i in range(1, 11)),   # 4 B .. 1 MiB
+              coll_repeats=11, coll_warmup=1, slowdown_window_s=0.6,
+              exact_repeats=5)
+TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
+             conv_min_flops=1e5,
+             kernel_max_numel=1 << 16, kernel_budget_s=0.02,
+             message_sizes=(4, 256, 4096, 65536), coll_repeats=3, coll_warmup=1,
+             slowdown_window_s=0.15, exact_repeats=3)
+"""For tests only: a few sizes of everything (seconds, not minutes)."""
+
+
+# ---- rank functions (module level so that spawn can pickle them) -------------------------
+
+def _kernel_rank(rank, world, op_class, configs, sweep, device):
+    return kernels.benchmark_op_class(op_class, configs, device, sweep.kernel_repeats,
+                                      sweep.kernel_warmup, budget_s=sweep.kernel_budget_s)
+
+
+def _exact_rank(rank, world, specs, repeats, device):
+    return kernels.measure_exact(specs, device, repeats, return_samples=True)
+
+
+def _slowdown_rank(rank, world, window_s, device):
+    """Run the fixed kernel set for the same ``window_s`` of wall time on every rank.
+
+    Rank 0 picks a start instant on the machine-wide monotonic clock (``perf_counter`` is
+    CLOCK_MONOTONIC on Linux) and broadcasts it, so all k ranks compete for the whole window;
+    only kernel-set runs that finish inside the window count.
+    """
+    import torch
+    import torch.distributed as dist
+
+    run = kernels.slowdown_kernel_set(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):
+        run()
+    sync()
+    start = torch.tensor([time.perf_counter() + 0.05 if rank == 0 else 0.0], dtype=torch.float64)
+    if device == "cuda":
+        start = start.cuda()
+    dist.broadcast(start, 0)
+    t_begin = float(start.item())
+    t_end = t_begin + window_s
+    time.sleep(max(0.0, t_begin - time.perf_counter()))
+    times = []
+    t0 = time.perf_counter()
+    while True:
+        run()
+        sync()
+        t1 = time.perf_counter()
+        if t1 > t_end:
+            break
+        times.append(t1 - t0)
+        t0 = t1
+    return times
+
+
+def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
+    return coll.measure_rank(rank, world, kinds, sizes, repeats, warmup, device)
+
+
+# ---- driver -------------------------------------------------------------------------------
+
+def _check_backend(backend: str, world_size: int) -> str:
+    """Return the device for ``backend``; CalibrationError if it cannot run here."""
+    if backend == "gloo":
+        return "cpu"
+    if backend != "nccl":
+        raise CalibrationError(f"unknown backend {backend!r}", "use gloo (CPU) or nccl (CUDA)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CalibrationError("backend nccl needs CUDA, and no CUDA device is available here",
+                               "use --backend gloo on this machine")
+    n = torch.cuda.device_count()
+    if world_size > n:
+        raise CalibrationError(f"nccl calibration at world size {world_size} needs {world_size} "
+                               f"GPUs, this machine has {n}", f"use --world-size {n} or less")
+    return "cuda"
+
+
+def calibrate(quick: bool, world_size: int, backend: str, out: Path,
+              progress: Callable[[str], None] = print, exact_specs: list | None = None, *,
+              sweep: Sweep | None = None, command: str | None = None,
+              timeout_s: float = 600.0, start_method: str | None = None) -> Path:
+    """Measure this machine and write a profile to ``out`` (atomically, at the very end).
+
+    ``sweep`` overrides the QUICK/FULL presets (tests pass ``TINY``); ``command`` is recorded
+    in the provenance (default: this process's argv); ``start_method`` defaults to fork for
+    gloo and spawn for nccl (CUDA cannot be used in forked children).
+    """
+    from ..runtime.launch import run_ranks
+
+    t_start = time.perf_counter()
+    out = Path(out)
+    if world_size < 1:
+        raise CalibrationError(f"world size must be >= 1, got {world_size}", "use --world-size 2 or more")
+    device = _check_backend(backend, world_size)
+    sw = sweep or (QUICK if quick else FULL)
+    method = start_method or ("spawn" if device == "cuda" else "fork")
+    import torch  # noqa: F401  (imported before forking, so that children start fast)
+    import torch.distributed  # noqa: F401
+
+    load_before = os.getloadavg()
+    mode = "quick" if quick else "full"
+    progress(f"calibrating ({mode}, world size {world_size}, {backend}/{device}) -> {out}")
+    if load_before[0] > 0.5:
+        progress(f"  note: load average {load_before[0]:.2f}: other work on this machine skews "
+                 "the timings; calibrate on a quiet machine")
+
+    def launch(fn, world, args):
+        return run_ranks(fn, world, args, backend=backend, timeout_s=timeout_s,
+                         start_method=method)
+
+    def stamp() -> str:
+        return f"[{time.perf_counter() - t_start:6.1f}s]"
+
+    # 1. kernels
+    kernel_samples: dict[str, list] = {}
+    for op in sw.op_classes:
+        t0 = time.perf_counter()
+        configs = kernels.sweep_configs(op, sw.kernel_configs, sw.kernel_max_flops,
+                                        sw.kernel_max_numel, conv_min_flops=sw.conv_min_flops)
+        kernel_samples[op] = launch(_kernel_rank, 1, (op, configs, sw, device))[0]
+        progress(f"{stamp()} kernels {op}: {len(configs)} sizes in {time.perf_counter() - t0:.1f} s")
+    exact, exact_samples = {}, {}
+    if exact_specs:
+        t0 = time.perf_counter()
+        exact, exact_samples = launch(_exact_rank, 1, (list(exact_specs), sw.exact_repeats, device))[0]
+        progress(f"{stamp()} exact shapes: {len(exact)} in {time.perf_counter() - t0:.1f} s")
+
+    # 2. compute slowdown
+    slow_times: dict[str, list] = {}
+    slow_mean: dict[str, float] = {}
+    for k in range(1, world_size + 1):
+        per_rank = launch(_slowdown_rank, k, (sw.slowdown_window_s, device))
+        slow_times[str(k)] = [[float(f"{t:.6g}") for t in r] for r in per_rank]
+        # Mean, not median, per rank: the OS deschedules a rank for whole time slices, so most
+        # runs go at full speed and a few absorb the waiting; the mean (window / runs) counts
+        # it. The median over ranks then ignores one rank that was luckier than the others.
+        means = [sum(r) / len(r) for r in per_rank if r]
+        if not means:
+            raise CalibrationError(f"compute slowdown at {k} ranks: no kernel-set run finished "
+                                   f"within {sw.slowdown_window_s} s", "use a longer window")
+        slow_mean[str(k)] = statistics.median(means)
+    base = slow_mean["1"]
+    slowdown = {k: round(v / base, 4) for k, v in slow_mean.items()}
+    slowdown["1"] = 1.0
+    progress(f"{stamp()} compute slowdown: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in slowdown.items()))
+
+    # 3. collectives
+    coll_samples: dict[str, dict] = {kind: {} for kind in sw.kinds}
+    for p in range(2, world_size + 1):
+        t0 = time.perf_counter()
+        per_rank = launch(_collective_rank, p, (tuple(sw.kinds), tuple(sw.message_sizes),
+                                                sw.coll_repeats, sw.coll_warmup, device))
+        for kind, rows in coll.combine_ranks(per_rank).items():
+            coll_samples[kind][str(p)] = rows
+        progress(f"{stamp()} collectives, group size {p}: {len(sw.kinds)} kinds x "
+                 f"{len(sw.message_sizes)} sizes in {time.perf_counter() - t0:.1f} s")
+
+    # 4. fits
+    kernel_models = {}
+    for op, rows in kernel_samples.items():
+        if len(rows) < 3:
+            raise CalibrationError(f"only {len(rows)} sizes measured for {op}",
+                                   "increase the sweep")
+        m = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows],
+                           [r["median_s"] for r in rows])
+        kernel_models[op] = {**m, "measured": True}
+    coll_models: dict[str, dict] = {}
+    for kind, per_p in coll_samples.items():
+        intra = {}
+        for p, rows in per_p.items():
+            m = fit.fit_collective(kind, int(p), [r["nbytes"] for r in rows],
+                                   [r["median_s"] for r in rows])
+            intra[p] = {**m, "measured": True, "source": f"measured, {p} ranks on one node"}
+        if not intra:
+            continue
+        # One node measured: "inter" is NOT measured. It repeats the intra constants so that a
+        # plan can still be priced, and says so in every entry.
+        inter = {p: {**e, "measured": False,
+                     "heldout_median_rel_err": None, "heldout_max_rel_err": None,
+                     "source": "NOT MEASURED: copy of intra (single-node calibration)"}
+                 for p, e in intra.items()}
+        coll_models[kind] = {"intra": intra, "inter": inter}
+
+    elapsed = time.perf_counter() - t_start
+    prof = Profile(
+        schema=PROFILE_SCHEMA,
+        fingerprint=current_fingerprint(backend),
+        provenance={
+            "kind": "measured",
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "notes": (f"{mode} calibration at world size {world_size} on one node "
+                      f"({os.cpu_count()} CPU cores visible); kernels on 1 thread per rank; "
+                      "collectives.*.inter are NOT measured (copies of intra, measured=false)"),
+            "mode": mode,
+            "world_size": world_size,
+            "elapsed_s": round(elapsed, 1),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "sweep": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(sw).items()},
+        },
+        topology={"ranks_per_node": world_size, "nodes": 1},
+        kernels=kernel_models,
+        collectives=coll_models,
+        exact=exact,
+        compute_slowdown=slowdown,
+        samples={"kernels": kernel_samples, "collectives": coll_samples,
+                 "compute_slowdown": slow_times, "exact": exact_samples},
+    )
+    save_profile(prof, out)
+    progress(f"{stamp()} wrote {out} (calibration took {elapsed:.1f} s)")
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m autopar.calibrate.run [--quick] [--world-size N] [--backend B] [--out P]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m autopar.calibrate.run")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--out", type=Path, default=Path("calibration/cpu-2core-gloo.json"))
+    ap.add_argument("--plots", type=Path, default=None, help="also write fit plots to this folder")
+    a = ap.parse_args(argv)
+    cmd = "python -m autopar.calibrate.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    try:
+        path = calibrate(a.quick, a.world_size, a.backend, a.out, command=cmd)
+    except CalibrationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if a.plots:
+        from .plots import plot_fits
+        from .profile import load_profile
+
+        for p in plot_fits(load_profile(path), a.plots):
+            print(f"plot: {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

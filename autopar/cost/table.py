@@ -1,0 +1,200 @@
+"""The cost table: every legal decomposition of every layer, priced, and every transition.
+
+``build_cost_table(graph, ctx)`` asks each registered decomposition for its candidates on each
+layer, keeps the legal ones (recording why the others are illegal, for explanations), prices
+them, and prunes each layer to its Pareto front in (time, memory), capped at
+``ctx.max_candidates`` (the cheapest in time first; sample and replicate are always kept so
+that the pure data-parallel plan stays representable). Edges get the transition price between
+the producer's output layout and the consumer's input layout for every pair of choices.
+
+``evaluate(table, choice)`` computes a plan's step time exactly as the ILP models it (the
+recurrence is written there); the solver tests compare the two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..decomp import REGISTRY
+from ..decomp.base import CostContext, Decomposition, LayerCost
+from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
+from ..decomp.transition import transition_s
+
+
+@dataclass
+class LayerOptions:
+    layer: Layer
+    choices: list[Decomposition]
+    costs: list[LayerCost]
+    illegal: dict[str, str] = field(default_factory=dict)   # str(decomposition) -> reason
+
+    @property
+    def has_params(self) -> bool:
+        return any(op.kind in PARAMETRIC and op.params for op in self.layer.ops)
+
+
+@dataclass
+class EdgeOptions:
+    src: int
+    dst: int
+    value: str
+    fwd_s: list[list[float]]     # [i][j]: producer choice i, consumer choice j
+    bwd_s: list[list[float]]
+
+
+@dataclass
+class CostTable:
+    graph: LayerGraphData
+    ctx: CostContext
+    layers: list[LayerOptions]
+    edges: list[EdgeOptions]
+    topo: list[int]              # layer indices in execution order
+
+    def size(self) -> dict[str, int]:
+        return {"layers": len(self.layers), "edges": len(self.edges),
+                "choices": sum(len(o.choices) for o in self.layers),
+                "pairs": sum(len(e.fwd_s) * len(e.fwd_s[0]) for e in self.edges if e.fwd_s)}
+
+
+def _optimizer_step_s(cost: LayerCost, ctx: CostContext) -> float:
+    """SGD-with-momentum update of the local parameters: ~4 flops and ~5 words per element."""
+    if cost.param_bytes <= 0:
+        return 0.0
+    n = cost.param_bytes / 4.0
+    return ctx.profile.kernel_time_s("elementwise", 4.0 * n, 5.0 * cost.param_bytes) * \
+        ctx.profile.slowdown(ctx.ranks_on_node)
+
+
+def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep_kinds=("sample", "replicate")):
+    def t(c: LayerCost) -> float:
+        return c.fwd_s + c.bwd_s + c.grad_sync_s
+    order = sorted(range(len(choices)), key=lambda i: (t(costs[i]), costs[i].memory_bytes))
+    front: list[int] = []
+    best_mem = math.inf
+    for i in order:
+        if costs[i].memory_bytes < best_mem - 1e-9:
+            front.append(i)
+            best_mem = costs[i].memory_bytes
+    # the widest sample split and replicate stay representable
+    for kind in keep_kinds:
+        ks = [i for i in range(len(choices)) if choices[i].kind == kind]
+        if ks:
+            widest = max(ks, key=lambda i: getattr(choices[i], "parts", 0))
+            if widest not in front:
+                front.append(widest)
+    # fill with the next-cheapest (transition-friendly alternatives), up to the cap
+    for i in order:
+        if len(front) >= cap:
+            break
+        if i not in front:
+            front.append(i)
+    front = front[:max(cap, 2)]
+    return [choices[i] for i in front], [costs[i] for i in front]
+
+
+def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None,
+                  prune: bool = True) -> LayerOptions:
+    choices: list[Decomposition] = []
+    costs: list[LayerCost] = []
+    illegal: dict[str, str] = {}
+    for kind, cls in REGISTRY.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        for dec in cls.candidates(layer, ctx):
+            why = dec.check(layer, ctx)
+            if why:
+                illegal[str(dec)] = why
+                continue
+            c = dec.cost(layer, ctx)
+            c = replace(c, optim_step_s=_optimizer_step_s(c, ctx))
+            choices.append(dec)
+            costs.append(c)
+    if prune and len(choices) > ctx.max_candidates:
+        choices, costs = _pareto(choices, costs, ctx.max_candidates)
+    return LayerOptions(layer, choices, costs, illegal)
+
+
+def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] | None = None,
+                     prune: bool = True) -> CostTable:
+    from ..errors import IllegalDecomposition
+    opts = [layer_options(lay, ctx, kinds, prune) for lay in graph.layers]
+    for o in opts:
+        if not o.choices:
+            reasons = "; ".join(f"{k}: {v}" for k, v in list(o.illegal.items())[:4])
+            raise IllegalDecomposition(
+                f"layer {o.layer.index} ({o.layer.module or o.layer.name}) has no legal decomposition"
+                f" among {kinds or sorted(REGISTRY)} ({reasons})",
+                "allow more decomposition kinds, or change the world size or batch size")
+    edges = []
+    for u, v, value in graph.edges():
+        lu, lv = graph.layers[u], graph.layers[v]
+        shape = graph.value_shape(value)
+        item = lu.itemsize
+        fwd, bwd = [], []
+        for du in opts[u].choices:
+            src = du.out_layout(lu)
+            rf, rb = [], []
+            for dv in opts[v].choices:
+                f, b = transition_s(src, dv.in_layout(lv, value), shape, item, ctx)
+                rf.append(f)
+                rb.append(b)
+            fwd.append(rf)
+            bwd.append(rb)
+        edges.append(EdgeOptions(u, v, value, fwd, bwd))
+    return CostTable(graph, ctx, opts, edges, topo=[lay.index for lay in graph.layers])
+
+
+def input_transition_s(table: CostTable) -> float:
+    """Graph inputs are loaded straight into their consumer's layout: no transition."""
+    return 0.0
+
+
+@dataclass
+class StepPrediction:
+    step_time_s: float
+    fwd_s: float
+    bwd_s: float
+    grad_sync_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    memory_per_rank_bytes: float
+    grad_sync_bytes: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
+    """Step time of one choice per layer, by the model the ILP encodes::
+
+        T_fwd  = sum_l fwd(l) + sum_e fwd(e)
+        T_bwd  = sum_l bwd(l) + sum_e bwd(e)
+        ready_k = T_fwd + sum of bwd over layers at or after k (and their input edges): the
+                 moment layer k's gradients exist (backward runs in reverse order)
+        F_k    = max(F_{k-1}, ready_k) + AR_k      (allreduces run one after another, each
+                 starting when its gradients are ready: DDP's overlap)
+        step   = max(T_fwd + T_bwd, F_last) + sum_l optimizer(l)
+    """
+    cs = [table.layers[l].costs[choice[l]] for l in range(len(table.layers))]
+    e_f = [e.fwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
+    e_b = [e.bwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
+    t_fwd = sum(c.fwd_s for c in cs) + sum(e_f)
+    t_bwd = sum(c.bwd_s for c in cs) + sum(e_b)
+    edge_bwd_into = [0.0] * len(cs)
+    for e, b in zip(table.edges, e_b):
+        edge_bwd_into[e.dst] += b
+    f = 0.0
+    suffix = 0.0
+    for l in reversed(table.topo):
+        suffix += cs[l].bwd_s + edge_bwd_into[l]
+        if cs[l].grad_sync_s > 0:
+            f = max(f, t_fwd + suffix) + cs[l].grad_sync_s
+    opt = sum(c.optim_step_s for c in cs)
+    step = max(t_fwd + t_bwd, f) + opt
+    return StepPrediction(step_time_s=step, fwd_s=t_fwd, bwd_s=t_bwd,
+                          grad_sync_s=sum(c.grad_sync_s for c in cs),
+                          exposed_comm_s=max(0.0, f - (t_fwd + t_bwd)), optimizer_s=opt,
+                          memory_per_rank_bytes=sum(c.memory_bytes for c in cs),
+                          grad_sync_bytes=sum(c.grad_sync_bytes for c in cs))

@@ -1,0 +1,89 @@
+"""Load a user's model file: ``build_model()``, ``example_inputs(batch_size)`` and optionally
+``loss_fn(output, target)`` and ``example_targets(batch_size)``.
+
+Default loss when the file defines none (documented in the README): with targets whose dtype is
+integer and a 2-D output, cross-entropy (mean); with floating targets, mean squared error
+(mean); with no targets, the mean of the squared output. All are per-sample means, which the
+distributed loss share (``DistModel.local_loss``) requires.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from ..errors import ModelFileError
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    module: ModuleType
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def build_model(self):
+        return self.module.build_model()
+
+    def example_inputs(self, batch_size: int) -> tuple:
+        xs = self.module.example_inputs(batch_size)
+        return tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)
+
+    def example_targets(self, batch_size: int):
+        fn = getattr(self.module, "example_targets", None)
+        return fn(batch_size) if fn is not None else None
+
+    @property
+    def has_loss(self) -> bool:
+        return hasattr(self.module, "loss_fn")
+
+    def loss_fn(self) -> Callable[..., Any]:
+        fn = getattr(self.module, "loss_fn", None)
+        return fn if fn is not None else default_loss
+
+    def default_batch_size(self) -> int | None:
+        return getattr(self.module, "DEFAULT_BATCH_SIZE", None)
+
+
+def default_loss(output, target=None):
+    import torch.nn.functional as F
+    if target is None:
+        return output.float().pow(2).mean()
+    if not target.dtype.is_floating_point and output.dim() == 2:
+        return F.cross_entropy(output, target)
+    return F.mse_loss(output, target)
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import ``path`` as a module and check its entry points (ModelFileError otherwise)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"model file not found: {path}",
+                             "give the path of a .py file that defines build_model() and example_inputs(batch_size)")
+    name = f"autopar_user_model_{abs(hash(str(path.resolve()))) % 10**8}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"cannot import {path}: not a Python file", "give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's code failed: say where
+        import traceback
+        tb = traceback.extract_tb(e.__traceback__)
+        where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb)
+                      if Path(f.filename).resolve() == path.resolve()), str(path))
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"model file {path} does not import: {e.__class__.__name__}: {e} (at {where})",
+                             "fix the error in the model file") from None
+    missing = [f for f in ("build_model", "example_inputs") if not callable(getattr(module, f, None))]
+    if missing:
+        raise ModelFileError(f"model file {path} lacks {', '.join(m + '()' for m in missing)}",
+                             "define build_model() -> nn.Module and example_inputs(batch_size) -> tuple of tensors")
+    return ModelFile(path, module)
