@@ -2,8 +2,9 @@
 
 Each group size p is measured in its own fresh world of p processes (the "whole world" form:
 a gloo error poisons a group, and idle extra ranks would only sit in a barrier). Per
-collective and message size: ``warmup`` untimed ops, then ``repeats`` iterations of
-``barrier -> perf_counter -> op (-> cuda synchronize) -> perf_counter``. Every rank returns its
+collective and message size: ``warmup`` untimed ops, then ``repeats`` timed iterations of
+``barrier -> perf_counter -> op (-> cuda synchronize) -> perf_counter``, interleaved with
+the other sizes and kinds (see ``measure_rank``). Every rank returns its
 own times; the parent takes the max across ranks per iteration (a collective is done when its
 last rank is) and the median over iterations.
 
@@ -33,75 +34,92 @@ def _elements(kind: str, nbytes: int, p: int) -> tuple[int, int]:
     return e, 4 * e
 
 
+def _make_op(kind: str, nbytes: int, rank: int, p: int, dev, gather, scatter):
+    """(callable running one ``kind`` op on fresh buffers, actual bytes, time scale)."""
+    import torch
+    import torch.distributed as dist
+
+    e, actual = _elements(kind, nbytes, p)
+    if kind == "allreduce":
+        buf = torch.ones(e, device=dev)
+        return (lambda: dist.all_reduce(buf)), actual, 1.0
+    if kind == "broadcast":
+        buf = torch.ones(e, device=dev)
+        return (lambda: dist.broadcast(buf, src=0)), actual, 1.0
+    if kind == "allgather":
+        inp, outp = torch.ones(e, device=dev), torch.empty(e * p, device=dev)
+        return (lambda: gather(outp, inp)), actual, 1.0
+    if kind == "reduce_scatter":
+        inp, outp = torch.ones(e * p, device=dev), torch.empty(e, device=dev)
+        return (lambda: scatter(outp, inp)), actual, 1.0
+    if kind == "all_to_all":
+        inp, outp = torch.ones(e * p, device=dev), torch.empty(e * p, device=dev)
+        return (lambda: dist.all_to_all_single(outp, inp, [e] * p, [e] * p)), actual, 1.0
+    if kind == "p2p":
+        buf = torch.ones(e, device=dev)
+
+        def ping_pong():
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        return ping_pong, actual, 0.5  # one round trip = two messages
+    raise ValueError(f"unknown collective {kind!r}")
+
+
 def measure_rank(rank: int, world: int, kinds: tuple, sizes: tuple, repeats: int, warmup: int,
-                 device: str = "cpu") -> dict:
+                 device: str = "cpu", seed: int = 0) -> dict:
     """Run in every rank: ``{kind: [{"nbytes": n, "times_s": [...]}]}`` for this rank.
 
-    p2p is measured only when ``world == 2``.
+    Interleaved rounds: each round times every (kind, size) once, in an order shuffled per
+    round (the same on every rank, from ``seed``), so slow phases of the machine (other work,
+    scheduler regimes of an oversubscribed node) spread over all sizes instead of bending
+    the curve of whichever sizes ran at that moment. p2p is measured only when ``world == 2``.
     """
+    import random
+
     import torch
     import torch.distributed as dist
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    p = world
     # torch >= 2.10 names them *_single; older ones only have *_into_tensor / *_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    out: dict[str, list] = {}
-    for kind in kinds:
-        if kind == "p2p" and world != 2:
-            continue
-        rows = []
-        for nbytes in sizes:
-            e, actual = _elements(kind, nbytes, p)
-            if kind == "allreduce":
-                buf = torch.ones(e, device=dev)
-                op = lambda: dist.all_reduce(buf)  # noqa: E731
-            elif kind == "broadcast":
-                buf = torch.ones(e, device=dev)
-                op = lambda: dist.broadcast(buf, src=0)  # noqa: E731
-            elif kind == "allgather":
-                inp, outp = torch.ones(e, device=dev), torch.empty(e * p, device=dev)
-                op = lambda: gather(outp, inp)  # noqa: E731
-            elif kind == "reduce_scatter":
-                inp, outp = torch.ones(e * p, device=dev), torch.empty(e, device=dev)
-                op = lambda: scatter(outp, inp)  # noqa: E731
-            elif kind == "all_to_all":
-                inp, outp = torch.ones(e * p, device=dev), torch.empty(e * p, device=dev)
-                op = lambda: dist.all_to_all_single(outp, inp, [e] * p, [e] * p)  # noqa: E731
-            elif kind == "p2p":
-                buf = torch.ones(e, device=dev)
-
-                def op():
-                    # one round trip; recorded as half of it below
-                    if rank == 0:
-                        dist.send(buf, 1)
-                        dist.recv(buf, 1)
-                    else:
-                        dist.recv(buf, 0)
-                        dist.send(buf, 0)
-            else:
-                raise ValueError(f"unknown collective {kind!r}")
-            scale = 0.5 if kind == "p2p" else 1.0
-            for _ in range(warmup):
-                op()
+    cases = [(kind, n) for kind in kinds if kind != "p2p" or world == 2 for n in sizes]
+    ops = {case: _make_op(case[0], case[1], rank, world, dev, gather, scatter) for case in cases}
+    times: dict[tuple, list] = {case: [] for case in cases}
+    for case in cases:
+        for _ in range(warmup):
+            ops[case][0]()
+    sync()
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        order = list(cases)
+        rng.shuffle(order)
+        for case in order:
+            op, _, scale = ops[case]
+            dist.barrier()
             sync()
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                op()
-                sync()
-                times.append((time.perf_counter() - t0) * scale)
-            rows.append({"nbytes": actual, "times_s": times})
-        out[kind] = rows
+            t0 = time.perf_counter()
+            op()
+            sync()
+            times[case].append((time.perf_counter() - t0) * scale)
+    out: dict[str, list] = {}
+    for kind, n in cases:
+        out.setdefault(kind, []).append({"nbytes": ops[(kind, n)][1], "times_s": times[(kind, n)]})
     return out
 
 
 def combine_ranks(per_rank: list[dict]) -> dict:
-    """Per-iteration max across ranks: ``{kind: [{"nbytes", "median_s", "times_s"}]}``."""
+    """Per-iteration max across ranks: ``{kind: [{"nbytes", "median_s", "mean_s", "times_s"}]}``.
+
+    The fits use ``median_s``; ``mean_s`` is kept because on an oversubscribed node the times
+    are bimodal (a rank either runs at once or waits a whole time slice) and a step made of
+    many collectives pays the mean.
+    """
     import statistics
 
     combined: dict[str, list] = {}
@@ -111,6 +129,6 @@ def combine_ranks(per_rank: list[dict]) -> dict:
             iters = zip(*(r[kind][i]["times_s"] for r in per_rank))
             times = [float(f"{max(t):.6g}") for t in iters]
             rows.append({"nbytes": row["nbytes"], "median_s": float(f"{statistics.median(times):.6g}"),
-                         "times_s": times})
+                         "mean_s": float(f"{statistics.fmean(times):.6g}"), "times_s": times})
         combined[kind] = rows
     return combined

@@ -7,7 +7,7 @@ backward moves the same bytes back)::
 
     0                                              if the layouts are equal, or every rank
                                                    already holds what it needs (a slice)
-    T_all_to_all(P, n_recv)                        otherwise, n_recv = bytes the busiest rank
+    T_all_to_all(P, n_recv * P/(P-1))              otherwise, n_recv = bytes the busiest rank
                                                    receives from others
 
 For world <= EXACT_WORLD the transfer plan is enumerated; beyond, rank 0 (holding block 0,
@@ -44,5 +44,6 @@ def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, 
     if n <= 0:
         return 0.0, 0.0
     level = ctx.level(range(ctx.world))
-    t = ctx.profile.collective_time_s("all_to_all", ctx.world, n, level)
+    # the profile's all_to_all takes the whole buffer a rank sends, its own block included
+    t = ctx.profile.collective_time_s("all_to_all", ctx.world, n * ctx.world / (ctx.world - 1), level)
     return t, t

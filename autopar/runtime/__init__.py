@@ -1,0 +1,8 @@
+"""The runtime library that generated modules import. It imports neither the solver (pulp) nor
+the tracer (torch.export): a test checks this."""
+
+from .comm import Comm, redistribute
+from .entry import build_planned, run_generated
+from .model import DistModel
+
+__all__ = ["Comm", "DistModel", "build_planned", "redistribute", "run_generated"]

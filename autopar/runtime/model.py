@@ -33,6 +33,15 @@ from .comm import Comm, local_slice, redistribute
 from .gradsync import GradSync
 
 
+def loss_layout_for(out: Layout, batch: int, world: int) -> Layout:
+    """The layout the loss is computed in: the output's if it splits only samples, else the
+    widest sample split that divides the world and the batch."""
+    if all(d == 0 for d, _ in out.splits):
+        return out
+    p = max(d for d in range(1, world + 1) if world % d == 0 and d <= batch)
+    return Layout(((0, p),))
+
+
 def _safe(name: str) -> str:
     return name.replace(".", "__")
 
@@ -143,8 +152,12 @@ class DistModel(nn.Module):
             out.register_hook(lambda g, li=li: (self.timer.mark_bwd(li), None)[1])
         return out
 
-    def move(self, x: torch.Tensor, value: str, src: Sequence, dst: Sequence) -> torch.Tensor:
-        """Transition of activation ``value`` from layout ``src`` to ``dst`` (JSON splits)."""
+    def move(self, x: torch.Tensor, value: str, src: Sequence, dst: Sequence,
+             layer: int | None = None) -> torch.Tensor:
+        """Transition of activation ``value`` from layout ``src`` to ``dst`` (JSON splits),
+        on the way into ``layer`` (its time counts for that layer)."""
+        if self.timer is not None and layer is not None:
+            self.timer.mark_fwd(layer)
         return redistribute(x, Layout.from_json(src), Layout.from_json(dst),
                             self.graph.value_shape(value), self.comm)
 
@@ -169,14 +182,9 @@ class DistModel(nn.Module):
         return self.decisions[li].out_layout(self.graph.layers[li])
 
     def loss_layout(self) -> Layout:
-        """The layout the loss is computed in: the output's if it splits only samples, else the
-        widest sample split that divides the world (the generated forward moves it there)."""
-        out = self.output_layout()
-        if all(d == 0 for d, _ in out.splits):
-            return out
-        n = self.graph.value_shape(self.graph.output)[0]
-        p = max(d for d in range(1, self.comm.world + 1) if self.comm.world % d == 0 and d <= n)
-        return Layout(((0, p),))
+        """Where the generated forward leaves the output (``loss_layout_for``)."""
+        return loss_layout_for(self.output_layout(), self.graph.value_shape(self.graph.output)[0],
+                               self.comm.world)
 
     def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [local_slice(x, self.input_layout(gi.name), self.comm)

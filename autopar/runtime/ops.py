@@ -5,9 +5,9 @@
 local extents. Decompositions use it for every op whose mathematics is unchanged by their split
 (e.g. any elementwise op, or a convolution under sample parallelism).
 
-``sync_batch_norm`` computes the batch statistics over every rank of ``ranks`` (two passes:
-mean, then the centred sum of squares, for the same rounding behaviour as one process), so that
-a batch norm over split samples or split spatial extents computes the single-process function.
+``sync_batch_norm`` computes the batch statistics over every rank of ``ranks`` (per-rank mean
+and centred sum of squares, combined exactly), so that a batch norm over split samples or split
+spatial extents computes the single-process function.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
-from .comm import Comm, all_reduce_sum
+from .comm import Comm
 
 
 def resolve_target(target: str):
@@ -66,36 +67,79 @@ def call_local(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, torch.
     return resolve_target(op.target)(*args, **kwargs)
 
 
+class _SyncBatchNorm(torch.autograd.Function):
+    """Batch norm over a group: one all-gather forward, one all-reduce backward.
+
+    forward:  each rank shares (n_r, mean_r, M2_r) per channel (one all-reduce of a table) (M2_r = sum (x - mean_r)^2);
+              every rank combines them (Chan et al.): N = sum n_r, mean = sum n_r mean_r / N,
+              M2 = sum M2_r + n_r (mean_r - mean)^2, var = M2 / N; y = (x - mean) / sqrt(var +
+              eps) * w + b.
+    backward: S1 = sum_g sum dy, S2 = sum_g sum dy * xhat (one all-reduce of 2C floats);
+              dx = w / sqrt(var + eps) * (dy - S1 / N - xhat * S2 / N); dw, db are the local
+              partial sums (the gradient sync adds them over the ranks).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, comm, ranks, running_mean, running_var, momentum):
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        c = x.shape[1]
+        n_local = x.numel() // c
+        mean_r = x.mean(dims) if n_local else torch.zeros(c, dtype=x.dtype, device=x.device)
+        m2_r = ((x - mean_r.reshape(shape)) ** 2).sum(dims)
+        mine = torch.cat([torch.full((1,), float(n_local), dtype=x.dtype, device=x.device), mean_r, m2_r])
+        # all-gather through an all-reduce of a zero-padded table (one row per rank): the
+        # same bytes order of magnitude for 2C+1 floats, and one API on every backend
+        g = torch.zeros(len(ranks), mine.numel(), dtype=x.dtype, device=x.device)
+        g[list(ranks).index(comm.rank)] = mine
+        dist.all_reduce(g, group=comm.group(ranks))
+        n_g = g[:, :1]
+        n = n_g.sum()
+        mean = (n_g * g[:, 1:1 + c]).sum(0) / n
+        m2 = (g[:, 1 + c:] + n_g * (g[:, 1:1 + c] - mean) ** 2).sum(0)
+        var = m2 / n
+        invstd = torch.rsqrt(var + eps)
+        xhat = (x - mean.reshape(shape)) * invstd.reshape(shape)
+        y = xhat
+        if weight is not None:
+            y = y * weight.reshape(shape)
+        if bias is not None:
+            y = y + bias.reshape(shape)
+        if running_mean is not None and running_var is not None:
+            m = 0.1 if momentum is None else momentum
+            nn = float(n)
+            running_mean.mul_(1 - m).add_(mean, alpha=m)
+            running_var.mul_(1 - m).add_(var * (nn / max(nn - 1.0, 1.0)), alpha=m)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.meta = (comm, ranks, float(n), weight is not None, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, weight, invstd = ctx.saved_tensors
+        comm, ranks, n, has_w, has_b = ctx.meta
+        dims = [0] + list(range(2, dy.dim()))
+        shape = [1, -1] + [1] * (dy.dim() - 2)
+        s1 = dy.sum(dims)
+        s2 = (dy * xhat).sum(dims)
+        both = torch.cat([s1, s2])
+        dist.all_reduce(both, group=comm.group(ranks))
+        c = s1.numel()
+        t1, t2 = both[:c], both[c:]
+        scale = invstd if weight is None else invstd * weight
+        dx = scale.reshape(shape) * (dy - (t1 / n).reshape(shape) - xhat * (t2 / n).reshape(shape))
+        return (dx, s2 if has_w else None, s1 if has_b else None, None, None, None, None, None, None)
+
+
 def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                     running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                     training: bool, momentum: float, eps: float, comm: Comm,
-                    ranks: Sequence[int], global_count: int) -> torch.Tensor:
-    """Batch norm whose statistics cover every rank of ``ranks`` (differentiable).
-
-    mean = sum_g(sum x) / n;  var = sum_g(sum (x - mean)^2) / n  (n = ``global_count``, the
-    number of elements per channel in the single-process tensor); running_var is updated with
-    the unbiased var * n / (n - 1), as torch does. Autograd differentiates through the two
-    ``all_reduce_sum`` calls, whose backward is again a sum: the gradient matches one process.
-    """
+                    ranks: Sequence[int], global_count: int | None = None) -> torch.Tensor:
+    """Batch norm whose statistics cover every rank of ``ranks`` (``_SyncBatchNorm``); the
+    plain local batch norm when not training or alone. ``global_count`` is accepted for
+    callers that know it; the count is gathered with the statistics."""
     if not training or len(ranks) <= 1:
         return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias,
                                               training, momentum, eps)
-    dims = [0] + list(range(2, x.dim()))
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    n = float(global_count)
-    s1 = all_reduce_sum(x.sum(dims), comm, ranks)
-    mean = s1 / n
-    xc = x - mean.reshape(shape)
-    s2 = all_reduce_sum((xc * xc).sum(dims), comm, ranks)
-    var = s2 / n
-    y = xc * torch.rsqrt(var + eps).reshape(shape)
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
-    if running_mean is not None and running_var is not None:
-        with torch.no_grad():
-            m = 0.1 if momentum is None else momentum
-            running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-            running_var.mul_(1 - m).add_(var.detach() * (n / max(n - 1.0, 1.0)), alpha=m)
-    return y
+    return _SyncBatchNorm.apply(x, weight, bias, eps, comm, tuple(sorted(ranks)),
+                                running_mean, running_var, momentum)

@@ -156,6 +156,31 @@ def check_memory(table: CostTable, memory_limit_bytes: float | None) -> None:
         f"or lower the batch size")
 
 
+class _quiet:
+    """Silence a solver's banner on file descriptor 1 (HiGHS prints one even with msg=False)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def __enter__(self):
+        if self.active:
+            import os
+            import sys
+            sys.stdout.flush()
+            self.saved = os.dup(1)
+            self.null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(self.null, 1)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            import os
+            os.dup2(self.saved, 1)
+            os.close(self.saved)
+            os.close(self.null)
+        return False
+
+
 def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_s: float = 60.0,
           solver: str = "highs", msg: bool = False) -> Solution:
     check_memory(table, memory_limit_bytes)
@@ -183,7 +208,8 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
                     continue
             else:
                 s = pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, gapRel=1e-6)
-            prob.solve(s)
+            with _quiet(not msg):
+                prob.solve(s)
             used = name
             if name == "highs":
                 try:

@@ -23,7 +23,7 @@ from ..decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, BUFFER_UPDATE, CAT, 
                          FLATTEN, LINEAR, MEAN, OTHER, POOL, UNARY, VIEW, GraphInput, Layer,
                          LayerGraphData, OpSpec)
 from ..errors import TraceError
-from .model_file import ModelFile
+from ..modelfile import ModelFile
 
 UNARY_OPS = {"relu", "relu_", "gelu", "sigmoid", "tanh", "silu", "silu_", "hardtanh", "hardtanh_",
              "leaky_relu", "leaky_relu_", "elu", "hardswish", "hardsigmoid", "softplus", "clone",

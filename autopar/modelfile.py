@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from ..errors import ModelFileError
+from .errors import ModelFileError
 
 
 @dataclass

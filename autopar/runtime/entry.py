@@ -1,0 +1,91 @@
+"""Entry points of generated modules: ``build_planned`` (one rank's model) and
+``run_generated`` (the ``torchrun`` main: synthetic-data training steps, step times printed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..modelfile import load_model_file
+from .comm import Comm
+
+
+def read_plan(plan_file: str | Path) -> dict[str, Any]:
+    from ..codegen.plan import load_plan
+    return load_plan(plan_file)
+
+
+def model_path(plan: dict[str, Any], plan_file: str | Path) -> Path:
+    p = Path(plan["model"]["path"])
+    if not p.is_absolute():
+        p = (Path(plan_file).resolve().parent / p).resolve()
+    return p
+
+
+def build_user_model(plan: dict[str, Any], plan_file: str | Path, seed: int):
+    mf = load_model_file(model_path(plan, plan_file))
+    torch.manual_seed(seed)
+    return mf, mf.build_model()
+
+
+def build_planned(cls, plan_file: str | Path, model=None, comm: Comm | None = None, seed: int = 0):
+    plan = read_plan(plan_file)
+    if model is None:
+        _, model = build_user_model(plan, plan_file, seed)
+    return cls(plan, model, comm or Comm.from_env())
+
+
+def synthetic_batch(mf, batch_size: int, seed: int):
+    torch.manual_seed(seed)
+    xs = mf.example_inputs(batch_size)
+    ys = mf.example_targets(batch_size)
+    return [x.float() if x.is_floating_point() else x for x in xs], ys
+
+
+def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
+    """``torchrun --nproc-per-node N generated.py --steps S``: train S steps on synthetic data."""
+    import torch.distributed as dist
+    from .launch import init_from_env
+
+    ap = argparse.ArgumentParser(description="autopar generated training loop (synthetic data)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.01)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = init_from_env()
+    plan = read_plan(plan_file)
+    mf, model = build_user_model(plan, plan_file, args.seed)
+    dm = cls(plan, model, Comm.from_env())
+    opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)
+    xs, ys = synthetic_batch(mf, int(plan["model"]["batch_size"]), args.seed + 1)
+    local = dm.shard_inputs(xs)
+    loss_fn = mf.loss_fn()
+    times = []
+    for step in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        out = dm(*local)
+        loss_r = dm.local_loss(out, ys, loss_fn)
+        loss_r.backward()
+        dm.finish_grads()
+        opt.step()
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        total = loss_r.detach().clone()
+        dist.all_reduce(total)
+        times.append(float(dt))
+        if rank == 0:
+            print(json.dumps({"step": step, "loss": float(total), "step_time_s": float(dt)}), flush=True)
+    if rank == 0:
+        steady = sorted(times[1:] or times)
+        print(json.dumps({"median_step_time_s": steady[len(steady) // 2],
+                          "predicted_step_time_s": plan["predicted"]["step_time_s"]}), flush=True)
+    dist.destroy_process_group()
+    return 0
