@@ -46,7 +46,7 @@ class Sweep:
     kernel_max_numel: int = 1 << 23     # cap on elements of the largest operand(s)
     kernel_budget_s: float = 0.25       # max time per size (slow kernels get fewer repeats)
     message_sizes: tuple = tuple(4 ** i for i in range(1, 13))   # 4 B .. 16 MiB
-    coll_repeats: int = 31
+    coll_repeats: int = 41
     coll_warmup: int = 2
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
     exact_repeats: int = 11
