@@ -111,7 +111,8 @@ class _WeightGrid(Decomposition):
         return sorted(out)
 
     def partition(self, vary: str) -> list[list[int]]:
-        return sorted({tuple(self.group(r, vary)) for r in range(self.world())}, key=lambda g: g[0])
+        groups = {tuple(self.group(r, vary)) for r in range(self.world())}
+        return [list(g) for g in sorted(groups)]
 
     def mesh(self) -> Layout:
         s, pc, pf = self.grid()

@@ -17,8 +17,9 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
     """Price a layer whose every tensor has ``layout`` and whose weights are whole on every rank.
 
     compute  = sum over ops of op_compute_s(local block-0 shapes)            (primitives)
-    bn stats = per batch norm: fwd 2 allreduces of C floats, bwd 2 of C floats over the group
-               whose blocks differ (``bn_group_size`` ranks); zero when 1
+    bn stats = per batch norm (runtime ``_SyncBatchNorm``), over the G ranks whose blocks differ
+               (``layout.data_group``; G = ``bn_group_size``): forward one all-reduce of a
+               G x (2C+1) table, backward one all-reduce of 2C floats; zero when G = 1
     grad     = allreduce(param bytes) over the world (replicated weights)    -> grad_sync_s
     memory   = params + grads + optimizer state (whole) + saved activations (local) + workspace
     """
@@ -39,10 +40,10 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
         saved += prim.saved_bytes(op, ins, out, item)
         if op.kind == BATCH_NORM and bn_group_size > 1 and op.attrs.get("training", True):
             c = op.out_shape[1]
-            group = list(range(bn_group_size))
-            one = prim.allreduce_s(ctx, c * 4, group)
-            bn_fwd += 2 * one
-            bn_bwd += 2 * one
+            group = layout.data_group(0, ctx.world) if layout.splits else list(range(bn_group_size))
+            g = len(group)
+            bn_fwd += prim.allreduce_s(ctx, g * (2 * c + 1) * 4, group)
+            bn_bwd += prim.allreduce_s(ctx, 2 * c * 4, group)
     pbytes = float(layer.param_numel * item)
     gsync = prim.grad_sync_time_s(ctx, pbytes, range(ctx.world)) if pbytes else 0.0
     src = sources.pop() if len(sources) == 1 else "mixed"

@@ -152,8 +152,7 @@ class Spatial(Decomposition):
         out: list[list[list[int]]] = []
 
         def part(fn) -> list[list[int]]:
-            return sorted({tuple(fn(r)) for r in range(world)}.__iter__().__class__ and
-                          [list(g) for g in sorted({tuple(fn(r)) for r in range(world)})])
+            return [list(g) for g in sorted({tuple(fn(r)) for r in range(world)})]
 
         for op in layer.ops:
             if op.kind == BATCH_NORM:
@@ -225,9 +224,7 @@ class Spatial(Decomposition):
         lays = self.value_layouts(layer)
         full = self.layout()
         for op in layer.ops:
-            name = op.module or op.name
-            if name != where and op.module:
-                name = op.module
+            name = op.module or where
             why = self._check_op(op, lays, full, ctx.world)
             if why:
                 return f"{name}: {why}"
@@ -523,13 +520,12 @@ class Spatial(Decomposition):
             s = ap(xw, ks, stride, 0, False, True, 1)
         if a.get("divisor_override"):
             return s / float(a["divisor_override"])
-        counts = _pool_counts(self, op, comm.rank, comm.world)
-        return s / torch.tensor(counts, dtype=s.dtype, device=s.device)
+        return s / _pool_counts(self, op, comm.rank, comm.world).to(dtype=s.dtype, device=s.device)
 
 
 def _pool_counts(dec: Spatial, op: OpSpec, rank: int, world: int):
-    """Nested list (1, 1, *local out) of divisors of an average pool for ``rank``'s block."""
-    import numpy as np
+    """Tensor (1, 1, *local out) of the divisors of an average pool for ``rank``'s block."""
+    import torch
 
     from ..runtime.halo import window_bounds
     full = dec.layout()
@@ -544,8 +540,8 @@ def _pool_counts(dec: Spatial, op: OpSpec, rank: int, world: int):
         on = block_extent(g.n_out, p, c)
         lim_lo, lim_hi = (-lo, g.n_in + hi) if include else (0, g.n_in)
         cnt = [max(0, min(a + o * s + k_eff, lim_hi) - max(a + o * s, lim_lo)) for o in range(on)]
-        per_dim.append(np.asarray(cnt, dtype=np.float64))
+        per_dim.append(torch.tensor(cnt, dtype=torch.float64))
     grid = per_dim[0]
     for v in per_dim[1:]:
-        grid = np.multiply.outer(grid, v)
-    return grid.reshape((1, 1) + grid.shape).tolist()
+        grid = grid.unsqueeze(-1) * v
+    return grid.reshape((1, 1) + tuple(grid.shape))

@@ -19,8 +19,9 @@ Constraints:
                     not finish in 300 s where this form took 3.5 s)
     compute         step >= T_fwd + T_bwd                                    (_add_step)
                     T_fwd = sum x fwd + sum y efwd,  T_bwd = sum x bwd + sum y ebwd
-    overlap chain   F[k] >= F[k-1] + AR_k;  F[k] >= T_fwd + B_k + AR_k;  step >= F[last]
-                    B_k = backward time of the layers at or after k and their input edges,
+    overlap chain   S_l = S_(l+1) + bwd(l) + bwd(edges into l)  (backward suffix sums)
+                    F[k] >= F[k-1] + AR_k;  F[k] >= T_fwd + S_k + AR_k;  step >= F[last]
+                    S_k = backward time of the layers at or after k and their input edges,
                     AR_k = sum_i x[k,i] sync[k,i]: DDP-style allreduces, each starting when
                     its gradients exist, one at a time                       (_add_overlap)
     memory          sum_{l,i} mem[l,i] x[l,i] <= M per rank                   (_add_memory)
@@ -88,47 +89,51 @@ def _add_flow(prob, table, x, y):
             prob += pulp.lpSum(y[ei, i, j] for i in range(nu)) == x[e.dst, j], f"flow_in_{ei}_{j}"
 
 
-def _fwd_bwd_exprs(table, x, y):
-    t_fwd = pulp.lpSum(c.fwd_s * x[l, i] for l, o in enumerate(table.layers) for i, c in enumerate(o.costs)) + \
-        pulp.lpSum(e.fwd_s[i][j] * y[ei, i, j] for ei, e in enumerate(table.edges)
-                   for i in range(len(e.fwd_s)) for j in range(len(e.fwd_s[0])) if e.fwd_s[i][j])
-    return t_fwd
+def _edge_terms(e, ei, y, which):
+    m = e.fwd_s if which == "fwd" else e.bwd_s
+    return [m[i][j] * y[ei, i, j] for i in range(len(m)) for j in range(len(m[0])) if m[i][j]]
 
 
 def _add_step(prob, table, x, y, step):
-    t_fwd = _fwd_bwd_exprs(table, x, y)
-    t_bwd = pulp.lpSum(c.bwd_s * x[l, i] for l, o in enumerate(table.layers) for i, c in enumerate(o.costs)) + \
-        pulp.lpSum(e.bwd_s[i][j] * y[ei, i, j] for ei, e in enumerate(table.edges)
-                   for i in range(len(e.bwd_s)) for j in range(len(e.bwd_s[0])) if e.bwd_s[i][j])
+    """T_fwd and T_bwd as variables defined by one equality each (sparse rows)."""
+    t_fwd = pulp.LpVariable("T_fwd", lowBound=0)
+    t_bwd = pulp.LpVariable("T_bwd", lowBound=0)
+    prob += t_fwd == pulp.lpSum(c.fwd_s * x[l, i] for l, o in enumerate(table.layers)
+                                for i, c in enumerate(o.costs) if c.fwd_s) + \
+        pulp.lpSum(t for ei, e in enumerate(table.edges) for t in _edge_terms(e, ei, y, "fwd")), "def_T_fwd"
+    prob += t_bwd == pulp.lpSum(c.bwd_s * x[l, i] for l, o in enumerate(table.layers)
+                                for i, c in enumerate(o.costs) if c.bwd_s) + \
+        pulp.lpSum(t for ei, e in enumerate(table.edges) for t in _edge_terms(e, ei, y, "bwd")), "def_T_bwd"
     prob += step >= t_fwd + t_bwd, "step_covers_compute"
     return t_fwd
 
 
 def _add_overlap(prob, table, x, y, step, t_fwd):
+    """Suffix sums S_l of backward time as a chain of variables (each row holds one layer's
+    terms), then the allreduce chain F_k over the layers that own gradients."""
     edges_into: dict[int, list[int]] = {}
     for ei, e in enumerate(table.edges):
         edges_into.setdefault(e.dst, []).append(ei)
-    suffix_terms: list = []
-    prev = None
-    k = 0
+    prev_s = None
+    prev_f = None
     for l in reversed(table.topo):
         o = table.layers[l]
-        suffix_terms.extend(c.bwd_s * x[l, i] for i, c in enumerate(o.costs) if c.bwd_s)
+        terms = [c.bwd_s * x[l, i] for i, c in enumerate(o.costs) if c.bwd_s]
         for ei in edges_into.get(l, []):
-            e = table.edges[ei]
-            suffix_terms.extend(e.bwd_s[i][j] * y[ei, i, j] for i in range(len(e.bwd_s))
-                                for j in range(len(e.bwd_s[0])) if e.bwd_s[i][j])
+            terms.extend(_edge_terms(table.edges[ei], ei, y, "bwd"))
+        s_l = pulp.LpVariable(f"S_{l}", lowBound=0)
+        prob += s_l == (prev_s if prev_s is not None else 0) + pulp.lpSum(terms), f"suffix_{l}"
+        prev_s = s_l
         if not any(c.grad_sync_s > 0 for c in o.costs):
             continue
         ar = pulp.lpSum(c.grad_sync_s * x[l, i] for i, c in enumerate(o.costs) if c.grad_sync_s)
         f = pulp.LpVariable(f"F_{l}", lowBound=0)
-        prob += f >= t_fwd + pulp.lpSum(suffix_terms) + ar, f"ready_{l}"
-        if prev is not None:
-            prob += f >= prev + ar, f"serial_{l}"
-        prev = f
-        k += 1
-    if prev is not None:
-        prob += step >= prev, "step_covers_allreduce"
+        prob += f >= t_fwd + s_l + ar, f"ready_{l}"
+        if prev_f is not None:
+            prob += f >= prev_f + ar, f"serial_{l}"
+        prev_f = f
+    if prev_f is not None:
+        prob += step >= prev_f, "step_covers_allreduce"
 
 
 def _add_memory(prob, table, x, memory_limit_bytes):

@@ -1,0 +1,173 @@
+"""The thin CLI: ``main(argv) -> int``, one sub-command per verb, heavy imports inside each verb.
+
+Every user-fixable error is an ``AutoparError``: one line on stderr, exit code 2 (3 for a failed
+validation, 4 for a dead or hung rank), no traceback unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+
+def _p(*a, **k) -> None:
+    print(*a, **k, flush=True)
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate.run import calibrate
+    out = Path(args.output) if args.output else None
+    kw = {}
+    if args.model:
+        kw["exact_specs"] = _exact_specs_for(args)
+    path = calibrate(quick=args.quick, world_size=args.world_size, backend=args.backend,
+                     out=out, progress=_p, **kw)
+    _p(f"profile written to {path}")
+    return 0
+
+
+def _exact_specs_for(args) -> list:
+    from .cost.exact import exact_specs_for_model
+    return exact_specs_for_model(args.model, args.world_size, args.batch_size,
+                                 ranks_per_node=args.ranks_per_node)
+
+
+def cmd_plan(args) -> int:
+    from .pipeline import format_plan_table, make_plan, parse_bytes
+    if args.world_size < 1:
+        from .errors import AutoparError
+        raise AutoparError(f"--world-size must be >= 1, got {args.world_size}", "give a positive number of ranks")
+    sweep = [int(w) for w in args.sweep.split(",")] if args.sweep else None
+    kinds = args.kinds.split(",") if args.kinds else None
+    if args.kinds:
+        from .decomp import REGISTRY
+        bad = [k for k in kinds if k not in REGISTRY]
+        if bad:
+            from .errors import AutoparError
+            raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY)}")
+    if args.exact:
+        _add_exact_shapes(args)
+    res = make_plan(args.model, args.world_size, batch_size=args.batch_size,
+                    calibration=args.calibration, out_dir=args.output,
+                    memory_limit_bytes=parse_bytes(args.memory_limit),
+                    ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
+                    time_limit_s=args.time_limit, solver=args.solver, progress=_p)
+    _p(format_plan_table(res.plan))
+    _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
+    if sweep:
+        from .report.scaling import scaling_sweep
+        png, rows = scaling_sweep(args, sweep, res.plan_path.parent)
+        for r in rows:
+            _p(r)
+        _p(f"scaling picture written to {png}")
+    return 0
+
+
+def _add_exact_shapes(args) -> None:
+    """Measure the exact local shapes this plan's candidates need into the profile first."""
+    from .calibrate.run import add_exact_shapes
+    from .pipeline import load_calibration
+    specs = _exact_specs_for(args)
+    cal_path, _ = load_calibration(args.calibration)
+    add_exact_shapes(cal_path, specs, progress=_p)
+
+
+def cmd_execute(args) -> int:
+    from .execute.runner import ExecuteOptions, execute
+    opts = ExecuteOptions(steps=args.steps, warmup=args.warmup, seed=args.seed,
+                          timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
+                          rtol=args.rtol)
+    run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
+    m, p = run["measured"]["step_time_s"], run["predicted"]["step_time_s"]
+    _p(f"validation PASSED ({run['validation']['checked']} tensors within rtol {opts.rtol:g})")
+    _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
+       f"{100 * run['prediction_error']:+.1f}%")
+    if run.get("baseline"):
+        _p(f"torch DDP: {run['baseline']['ddp_step_time_s'] * 1e3:.2f} ms; plan/DDP = {run['ratio_to_ddp']:.3f}x")
+    _p(f"report written to {out / 'report.md'}")
+    if args.refine:
+        from .calibrate.refine import refine_profile
+        path = refine_profile(run, args.refine)
+        _p(f"profile refined from this run: {path}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report.report import summarize
+    _p(summarize(args.paths))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autopar", description="Performance-model-driven parallelization autotuner")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("calibrate", help="measure kernels and collectives, write a profile")
+    c.add_argument("--quick", action="store_true", help="a short sweep (about a minute)")
+    c.add_argument("--world-size", type=int, default=4)
+    c.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    c.add_argument("-o", "--output", help="profile path (default calibration/<machine>.json)")
+    c.add_argument("--model", help="also measure the exact local shapes this model's plans need")
+    c.add_argument("--batch-size", type=int)
+    c.add_argument("--ranks-per-node", type=int)
+    c.set_defaults(fn=cmd_calibrate)
+
+    p = sub.add_parser("plan", help="trace a model file, price every decomposition, solve, generate code")
+    p.add_argument("model", help="a .py file defining build_model() and example_inputs(batch_size)")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--calibration", help="profile JSON (default: calibration/cpu-2core-gloo.json)")
+    p.add_argument("-o", "--output", help="plan folder (default strategies/plans/<model>-w<N>)")
+    p.add_argument("--memory-limit", help="per-rank memory limit, e.g. 512MiB or 16GiB")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per node of the cluster planned for")
+    p.add_argument("--nodes", type=int, help="nodes of the cluster planned for")
+    p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
+    p.add_argument("--solver", choices=["highs", "cbc"], default="highs")
+    p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
+    p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
+    p.set_defaults(fn=cmd_plan)
+
+    e = sub.add_parser("execute", help="run a plan, validate it against one process, time it against DDP")
+    e.add_argument("plan", help="plan.json")
+    e.add_argument("--steps", type=int, default=5)
+    e.add_argument("--warmup", type=int, default=2)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", help="run folder (default reports/<model>-w<N>-<time>)")
+    e.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
+    e.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    e.add_argument("--rtol", type=float, default=1e-5)
+    e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
+    e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
+    e.set_defaults(fn=cmd_execute)
+
+    r = sub.add_parser("report", help="summarize runs and plans side by side")
+    r.add_argument("paths", nargs="+")
+    r.set_defaults(fn=cmd_report)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import AutoparError
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not args.debug:
+        warnings.filterwarnings("default")
+        warnings.formatwarning = lambda m, c, *a, **k: f"warning: {m}\n"
+    try:
+        return int(args.fn(args) or 0)
+    except AutoparError as e:
+        if args.debug:
+            raise
+        print(f"autopar: {e.__class__.__name__}: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
