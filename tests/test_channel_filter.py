@@ -113,7 +113,6 @@ def _ref_forward(layers, x, P, B):
 
 def _ratio(a, b) -> float:
     """max over elements of |a - b| / (RTOL * (|b| + max|b|)); <= 1 passes."""
-    import torch
     a, b = a.detach().double(), b.detach().double()
     if a.shape != b.shape:
         return float("inf")

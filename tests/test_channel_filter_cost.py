@@ -310,3 +310,18 @@ def test_compute_uses_local_shapes():
     f1, _, _ = op_compute_s(lay.anchor, [[8, 64, 8, 8]], [8, 64, 8, 8], ctx)
     t0 = 1e-5
     assert (f - t0) == pytest.approx((f1 - t0) / 4, rel=0.05)
+
+
+def test_pricing_scales_to_large_worlds():
+    import time
+    lay = make_layer(0, "conv", "x", [1024, 256, 8, 8], 512, bias=True)
+    ctx = ctx_for(1024, ranks_per_node=8)
+    t0 = time.perf_counter()
+    decs = Channel.candidates(lay, ctx) + Filter.candidates(lay, ctx) + \
+        ChannelFilter.candidates(lay, ctx)
+    costs = [d.cost(lay, ctx) for d in decs if d.check(lay, ctx) is None]
+    assert costs and time.perf_counter() - t0 < 5.0
+    # the segmented allreduce among s = 128 ranks crosses nodes, the 8-rank channel group not
+    c = Channel(128, 8)
+    assert c.partition("c")[1] == list(range(8, 16))
+    assert ctx.level(c.partition("c")[1]) == "intra" and ctx.level(c.partition("s")[0]) == "inter"

@@ -57,6 +57,7 @@ the flat split of N into ``s*pc`` blocks to refine the split into ``s`` blocks (
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -101,18 +102,11 @@ class _WeightGrid(Decomposition):
 
     def group(self, rank: int, vary: str) -> list[int]:
         """Ranks equal to ``rank`` except along the grid axes in ``vary`` ("s", "c", "f")."""
-        s, pc, pf = self.grid()
-        cs, cc, cf = self.coords(rank)
-        out = []
-        for a in (range(s) if "s" in vary else [cs]):
-            for b in (range(pc) if "c" in vary else [cc]):
-                for c in (range(pf) if "f" in vary else [cf]):
-                    out.append(self.rank_of(a, b, c))
-        return sorted(out)
+        return _group(self.grid(), self.coords(rank), vary)
 
     def partition(self, vary: str) -> list[list[int]]:
-        groups = {tuple(self.group(r, vary)) for r in range(self.world())}
-        return [list(g) for g in sorted(groups)]
+        """All groups of ``vary`` (each rank in exactly one), sorted; cached per grid."""
+        return [list(g) for g in _partition(self.grid(), vary)]
 
     def mesh(self) -> Layout:
         s, pc, pf = self.grid()
@@ -363,6 +357,25 @@ class _WeightGrid(Decomposition):
             shape[fo] = -1
             y = y + bias.reshape(shape)
         return y
+
+
+def _group(grid: tuple[int, int, int], coords: tuple[int, int, int], vary: str) -> list[int]:
+    s, pc, pf = grid
+    cs, cc, cf = coords
+    return [(a * pc + b) * pf + c
+            for a in (range(s) if "s" in vary else [cs])
+            for b in (range(pc) if "c" in vary else [cc])
+            for c in (range(pf) if "f" in vary else [cf])]
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition(grid: tuple[int, int, int], vary: str) -> tuple[tuple[int, ...], ...]:
+    """One group per representative (coordinates 0 along ``vary``): O(world) in all."""
+    s, pc, pf = grid
+    reps = [(a, b, c) for a in (range(s) if "s" not in vary else [0])
+            for b in (range(pc) if "c" not in vary else [0])
+            for c in (range(pf) if "f" not in vary else [0])]
+    return tuple(sorted(tuple(_group(grid, r, vary)) for r in reps))
 
 
 def _worst_level(ctx: CostContext, groups: list[list[int]]) -> str:

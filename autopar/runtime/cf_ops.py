@@ -1,12 +1,10 @@
-"""Reduce-scatter and allgather of one tensor dim over a process group, as adjoint pairs.
+"""Reduce-scatter of one tensor dim over a process group, with its adjoint allgather.
 
-Channel and filter parallelism (``autopar.decomp.channel_filter``) need, inside a layer:
+Channel and channel+filter parallelism (``autopar.decomp.channel_filter``) need, inside a layer:
 
 * ``reduce_scatter_dim``: every rank of ``ranks`` holds a partial sum of the same tensor; each
   ends with the SUM of its own slice along ``dim``. Backward: allgather of the output gradient
   (the adjoint of "sum, then keep my slice" is "gather every slice, then give it to everyone").
-* ``all_gather_dim``: every rank holds one slice along ``dim``; each ends with the whole
-  concatenation. Backward: reduce-scatter of the output gradient (the adjoint).
 
 gloo only scatters and gathers along dim 0 into a concatenated buffer of equal chunks
 (see the environment notes), so ``dim`` is moved to the front and uneven slices (``extents``,
@@ -26,7 +24,7 @@ import torch.distributed as dist
 
 from .comm import Comm
 
-# torch >= 2.10 names the dim-0 collectives *_single; older releases *_tensor / *_into_tensor.
+# Newer torch names the dim-0 collectives *_single (the *_tensor names are deprecated there).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -79,17 +77,6 @@ class _ReduceScatterDim(torch.autograd.Function):
         return _ag(dy, *ctx.args), None, None, None, None
 
 
-class _AllGatherDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, comm, ranks, extents):
-        ctx.args = (dim, comm, ranks, extents)
-        return _ag(x, dim, comm, ranks, extents)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _rs(dy, *ctx.args), None, None, None, None
-
-
 def _check(x: torch.Tensor, dim: int, ranks: Sequence[int], extents: Sequence[int], total: int) -> None:
     if len(ranks) != len(extents):
         raise ValueError(f"{len(ranks)} ranks but {len(extents)} slice extents")
@@ -112,16 +99,3 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, comm: Comm, ranks: Sequence[in
     if len(ranks) <= 1:
         return x
     return _ReduceScatterDim.apply(x, dim, comm, ranks, extents)
-
-
-def all_gather_dim(x: torch.Tensor, dim: int, comm: Comm, ranks: Sequence[int],
-                   extents: Sequence[int]) -> torch.Tensor:
-    """Concatenate every rank's slice along ``dim`` (differentiable; backward reduce-scatters)."""
-    ranks, extents = tuple(sorted(ranks)), tuple(int(e) for e in extents)
-    dim = dim % x.dim()
-    if len(ranks) <= 1:
-        return x
-    if x.shape[dim] != extents[ranks.index(comm.rank)]:
-        raise ValueError(f"local slice has extent {x.shape[dim]} along dim {dim}, expected "
-                         f"{extents[ranks.index(comm.rank)]}")
-    return _AllGatherDim.apply(x, dim, comm, ranks, extents)
