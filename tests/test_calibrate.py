@@ -305,6 +305,26 @@ def test_tiny_calibration_end_to_end(tmp_path):
         assert t is not None and 0 < t < 1
     assert prof.samples["collectives"]["allreduce"]["2"][0]["times_s"]
 
+    # exact shapes added later: new ones measured, known ones skipped, file replaced atomically
+    from autopar.calibrate.run import add_exact_shapes
+
+    new = {"op": "conv", "x": [1, 4, 6, 6, 6], "w": [2, 4, 3, 3, 3]}
+    add_exact_shapes(out, specs + [new], progress=lines.append, repeats=2)
+    prof2 = load_profile(out)
+    assert set(prof2.exact) == set(prof.exact) | {shape_key(new)}
+    assert prof2.exact[shape_key(specs[0])] == prof.exact[shape_key(specs[0])]
+    assert [p.name for p in tmp_path.iterdir()] == ["prof.json"]
+
+
+def test_add_exact_shapes_refuses_a_datasheet_profile(tmp_path):
+    from autopar.calibrate.run import add_exact_shapes
+
+    prof = make_profile()
+    prof.provenance["kind"] = "datasheet"
+    save_profile(prof, tmp_path / "d.json")
+    with pytest.raises(CalibrationError, match="datasheet"):
+        add_exact_shapes(tmp_path / "d.json", [{"op": "linear", "x": [2, 2], "w": [2, 2]}])
+
 
 @pytest.mark.dist
 def test_interrupted_calibration_keeps_old_profile(tmp_path, monkeypatch):

@@ -325,3 +325,18 @@ def test_pricing_scales_to_large_worlds():
     c = Channel(128, 8)
     assert c.partition("c")[1] == list(range(8, 16))
     assert ctx.level(c.partition("c")[1]) == "intra" and ctx.level(c.partition("s")[0]) == "inter"
+
+
+def test_batch_norm_statistics_priced_on_the_output_sample_group(profile):
+    """With the shared synthetic Profile (the real API): BN sync over the s ranks that hold
+    the same F shard, sized by the local channels."""
+    lay = make_layer(0, "conv", "x", [8, 32, 8, 8], 64, bn=True, relu=False)
+    ctx = CostContext(profile=profile, world=4, ranks_per_node=4)
+    plain = make_layer(0, "conv", "x", [8, 32, 8, 8], 64, bn=False, relu=False)
+    for d, g, c_loc in ((Channel(2, 2), 2, 32), (Filter(2, 2), 2, 32), (ChannelFilter(1, 2, 2), 2, 32),
+                        (Channel(1, 4), 1, 16)):
+        extra_f = d.cost(lay, ctx).fwd_comm_s - d.cost(plain, ctx).fwd_comm_s
+        extra_b = d.cost(lay, ctx).bwd_comm_s - d.cost(plain, ctx).bwd_comm_s
+        want_f = profile.collective_time_s("allreduce", g, g * (2 * c_loc + 1) * 4) if g > 1 else 0
+        want_b = profile.collective_time_s("allreduce", g, 2 * c_loc * 4) if g > 1 else 0
+        assert extra_f == pytest.approx(want_f) and extra_b == pytest.approx(want_b), d

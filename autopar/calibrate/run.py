@@ -138,11 +138,23 @@ def _check_backend(backend: str, world_size: int) -> str:
     return "cuda"
 
 
-def calibrate(quick: bool, world_size: int, backend: str, out: Path,
+def default_output_path(backend: str = "gloo") -> Path:
+    """``<repo>/calibration/cpu-<cores>core-gloo.json`` (or ``cuda-<gpus>gpu-nccl.json``)."""
+    folder = Path(__file__).resolve().parents[2] / "calibration"
+    if backend == "nccl":
+        import torch
+
+        return folder / f"cuda-{torch.cuda.device_count()}gpu-nccl.json"
+    return folder / f"cpu-{os.cpu_count()}core-{backend}.json"
+
+
+def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
               progress: Callable[[str], None] = print, exact_specs: list | None = None, *,
               sweep: Sweep | None = None, command: str | None = None,
               timeout_s: float = 600.0, start_method: str | None = None) -> Path:
     """Measure this machine and write a profile to ``out`` (atomically, at the very end).
+
+    ``out=None`` means ``default_output_path(backend)`` (calibration/cpu-2core-gloo.json here).
 
     ``sweep`` overrides the QUICK/FULL presets (tests pass ``TINY``); ``command`` is recorded
     in the provenance (default: this process's argv); ``start_method`` defaults to fork for
@@ -151,10 +163,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path,
     from ..runtime.launch import run_ranks
 
     t_start = time.perf_counter()
-    out = Path(out)
     if world_size < 1:
         raise CalibrationError(f"world size must be >= 1, got {world_size}", "use --world-size 2 or more")
     device = _check_backend(backend, world_size)
+    out = Path(out) if out is not None else default_output_path(backend)
     sw = sweep or (QUICK if quick else FULL)
     method = start_method or ("spawn" if device == "cuda" else "fork")
     import torch  # noqa: F401  (imported before forking, so that children start fast)
@@ -275,6 +287,59 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path,
     return out
 
 
+def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] = print,
+                     repeats: int | None = None, timeout_s: float = 600.0) -> Path:
+    """Measure exact layer shapes (``kernels.measure_exact``) into an existing profile.
+
+    Shapes already in the profile are skipped. The profile must have been measured on this
+    machine (a datasheet profile, or one from another host, would mix two machines' numbers:
+    CalibrationError). The updated profile replaces the old one atomically.
+    """
+    from ..runtime.launch import run_ranks
+    from .profile import _CHECKED_FIELDS, load_profile
+
+    path = Path(profile_path)
+    prof = load_profile(path, check_machine=False)
+    backend = prof.fingerprint.get("backend") or "gloo"
+    if prof.provenance.get("kind") != "measured":
+        raise CalibrationError(f"{path} is a {prof.provenance.get('kind')!r} profile: exact shapes "
+                               "measured here would not describe its machine",
+                               "calibrate this machine (`autopar calibrate`) and add shapes to that")
+    here = current_fingerprint(backend)
+    diff = [k for k in _CHECKED_FIELDS if prof.fingerprint.get(k) != here.get(k)]
+    if diff:
+        raise CalibrationError(f"{path} was measured on another machine or software "
+                               f"(differs in {', '.join(diff)}): exact shapes measured here would "
+                               "not match it", "recalibrate this machine first")
+    device = _check_backend(backend, 1)
+    todo, seen = [], set(prof.exact)
+    for spec in specs:
+        key = kernels.shape_key(spec)
+        if key not in seen:
+            seen.add(key)
+            todo.append(spec)
+    if not todo:
+        progress(f"exact shapes: all {len(specs)} already in {path}")
+        return path
+    import torch  # noqa: F401  (before forking)
+
+    reps = repeats or int(prof.provenance.get("sweep", {}).get("exact_repeats", FULL.exact_repeats))
+    t0 = time.perf_counter()
+    progress(f"exact shapes: measuring {len(todo)} new shape(s) ({len(specs) - len(todo)} known)")
+    exact, samples = run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
+                               timeout_s=timeout_s,
+                               start_method="spawn" if device == "cuda" else "fork")[0]
+    prof.exact.update(exact)
+    prof.samples.setdefault("exact", {}).update(samples)
+    prof.provenance.setdefault("exact_added", []).append(
+        {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+         "shapes": len(exact), "repeats": reps})
+    save_profile(prof, path)
+    progress(f"exact shapes: {len(exact)} measured in {time.perf_counter() - t0:.1f} s, "
+             f"written to {path}")
+    return path
+
+
 def main(argv=None) -> int:
     """``python -m autopar.calibrate.run [--quick] [--world-size N] [--backend B] [--out P]``."""
     import argparse
@@ -283,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--backend", default="gloo")
-    ap.add_argument("--out", type=Path, default=Path("calibration/cpu-2core-gloo.json"))
+    ap.add_argument("--out", type=Path, default=None, help="default: calibration/cpu-<cores>core-gloo.json")
     ap.add_argument("--plots", type=Path, default=None, help="also write fit plots to this folder")
     a = ap.parse_args(argv)
     cmd = "python -m autopar.calibrate.run " + " ".join(sys.argv[1:] if argv is None else argv)

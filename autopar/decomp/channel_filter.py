@@ -234,8 +234,10 @@ class _WeightGrid(Decomposition):
                    The allgather of x that Filter / ChannelFilter need (and its backward
                    reduce-scatter) is the incoming edge's transition, priced by
                    ``autopar.decomp.transition``; zero when the producer already holds x so.
-        bn       = per training batch norm: 2 T_allreduce(g_bn, 4 * F_loc) forward and 2 backward,
-                   g_bn = ranks holding the same F shard (s, or s*pc for channel+filter)
+        bn       = per training batch norm (runtime ``sync_batch_norm``) over the G ranks holding
+                   the same F shard (s, or s*pc for channel+filter): forward T_allreduce(G,
+                   4 G (2 F_loc + 1)) (a table of per-rank count, mean, M2), backward
+                   T_allreduce(G, 4 * 2 F_loc); zero when G = 1
         grad     = sum over this rank's gradient groups of T_allreduce(|group|, local shard bytes):
                    the weight's |W|/(pc*pf) among its s replicas; bias and BN parameters
                    (|b|/F_parts) among the ranks with the same F shard. The P_model groups of
@@ -255,15 +257,17 @@ class _WeightGrid(Decomposition):
         y_loc = sh["y"]
         bn_groups = self.partition("s" + ("c" if self.rs_along_batch else ""))
         bn_size, bn_level = len(bn_groups[0]), _worst_level(ctx, bn_groups)
-        bn_comm = 0.0
+        bn_fwd = bn_bwd = 0.0
         for op in layer.ops[1:]:
             f, b, src = prim.op_compute_s(op, [y_loc], y_loc, ctx, itemsize=item)
             fwd, bwd = fwd + f, bwd + b
             sources.add(src)
             saved += prim.saved_bytes(op, [y_loc], y_loc, item)
             if op.kind == BATCH_NORM and bn_size > 1 and op.attrs.get("training", True):
-                bn_comm += 2 * ctx.profile.collective_time_s("allreduce", bn_size,
-                                                             y_loc[1] * 4, bn_level)
+                c_loc = y_loc[1]
+                bn_fwd += ctx.profile.collective_time_s("allreduce", bn_size,
+                                                        bn_size * (2 * c_loc + 1) * 4, bn_level)
+                bn_bwd += ctx.profile.collective_time_s("allreduce", bn_size, 2 * c_loc * 4, bn_level)
         # activation reduce-scatter (forward) and its adjoint allgather (backward)
         pc = self.grid()[1]
         y_part_bytes = math.prod(sh["y_part"]) * item
@@ -285,7 +289,7 @@ class _WeightGrid(Decomposition):
                 grad_bytes_synced += nbytes
         pbytes = float(w_bytes + other_bytes)
         return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd,
-                         fwd_comm_s=fwd_comm + bn_comm, bwd_comm_s=bwd_comm + bn_comm,
+                         fwd_comm_s=fwd_comm + bn_fwd, bwd_comm_s=bwd_comm + bn_bwd,
                          grad_sync_s=grad_s, grad_sync_bytes=grad_bytes_synced,
                          param_bytes=pbytes, grad_bytes=pbytes,
                          optim_bytes=prim.optimizer_bytes(ctx, pbytes),

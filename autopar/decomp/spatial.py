@@ -178,7 +178,8 @@ class Spatial(Decomposition):
         """For each spatial degree s > 1 dividing the world (sample = world / s): the balanced
         factorisation of s over the spatial dims (largest smallest local extent; ties: more
         parts on the outer dim), then all of s on one dim (D, H, W). Listed balanced-first for
-        every s, then single-dim splits; illegal ones dropped; capped at ``ctx.max_candidates``."""
+        every s, then single-dim splits; legal ones first, illegal ones (whose ``check`` names
+        the reason) fill the rest; capped at ``ctx.max_candidates``."""
         k = cls.spatial_rank(layer)
         if k == 0:
             return []
@@ -194,19 +195,17 @@ class Spatial(Decomposition):
             for i in range(k):
                 one = tuple(s if j == i else 1 for j in range(k))
                 tiers[1].append(one)
-        out: list[Decomposition] = []
+        legal: list[Decomposition] = []
+        illegal: list[Decomposition] = []
         seen = set()
         for tier in tiers:
             for f in tier:
                 cand = cls(ctx.world // math.prod(f), f)
-                if cand in seen:
-                    continue
-                seen.add(cand)
-                if cand.check(layer, ctx) is None:
-                    out.append(cand)
-                if len(out) >= ctx.max_candidates:
-                    return out
-        return out
+                if cand not in seen:
+                    seen.add(cand)
+                    (legal if cand.check(layer, ctx) is None else illegal).append(cand)
+        # illegal ones fill any room left, so that the cost table can report why they failed
+        return (legal + illegal)[:ctx.max_candidates]
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
         where = layer.module or layer.name
@@ -416,21 +415,21 @@ class Spatial(Decomposition):
         fwd comm  = sum_window_ops T_halo (``_halo_cost``)             (no overlap: the runtime
                     waits for the halos before computing)
                   + per global pooling: allreduce(N/p_N * C words, spatial group)
-                  + batch norm statistics: 2 allreduces of C words over the data group
+                  + batch norm statistics over the data group of its input (the world for a
+                    spatial input, the sample group after global pooling), by the formula of
+                    ``common.price_replicated_weights``
         bwd comm  = the same: backward-data sends the halo gradients back (same volume),
-                    global pooling's backward allreduces, batch norm's 2 allreduces
+                    global pooling's backward allreduces, batch norm's backward allreduce
         grad      = allreduce(param bytes, world)                                -> grad_sync_s
         memory    = params + grads + optimizer state (whole) + saved activations (windows for
                     conv/pool) + workspace = largest halo send+receive buffers of one op
         """
         lays = self.value_layouts(layer)
         item = layer.itemsize
-        halo_t = 0.0
-        work = 0.0
-        gap_t = 0.0
+        halo_t = work = gap_t = bn_fwd = bn_bwd = 0.0
         shapes: dict[str, tuple[list, list]] = {}
         priced_ops = []
-        bn_spatial = False
+        hook = lambda op, ins, out: shapes[op.name]  # noqa: E731
         for op in layer.ops:
             shapes[op.name] = self._local_shapes(op, lays)
             if op.kind in WINDOW_OPS:
@@ -445,16 +444,23 @@ class Spatial(Decomposition):
                 x = shapes[op.name][0][0]
                 grp = self.layout().split_group(self.spatial_dims, 0, ctx.world)
                 gap_t += prim.allreduce_s(ctx, x[0] * x[1] * item, grp)
-            if op.kind == BATCH_NORM and lays[op.inputs[0]] == self.layout():
-                bn_spatial = True
+            if op.kind == BATCH_NORM:
+                # statistics over the data group of the BN's input layout, priced by the shared
+                # formula of common.price_replicated_weights on that op alone
+                lay = lays[op.inputs[0]]
+                one = Layer(index=layer.index, name=op.name, ops=[op], inputs=list(op.inputs),
+                            output=op.name, module=layer.module)
+                bn = price_replicated_weights(one, lay, ctx, compute_shapes=hook,
+                                              bn_group_size=len(lay.data_group(0, ctx.world)))
+                bn_fwd += bn.fwd_comm_s
+                bn_bwd += bn.bwd_comm_s
             priced_ops.append(op)
         priced = Layer(index=layer.index, name=layer.name, ops=priced_ops, inputs=layer.inputs,
                        output=layer.output, module=layer.module)
-        bn_group = self.sample * math.prod(self.spatial) if bn_spatial else self.sample
         return price_replicated_weights(
-            priced, self.reduced_layout(), ctx, extra_fwd_comm_s=halo_t + gap_t,
-            extra_bwd_comm_s=halo_t + gap_t, workspace_bytes=work, bn_group_size=bn_group,
-            compute_shapes=lambda op, ins, out: shapes[op.name])
+            priced, self.reduced_layout(), ctx, extra_fwd_comm_s=halo_t + gap_t + bn_fwd,
+            extra_bwd_comm_s=halo_t + gap_t + bn_bwd, workspace_bytes=work, bn_group_size=1,
+            compute_shapes=hook)
 
     # ---- runtime ---------------------------------------------------------------------------
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],

@@ -60,6 +60,44 @@ def _child(fn, rank, world, args, backend, port, threads, timeout_s, q):  # prag
     os._exit(0)
 
 
+_COMM_ERROR = ("connection closed", "connection reset", "gloo", "nccl", "timed out", "timeout",
+               "broken pipe", "peer", "socket")
+
+
+def _collect_more(procs, q, results, errors, grace_s: float) -> None:
+    """After a first failure, wait briefly for the other ranks' reports or deaths, so that the
+    root cause (often a rank that died silently) is not hidden by its peers' comm errors."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            rank, status, payload = q.get(timeout=0.1)
+            (results if status == "ok" else errors)[rank] = payload
+        except queue_mod.Empty:
+            pass
+        for r, p in enumerate(procs):
+            if r not in results and r not in errors and p.exitcode not in (None, 0):
+                errors[r] = f"died with exit code {p.exitcode} without reporting"
+        if all(r in results or r in errors for r in range(len(procs))):
+            break
+    for r, p in enumerate(procs):
+        if r not in results and r not in errors and p.is_alive():
+            errors[r] = "hung: still running (no report) when its peers failed waiting for it"
+
+
+def _root_cause(errors: dict[int, str]) -> int:
+    """The failed rank most likely to be the cause: one that died silently or raised something
+    other than a communication error; else the lowest."""
+    def score(r: int) -> tuple[int, int]:
+        msg = errors[r].lower()
+        if "without reporting" in msg or msg.startswith("hung"):
+            return (0, r)
+        if "did not finish" in msg:
+            return (1, r)
+        first = msg.splitlines()[0] if msg else ""
+        return (2 if any(k in first for k in _COMM_ERROR) else 1, r)
+    return min(errors, key=score)
+
+
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo",
               timeout_s: float = 300.0, start_method: str = "fork", threads: int = 1) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return results in rank order.
@@ -107,10 +145,11 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
                     errors.setdefault(r, f"did not finish within {timeout_s:.0f} s (hung or too slow)")
                 break
         if errors:
-            first = min(errors)
+            _collect_more(procs, q, results, errors, grace_s=2.0)
+            first = _root_cause(errors)
             detail = errors[first].strip().splitlines()
             raise RankFailure(
-                f"rank(s) {sorted(errors)} failed; rank {first}: {detail[0] if detail else '?'}",
+                f"rank {first} failed: {detail[0] if detail else '?'}; ranks that stopped: {sorted(errors)}",
                 "all ranks were stopped; rerun with --debug for the traceback" if len(detail) > 1 else
                 "all ranks were stopped")
         return [results[r] for r in range(world)]

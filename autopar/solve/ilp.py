@@ -63,15 +63,22 @@ class Solution:
                 "notes": self.notes}
 
 
+def _new_var(prob, name: str, cat: str = "Continuous", low: float | None = 0):
+    """A variable attached to ``prob`` (PuLP >= 3.3 wants ``add_variable``; older has none)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound=low, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, cat=cat)
+
+
 def _add_variables(prob, table: CostTable):
-    x = {(l, i): pulp.LpVariable(f"x_{l}_{i}", cat="Binary")
+    x = {(l, i): _new_var(prob, f"x_{l}_{i}", cat="Binary", low=None)
          for l, o in enumerate(table.layers) for i in range(len(o.choices))}
     y = {}
     for ei, e in enumerate(table.edges):
         for i in range(len(table.layers[e.src].choices)):
             for j in range(len(table.layers[e.dst].choices)):
-                y[ei, i, j] = pulp.LpVariable(f"y_{ei}_{i}_{j}", lowBound=0)
-    step = pulp.LpVariable("step", lowBound=0)
+                y[ei, i, j] = _new_var(prob, f"y_{ei}_{i}_{j}")
+    step = _new_var(prob, "step")
     return x, y, step
 
 
@@ -96,8 +103,8 @@ def _edge_terms(e, ei, y, which):
 
 def _add_step(prob, table, x, y, step):
     """T_fwd and T_bwd as variables defined by one equality each (sparse rows)."""
-    t_fwd = pulp.LpVariable("T_fwd", lowBound=0)
-    t_bwd = pulp.LpVariable("T_bwd", lowBound=0)
+    t_fwd = _new_var(prob, "T_fwd")
+    t_bwd = _new_var(prob, "T_bwd")
     prob += t_fwd == pulp.lpSum(c.fwd_s * x[l, i] for l, o in enumerate(table.layers)
                                 for i, c in enumerate(o.costs) if c.fwd_s) + \
         pulp.lpSum(t for ei, e in enumerate(table.edges) for t in _edge_terms(e, ei, y, "fwd")), "def_T_fwd"
@@ -121,13 +128,13 @@ def _add_overlap(prob, table, x, y, step, t_fwd):
         terms = [c.bwd_s * x[l, i] for i, c in enumerate(o.costs) if c.bwd_s]
         for ei in edges_into.get(l, []):
             terms.extend(_edge_terms(table.edges[ei], ei, y, "bwd"))
-        s_l = pulp.LpVariable(f"S_{l}", lowBound=0)
+        s_l = _new_var(prob, f"S_{l}")
         prob += s_l == (prev_s if prev_s is not None else 0) + pulp.lpSum(terms), f"suffix_{l}"
         prev_s = s_l
         if not any(c.grad_sync_s > 0 for c in o.costs):
             continue
         ar = pulp.lpSum(c.grad_sync_s * x[l, i] for i, c in enumerate(o.costs) if c.grad_sync_s)
-        f = pulp.LpVariable(f"F_{l}", lowBound=0)
+        f = _new_var(prob, f"F_{l}")
         prob += f >= t_fwd + s_l + ar, f"ready_{l}"
         if prev_f is not None:
             prob += f >= prev_f + ar, f"serial_{l}"
@@ -246,5 +253,5 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     obj = evaluate(table, choice).step_time_s
     return Solution(choice=choice, status=status, sol_status=sol_status, solver=used,
                     time_s=elapsed, gap=gap, objective_s=obj,
-                    num_variables=len(prob.variables()), num_constraints=len(prob.constraints),
+                    num_variables=prob.numVariables(), num_constraints=prob.numConstraints(),
                     notes=notes)
