@@ -12,6 +12,7 @@ spatial extents computes the single-process function.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from .comm import Comm
 
 
+@functools.lru_cache(maxsize=None)
 def resolve_target(target: str):
     """'aten.conv2d.default' -> torch.ops.aten.conv2d.default (only torch.ops namespaces)."""
     parts = target.split(".")
