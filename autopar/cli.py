@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="run folder (default reports/<model>-w<N>-<time>)")
     e.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
     e.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    e.add_argument("--rtol", type=float, default=1e-5)
+    e.add_argument("--rtol", type=float, default=2e-5, help="relative tolerance of validation (of each tensor's max magnitude)")
     e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
     e.set_defaults(fn=cmd_execute)

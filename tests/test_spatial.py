@@ -109,6 +109,10 @@ CASES_W4 = [
     case("N2H2-gap", (2, (2, 1)), X4, [conv(4, 3), ("gap", {})]),
     case("N2W2-mean-keepdim", (2, (1, 2)), X4, [conv(4, 3), ("mean", dict(keepdim=True))]),
     case("HW22-gap-bn-after", (1, (2, 2)), X4, [conv(4, 3, bias=False), ("gap", {}), ("bn", dict(training=True))]),
+    case("N2H2-gap-bn-after", (2, (2, 1)), [4, 3, 9, 8], [conv(4, 3, bias=False), ("gap", {}),
+                                                          ("bn", dict(training=True))]),
+    case("L4-maxpool1d-k3s2p1", (1, (4,)), [2, 3, 19], [("maxpool", dict(k=3, s=2, p=1))]),
+    case("L4-avgpool1d-k3s2p1-nopad", (1, (4,)), [2, 3, 19], [("avgpool", dict(k=3, s=2, p=1, ceil=True, cip=False))]),
 ]
 
 

@@ -211,6 +211,38 @@ class DistModel(nn.Module):
     def full_grads(self) -> dict[str, torch.Tensor]:
         return self._full(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        """Every floating buffer rebuilt in full. A buffer used by an op whose weight is sharded
+        (a channel-sharded batch norm's running stats) is valid only in each rank's slice: the
+        slices are assembled like the weight's shards."""
+        import torch.distributed as dist
+        out = {}
+        world, rank = self.comm.world, self.comm.rank
+        owner: dict[str, ParamShard] = {}
+        for lay in self.graph.layers:
+            dec = self.decisions[lay.index]
+            for op in lay.ops:
+                if op.buffers and "weight" in op.param_names:
+                    sh = dec.param_shard(op, "weight")
+                    for q in op.buffers.values():
+                        owner[q] = sh
+        for q, b in self.bufs.items():
+            if not b.is_floating_point():
+                continue
+            sh = owner.get(q)
+            if sh is None or not sh.dims:
+                out[q] = b.detach().clone()
+                continue
+            full = torch.zeros_like(b)
+            if rank == min(sh.grad_group(rank, world)):
+                bd = sh.local_bounds(b.shape, rank, world)
+                sl = tuple(slice(s, s + e) for s, e in bd)
+                full[sl] = b[sl]
+            if world > 1:
+                dist.all_reduce(full)
+            out[q] = full
+        return out
+
     def _full(self, get: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
         out = {}
