@@ -65,7 +65,10 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
         fl = conv_flops(x, w, out_shape, op.attrs.get("groups", 1))
         wbytes = math.prod(w) * itemsize
         times, sources = [], []
-        key = _shape_key(conv_spec(op, x, w)) if ctx.prefer_exact else None
+        spec = conv_spec(op, x, w)
+        if getattr(ctx, "spec_log", None) is not None:
+            ctx.spec_log.append(spec)
+        key = _shape_key(spec) if ctx.prefer_exact else None
         for phase, cls in zip(PHASES, ("conv_fwd", "conv_bwd_data", "conv_bwd_filter")):
             t = prof.exact_time_s(key, phase) if key else None
             if t is None:
@@ -82,7 +85,10 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
         m = math.prod(x[:-1])
         fl = 2.0 * m * w[0] * w[1]
         by = (m * w[1] + m * w[0] + w[0] * w[1]) * itemsize
-        key = _shape_key(linear_spec(x, w)) if ctx.prefer_exact else None
+        spec = linear_spec(x, w)
+        if getattr(ctx, "spec_log", None) is not None:
+            ctx.spec_log.append(spec)
+        key = _shape_key(spec) if ctx.prefer_exact else None
         tf = prof.exact_time_s(key, "fwd") if key else None
         if tf is not None:
             tbd = prof.exact_time_s(key, "bwd_data") or tf

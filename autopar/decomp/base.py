@@ -115,6 +115,7 @@ class CostContext:
     batch_size: int = 1
     prefer_exact: bool = True
     max_candidates: int = 16
+    spec_log: list | None = None      # when a list, every exact shape the pricing asked for
 
     @property
     def ranks_on_node(self) -> int:

@@ -30,10 +30,13 @@ needed on each side is <= the extent of the neighbour on that side::
     I0(c) - max(a(c), 0)         <= In(c-1)      (lower side; I0, In: input block start, extent)
     min(b(c), n) - (I0(c)+In(c)) <= In(c+1)      (upper side)
 
-Anything else (any kernel, stride, padding incl. asymmetric "same", dilation, remainders) is
-allowed. The fill value is 0 for convolution and average pooling (zero padding), -inf for max
-pooling (torch's implicit padding never wins a max; torch guarantees every window holds a real
-element).
+Anything else is allowed: odd and even kernels, any stride (no alignment of block starts with
+the stride is required; a block may trim part of its own block or take its whole window from a
+neighbour), any dilation, symmetric or asymmetric padding (string "same"), any remainders.
+Dims that are not split run with the op's own padding unless it is asymmetric (then they get an
+explicit window too). The fill value is 0 for convolution and average pooling (zero padding),
+-inf for max pooling (torch's implicit padding never wins a max; torch guarantees every window
+holds a real element); fill positions get no gradient.
 
 Corners and edges
 -----------------
@@ -51,9 +54,12 @@ the boundary of its block; gradients of fill values are dropped; the own part is
 steps' backwards run in reverse order, so corner gradients travel back through both hops.
 
 Communication: ``torch.distributed.batch_isend_irecv`` on the default group with global ranks
-from ``Layout.rank_of`` (neighbours are derived from mesh coordinates, never by hand). There is
-no overlap of interior compute with the exchange: the op waits for the whole window, and the
-cost model (``autopar.decomp.spatial``) prices exchange + compute sequentially.
+from ``Layout.rank_of`` (neighbours are derived from mesh coordinates, never by hand); ranks
+with nothing to exchange in a step issue nothing. Tested with gloo; with NCCL the first
+``batch_isend_irecv`` of a group must involve every rank of the group, so run one collective on
+the default group before the first exchange (untested here: no GPU). There is no overlap of
+interior compute with the exchange: the op waits for the whole window, and the cost model
+(``autopar.decomp.spatial``) prices exchange + compute sequentially.
 """
 
 from __future__ import annotations

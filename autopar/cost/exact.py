@@ -1,0 +1,38 @@
+"""Which exact local shapes a model's plans need measured (issue: exact-shape kernel cache).
+
+Pricing every candidate decomposition of every layer asks the profile for the local
+convolution and linear shapes it would run; recording those requests gives exactly the set to
+measure. ``autopar calibrate --model M`` and ``autopar plan --exact`` measure them into the
+profile, after which the cost model prefers them to the fitted curves and ``plan.json`` says
+per layer which source priced it ("exact", "fit" or "mixed").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | None = None,
+                          ranks_per_node: int | None = None, profile=None,
+                          kinds: list[str] | None = None) -> list[dict]:
+    from ..calibrate.kernels import shape_key
+    from ..decomp.base import CostContext
+    from ..modelfile import load_model_file
+    from ..trace.tracer import trace_model
+    from .table import build_cost_table
+
+    if profile is None:
+        from ..pipeline import load_calibration
+        _, profile = load_calibration(None, check_machine=False)
+    mf = load_model_file(model)
+    batch = batch_size or mf.default_batch_size() or max(8, world_size)
+    graph = trace_model(mf, batch)
+    log: list[dict] = []
+    ctx = CostContext(profile=profile, world=world_size,
+                      ranks_per_node=ranks_per_node or world_size, batch_size=batch,
+                      prefer_exact=False, spec_log=log)
+    build_cost_table(graph, ctx, kinds=kinds, prune=False)
+    seen: dict[str, dict] = {}
+    for spec in log:
+        seen.setdefault(shape_key(spec), spec)
+    return list(seen.values())

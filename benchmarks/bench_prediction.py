@@ -1,0 +1,135 @@
+"""Prediction benchmark: how well does the cost model predict measured step times?
+
+Runs the shipped examples' plans and several forced alternative plans of one model at world 2
+and 4 (gloo, CPU), measures each with ``autopar execute`` (validation included), and prints the
+median and maximum step-time prediction error and the Spearman rank correlation between
+predicted and measured. It also times calibration (``--quick``; ``--full`` too if asked).
+Targets (issue 5): median error <= 10 %, rank correlation >= 0.8, quick calibration <= 60 s,
+full <= 5 min.
+
+    python benchmarks/bench_prediction.py [--calibration PROFILE] [--steps 5] [--full]
+                                          [--refine]   # also re-plan with a profile refined
+                                                       # from the first pass and compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EX = ROOT / "strategies/examples"
+
+# (label, model file, world, batch, kinds or None for all, force {layer: kind} or None)
+CANDIDATES = [
+    ("resnet2d ILP", EX / "resnet2d.py", 2, 16, None, None),
+    ("resnet2d ILP", EX / "resnet2d.py", 4, 16, None, None),
+    ("resnet2d sample-only", EX / "resnet2d.py", 2, 16, ["sample"], None),
+    ("resnet2d replicate-only", EX / "resnet2d.py", 2, 16, ["replicate"], None),
+    ("resnet2d sample-only", EX / "resnet2d.py", 4, 16, ["sample"], None),
+    ("resnet2d channel/filter+sample", EX / "resnet2d.py", 2, 16, ["sample", "channel", "filter"], None),
+    ("resnet2d batch 32 sample-only", EX / "resnet2d.py", 2, 32, ["sample"], None),
+    ("wide_resnet ILP", EX / "wide_resnet.py", 2, 8, None, None),
+    ("wide_resnet sample-only", EX / "wide_resnet.py", 2, 8, ["sample"], None),
+    ("cnn3d ILP", EX / "cnn3d_large.py", 2, 4, None, None),
+    ("cnn3d ILP", EX / "cnn3d_large.py", 4, 4, None, None),
+    ("cnn3d sample-only", EX / "cnn3d_large.py", 4, 4, ["sample"], None),
+]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+    return float(spearmanr(a, b).statistic)
+
+
+def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | None = None) -> list[dict]:
+    from autopar.decomp import REGISTRY
+    from autopar.errors import AutoparError
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.pipeline import make_plan
+    rows = []
+    for i, (label, model, world, batch, kinds, force) in enumerate(CANDIDATES):
+        if only is not None and i not in only:
+            continue
+        if kinds and any(k not in REGISTRY for k in kinds):
+            print(f"  skip {label}: kinds {kinds} not all registered")
+            continue
+        try:
+            r = make_plan(model, world, batch_size=batch, calibration=calibration,
+                          out_dir=tmp / f"{tag}-plan{i}", kinds=kinds, force=force)
+            run, _ = execute(r.plan_path, ExecuteOptions(steps=steps, warmup=2, ddp=False),
+                             out_dir=tmp / f"{tag}-run{i}", progress=lambda s: None)
+        except AutoparError as e:
+            print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
+            continue
+        p, m = run["predicted"]["step_time_s"], run["measured"]["step_time_s"]
+        rows.append({"index": i, "label": label, "world": world, "predicted_s": p, "measured_s": m,
+                     "error": (p - m) / m, "valid": run["validation"]["passed"],
+                     "plan": str(r.plan_path), "run": run})
+        print(f"  {label:<32} world {world}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
+              f"error {100 * (p - m) / m:+6.1f}%  validation {'passed' if run['validation']['passed'] else 'FAILED'}")
+    return rows
+
+
+def summary(rows: list[dict], title: str) -> dict:
+    errs = [abs(r["error"]) for r in rows]
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 2 else float("nan")
+    s = {"candidates": len(rows), "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
+         "spearman": rho}
+    print(f"{title}: {len(rows)} plans; median |error| {100 * s['median_abs_error']:.1f}% "
+          f"(target <= 10%), max |error| {100 * s['max_abs_error']:.1f}%, Spearman rank correlation "
+          f"{rho:.3f} (target >= 0.8)")
+    return s
+
+
+def time_calibration(full: bool, tmp: Path) -> None:
+    from autopar.calibrate.run import calibrate
+    for quick in ([True, False] if full else [True]):
+        t = time.perf_counter()
+        calibrate(quick=quick, world_size=4, backend="gloo", out=tmp / f"cal-{quick}.json", progress=lambda s: None)
+        print(f"calibration {'--quick' if quick else 'full'} at world 4: {time.perf_counter() - t:.1f} s "
+              f"(target {'60 s' if quick else '300 s'})")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calibration", default=str(ROOT / "calibration/cpu-2core-gloo.json"))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--full", action="store_true", help="also time a full calibration")
+    ap.add_argument("--no-calibration-timing", action="store_true")
+    ap.add_argument("--refine", action="store_true", help="refine the profile from the runs and re-predict")
+    ap.add_argument("--json", help="write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        if not args.no_calibration_timing:
+            time_calibration(args.full, tmp)
+        print(f"profile: {args.calibration}")
+        rows = run_all(args.calibration, args.steps, tmp, "a")
+        out["before"] = summary(rows, "prediction (profile as calibrated)")
+        if args.refine:
+            # learn from half the plans, judge on the other half (never on what it learned from)
+            from autopar.calibrate.refine import refine_profile
+            train = [r for r in rows if r["index"] % 2 == 0]
+            held = {r["index"] for r in rows if r["index"] % 2 == 1}
+            refined = tmp / "refined.json"
+            refine_profile([r["run"] for r in train], args.calibration, out=refined,
+                           plans=[r["plan"] for r in train])
+            print(f"refined from {len(train)} runs; re-planning and re-measuring the {len(held)} held-out plans")
+            out["before_heldout"] = summary([r for r in rows if r["index"] in held],
+                                            "held-out plans, profile as calibrated")
+            rows2 = run_all(str(refined), args.steps, tmp, "b", only=held)
+            out["after_refine_heldout"] = summary(rows2, "held-out plans, refined profile")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
