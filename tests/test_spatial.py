@@ -47,6 +47,8 @@ def _conv_grid(dec, x, tag):
 
 # ---- world 2 --------------------------------------------------------------------------------
 X2 = [2, 3, 11, 10]       # odd extents: uneven blocks everywhere
+BN = ("bn", dict(training=True))
+RELU = ("relu", {})
 CASES_W2 = (
     _conv_grid((1, (2, 1)), X2, "H2")
     + _conv_grid((1, (1, 2)), X2, "W2")
@@ -59,7 +61,7 @@ CASES_W2 = (
         case("L2-conv1d-k3", (1, (2,)), [2, 3, 13], [conv(4, 3)]),
         case("D2-conv3d-k3", (1, (2, 1, 1)), [2, 2, 7, 5, 6], [conv(3, 3)]),
         case("W2-conv3d-k3s2", (1, (1, 1, 2)), [2, 2, 5, 6, 9], [conv(3, 3, 2)]),
-        case("H2-conv-bn-relu", (1, (2, 1)), X2, [conv(4, 3, bias=False), ("bn", dict(training=True)), ("relu", {})]),
+        case("H2-conv-bn-relu", (1, (2, 1)), X2, [conv(4, 3, bias=False), BN, RELU]),
         case("W2-bn-eval", (1, (1, 2)), X2, [conv(4, 3), ("bn", dict(training=False))]),
         case("H2-maxpool-k3s2p1", (1, (2, 1)), X2, [conv(4, 3), ("maxpool", dict(k=3, s=2, p=1))]),
         case("W2-maxpool-k2s2", (1, (1, 2)), [2, 3, 8, 11], [("maxpool", dict(k=2, s=2, p=0))]),
@@ -67,7 +69,8 @@ CASES_W2 = (
         case("H2-avgpool-k3s2p1-ceil-nopad", (1, (2, 1)), X2,
              [("avgpool", dict(k=3, s=2, p=1, ceil=True, cip=False))]),
         case("W2-avgpool-k3s1p1", (1, (1, 2)), X2, [("avgpool", dict(k=3, s=1, p=1, ceil=False, cip=True))]),
-        case("W2-avgpool-k2s2-ceil", (1, (1, 2)), X2, [("avgpool", dict(k=2, s=2, p=0, ceil=True, cip=True))]),
+        case("W2-avgpool-k2s2-ceil", (1, (1, 2)), X2,
+             [("avgpool", dict(k=2, s=2, p=0, ceil=True, cip=True))]),
         case("W2-residual", (1, (1, 2)), X2, [conv(3, 3), ("relu", {}), ("add_input", {}), ("relu", {})]),
         case("H2-gap", (1, (2, 1)), X2, [conv(4, 3), ("relu", {}), ("gap", {})]),
         case("W2-mean", (1, (1, 2)), X2, [conv(4, 3), ("mean", dict(keepdim=False))]),
@@ -95,24 +98,23 @@ CASES_W4 = [
     case("HW22-conv3d-k3s2", (1, (1, 2, 2)), X3D, [conv(3, 3, 2)]),
     case("DW22-conv3d-k3d2", (1, (2, 1, 2)), [2, 2, 9, 5, 10], [conv(3, 3, 1, 2)]),
     case("N2D2-conv3d-k3", (2, (2, 1, 1)), X3D, [conv(3, 3)]),
-    case("HW22-conv-bn-relu", (1, (2, 2)), X4, [conv(4, 3, bias=False), ("bn", dict(training=True)), ("relu", {})]),
-    case("N2W2-conv-bn-relu", (2, (1, 2)), X4, [conv(4, 3, bias=False), ("bn", dict(training=True)), ("relu", {})]),
+    case("HW22-conv-bn-relu", (1, (2, 2)), X4, [conv(4, 3, bias=False), BN, RELU]),
+    case("N2W2-conv-bn-relu", (2, (1, 2)), X4, [conv(4, 3, bias=False), BN, RELU]),
     case("DH22-conv3d-bn", (1, (2, 2, 1)), X3D, [conv(3, 3, bias=False), ("bn", dict(training=True))]),
     case("HW22-maxpool-k3s2p1", (1, (2, 2)), X4, [conv(4, 3), ("maxpool", dict(k=3, s=2, p=1))]),
     case("HW22-avgpool-k3s2p1-ceil-nopad", (1, (2, 2)), X4,
          [("avgpool", dict(k=3, s=2, p=1, ceil=True, cip=False))]),
     case("N2H2-avgpool-k2s2", (2, (2, 1)), X4, [("avgpool", dict(k=2, s=2, p=0, ceil=False, cip=True))]),
     case("DH22-maxpool3d-k3s2p1", (1, (2, 2, 1)), X3D, [("maxpool", dict(k=3, s=2, p=1))]),
-    case("HW22-residual", (1, (2, 2)), X4, [conv(3, 3, bias=False), ("bn", dict(training=True)), ("add_input", {}),
-                                             ("relu", {})]),
+    case("HW22-residual", (1, (2, 2)), X4, [conv(3, 3, bias=False), BN, ("add_input", {}), RELU]),
     case("HW22-gap", (1, (2, 2)), X4, [conv(4, 3), ("relu", {}), ("gap", {})]),
     case("N2H2-gap", (2, (2, 1)), X4, [conv(4, 3), ("gap", {})]),
     case("N2W2-mean-keepdim", (2, (1, 2)), X4, [conv(4, 3), ("mean", dict(keepdim=True))]),
-    case("HW22-gap-bn-after", (1, (2, 2)), X4, [conv(4, 3, bias=False), ("gap", {}), ("bn", dict(training=True))]),
-    case("N2H2-gap-bn-after", (2, (2, 1)), [4, 3, 9, 8], [conv(4, 3, bias=False), ("gap", {}),
-                                                          ("bn", dict(training=True))]),
+    case("HW22-gap-bn-after", (1, (2, 2)), X4, [conv(4, 3, bias=False), ("gap", {}), BN]),
+    case("N2H2-gap-bn-after", (2, (2, 1)), [4, 3, 9, 8], [conv(4, 3, bias=False), ("gap", {}), BN]),
     case("L4-maxpool1d-k3s2p1", (1, (4,)), [2, 3, 19], [("maxpool", dict(k=3, s=2, p=1))]),
-    case("L4-avgpool1d-k3s2p1-nopad", (1, (4,)), [2, 3, 19], [("avgpool", dict(k=3, s=2, p=1, ceil=True, cip=False))]),
+    case("L4-avgpool1d-k3s2p1-nopad", (1, (4,)), [2, 3, 19],
+         [("avgpool", dict(k=3, s=2, p=1, ceil=True, cip=False))]),
 ]
 
 

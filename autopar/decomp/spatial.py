@@ -218,8 +218,8 @@ class Spatial(Decomposition):
             return (f"{where}: {self.sample} samples x {'x'.join(map(str, self.spatial))} spatial "
                     f"parts != world size {ctx.world}")
         if self.spatial_rank(layer) != self.k:
-            return (f"{where}: the layer's input has {len(layer.anchor.in_shapes[0]) - 2 if layer.anchor.in_shapes else 0} "
-                    f"spatial dims, the decomposition splits {self.k}")
+            nsp = len(layer.anchor.in_shapes[0]) - 2 if layer.anchor.in_shapes else 0
+            return f"{where}: the layer's input has {nsp} spatial dims, the decomposition splits {self.k}"
         lays = self.value_layouts(layer)
         full = self.layout()
         for op in layer.ops:
@@ -276,7 +276,8 @@ class Spatial(Decomposition):
             nd = len(op.in_shapes[0])
             dims = sorted({int(d) % nd for d in op.attrs.get("dims", [])})
             if x_sp and dims != self.spatial_dims:
-                return f"mean over dims {dims}: only the mean over every spatial dim {self.spatial_dims} is supported"
+                return (f"mean over dims {dims}: only the mean over every spatial dim "
+                        f"{self.spatial_dims} is supported")
             if not x_sp and 0 in dims and self.sample > 1:
                 return "mean over the sample dim of a sample-split tensor"
         elif op.kind == BINARY:
@@ -379,7 +380,8 @@ class Spatial(Decomposition):
                         cc = list(coords)
                         cc[axis] = q
                         nb = n_elems * cross * itemsize
-                        return prof.collective_time_s("p2p", 2, nb, ctx.level([me, full.rank_of(cc, 0, world)]))
+                        level = ctx.level([me, full.rank_of(cc, 0, world)])
+                        return prof.collective_time_s("p2p", 2, nb, level)
 
                     t_send = sum(t(q, ln) for q, _, ln in sends)
                     t_recv = (t(c - 1, lo_len) if lo_len else 0.0) + (t(c + 1, hi_len) if hi_len else 0.0)
