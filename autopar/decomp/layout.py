@@ -89,7 +89,7 @@ class Layout:
         if not self.splits:
             return "R"
         names = {0: "N", 1: "C"}
-        return "x".join(f"{names.get(d, f'd{d}')}{p}" for d, p in self.splits)
+        return "x".join(f"{names.get(d, f'[{d}]')}{p}" for d, p in self.splits)
 
     # ---- rank arithmetic ----------------------------------------------------------------
     def coords(self, rank: int, world: int) -> tuple[tuple[int, ...], int]:

@@ -130,6 +130,9 @@ class DistModel(nn.Module):
         for lay in self.graph.layers:
             partitions.extend(self.decisions[lay.index].partitions(lay, world))
         self.comm.ensure_partitions(partitions)
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # one collective on the default group before any point-to-point (NCCL)
 
         self.gradsync = GradSync(self.comm, [
             (self.params[_safe(q)], tuple(shards.get(q, ParamShard()).grad_group(self.comm.rank, world)))

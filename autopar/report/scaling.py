@@ -1,0 +1,86 @@
+"""The strong-scaling picture: predicted step time against ranks for sample-only,
+spatial-only and the ILP's hybrid plans of one model at a fixed batch (Dryden et al. 2019).
+
+Every point is a plan (no processes): ``make_plan`` with the decomposition kinds restricted.
+A point that cannot be planned (no legal decomposition, or out of memory) is left out and
+listed with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..io import atomic_write_json
+
+FAMILIES = {
+    "sample-only": ["sample", "replicate"],
+    "spatial-only": ["spatial", "replicate"],
+    "hybrid (ILP, all kinds)": None,
+}
+
+
+def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
+          memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
+          families: dict[str, list[str] | None] | None = None) -> dict[str, Any]:
+    from ..errors import AutoparError
+    from ..pipeline import load_calibration, make_plan
+    from ..modelfile import load_model_file
+    from ..trace.tracer import trace_model
+    _, profile = load_calibration(calibration)
+    mf = load_model_file(model)
+    batch = batch_size or mf.default_batch_size() or 8
+    graph = trace_model(mf, batch)   # traced once, planned many times
+    out: dict[str, Any] = {"model": str(model), "batch_size": batch, "worlds": worlds, "series": {}, "skipped": []}
+    for name, kinds in (families or FAMILIES).items():
+        pts = []
+        for w in worlds:
+            try:
+                r = make_plan(model, w, batch_size=batch, profile=profile, calibration=calibration,
+                              kinds=kinds, memory_limit_bytes=memory_limit_bytes, write=False,
+                              ranks_per_node=ranks_per_node, graph=graph)
+                pts.append({"world": w, "step_time_s": r.plan["predicted"]["step_time_s"],
+                            "memory_per_rank_bytes": r.plan["predicted"]["memory_per_rank_bytes"],
+                            "decompositions": sorted({l["choice"] for l in r.plan["layers"]})})
+            except AutoparError as e:
+                out["skipped"].append({"series": name, "world": w, "reason": str(e)})
+        out["series"][name] = pts
+    return out
+
+
+def plot(result: dict[str, Any], png: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name, pts in result["series"].items():
+        if pts:
+            ax.plot([p["world"] for p in pts], [p["step_time_s"] * 1e3 for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(f"strong scaling, {Path(result['model']).stem}, batch {result['batch_size']} (predicted)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def scaling_sweep(args, worlds: list[int], out_dir: Path) -> tuple[Path, list[str]]:
+    """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir."""
+    from ..pipeline import parse_bytes
+    res = sweep(args.model, worlds, args.batch_size, args.calibration,
+                parse_bytes(args.memory_limit), args.ranks_per_node)
+    atomic_write_json(Path(out_dir) / "scaling.json", res)
+    png = plot(res, Path(out_dir) / "scaling.png")
+    rows = []
+    for name, pts in res["series"].items():
+        rows.append(f"{name:<26} " + "  ".join(f"{p['world']}:{p['step_time_s'] * 1e3:.3g}ms" for p in pts))
+    for s in res["skipped"][:8]:
+        rows.append(f"  (not planned: {s['series']} at {s['world']}: {s['reason'][:100]})")
+    return png, rows
