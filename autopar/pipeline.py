@@ -60,7 +60,7 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
               calibration: str | Path | None = None, out_dir: str | Path | None = None,
               memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
               nodes: int | None = None, kinds: list[str] | None = None,
-              time_limit_s: float = 60.0, solver: str = "highs", max_candidates: int = 16,
+              time_limit_s: float = 60.0, solver: str = "highs", max_candidates: int = 10,
               force: dict[int, str] | None = None, write: bool = True,
               progress: Callable[[str], None] | None = None,
               optimizer_state_per_param: float = 1.0, profile=None, graph=None) -> PlanResult:

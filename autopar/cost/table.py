@@ -2,9 +2,9 @@
 
 ``build_cost_table(graph, ctx)`` asks each registered decomposition for its candidates on each
 layer, keeps the legal ones (recording why the others are illegal, for explanations), prices
-them, and prunes each layer to its Pareto front in (time, memory), capped at
-``ctx.max_candidates`` (the cheapest in time first; sample and replicate are always kept so
-that the pure data-parallel plan stays representable). Edges get the transition price between
+them, and prunes each layer to ``ctx.max_candidates`` (``_pareto``: the widest sample split and
+replicate first, so that the pure data-parallel plan stays representable, then the Pareto
+front in (time, memory), then the cheapest in time). Edges get the transition price between
 the producer's output layout and the consumer's input layout for every pair of choices.
 
 ``evaluate(table, choice)`` computes a plan's step time exactly as the ILP models it (the
@@ -68,30 +68,28 @@ def _optimizer_step_s(cost: LayerCost, ctx: CostContext) -> float:
 
 
 def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep_kinds=("sample", "replicate")):
+    """Keep, in this priority, up to ``cap`` choices: the widest sample split and replicate
+    (so the pure data-parallel plan stays representable on every layer), the Pareto front in
+    (time, memory), then the next cheapest in time."""
     def t(c: LayerCost) -> float:
         return c.fwd_s + c.bwd_s + c.grad_sync_s
     order = sorted(range(len(choices)), key=lambda i: (t(costs[i]), costs[i].memory_bytes))
-    front: list[int] = []
-    best_mem = math.inf
-    for i in order:
-        if costs[i].memory_bytes < best_mem - 1e-9:
-            front.append(i)
-            best_mem = costs[i].memory_bytes
-    # the widest sample split and replicate stay representable
+    keep: list[int] = []
     for kind in keep_kinds:
         ks = [i for i in range(len(choices)) if choices[i].kind == kind]
         if ks:
-            widest = max(ks, key=lambda i: getattr(choices[i], "parts", 0))
-            if widest not in front:
-                front.append(widest)
-    # fill with the next-cheapest (transition-friendly alternatives), up to the cap
+            keep.append(max(ks, key=lambda i: getattr(choices[i], "parts", 0)))
+    best_mem = math.inf
     for i in order:
-        if len(front) >= cap:
-            break
-        if i not in front:
-            front.append(i)
-    front = front[:max(cap, 2)]
-    return [choices[i] for i in front], [costs[i] for i in front]
+        if costs[i].memory_bytes < best_mem - 1e-9:
+            best_mem = costs[i].memory_bytes
+            if i not in keep:
+                keep.append(i)
+    for i in order:
+        if i not in keep:
+            keep.append(i)
+    keep = keep[:max(cap, 2)]
+    return [choices[i] for i in keep], [costs[i] for i in keep]
 
 
 def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None,

@@ -114,7 +114,7 @@ class CostContext:
     optimizer_state_per_param: float = 1.0   # SGD with momentum: 1 copy; Adam: 2
     batch_size: int = 1
     prefer_exact: bool = True
-    max_candidates: int = 16
+    max_candidates: int = 10
     spec_log: list | None = None      # when a list, every exact shape the pricing asked for
 
     @property
@@ -122,9 +122,15 @@ class CostContext:
         return max(1, min(self.world, self.ranks_per_node))
 
     def level(self, ranks: Iterable[int]) -> str:
-        ranks = list(ranks)
-        nodes = {r // self.ranks_per_node for r in ranks}
-        return "intra" if len(nodes) <= 1 else "inter"
+        """"intra" when every rank is on one node (nodes hold contiguous rank ranges)."""
+        if isinstance(ranks, range):
+            lo, hi = (ranks.start, ranks[-1]) if len(ranks) else (0, 0)
+        else:
+            ranks = list(ranks)
+            if not ranks:
+                return "intra"
+            lo, hi = min(ranks), max(ranks)
+        return "intra" if lo // self.ranks_per_node == hi // self.ranks_per_node else "inter"
 
 
 class Decomposition:

@@ -104,9 +104,9 @@ class _WeightGrid(Decomposition):
         """Ranks equal to ``rank`` except along the grid axes in ``vary`` ("s", "c", "f")."""
         return _group(self.grid(), self.coords(rank), vary)
 
-    def partition(self, vary: str) -> list[list[int]]:
-        """All groups of ``vary`` (each rank in exactly one), sorted; cached per grid."""
-        return [list(g) for g in _partition(self.grid(), vary)]
+    def partition(self, vary: str) -> tuple[tuple[int, ...], ...]:
+        """All groups of ``vary`` (each rank in exactly one), sorted; cached per grid (read-only)."""
+        return _partition(self.grid(), vary)
 
     def mesh(self) -> Layout:
         s, pc, pf = self.grid()
@@ -159,7 +159,7 @@ class _WeightGrid(Decomposition):
             parts.append(self.partition("c"))
         parts.append(self.partition("s" + ("c" if self.rs_along_batch else "")))
         parts.append(self.partition("s"))
-        return [p for p in parts if any(len(g) > 1 for g in p)]
+        return [[list(g) for g in p] for p in parts if any(len(g) > 1 for g in p)]
 
     # ---- legality -------------------------------------------------------------------------
     def check(self, layer: Layer, ctx: CostContext) -> str | None:

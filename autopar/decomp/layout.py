@@ -18,6 +18,7 @@ remainders are handled wherever a block is at least one element.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -125,13 +126,16 @@ class Layout:
 
     def split_group(self, dims: Iterable[int], rank: int, world: int) -> list[int]:
         """Ranks that differ from ``rank`` only along the splits of tensor ``dims`` (sorted)."""
+        return list(_split_group(self, tuple(sorted(set(dims))), rank, world))
+
+    def _split_group_uncached(self, dims: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
         dims = set(dims)
         axes = [i for i, (d, _) in enumerate(self.splits) if d in dims]
         cs, rep = self.coords(rank, world)
         groups = [list(cs)]
         for a in axes:
             groups = [g[:a] + [c] + g[a + 1:] for g in groups for c in range(self.splits[a][1])]
-        return sorted(self.rank_of(g, rep, world) for g in groups)
+        return tuple(sorted(self.rank_of(g, rep, world) for g in groups))
 
     def data_group(self, rank: int, world: int) -> list[int]:
         """Ranks holding different blocks of the tensor with the same replica index."""
@@ -181,6 +185,12 @@ class Layout:
             if int(shape[d]) < p:
                 return f"dim {d} has extent {shape[d]} < {p} parts"
         return None
+
+
+@functools.lru_cache(maxsize=65536)
+def _split_group(layout: Layout, dims: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
+    """Cached: pricing asks for the same groups many times at large world sizes."""
+    return layout._split_group_uncached(dims, rank, world)
 
 
 def overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
