@@ -47,6 +47,8 @@ def cmd_plan(args) -> int:
         if bad:
             from .errors import AutoparError
             raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY)}")
+    if args.cluster:
+        _read_cluster(args)
     if args.exact:
         _add_exact_shapes(args)
     res = make_plan(args.model, args.world_size, batch_size=args.batch_size,
@@ -63,6 +65,20 @@ def cmd_plan(args) -> int:
             _p(r)
         _p(f"scaling picture written to {png}")
     return 0
+
+
+def _read_cluster(args) -> None:
+    """--cluster FILE: ranks per node and nodes of the cluster to plan for (flags win)."""
+    from .errors import AutoparError
+    from .io import read_json
+    c = read_json(args.cluster, AutoparError, "cluster description")
+    try:
+        rpn, nodes = int(c["ranks_per_node"]), int(c["nodes"])
+    except (KeyError, TypeError, ValueError):
+        raise AutoparError(f"cluster description {args.cluster} needs integer ranks_per_node and nodes",
+                           'write e.g. {"ranks_per_node": 8, "nodes": 128}') from None
+    args.ranks_per_node = args.ranks_per_node or rpn
+    args.nodes = args.nodes or nodes
 
 
 def _add_exact_shapes(args) -> None:
@@ -124,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", help="per-rank memory limit, e.g. 512MiB or 16GiB")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node of the cluster planned for")
     p.add_argument("--nodes", type=int, help="nodes of the cluster planned for")
+    p.add_argument("--cluster", help='cluster description JSON: {"ranks_per_node": R, "nodes": K}')
     p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     p.add_argument("--solver", choices=["highs", "cbc"], default="highs")

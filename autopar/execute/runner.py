@@ -223,6 +223,8 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
         ddp_times = timed(ddp, bx, ddp_loss, lambda: None, opts.steps)
         has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
         baseline = {"ddp_step_times_s": ddp_times, "ddp_step_time_s": statistics.median(ddp_times),
+                    "ddp_allreduce_bytes_per_step": sum(p.numel() * p.element_size()
+                                                        for p in base.parameters() if p.requires_grad),
                     "equivalent": not has_bn,
                     "note": ("torch DDP with local batch-norm statistics (SyncBatchNorm has no CPU "
                              "path): a timing baseline that computes a slightly different function")

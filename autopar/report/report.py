@@ -76,7 +76,13 @@ def run_markdown(run: dict[str, Any], plots: list[Path]) -> str:
     if b:
         lines.append(f"- torch DDP on the same model and batch: {_ms(b['ddp_step_time_s'])}; plan / DDP = "
                      f"{run['ratio_to_ddp']:.3f}x ({b['note']})")
-    lines.append(f"- gradient bytes all-reduced per step per rank: {m['grad_sync_bytes_per_step'] / 2**20:.2f} MiB")
+    gb = m["grad_sync_bytes_per_step"]
+    line = f"- gradient bytes all-reduced per step per rank: {gb / 2**20:.2f} MiB"
+    if b.get("ddp_allreduce_bytes_per_step"):
+        db = b["ddp_allreduce_bytes_per_step"]
+        line += (f" (pure sample parallelism / DDP: {db / 2**20:.2f} MiB; "
+                 f"{db / gb if gb else float('inf'):.2f}x less allreduce volume)")
+    lines.append(line)
     ph = m["phases"]
     lines.append(f"- instrumented step: forward {_ms(ph['fwd_s'])}, backward {_ms(ph['bwd_s'])}, waiting for "
                  f"gradient sync {_ms(ph['grad_sync_wait_s'])}, optimizer {_ms(ph['optimizer_s'])}")
