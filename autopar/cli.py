@@ -20,10 +20,16 @@ def cmd_calibrate(args) -> int:
     from .calibrate.run import calibrate
     out = Path(args.output) if args.output else None
     kw = {}
+    generic = []
     if args.model:
-        kw["exact_specs"] = _exact_specs_for(args)
+        specs = _exact_specs_for(args)
+        kw["exact_specs"] = [s for s in specs if s["op"] in ("conv", "linear")]
+        generic = [s for s in specs if s["op"] == "generic"]
     path = calibrate(quick=args.quick, world_size=args.world_size, backend=args.backend,
                      out=out, progress=_p, **kw)
+    if generic:
+        from .calibrate.exact_ops import add_op_shapes
+        add_op_shapes(path, generic, progress=_p)
     _p(f"profile written to {path}")
     return 0
 
@@ -83,11 +89,13 @@ def _read_cluster(args) -> None:
 
 def _add_exact_shapes(args) -> None:
     """Measure the exact local shapes this plan's candidates need into the profile first."""
+    from .calibrate.exact_ops import add_op_shapes
     from .calibrate.run import add_exact_shapes
     from .pipeline import load_calibration
     specs = _exact_specs_for(args)
     cal_path, _ = load_calibration(args.calibration)
-    add_exact_shapes(cal_path, specs, progress=_p)
+    add_exact_shapes(cal_path, [s for s in specs if s["op"] in ("conv", "linear")], progress=_p)
+    add_op_shapes(cal_path, [s for s in specs if s["op"] == "generic"], progress=_p)
 
 
 def cmd_execute(args) -> int:

@@ -22,8 +22,7 @@ def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | 
     from .table import build_cost_table
 
     if profile is None:
-        from ..pipeline import load_calibration
-        _, profile = load_calibration(None, check_machine=False)
+        profile = _neutral_profile()
     mf = load_model_file(model)
     batch = batch_size or mf.default_batch_size() or max(8, world_size)
     graph = trace_model(mf, batch)
@@ -32,7 +31,19 @@ def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | 
                       ranks_per_node=ranks_per_node or world_size, batch_size=batch,
                       prefer_exact=False, spec_log=log)
     build_cost_table(graph, ctx, kinds=kinds, prune=False)
+    from ..calibrate.exact_ops import op_key
     seen: dict[str, dict] = {}
     for spec in log:
-        seen.setdefault(shape_key(spec), spec)
+        seen.setdefault(op_key(spec) if spec["op"] == "generic" else shape_key(spec), spec)
     return list(seen.values())
+
+
+def _neutral_profile():
+    """Round numbers: which shapes are asked for does not depend on the timings (pricing runs
+    unpruned), so enumeration needs no calibrated profile."""
+    from ..calibrate.profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile
+    kernels = {c: {"t0_s": 1e-6, "s_per_flop": 1e-10, "s_per_byte": 1e-10} for c in OP_CLASSES}
+    coll = {k: {lvl: {"2": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}} for lvl in ("intra", "inter")}
+            for k in COLLECTIVES}
+    return Profile(schema=PROFILE_SCHEMA, fingerprint={}, provenance={"kind": "neutral"},
+                   topology={"ranks_per_node": 1, "nodes": 1}, kernels=kernels, collectives=coll)

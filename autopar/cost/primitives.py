@@ -11,6 +11,11 @@ prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M
 forward and each of the two backward matmuls; elementwise, norm and pool are priced by bytes
 moved (inputs + output, times 2 in backward). Views cost nothing.
 
+Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
+``runtime_op``, ``calibrate.overhead``): a third in forward, two thirds in backward. Ops other
+than convolutions and linear layers are priced from exact measurements of their local shape
+when the profile has them (``calibrate.exact_ops``), like convolutions.
+
 Saved activations (what autograd keeps for backward, per op): convolution, linear, batch norm,
 pooling and multiplications keep their inputs; activations keep their output; additions, views
 and dropout with p = 0 keep nothing. This is the ``activation_bytes`` term of every layer.
@@ -78,7 +83,8 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
             times.append(t)
             sources.append(src)
         src = sources[0] if len(set(sources)) == 1 else "mixed"
-        return times[0] * slow, (times[1] + times[2]) * slow, src
+        over = _runtime_overhead_s(prof)
+        return (times[0] + over / 3) * slow, (times[1] + times[2] + 2 * over / 3) * slow, src
     if op.kind == LINEAR:
         w = list(w_shape if w_shape is not None else op.params["weight"])
         x = in_shapes[0]
@@ -93,15 +99,34 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
         if tf is not None:
             tbd = prof.exact_time_s(key, "bwd_data") or tf
             tbf = prof.exact_time_s(key, "bwd_filter") or tf
-            return tf * slow, (tbd + tbf) * slow, "exact"
+            over = _runtime_overhead_s(prof)
+            return (tf + over / 3) * slow, (tbd + tbf + 2 * over / 3) * slow, "exact"
+        over = _runtime_overhead_s(prof)
         t = prof.kernel_time_s("matmul", fl, by)
-        return t * slow, 2 * t * slow, "fit"
+        return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
     if op.kind in (VIEW, FLATTEN):
         return 0.0, 0.0, "fit"
+    over = _runtime_overhead_s(prof)
+    from ..calibrate.exact_ops import op_key, op_spec
+    spec = op_spec(op, in_shapes, out_shape)
+    if spec is not None:
+        if getattr(ctx, "spec_log", None) is not None:
+            ctx.spec_log.append(spec)
+        if ctx.prefer_exact and getattr(prof, "exact", None):
+            key = op_key(spec)
+            tf, tb = prof.exact_time_s(key, "fwd"), prof.exact_time_s(key, "bwd_data")
+            if tf is not None and tb is not None:
+                return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
     cls = {BATCH_NORM: "norm", POOL: "pool", ADAPTIVE_POOL: "pool"}.get(op.kind, "elementwise")
     flops = {BATCH_NORM: 8.0, UNARY: 1.0, BINARY: 1.0}.get(op.kind, 1.0) * out_numel
     t = prof.kernel_time_s(cls, flops, in_bytes + out_bytes)
-    return t * slow, 2 * t * slow, "fit"
+    return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
+
+
+def _runtime_overhead_s(prof) -> float:
+    """The runtime's own work per op (``calibrate.overhead``), 0 when the profile has none."""
+    k = prof.kernels.get("runtime_op") if isinstance(getattr(prof, "kernels", None), dict) else None
+    return float(k["t0_s"]) if k else 0.0
 
 
 def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],

@@ -1,0 +1,122 @@
+"""Exact local shapes of every other op (batch norm, pooling, activations, additions...).
+
+Convolutions and linear layers have their exact-shape measurements in ``kernels.measure_exact``.
+On a CPU the rest of a layer (a max-pool backward, a batch norm over a large activation) is
+just as hard to fit with one linear model per op class, so the same idea is applied to them:
+the spec of an op is its traced ``OpSpec`` with the *local* shapes a decomposition gives it,
+the key is a canonical string of that, and the measurement runs the op exactly as the runtime
+does (``runtime.ops.call_local``) on random tensors: forward, then backward with a random
+output gradient. Stored in ``profile.exact[key]`` as ``{"fwd": s, "bwd_data": s}`` (the whole
+backward under ``bwd_data``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+SKIP_KINDS = ("view", "flatten", "conv", "linear")
+
+
+def op_spec(op, in_shapes, out_shape) -> dict | None:
+    """The spec of ``op`` run on local ``in_shapes`` -> ``out_shape`` (None: not measured)."""
+    if op.kind in SKIP_KINDS or op.kind == "other":
+        return None
+    params = {}
+    for role, shape in op.params.items():
+        params[role] = [int(in_shapes[0][1])] if op.kind == "batch_norm" else list(shape)
+    return {"op": "generic", "kind": op.kind, "target": op.target, "args": op.args, "kwargs": op.kwargs,
+            "inputs": list(op.inputs), "in_shapes": [list(map(int, s)) for s in in_shapes],
+            "out_shape": list(map(int, out_shape)), "params": params, "param_names": op.param_names,
+            "buffers": op.buffers, "dtype": op.dtype, "attrs": op.attrs}
+
+
+def op_key(spec: dict) -> str:
+    """Canonical key: target, local shapes, attributes, and the non-tensor arguments."""
+    def strip(a):
+        if isinstance(a, dict) and len(a) == 1 and next(iter(a)) in ("v", "p", "b"):
+            return next(iter(a))
+        if isinstance(a, list):
+            return [strip(x) for x in a]
+        return a
+    shapes = ";".join("x".join(map(str, s)) for s in spec["in_shapes"])
+    extra = json.dumps({"args": strip(spec["args"]), "kwargs": strip(spec["kwargs"])},
+                       sort_keys=True, separators=(",", ":"), default=str)
+    return f"op {spec['target']} in={shapes} out={'x'.join(map(str, spec['out_shape']))} {extra}"
+
+
+def _build(spec: dict):
+    import torch
+    from ..decomp.ir import OpSpec
+    op = OpSpec(name="y", kind=spec["kind"], target=spec["target"], args=spec["args"], kwargs=spec["kwargs"],
+                out_shape=spec["out_shape"], dtype=spec["dtype"], inputs=spec["inputs"],
+                in_shapes=spec["in_shapes"], params=spec["params"], param_names=spec["param_names"],
+                buffers=spec["buffers"], attrs=spec["attrs"])
+    gen = torch.Generator().manual_seed(0)
+    ins = [torch.randn(s, generator=gen).requires_grad_() for s in spec["in_shapes"]]
+    params = {q: torch.randn(op.params[r], generator=gen).requires_grad_() for r, q in op.param_names.items()}
+    c = spec["in_shapes"][0][1] if len(spec["in_shapes"][0]) > 1 else 1
+    buffers = {q: (torch.zeros(c) if "mean" in r else torch.ones(c)) for r, q in op.buffers.items()}
+    return op, ins, params, buffers
+
+
+def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2) -> dict[str, dict[str, float]]:
+    """Median forward and backward time of each op spec (one thread, as ranks run)."""
+    import torch
+    from ..runtime.ops import call_local
+    out: dict[str, dict[str, float]] = {}
+    for spec in specs:
+        key = op_key(spec)
+        if key in out:
+            continue
+        op, ins, params, buffers = _build(spec)
+        y = call_local(op, ins, params, buffers)
+        g = torch.randn_like(y)
+        fwd, bwd = [], []
+        for i in range(warmup + repeats):
+            t = time.perf_counter()
+            y = call_local(op, ins, params, buffers)
+            t1 = time.perf_counter()
+            if y.requires_grad:
+                y.backward(g)
+            t2 = time.perf_counter()
+            for x in list(ins) + list(params.values()):
+                x.grad = None
+            if i >= warmup:
+                fwd.append(t1 - t)
+                bwd.append(t2 - t1)
+        out[key] = {"fwd": statistics.median(fwd), "bwd_data": statistics.median(bwd)}
+    return out
+
+
+def _measure_rank(rank, world, specs, repeats):
+    return measure_ops(specs, repeats)
+
+
+def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callable[[str], None] = print,
+                  repeats: int = 10) -> Path:
+    """Measure the generic op specs not yet in the profile (in a fresh one-thread process, as
+    the ranks run) and write the profile back atomically."""
+    from ..runtime.launch import run_ranks
+    from .profile import load_profile, save_profile
+    path = Path(profile_path)
+    prof = load_profile(path, check_machine=False)
+    todo, seen = [], set(prof.exact)
+    for s in specs:
+        k = op_key(s)
+        if k not in seen:
+            seen.add(k)
+            todo.append(s)
+    if not todo:
+        progress(f"exact ops: all {len(specs)} already in {path}")
+        return path
+    import torch  # noqa: F401  (before forking)
+    t0 = time.perf_counter()
+    res = run_ranks(_measure_rank, 1, (todo, repeats), timeout_s=900)[0]
+    prof.exact.update(res)
+    save_profile(prof, path)
+    progress(f"exact ops: {len(res)} op shape(s) measured in {time.perf_counter() - t0:.1f} s, written to {path}")
+    return path
