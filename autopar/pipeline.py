@@ -53,7 +53,10 @@ def load_calibration(path: str | Path | None, check_machine: bool = True):
     from .calibrate.profile import default_profile_path, load_profile
     if path is None:
         path = default_profile_path()
-    return Path(path), load_profile(path, check_machine=check_machine)
+    prof = load_profile(path, check_machine=False)
+    if check_machine and prof.provenance.get("kind") == "measured":
+        prof = load_profile(path, check_machine=True)  # warns, naming the fields that differ
+    return Path(path), prof
 
 
 def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = None,
@@ -63,7 +66,8 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
               time_limit_s: float = 60.0, solver: str = "highs", max_candidates: int = 10,
               force: dict[int, str] | None = None, write: bool = True,
               progress: Callable[[str], None] | None = None,
-              optimizer_state_per_param: float = 1.0, profile=None, graph=None) -> PlanResult:
+              optimizer_state_per_param: float = 1.0, profile=None, graph=None,
+              choice_filter=None) -> PlanResult:
     """Plan ``model_file`` for ``world_size`` ranks. ``force`` maps layer index -> str of a
     decomposition to pin (for forced alternative plans in benchmarks)."""
     from .codegen.generate import generate_module
@@ -102,7 +106,7 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
                       optimizer_state_per_param=optimizer_state_per_param, batch_size=batch_size,
                       max_candidates=max_candidates)
     t = time.perf_counter()
-    table = build_cost_table(graph, ctx, kinds=kinds)
+    table = build_cost_table(graph, ctx, kinds=kinds, choice_filter=choice_filter)
     if force:
         _pin(table, force)
     timings["cost_s"] = time.perf_counter() - t

@@ -46,7 +46,7 @@ class Sweep:
     kernel_max_numel: int = 1 << 23     # cap on elements of the largest operand(s)
     kernel_budget_s: float = 0.25       # max time per size (slow kernels get fewer repeats)
     message_sizes: tuple = tuple(4 ** i for i in range(1, 13))   # 4 B .. 16 MiB
-    coll_repeats: int = 41
+    coll_repeats: int = 61
     coll_warmup: int = 2
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
     exact_repeats: int = 11
@@ -55,10 +55,12 @@ class Sweep:
 
 
 FULL = Sweep()
-QUICK = Sweep(kernel_configs=20, kernel_repeats=5, kernel_warmup=1, kernel_max_flops=2e8,
+QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_flops=2e8,
               kernel_max_numel=1 << 21, kernel_budget_s=0.06,
-              message_sizes=tuple(4 ** i for i in range(1, 11)),   # 4 B .. 1 MiB
-              coll_repeats=11, coll_warmup=1, slowdown_window_s=0.6,
+              # fewer sizes, but up to 16 MiB: on an oversubscribed node everything below
+              # ~1 MiB is latency, and beta needs the large messages to be identifiable
+              message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
+              coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
               exact_repeats=5)
 TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
              conv_min_flops=1e5,

@@ -93,7 +93,7 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep
 
 
 def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None,
-                  prune: bool = True) -> LayerOptions:
+                  prune: bool = True, choice_filter=None) -> LayerOptions:
     choices: list[Decomposition] = []
     costs: list[LayerCost] = []
     illegal: dict[str, str] = {}
@@ -101,6 +101,8 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
         if kinds is not None and kind not in kinds:
             continue
         for dec in cls.candidates(layer, ctx):
+            if choice_filter is not None and not choice_filter(dec):
+                continue
             why = dec.check(layer, ctx)
             if why:
                 illegal[str(dec)] = why
@@ -115,9 +117,11 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
 
 
 def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] | None = None,
-                     prune: bool = True) -> CostTable:
+                     prune: bool = True, choice_filter=None) -> CostTable:
+    """``kinds`` restricts the decomposition kinds; ``choice_filter(dec) -> bool`` drops
+    individual candidates (e.g. spatial splits with a sample factor, for a spatial-only plan)."""
     from ..errors import IllegalDecomposition
-    opts = [layer_options(lay, ctx, kinds, prune) for lay in graph.layers]
+    opts = [layer_options(lay, ctx, kinds, prune, choice_filter) for lay in graph.layers]
     for o in opts:
         if not o.choices:
             reasons = "; ".join(f"{k}: {v}" for k, v in list(o.illegal.items())[:4])

@@ -14,16 +14,21 @@ from typing import Any
 
 from ..io import atomic_write_json
 
+def _pure_spatial(dec) -> bool:
+    return dec.kind != "spatial" or getattr(dec, "sample", 1) == 1
+
+
+# name -> (decomposition kinds, candidate filter)
 FAMILIES = {
-    "sample-only": ["sample", "replicate"],
-    "spatial-only": ["spatial", "replicate"],
-    "hybrid (ILP, all kinds)": None,
+    "sample-only": (["sample", "replicate"], None),
+    "spatial-only": (["spatial", "replicate"], _pure_spatial),
+    "hybrid (ILP, all kinds)": (None, None),
 }
 
 
 def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
           memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
-          families: dict[str, list[str] | None] | None = None) -> dict[str, Any]:
+          families: dict | None = None) -> dict[str, Any]:
     from ..errors import AutoparError
     from ..pipeline import load_calibration, make_plan
     from ..modelfile import load_model_file
@@ -33,13 +38,13 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
     batch = batch_size or mf.default_batch_size() or 8
     graph = trace_model(mf, batch)   # traced once, planned many times
     out: dict[str, Any] = {"model": str(model), "batch_size": batch, "worlds": worlds, "series": {}, "skipped": []}
-    for name, kinds in (families or FAMILIES).items():
+    for name, (kinds, keep) in (families or FAMILIES).items():
         pts = []
         for w in worlds:
             try:
                 r = make_plan(model, w, batch_size=batch, profile=profile, calibration=calibration,
                               kinds=kinds, memory_limit_bytes=memory_limit_bytes, write=False,
-                              ranks_per_node=ranks_per_node, graph=graph)
+                              ranks_per_node=ranks_per_node, graph=graph, choice_filter=keep)
                 pts.append({"world": w, "step_time_s": r.plan["predicted"]["step_time_s"],
                             "memory_per_rank_bytes": r.plan["predicted"]["memory_per_rank_bytes"],
                             "decompositions": sorted({l["choice"] for l in r.plan["layers"]})})
