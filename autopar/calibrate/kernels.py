@@ -208,7 +208,10 @@ def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: in
             if matmul_features(m, k, o)[0] <= max_flops and m * k + k * o + m * o <= max_numel:
                 cfg = {"m": m, "k": k, "o": o}
         elif base == "elementwise":
-            cfg = {"kind": rng.choice(["relu", "add"]), "numel": min(pow2(10, 24), max_numel)}
+            # log-uniform from 16K elements (below that it is all t0) to the cap; not only
+            # powers of two, so that the sweep has as many distinct sizes as asked for
+            numel = min(1024 * round(2 ** rng.uniform(4, 15)), max_numel)
+            cfg = {"kind": rng.choice(["relu", "add"]), "numel": numel}
         elif base == "norm":
             n, c, h = pow2(0, 4), pow2(1, 7), pow2(2, 7)
             if n * c * h * h <= max_numel:
