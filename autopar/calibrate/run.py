@@ -122,6 +122,11 @@ def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
 
 # ---- driver -------------------------------------------------------------------------------
 
+def _overhead_rank(rank, world, prof):
+    from .overhead import measure_runtime_overhead_s
+    return measure_runtime_overhead_s(profile=prof)
+
+
 def _check_backend(backend: str, world_size: int) -> str:
     """Return the device for ``backend``; CalibrationError if it cannot run here."""
     if backend == "gloo":
@@ -284,6 +289,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
+    from .overhead import add_runtime_overhead
+    overhead_s = launch(_overhead_rank, 1, (prof,))[0]
+    add_runtime_overhead(prof, overhead_s)
+    progress(f"{stamp()} runtime per-op cost beyond the kernel model: {overhead_s * 1e6:.1f} us")
     save_profile(prof, out)
     progress(f"{stamp()} wrote {out} (calibration took {elapsed:.1f} s)")
     return out

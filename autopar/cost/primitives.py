@@ -8,8 +8,9 @@ Compute of one op on a local shape (the slowest rank holds block 0, the largest)
 
 FLOPs (per phase, multiply-add = 2): convolution ``2 * N * F * prod(out_spatial) * C/g *
 prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M * K * O`` for
-forward and each of the two backward matmuls; elementwise, norm and pool are priced by bytes
-moved (inputs + output, times 2 in backward). Views cost nothing.
+forward and each of the two backward matmuls; elementwise and norm by their output elements
+and bytes moved, pooling by output elements x window size (as the calibrator counts them);
+backward is priced at twice forward. Views cost nothing.
 
 Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
 ``runtime_op``, ``calibrate.overhead``): a third in forward, two thirds in backward. Ops other
@@ -119,6 +120,10 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
                 return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
     cls = {BATCH_NORM: "norm", POOL: "pool", ADAPTIVE_POOL: "pool"}.get(op.kind, "elementwise")
     flops = {BATCH_NORM: 8.0, UNARY: 1.0, BINARY: 1.0}.get(op.kind, 1.0) * out_numel
+    if op.kind == POOL:   # the calibrator counts one flop per window element
+        flops = out_numel * math.prod(op.attrs.get("kernel", [1]))
+    elif op.kind == ADAPTIVE_POOL:
+        flops = float(sum(math.prod(s) for s in in_shapes))
     t = prof.kernel_time_s(cls, flops, in_bytes + out_bytes)
     return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
 
