@@ -102,10 +102,11 @@ def cmd_execute(args) -> int:
     from .execute.runner import ExecuteOptions, execute
     opts = ExecuteOptions(steps=args.steps, warmup=args.warmup, seed=args.seed,
                           timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
-                          rtol=args.rtol)
+                          rtol=args.rtol, validate_dtype=args.validate_dtype)
     run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
     m, p = run["measured"]["step_time_s"], run["predicted"]["step_time_s"]
-    _p(f"validation PASSED ({run['validation']['checked']} tensors within rtol {opts.rtol:g})")
+    _p(f"validation PASSED ({run['validation']['checked']} tensors in {opts.validate_dtype} within rtol "
+       f"{opts.tolerances()[0]:g} of one process)")
     _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
        f"{100 * run['prediction_error']:+.1f}%")
     if run.get("baseline"):
@@ -164,7 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", help="run folder (default reports/<model>-w<N>-<time>)")
     e.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run is stopped")
     e.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    e.add_argument("--rtol", type=float, default=2e-5, help="relative tolerance of validation (of each tensor's max magnitude)")
+    e.add_argument("--validate-dtype", choices=["float64", "float32"], default="float64",
+                   help="dtype of the validation step (timing always runs float32)")
+    e.add_argument("--rtol", type=float, default=None,
+                   help="relative tolerance of validation, of each tensor's max magnitude "
+                        "(default 1e-9 in float64, 2e-5 in float32)")
     e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
     e.set_defaults(fn=cmd_execute)

@@ -54,7 +54,8 @@ class ModelFile:
 def default_loss(output, target=None):
     import torch.nn.functional as F
     if target is None:
-        return output.float().pow(2).mean()
+        out = output if output.is_floating_point() else output.float()
+        return out.pow(2).mean()
     if not target.dtype.is_floating_point and output.dim() == 2:
         return F.cross_entropy(output, target)
     return F.mse_loss(output, target)

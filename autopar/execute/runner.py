@@ -3,12 +3,14 @@
 For each rank (fresh processes, gloo on CPU / NCCL on GPU):
 
 1. build the user's model with the plan's seed and the generated module's ``PlannedModel``;
-2. **validation step**: the same synthetic batch on every rank, sliced to the input layout;
+2. **validation step** (float64 by default, the model and batch converted): the same synthetic
+   batch on every rank, sliced to the input layout;
    forward, the local loss share, backward, gradient sync; assemble the output, the loss, the
    input gradients and every parameter gradient, then one SGD-with-momentum step and every
    parameter after it; rank 0 computes the same with the single-process model and compares
-   (``max|a-b| <= rtol * max|b| + atol`` per tensor, fp32 defaults rtol 2e-5, atol 1e-7: float32 summed in another order differs by a few 1e-6 of the largest magnitude);
-3. **timing**: ``warmup`` + ``steps`` training steps, each fenced by a barrier and taken as
+   (``max|a-b| <= rtol * max|b| + atol`` per tensor; ``DEFAULT_TOL``: float64 rtol 1e-9, float32
+   rtol 2e-5);
+3. **timing** (float32, a fresh copy of the model): ``warmup`` + ``steps`` training steps, each fenced by a barrier and taken as
    the slowest rank's wall time; one more instrumented step gives per-layer times;
 4. **baseline**: torch DDP on the same model and batch (samples split over the world), timed
    the same way in the same processes.
@@ -33,6 +35,11 @@ from ..errors import PlanFileError, ValidationFailed
 from ..io import atomic_write_json, read_json, sha256_file
 
 RUN_SCHEMA = "autopar.run/1"
+#: (rtol, atol) of each tensor's max magnitude. In float64 a decomposition must agree to
+#: rounding (it is the same function); in float32 a ReLU whose input sits within rounding of 0
+#: can flip, so ill-conditioned models differ by more than rounding: validate in float64 by
+#: default and time in float32.
+DEFAULT_TOL = {"float64": (1e-9, 1e-12), "float32": (2e-5, 1e-7)}
 
 
 @dataclass
@@ -42,8 +49,13 @@ class ExecuteOptions:
     seed: int = 0
     lr: float = 0.01
     momentum: float = 0.9
-    rtol: float = 2e-5
-    atol: float = 1e-7
+    validate_dtype: str = "float64"
+    rtol: float | None = None      # default by dtype: float64 1e-9, float32 2e-5
+    atol: float | None = None      # default by dtype: float64 1e-12, float32 1e-7
+
+    def tolerances(self) -> tuple[float, float]:
+        rt, at = DEFAULT_TOL[self.validate_dtype]
+        return (self.rtol if self.rtol is not None else rt, self.atol if self.atol is not None else at)
     timeout_s: float = 600.0
     ddp: bool = True
     backend: str = "gloo"
@@ -83,14 +95,23 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
     gen = _import_generated(Path(module_path))
     comm = Comm.from_env()
     device = comm.device
-    mf, model = build_user_model(plan, plan_path, opts.seed)
-    model.to(device)
-    dm = gen.PlannedModel(plan, model, comm)
-    dm.train()
+    vdt = getattr(torch, opts.validate_dtype)
+    rtol, atol = opts.tolerances()
+
+    def make(dtype):
+        mf_, model_ = build_user_model(plan, plan_path, opts.seed)
+        model_.to(device=device, dtype=dtype)
+        dm_ = gen.PlannedModel(plan, model_, comm)
+        dm_.train()
+        return mf_, dm_
+
+    mf, dm = make(vdt)
     batch = int(plan["model"]["batch_size"])
-    xs, ys = synthetic_batch(mf, batch, opts.seed + 1)
-    xs = [x.to(device) for x in xs]
+    xs32, ys = synthetic_batch(mf, batch, opts.seed + 1)
+    xs = [x.to(device=device, dtype=vdt) if x.is_floating_point() else x.to(device) for x in xs32]
     ys = ys.to(device) if ys is not None else None
+    if ys is not None and ys.is_floating_point():
+        ys = ys.to(vdt)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     loss_fn = mf.loss_fn()
 
@@ -122,30 +143,37 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
     checks: list[dict[str, Any]] = []
     if rank == 0:
         torch.manual_seed(opts.seed)
-        ref = mf.build_model().to(device)
+        ref = mf.build_model().to(device=device, dtype=vdt)
         ref.train()
         rx = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
         rout = ref(*rx)
         rloss = loss_fn(rout, ys) if ys is not None else loss_fn(rout)
         rloss.backward()
-        checks.append(_compare("output", out_full, rout, opts.rtol, opts.atol))
-        checks.append(_compare("loss", loss_t.reshape(()), rloss, opts.rtol, opts.atol))
+        checks.append(_compare("output", out_full, rout, rtol, atol))
+        checks.append(_compare("loss", loss_t.reshape(()), rloss, rtol, atol))
         for gi, x in zip(dm.graph.inputs, rx):
             if x.grad is not None and gi.name in in_grads:
-                checks.append(_compare(f"input_grad:{gi.name}", in_grads[gi.name], x.grad, opts.rtol, opts.atol))
+                checks.append(_compare(f"input_grad:{gi.name}", in_grads[gi.name], x.grad, rtol, atol))
         for name, p in ref.named_parameters():
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            checks.append(_compare(f"grad:{name}", grads[name], g, opts.rtol, opts.atol))
+            checks.append(_compare(f"grad:{name}", grads[name], g, rtol, atol))
         ropt = torch.optim.SGD(ref.parameters(), lr=opts.lr, momentum=opts.momentum)
         ropt.step()
         for name, p in ref.named_parameters():
-            checks.append(_compare(f"param_after_step:{name}", after[name], p, opts.rtol, opts.atol))
+            checks.append(_compare(f"param_after_step:{name}", after[name], p, rtol, atol))
         for name, b in ref.named_buffers():
             if b.is_floating_point() and name in full_bufs:
-                checks.append(_compare(f"buffer:{name}", full_bufs[name], b, opts.rtol, opts.atol))
+                checks.append(_compare(f"buffer:{name}", full_bufs[name], b, rtol, atol))
     barrier()
 
-    # ---- 2. timing ------------------------------------------------------------------------
+    # ---- 2. timing (float32, fresh model) ---------------------------------------------------
+    if vdt != torch.float32:
+        mf, dm = make(torch.float32)
+        xs = [x.to(device) for x in xs32]
+        ys = ys.to(torch.float32) if (ys is not None and ys.is_floating_point()) else ys
+        opt = torch.optim.SGD(dm.parameters(), lr=opts.lr, momentum=opts.momentum)
+        local = dm.shard_inputs(xs)
+
     def step_once(model, inputs, loss_of, finish):
         opt_.zero_grad(set_to_none=True)
         o = model(*inputs)
@@ -288,7 +316,8 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
         "batch_size": plan["model"]["batch_size"],
         "options": asdict(opts),
         "decompositions": sorted({l["choice"] for l in plan["layers"]}),
-        "validation": {"passed": not failures, "rtol": opts.rtol, "atol": opts.atol,
+        "validation": {"passed": not failures, "dtype": opts.validate_dtype,
+                       "rtol": opts.tolerances()[0], "atol": opts.tolerances()[1],
                        "rule": "max|a-b| <= rtol*max|ref| + atol per tensor",
                        "checked": len(checks), "failures": failures, "checks": checks},
         "measured": {"step_time_s": measured, "step_times_s": r0["plan_step_times_s"],
@@ -308,7 +337,7 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
         raise ValidationFailed(
             f"validation failed: {len(failures)} of {len(checks)} tensors differ; worst {worst['tensor']}: "
             f"max |diff| {worst['max_abs_diff']:.3g} vs max |ref| {worst['max_abs_ref']:.3g} "
-            f"(rel {worst['rel']:.3g} > rtol {opts.rtol:g}); details in {out / 'run.json'}",
+            f"(rel {worst['rel']:.3g} > rtol {opts.tolerances()[0]:g}, {opts.validate_dtype}); details in {out / 'run.json'}",
             "the plan does not compute the single-process function: report it with the plan file")
     return run, out
 
