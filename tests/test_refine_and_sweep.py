@@ -7,34 +7,35 @@ import pytest
 from autopar.calibrate.refine import apply_corrections, fit_corrections
 
 
-def _plan_and_run(scale_conv, overhead, n=6):
+def _plan_and_run(world, scale, comm_scale, overhead, n=8):
     layers, measured = [], []
     for i in range(n):
         kinds = ["conv", "batch_norm", "unary"] if i % 2 == 0 else ["linear"]
         comp = 0.001 * (i + 1)
-        comm = 0.0002
+        comm = 0.0002 * (i % 3)
         layers.append({"layer": i, "kinds": kinds, "predicted": {
             "fwd_compute_s": comp / 3, "bwd_compute_s": 2 * comp / 3, "fwd_comm_s": comm, "bwd_comm_s": 0.0}})
-        a = scale_conv if kinds[0] == "conv" else 1.0
-        measured.append({"layer": i, "measured_s": a * comp + overhead * len(kinds) + comm})
-    return {"layers": layers, "transitions": []}, {"measured": {"per_layer": measured}}
+        measured.append({"layer": i, "measured_s": scale * comp + comm_scale * comm + overhead * len(kinds)})
+    return {"world_size": world, "layers": layers, "transitions": []}, {"measured": {"per_layer": measured}}
 
 
-def test_fit_recovers_scale_and_overhead():
-    plan, run = _plan_and_run(scale_conv=1.7, overhead=2e-4)
-    c = fit_corrections([run], [plan])
-    assert c["a_conv"] == pytest.approx(1.7, rel=1e-6)
-    assert c["a_matmul"] == pytest.approx(1.0, rel=1e-6)
-    assert c["per_op_overhead_s"] == pytest.approx(2e-4, rel=1e-6)
+def test_fit_recovers_factors_per_world():
+    p2, r2 = _plan_and_run(2, 1.4, 3.0, 2e-5)
+    p4, r4 = _plan_and_run(4, 1.9, 3.0, 2e-5)
+    c = fit_corrections([r2, r4], [p2, p4])
+    assert c["compute_scale_by_world"]["2"] == pytest.approx(1.4, rel=1e-6)
+    assert c["compute_scale_by_world"]["4"] == pytest.approx(1.9, rel=1e-6)
+    assert c["comm_scale"] == pytest.approx(3.0, rel=1e-6)
+    assert c["per_op_overhead_s"] == pytest.approx(2e-5, rel=1e-5)
 
 
-def test_apply_scales_classes_and_adds_overhead(profile):
-    corr = {"a_conv": 2.0, "a_matmul": 1.0, "a_other": 0.5, "per_op_overhead_s": 3e-4}
+def test_apply_scales_slowdown_collectives_and_overhead(profile):
+    corr = {"compute_scale_by_world": {"2": 1.5}, "comm_scale": 2.0, "per_op_overhead_s": 3e-5}
     new = apply_corrections(profile, corr)
-    f = 1e9
-    assert new.kernel_time_s("conv_fwd", f, 0) == pytest.approx(2 * profile.kernel_time_s("conv_fwd", f, 0) + 1e-4)
-    assert new.kernel_time_s("norm", f, 0) == pytest.approx(0.5 * profile.kernel_time_s("norm", f, 0) + 1e-4)
-    assert profile.kernel_time_s("conv_fwd", f, 0) != new.kernel_time_s("conv_fwd", f, 0)  # a copy
+    assert new.slowdown(2) == pytest.approx(1.5 * profile.slowdown(2))
+    assert new.collective_time_s("allreduce", 2, 1e6) == pytest.approx(2 * profile.collective_time_s("allreduce", 2, 1e6))
+    assert new.kernels["runtime_op"]["t0_s"] == pytest.approx(3e-5)
+    assert "runtime_op" not in profile.kernels  # the original is untouched
 
 
 def test_scaling_sweep_has_three_series(tmp_path, root, profile):

@@ -1,19 +1,22 @@
-"""Learning from runs: refit the profile's kernel coefficients from measured per-layer times.
+"""Learning from runs: refit the profile from measured per-layer times.
 
-What a run measures per layer (forward + backward of the instrumented step) is compared with
-what the plan predicted. The model fitted, over every layer of every run given, with
-non-negative least squares::
+A run measures each layer (forward + backward of an instrumented step) at its world size;
+the plan predicted it. Over every layer of every run given, non-negative least squares (rows
+weighted by 1/measured, i.e. relative error) fits::
 
-    measured_l - comm_l = a_conv * conv_l + a_matmul * matmul_l + a_other * other_l + b * ops_l
+    measured_l = s_w * compute_l + c * comm_l + b * ops_l
 
-where ``conv_l`` / ``matmul_l`` / ``other_l`` is the layer's predicted compute time when its
-anchor op is a convolution / a linear layer / anything else (0 otherwise), ``comm_l`` its
-predicted communication (halo, statistics, transitions into it), ``ops_l`` its number of ops,
-and ``b`` the per-op overhead (Python dispatch of the runtime, hooks) that kernel benchmarks do
-not see. The refined profile scales the coefficients of the matching op classes by ``a`` (and
-the exact-shape entries of convolutions and matmuls likewise) and adds ``b / 3`` to every class's
-``t0_s`` (an op costs three kernel-model calls: forward and two backward). The measured profile
-is left untouched: the refined copy is written beside it, its provenance naming the runs.
+``compute_l`` is the layer's predicted compute (kernels, with the profile's slowdown for w
+ranks on a node already applied), ``comm_l`` its predicted communication (halo, statistics,
+transitions into it), ``ops_l`` its number of ops; ``s_w`` is one factor per world size w
+(how much more the ranks slow each other down than the kernel-mix calibration saw: shared
+cores, gloo's communication threads), ``c`` scales communication (waiting for the slowest rank
+at every synchronisation), ``b`` is per-op work no benchmark sees.
+
+The refined profile multiplies ``compute_slowdown[w]`` by ``s_w`` for each world size the runs
+covered, every collective's alpha and beta by ``c``, and adds ``b`` to the runtime's per-op
+cost (``kernels.runtime_op``). The measured profile is left untouched: the refined copy is
+written beside it, its provenance naming the runs and the fitted factors.
 """
 
 from __future__ import annotations
@@ -25,9 +28,6 @@ from typing import Any, Iterable
 
 import numpy as np
 
-CONV_CLASSES = ("conv_fwd", "conv_bwd_data", "conv_bwd_filter")
-
-
 def _layer_rows(run: dict[str, Any], plan: dict[str, Any]):
     trans_into: dict[int, float] = {}
     for t in plan.get("transitions", []):
@@ -38,54 +38,54 @@ def _layer_rows(run: dict[str, Any], plan: dict[str, Any]):
         p = lay["predicted"]
         compute = p["fwd_compute_s"] + p["bwd_compute_s"]
         comm = p["fwd_comm_s"] + p["bwd_comm_s"] + trans_into.get(m["layer"], 0.0)
-        anchor = lay["kinds"][0]
-        x = [compute if anchor == "conv" else 0.0, compute if anchor == "linear" else 0.0,
-             compute if anchor not in ("conv", "linear") else 0.0, float(len(lay["kinds"]))]
-        yield x, m["measured_s"] - comm
+        yield compute, comm, float(len(lay["kinds"])), m["measured_s"]
 
 
-def fit_corrections(runs: Iterable[dict[str, Any]], plans: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """(a_conv, a_matmul, a_other, per-op overhead b) by non-negative least squares."""
+def fit_corrections(runs: Iterable[dict[str, Any]], plans: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Per-world compute factors s_w, communication factor c, per-op overhead b (NNLS)."""
     from scipy.optimize import nnls
-    xs, ys = [], []
+    rows = []
     for run, plan in zip(runs, plans):
-        for x, y in _layer_rows(run, plan):
-            xs.append(x)
-            ys.append(y)
-    if len(xs) < 4:
+        w = int(plan["world_size"])
+        for compute, comm, ops, measured in _layer_rows(run, plan):
+            rows.append((w, compute, comm, ops, measured))
+    if len(rows) < 4:
         raise ValueError("too few measured layers to refine from (need at least 4)")
-    a = np.asarray(xs)
-    y = np.asarray(ys)
-    # weight rows by 1/measured so that small layers count (relative error)
-    w = 1.0 / np.maximum(np.abs(y), 1e-6)
+    worlds = sorted({r[0] for r in rows})
+    a = np.zeros((len(rows), len(worlds) + 2))
+    y = np.zeros(len(rows))
+    for i, (w, compute, comm, ops, measured) in enumerate(rows):
+        a[i, worlds.index(w)] = compute
+        a[i, -2] = comm
+        a[i, -1] = ops
+        y[i] = measured
+    wts = 1.0 / np.maximum(np.abs(y), 1e-6)
     used = a.any(axis=0)
-    coef = np.zeros(a.shape[1])
-    sol, _ = nnls(a[:, used] * w[:, None], y * w)
+    coef = np.ones(a.shape[1])
+    coef[-1] = 0.0
+    sol, _ = nnls(a[:, used] * wts[:, None], y * wts)
     coef[used] = sol
-    # classes absent from the runs keep their calibrated coefficients
-    for i in range(3):
-        if not used[i]:
-            coef[i] = 1.0
-    resid = (a @ coef - y)
-    return {"a_conv": float(coef[0]), "a_matmul": float(coef[1]), "a_other": float(coef[2]),
-            "per_op_overhead_s": float(coef[3]), "layers": len(ys),
+    resid = a @ coef - y
+    return {"compute_scale_by_world": {str(w): float(coef[k]) for k, w in enumerate(worlds)},
+            "comm_scale": float(coef[-2]), "per_op_overhead_s": float(coef[-1]), "layers": len(rows),
             "median_rel_residual": float(np.median(np.abs(resid) / np.maximum(np.abs(y), 1e-9)))}
 
 
-def apply_corrections(profile, corr: dict[str, float]):
-    """A copy of ``profile`` with refitted kernel coefficients (see module docstring)."""
+def apply_corrections(profile, corr: dict[str, Any]):
+    """A copy of ``profile`` with the fitted factors applied (see module docstring)."""
     new = copy.deepcopy(profile)
-    for cls, k in new.kernels.items():
-        a = corr["a_conv"] if cls in CONV_CLASSES else corr["a_matmul"] if cls == "matmul" else corr["a_other"]
-        for key in ("t0_s", "s_per_flop", "s_per_byte"):
-            k[key] = float(k[key]) * a
-        k["t0_s"] += corr["per_op_overhead_s"] / 3.0
-        k["refined"] = True
-    for key, entry in new.exact.items():
-        a = corr["a_matmul"] if str(key).startswith("linear") else corr["a_conv"]
-        for phase in list(entry):
-            if isinstance(entry[phase], (int, float)):
-                entry[phase] = float(entry[phase]) * a + corr["per_op_overhead_s"] / 3.0
+    for w, s in corr["compute_scale_by_world"].items():
+        new.compute_slowdown[str(w)] = profile.slowdown(int(w)) * float(s)
+    c = corr["comm_scale"]
+    for kind in new.collectives.values():
+        for level in kind.values():
+            for entry in level.values():
+                entry["alpha_s"] = float(entry["alpha_s"]) * c
+                entry["beta_s_per_byte"] = float(entry["beta_s_per_byte"]) * c
+                entry["refined"] = True
+    k = new.kernels.setdefault("runtime_op", {"t0_s": 0.0, "s_per_flop": 0.0, "s_per_byte": 0.0})
+    k["t0_s"] = float(k["t0_s"]) + corr["per_op_overhead_s"]
+    k["refined"] = True
     return new
 
 
