@@ -51,6 +51,13 @@ class CostTable:
     layers: list[LayerOptions]
     edges: list[EdgeOptions]
     topo: list[int]              # layer indices in execution order
+    buckets: dict[int, int] | None = None   # layer -> gradient bucket (runtime.gradsync.layer_buckets)
+
+    def bucket_of(self) -> dict[int, int]:
+        """Gradient buckets as the runtime forms them; without any, one bucket per layer."""
+        if self.buckets is not None:
+            return self.buckets
+        return {l: k for k, l in enumerate(reversed(self.topo))}
 
     def size(self) -> dict[str, int]:
         return {"layers": len(self.layers), "edges": len(self.edges),
@@ -145,7 +152,9 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
             fwd.append(rf)
             bwd.append(rb)
         edges.append(EdgeOptions(u, v, value, fwd, bwd))
-    return CostTable(graph, ctx, opts, edges, topo=[lay.index for lay in graph.layers])
+    from ..runtime.gradsync import layer_buckets
+    buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
+    return CostTable(graph, ctx, opts, edges, topo=[lay.index for lay in graph.layers], buckets=buckets)
 
 
 def input_transition_s(table: CostTable) -> float:
@@ -173,10 +182,11 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
 
         T_fwd  = sum_l fwd(l) + sum_e fwd(e)
         T_bwd  = sum_l bwd(l) + sum_e bwd(e)
-        ready_k = T_fwd + sum of bwd over layers at or after k (and their input edges): the
-                 moment layer k's gradients exist (backward runs in reverse order)
-        F_k    = max(F_{k-1}, ready_k) + AR_k      (allreduces run one after another, each
-                 starting when its gradients are ready: DDP's overlap)
+        ready_b = T_fwd + sum of bwd over layers at or after the first layer of gradient
+                  bucket b (and their input edges): the moment all of b's gradients exist
+                  (backward runs in reverse order; buckets as ``runtime.gradsync.layer_buckets``)
+        F_b    = max(F_(b-1), ready_b) + sum_(l in b) AR_l   (bucket allreduces run one after
+                 another, each starting when its gradients are ready: DDP's overlap)
         step   = max(T_fwd + T_bwd, F_last) + sum_l optimizer(l)
     """
     cs = [table.layers[l].costs[choice[l]] for l in range(len(table.layers))]
@@ -187,12 +197,19 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     edge_bwd_into = [0.0] * len(cs)
     for e, b in zip(table.edges, e_b):
         edge_bwd_into[e.dst] += b
-    f = 0.0
+    bucket = table.bucket_of()
     suffix = 0.0
+    ready: dict[int, float] = {}
+    ar: dict[int, float] = {}
     for l in reversed(table.topo):
         suffix += cs[l].bwd_s + edge_bwd_into[l]
-        if cs[l].grad_sync_s > 0:
-            f = max(f, t_fwd + suffix) + cs[l].grad_sync_s
+        if cs[l].grad_sync_s > 0 and l in bucket:
+            b = bucket[l]
+            ready[b] = t_fwd + suffix          # the bucket's lowest layer comes last
+            ar[b] = ar.get(b, 0.0) + cs[l].grad_sync_s
+    f = 0.0
+    for b in sorted(ar):
+        f = max(f, ready[b]) + ar[b]
     opt = sum(c.optim_step_s for c in cs)
     step = max(t_fwd + t_bwd, f) + opt
     return StepPrediction(step_time_s=step, fwd_s=t_fwd, bwd_s=t_bwd,

@@ -1,9 +1,11 @@
 """Gradient synchronisation: bucketed SUM-allreduce per gradient group, overlapped with backward.
 
 Each parameter belongs to a gradient group (the ranks holding the same shard; the whole world
-for a replicated weight). Parameters are packed, in reverse registration order (the order
-backward produces them), into buckets of at most ``bucket_cap_bytes`` per group, as torch DDP
-does. A post-accumulate-grad hook counts arrivals; when a bucket is complete its flattened
+for a replicated weight). Parameters come in the order of the layers that use them; they are
+packed, in reverse (the order backward produces them), into buckets of whole layers of at most
+``bucket_cap_bytes`` (``layer_buckets``; a layer larger than the cap gets a bucket of its own),
+as torch DDP buckets parameters. The plan's cost model uses the same ``layer_buckets``: a
+bucket's allreduce starts when the gradients of its last layer (in backward order) exist. A post-accumulate-grad hook counts arrivals; when a bucket is complete its flattened
 gradients are all-reduced asynchronously while backward goes on. ``finish()`` waits for every
 bucket and copies the sums back. Groups that are disjoint run their allreduces concurrently
 (the segmented allreduce of channel/filter parallelism).
@@ -32,20 +34,46 @@ class _Bucket:
     flat: torch.Tensor | None = None
 
 
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+
+
+def layer_buckets(layer_bytes: list[tuple[int, float]], cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> dict[int, int]:
+    """Bucket id of each layer that owns parameters. ``layer_bytes``: (layer index, parameter
+    bytes as traced) in forward order; buckets fill in backward order, whole layers only, and
+    close before a layer that would overflow the cap. Pure: the planner calls it too."""
+    out: dict[int, int] = {}
+    bucket, filled = 0, 0.0
+    for li, nbytes in reversed([lb for lb in layer_bytes if lb[1] > 0]):
+        if filled and filled + nbytes > cap_bytes:
+            bucket += 1
+            filled = 0.0
+        out[li] = bucket
+        filled += nbytes
+    return out
+
+
 class GradSync:
-    def __init__(self, comm: Comm, params_and_groups: list[tuple[torch.nn.Parameter, tuple[int, ...]]],
+    def __init__(self, comm: Comm, params_and_groups: list[tuple],
                  bucket_cap_bytes: int = 25 * 1024 * 1024, overlap: bool = True) -> None:
         self.comm = comm
         self.overlap = overlap
         self.buckets: list[_Bucket] = []
         open_by_group: dict[tuple[int, ...], _Bucket] = {}
         self._bucket_of: dict[int, _Bucket] = {}
-        for p, ranks in reversed(params_and_groups):
+        last_bucket: dict[tuple[int, ...], Any] = {}
+        for entry in reversed(params_and_groups):
+            p, ranks = entry[0], entry[1]
+            bucket_id = entry[2] if len(entry) > 2 else None
             if len(ranks) <= 1 or not p.requires_grad:
                 continue
             b = open_by_group.get(ranks)
             size = p.numel() * p.element_size()
-            if b is None or (b.nbytes and b.nbytes + size > bucket_cap_bytes):
+            if bucket_id is not None:
+                new = last_bucket.get(ranks, object()) != bucket_id
+            else:
+                new = bool(b is not None and b.nbytes and b.nbytes + size > bucket_cap_bytes)
+            last_bucket[ranks] = bucket_id
+            if b is None or new:
                 b = _Bucket(ranks)
                 self.buckets.append(b)
                 open_by_group[ranks] = b

@@ -30,7 +30,7 @@ from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.layout import Layout
 from .comm import Comm, local_slice, redistribute
-from .gradsync import GradSync
+from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
 
 
 def loss_layout_for(out: Layout, batch: int, world: int) -> Layout:
@@ -74,7 +74,7 @@ class LayerTimer:
 
 class DistModel(nn.Module):
     def __init__(self, plan: dict[str, Any], model: nn.Module, comm: Comm | None = None,
-                 bucket_cap_bytes: int = 25 * 1024 * 1024) -> None:
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
         super().__init__()
         self.comm = comm or Comm.from_env()
         world = self.comm.world
@@ -134,9 +134,19 @@ class DistModel(nn.Module):
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # one collective on the default group before any point-to-point (NCCL)
 
+        # parameters in the order of the layers that use them (backward reverses it)
+        layer_of_param: dict[str, int] = {}
+        for lay in self.graph.layers:
+            for op in lay.ops:
+                for q in op.param_names.values():
+                    layer_of_param.setdefault(q, lay.index)
+        ordered = sorted(full_params, key=lambda q: layer_of_param.get(q, -1))
+        bucket_of_layer = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in self.graph.layers],
+                                         bucket_cap_bytes)
         self.gradsync = GradSync(self.comm, [
-            (self.params[_safe(q)], tuple(shards.get(q, ParamShard()).grad_group(self.comm.rank, world)))
-            for q in full_params], bucket_cap_bytes=bucket_cap_bytes)
+            (self.params[_safe(q)], tuple(shards.get(q, ParamShard()).grad_group(self.comm.rank, world)),
+             bucket_of_layer.get(layer_of_param.get(q, -1)))
+            for q in ordered], bucket_cap_bytes=bucket_cap_bytes)
 
     # ---- what generated forward() calls ------------------------------------------------------
     def param(self, qual: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ Variables (``_add_variables``):
     x[l,i] in {0,1}     layer l uses choice i
     y[e,i,j] >= 0       edge e carries producer choice i and consumer choice j (continuous: the
                         flow constraints below make it 0/1 whenever x is)
-    F[k] >= 0           finish time of layer k's gradient allreduce
+    F[b] >= 0           finish time of gradient bucket b's allreduce
     step >= 0           the step time
 
 Objective: minimise ``step + sum_{l,i} opt[l,i] x[l,i]`` (optimizer update after the step).
@@ -20,10 +20,11 @@ Constraints:
     compute         step >= T_fwd + T_bwd                                    (_add_step)
                     T_fwd = sum x fwd + sum y efwd,  T_bwd = sum x bwd + sum y ebwd
     overlap chain   S_l = S_(l+1) + bwd(l) + bwd(edges into l)  (backward suffix sums)
-                    F[k] >= F[k-1] + AR_k;  F[k] >= T_fwd + S_k + AR_k;  step >= F[last]
-                    S_k = backward time of the layers at or after k and their input edges,
-                    AR_k = sum_i x[k,i] sync[k,i]: DDP-style allreduces, each starting when
-                    its gradients exist, one at a time                       (_add_overlap)
+                    F[b] >= F[b-1] + AR_b;  F[b] >= T_fwd + S_(first layer of b) + AR_b;
+                    step >= F[last], over gradient buckets b as the runtime forms them
+                    (``runtime.gradsync.layer_buckets``), AR_b = sum over the bucket's layers
+                    of sum_i x[l,i] sync[l,i]: DDP-style bucket allreduces, each starting when
+                    all its gradients exist, one at a time                   (_add_overlap)
     memory          sum_{l,i} mem[l,i] x[l,i] <= M per rank                   (_add_memory)
 
 Minimisation makes every max tight, so the optimum equals ``cost.table.evaluate`` of the
@@ -117,12 +118,14 @@ def _add_step(prob, table, x, y, step):
 
 def _add_overlap(prob, table, x, y, step, t_fwd):
     """Suffix sums S_l of backward time as a chain of variables (each row holds one layer's
-    terms), then the allreduce chain F_k over the layers that own gradients."""
+    terms), then the allreduce chain F_b over gradient buckets (``table.bucket_of``)."""
     edges_into: dict[int, list[int]] = {}
     for ei, e in enumerate(table.edges):
         edges_into.setdefault(e.dst, []).append(ei)
+    bucket = table.bucket_of()
     prev_s = None
-    prev_f = None
+    last_s: dict[int, object] = {}            # bucket -> S of its lowest layer
+    ar_terms: dict[int, list] = {}
     for l in reversed(table.topo):
         o = table.layers[l]
         terms = [c.bwd_s * x[l, i] for i, c in enumerate(o.costs) if c.bwd_s]
@@ -131,13 +134,17 @@ def _add_overlap(prob, table, x, y, step, t_fwd):
         s_l = _new_var(prob, f"S_{l}")
         prob += s_l == (prev_s if prev_s is not None else 0) + pulp.lpSum(terms), f"suffix_{l}"
         prev_s = s_l
-        if not any(c.grad_sync_s > 0 for c in o.costs):
-            continue
-        ar = pulp.lpSum(c.grad_sync_s * x[l, i] for i, c in enumerate(o.costs) if c.grad_sync_s)
-        f = _new_var(prob, f"F_{l}")
-        prob += f >= t_fwd + s_l + ar, f"ready_{l}"
+        if l in bucket and any(c.grad_sync_s > 0 for c in o.costs):
+            b = bucket[l]
+            last_s[b] = s_l
+            ar_terms.setdefault(b, []).extend(c.grad_sync_s * x[l, i] for i, c in enumerate(o.costs) if c.grad_sync_s)
+    prev_f = None
+    for b in sorted(ar_terms):
+        ar = pulp.lpSum(ar_terms[b])
+        f = _new_var(prob, f"F_{b}")
+        prob += f >= t_fwd + last_s[b] + ar, f"ready_{b}"
         if prev_f is not None:
-            prob += f >= prev_f + ar, f"serial_{l}"
+            prob += f >= prev_f + ar, f"serial_{b}"
         prev_f = f
     if prev_f is not None:
         prob += step >= prev_f, "step_covers_allreduce"
