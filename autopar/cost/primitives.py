@@ -149,18 +149,45 @@ def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Seque
     return 0.0
 
 
-def allreduce_s(ctx, nbytes: float, ranks: Sequence[int]) -> float:
-    """All-reduce of ``nbytes`` per rank among ``ranks``, on the link those ranks use."""
+def insitu_latency_s(prof, p: int) -> float:
+    """Measured latency of a blocking collective among p ranks inside a step
+    (``calibrate.insitu``); the nearest measured group size; 0 when not measured."""
+    table = getattr(prof, "samples", {}).get("insitu_latency_s") if isinstance(getattr(prof, "samples", None), dict) else None
+    if not table or p < 2:
+        return 0.0
+    sizes = sorted(int(k) for k in table)
+    near = min(sizes, key=lambda s: (abs(s - p), -s))
+    return float(table[str(near)])
+
+
+def blocking_s(ctx, kind: str, p: int, nbytes: float, level: str) -> float:
+    """A collective the ranks wait on inside the step (statistics, halos, transitions)::
+
+        t = T_kind(p, n) + max(0, latency_insitu(p) - T_kind(p, 0))
+
+    i.e. the isolated fit, with its latency raised to what the runtime meets between kernels."""
+    t = ctx.profile.collective_time_s(kind, p, nbytes, level)
+    lat = insitu_latency_s(ctx.profile, p)
+    if lat > 0:
+        t += max(0.0, lat - ctx.profile.collective_time_s(kind, p, 0.0, level))
+    return t
+
+
+def allreduce_s(ctx, nbytes: float, ranks: Sequence[int], blocking: bool = True) -> float:
+    """All-reduce of ``nbytes`` per rank among ``ranks``, on the link those ranks use
+    (``blocking_s`` unless it runs asynchronously, as the gradient sync does)."""
     ranks = list(ranks)
     if len(ranks) <= 1 or nbytes <= 0:
         return 0.0
+    if blocking:
+        return blocking_s(ctx, "allreduce", len(ranks), nbytes, ctx.level(ranks))
     return ctx.profile.collective_time_s("allreduce", len(ranks), nbytes, ctx.level(ranks))
 
 
 def grad_sync_time_s(ctx, param_bytes: float, group: Sequence[int]) -> float:
     """Gradient SUM-allreduce of a layer's ``param_bytes`` over its gradient ``group``
     (the runtime twin is ``autopar.runtime.gradsync.GradSync``)."""
-    return allreduce_s(ctx, param_bytes, group)
+    return allreduce_s(ctx, param_bytes, group, blocking=False)
 
 
 def optimizer_bytes(ctx, param_bytes: float) -> float:

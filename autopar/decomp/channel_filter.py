@@ -265,9 +265,9 @@ class _WeightGrid(Decomposition):
             saved += prim.saved_bytes(op, [y_loc], y_loc, item)
             if op.kind == BATCH_NORM and bn_size > 1 and op.attrs.get("training", True):
                 c_loc = y_loc[1]
-                bn_fwd += ctx.profile.collective_time_s("allreduce", bn_size,
+                bn_fwd += prim.blocking_s(ctx, "allreduce", bn_size,
                                                         bn_size * (2 * c_loc + 1) * 4, bn_level)
-                bn_bwd += ctx.profile.collective_time_s("allreduce", bn_size, 2 * c_loc * 4, bn_level)
+                bn_bwd += prim.blocking_s(ctx, "allreduce", bn_size, 2 * c_loc * 4, bn_level)
         # activation reduce-scatter (forward) and its adjoint allgather (backward)
         pc = self.grid()[1]
         y_part_bytes = math.prod(sh["y_part"]) * item
@@ -275,8 +275,8 @@ class _WeightGrid(Decomposition):
         if pc > 1:
             chan = self.partition("c")
             level = _worst_level(ctx, chan)
-            fwd_comm = ctx.profile.collective_time_s("reduce_scatter", pc, y_part_bytes, level)
-            bwd_comm = ctx.profile.collective_time_s("allgather", pc, y_part_bytes, level)
+            fwd_comm = prim.blocking_s(ctx, "reduce_scatter", pc, y_part_bytes, level)
+            bwd_comm = prim.blocking_s(ctx, "allgather", pc, y_part_bytes, level)
             workspace = float(y_part_bytes)
         # segmented gradient allreduce
         w_bytes, other_bytes = self.local_param_bytes(layer)

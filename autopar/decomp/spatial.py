@@ -388,6 +388,8 @@ class Spatial(Decomposition):
                     nbytes = (sum(ln for _, _, ln in sends) + lo_len + hi_len) * cross * itemsize
                     best_t = max(best_t, t_send, t_recv)
                     best_b = max(best_b, nbytes)
+            if p > 1:   # one blocking exchange round per split dim (latency as met in a step)
+                best_t += max(0.0, prim.insitu_latency_s(prof, 2) - prof.collective_time_s("p2p", 2, 0.0, "intra"))
             total_t += best_t
             total_b += best_b
             ext[dim] = max(b - a for a, b in (window_bounds(g, p, c) for c in range(p)))

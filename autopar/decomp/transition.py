@@ -45,5 +45,6 @@ def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, 
         return 0.0, 0.0
     level = ctx.level(range(ctx.world))
     # the profile's all_to_all takes the whole buffer a rank sends, its own block included
-    t = ctx.profile.collective_time_s("all_to_all", ctx.world, n * ctx.world / (ctx.world - 1), level)
+    from ..cost.primitives import blocking_s
+    t = blocking_s(ctx, "all_to_all", ctx.world, n * ctx.world / (ctx.world - 1), level)
     return t, t

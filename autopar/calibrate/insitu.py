@@ -1,0 +1,76 @@
+"""Collective latency *in situ*: what a blocking collective costs between kernels of a step.
+
+Collective benchmarks time back-to-back operations after a barrier, with every rank idle and
+aligned. Inside a training step a blocking collective (batch-norm statistics, halo exchange,
+a transition) is reached by the ranks at slightly different times, right after a kernel, on
+cores shared with the communication threads: it costs more. This measures it the way the
+runtime meets it: a convolution followed by a synchronised batch norm, forward and backward (two
+collectives), against the same with a local batch norm, for each group size p:
+
+    latency_insitu(p) = (t_sync - t_local) / 2
+
+stored in the profile (``apply_insitu``). The cost model prices a blocking collective as
+``max(isolated fit, latency_insitu(p) + its bandwidth term)`` (``cost.primitives.blocking_s``);
+the asynchronous gradient allreduce keeps the isolated fit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _rank(rank, world, iters):
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.comm import Comm
+    from ..runtime.ops import sync_batch_norm
+    comm = Comm.from_env()
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32, 32)
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    bw = torch.ones(16, requires_grad=True)
+    bb = torch.zeros(16, requires_grad=True)
+    rm, rv = torch.zeros(16), torch.ones(16)
+    ranks = list(range(world))
+    out = {}
+    for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
+        def body():
+            y = torch.nn.functional.conv2d(x, w, padding=1)
+            if sync:
+                z = sync_batch_norm(y, bw, bb, rm, rv, True, 0.1, 1e-5, comm, ranks)
+            else:
+                z = torch.nn.functional.batch_norm(y, rm, rv, bw, bb, True, 0.1, 1e-5)
+            z.sum().backward()
+        for _ in range(3):
+            body()
+        dist.barrier()
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            body()
+            ts.append(time.perf_counter() - t)
+        out[name] = statistics.median(ts)
+    return out
+
+
+def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0) -> dict[str, float]:
+    """{str(p): seconds per blocking collective inside a step} for each group size p >= 2."""
+    from ..runtime.launch import run_ranks
+    res = {}
+    for p in world_sizes:
+        if p < 2:
+            continue
+        per_rank = run_ranks(_rank, p, args=(iters,), timeout_s=timeout_s)
+        sync = statistics.median([min(r["sync"], r["sync2"]) for r in per_rank])
+        local = statistics.median([min(r["local"], r["local2"]) for r in per_rank])
+        res[str(p)] = max(0.0, (sync - local) / 2.0)
+    return res
+
+
+def apply_insitu(profile, latency_s: dict[str, float]) -> None:
+    """Store the in-situ latencies in the profile (``samples["insitu_latency_s"]``); the cost
+    model charges them to blocking collectives only (``cost.primitives.blocking_s``), not to
+    the gradient allreduce, which runs asynchronously behind backward."""
+    profile.samples["insitu_latency_s"] = {str(k): float(v) for k, v in latency_s.items()}
