@@ -121,7 +121,11 @@ def main(argv=None) -> int:
             refined = tmp / "refined.json"
             refine_profile([r["run"] for r in train], args.calibration, out=refined,
                            plans=[r["plan"] for r in train])
-            print(f"refined from {len(train)} runs; re-planning and re-measuring the {len(held)} held-out plans")
+            corr = json.loads(refined.read_text())["provenance"]["refined"]["corrections"]
+            out["corrections"] = corr
+            print(f"refined from {len(train)} runs: compute x{corr['compute_scale_by_world']}, "
+                  f"communication x{corr['comm_scale']:.2f}; re-planning and re-measuring the "
+                  f"{len(held)} held-out plans")
             out["before_heldout"] = summary([r for r in rows if r["index"] in held],
                                             "held-out plans, profile as calibrated")
             rows2 = run_all(str(refined), args.steps, tmp, "b", only=held)

@@ -1,10 +1,10 @@
 """Learning from runs: refit the profile from measured per-layer times.
 
 A run measures each layer (forward + backward of an instrumented step) at its world size;
-the plan predicted it. Over every layer of every run given, non-negative least squares (rows
-weighted by 1/measured, i.e. relative error) fits::
+the plan predicted it. The model, fitted with medians (robust to the noisy layers of a shared
+machine, see ``fit_corrections``)::
 
-    measured_l = s_w * compute_l + c * comm_l + b * ops_l
+    measured_l = s_w * compute_l + c * comm_l   (+ b * ops_l, b = 0 in this fit)
 
 ``compute_l`` is the layer's predicted compute (kernels, with the profile's slowdown for w
 ranks on a node already applied), ``comm_l`` its predicted communication (halo, statistics,
@@ -42,33 +42,32 @@ def _layer_rows(run: dict[str, Any], plan: dict[str, Any]):
 
 
 def fit_corrections(runs: Iterable[dict[str, Any]], plans: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Per-world compute factors s_w, communication factor c, per-op overhead b (NNLS)."""
-    from scipy.optimize import nnls
-    rows = []
+    """Robust (median) factors, alternating: per world size w, ``s_w`` = median of
+    (measured - c * comm) / compute over the compute-dominated layers (communication under 20 %
+    of the prediction; layers under 1 % of the step ignored); ``c`` = median of (measured - s_w *
+    compute) / comm over the communication-dominated layers (over half), clipped to [0.25, 4]."""
+    by_world: dict[int, list] = {}
     for run, plan in zip(runs, plans):
         w = int(plan["world_size"])
+        step = sum(r[0] + r[1] for r in _layer_rows(run, plan)) or 1.0
         for compute, comm, ops, measured in _layer_rows(run, plan):
-            rows.append((w, compute, comm, ops, measured))
-    if len(rows) < 4:
+            if compute + comm >= 0.01 * step and measured > 0:
+                by_world.setdefault(w, []).append((compute, comm, measured))
+    if sum(len(v) for v in by_world.values()) < 4:
         raise ValueError("too few measured layers to refine from (need at least 4)")
-    worlds = sorted({r[0] for r in rows})
-    a = np.zeros((len(rows), len(worlds) + 2))
-    y = np.zeros(len(rows))
-    for i, (w, compute, comm, ops, measured) in enumerate(rows):
-        a[i, worlds.index(w)] = compute
-        a[i, -2] = comm
-        a[i, -1] = ops
-        y[i] = measured
-    wts = 1.0 / np.maximum(np.abs(y), 1e-6)
-    used = a.any(axis=0)
-    coef = np.ones(a.shape[1])
-    coef[-1] = 0.0
-    sol, _ = nnls(a[:, used] * wts[:, None], y * wts)
-    coef[used] = sol
-    resid = a @ coef - y
-    return {"compute_scale_by_world": {str(w): float(coef[k]) for k, w in enumerate(worlds)},
-            "comm_scale": float(coef[-2]), "per_op_overhead_s": float(coef[-1]), "layers": len(rows),
-            "median_rel_residual": float(np.median(np.abs(resid) / np.maximum(np.abs(y), 1e-9)))}
+    scales = {str(w): 1.0 for w in by_world}
+    comm = 1.0
+    for _ in range(4):   # alternate: compute factors given c, then c given the compute factors
+        for w, rows in by_world.items():
+            r = [(m - comm * k) / c for c, k, m in rows if k < 0.2 * (c + k) and c > 0]
+            scales[str(w)] = float(np.median(r)) if r else 1.0
+        ratios = [(m - scales[str(w)] * c) / k for w, rows in by_world.items()
+                  for c, k, m in rows if k > 0.5 * (c + k)]
+        comm = float(np.clip(np.median(ratios), 0.25, 4.0)) if ratios else 1.0
+    resid = [abs(scales[str(w)] * c + comm * k - m) / m for w, rows in by_world.items() for c, k, m in rows]
+    return {"compute_scale_by_world": scales, "comm_scale": comm, "per_op_overhead_s": 0.0,
+            "layers": sum(len(v) for v in by_world.values()),
+            "median_rel_residual": float(np.median(resid))}
 
 
 def apply_corrections(profile, corr: dict[str, Any]):
