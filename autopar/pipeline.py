@@ -149,6 +149,8 @@ def _pin(table, force: dict[int, str]) -> None:
                                f"{[str(d) for d in o.choices]}", "pick one of the listed choices")
         keep = idx[0]
         o.choices, o.costs = [o.choices[keep]], [o.costs[keep]]
+        if o.exact_keys:
+            o.exact_keys = [o.exact_keys[keep]]
         for e in table.edges:
             if e.src == li:
                 e.fwd_s, e.bwd_s = [e.fwd_s[keep]], [e.bwd_s[keep]]
@@ -179,6 +181,7 @@ def _plan_json(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_node
             "in_layouts": {v: dec.in_layout(lay, v).to_json() for v in lay.inputs},
             "out_layout": dec.out_layout(lay).to_json(),
             "predicted": c.to_json(), "source": c.source,
+            "exact_keys": o.exact_keys[ci] if o.exact_keys else [],
             "alternatives": [{"choice": str(d), "time_s": k.fwd_s + k.bwd_s + k.grad_sync_s,
                               "memory_bytes": k.memory_bytes} for d, k in zip(o.choices, o.costs)],
             "illegal": o.illegal,

@@ -13,7 +13,11 @@ transitions into it), ``ops_l`` its number of ops; ``s_w`` is one factor per wor
 cores, gloo's communication threads), ``c`` scales communication (waiting for the slowest rank
 at every synchronisation), ``b`` is per-op work no benchmark sees.
 
-The refined profile multiplies ``compute_slowdown[w]`` by ``s_w`` for each world size the runs
+Per-layer corrections come first: every exact measurement that priced a measured layer
+(plan.json lists them per layer, ``exact_keys``) is scaled by that layer's ratio
+(measured - c * comm) / predicted compute (median over the layers sharing it), so any plan that
+meets the same local shapes again is priced from what the runs measured. For everything else
+the refined profile multiplies ``compute_slowdown[w]`` by ``s_w`` for each world size the runs
 covered, every collective's alpha and beta by ``c``, and adds ``b`` to the runtime's per-op
 cost (``kernels.runtime_op``). The measured profile is left untouched: the refined copy is
 written beside it, its provenance naming the runs and the fitted factors.
@@ -70,9 +74,40 @@ def fit_corrections(runs: Iterable[dict[str, Any]], plans: Iterable[dict[str, An
             "median_rel_residual": float(np.median(resid))}
 
 
+def exact_corrections(runs, plans, corr: dict[str, Any]) -> dict[str, float]:
+    """Per exact entry: the median over the layers it priced of
+    (measured - c * comm) / predicted compute / s_w, so that re-pricing those layers (with the
+    slowdown already scaled by s_w) reproduces what was measured. Entries are shared by layers
+    of the same local shape, in any plan."""
+    ratios: dict[str, list[float]] = {}
+    for run, plan in zip(runs, plans):
+        by_layer = {l["layer"]: l for l in plan["layers"]}
+        rows = list(_layer_rows(run, plan))
+        for m, (compute, comm, ops, measured) in zip(run["measured"]["per_layer"], rows):
+            keys = by_layer[m["layer"]].get("exact_keys") or []
+            if not keys or compute <= 0 or measured <= 0:
+                continue
+            # the world's compute factor is applied to the slowdown: keep only the rest here
+            s_w = corr["compute_scale_by_world"].get(str(plan["world_size"]), 1.0) or 1.0
+            r = (measured - corr["comm_scale"] * comm) / compute / s_w
+            if r > 0:
+                for k in keys:
+                    ratios.setdefault(k, []).append(r)
+    return {k: float(np.clip(np.median(v), 0.25, 4.0)) for k, v in ratios.items()}
+
+
 def apply_corrections(profile, corr: dict[str, Any]):
-    """A copy of ``profile`` with the fitted factors applied (see module docstring)."""
+    """A copy of ``profile`` with the fitted factors applied (see module docstring): exact
+    entries that priced measured layers are scaled by their own ratio (``exact_scale``); the
+    slowdown of a world size by its compute factor for everything else."""
     new = copy.deepcopy(profile)
+    for key, f in corr.get("exact_scale", {}).items():
+        entry = new.exact.get(key)
+        if entry is None:
+            continue
+        for phase in list(entry):
+            if isinstance(entry[phase], (int, float)):
+                entry[phase] = float(entry[phase]) * f
     for w, s in corr["compute_scale_by_world"].items():
         new.compute_slowdown[str(w)] = profile.slowdown(int(w)) * float(s)
     c = corr["comm_scale"]
@@ -100,6 +135,7 @@ def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: st
     plan_objs = [load_plan(p) for p in (plans or [r["plan"] for r in runs])]
     profile = load_profile(profile_path, check_machine=False)
     corr = fit_corrections(runs, plan_objs)
+    corr["exact_scale"] = exact_corrections(runs, plan_objs, corr)
     new = apply_corrections(profile, corr)
     new.provenance = dict(new.provenance)
     new.provenance["refined"] = {

@@ -84,6 +84,8 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
             times.append(t)
             sources.append(src)
         src = sources[0] if len(set(sources)) == 1 else "mixed"
+        if src != "fit":
+            _note_key(ctx, key)
         over = _runtime_overhead_s(prof)
         return (times[0] + over / 3) * slow, (times[1] + times[2] + 2 * over / 3) * slow, src
     if op.kind == LINEAR:
@@ -100,6 +102,7 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
         if tf is not None:
             tbd = prof.exact_time_s(key, "bwd_data") or tf
             tbf = prof.exact_time_s(key, "bwd_filter") or tf
+            _note_key(ctx, key)
             over = _runtime_overhead_s(prof)
             return (tf + over / 3) * slow, (tbd + tbf + 2 * over / 3) * slow, "exact"
         over = _runtime_overhead_s(prof)
@@ -117,6 +120,7 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
             key = op_key(spec)
             tf, tb = prof.exact_time_s(key, "fwd"), prof.exact_time_s(key, "bwd_data")
             if tf is not None and tb is not None:
+                _note_key(ctx, key)
                 return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
     cls = {BATCH_NORM: "norm", POOL: "pool", ADAPTIVE_POOL: "pool"}.get(op.kind, "elementwise")
     flops = {BATCH_NORM: 8.0, UNARY: 1.0, BINARY: 1.0}.get(op.kind, 1.0) * out_numel
@@ -126,6 +130,14 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
         flops = float(sum(math.prod(s) for s in in_shapes))
     t = prof.kernel_time_s(cls, flops, in_bytes + out_bytes)
     return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
+
+
+def _note_key(ctx, key: str) -> None:
+    """Record which exact measurement priced an op (``ctx.key_log``: the table keeps them per
+    layer choice, plan.json per layer, and refinement corrects exactly those entries)."""
+    log = getattr(ctx, "key_log", None)
+    if log is not None:
+        log.append(key)
 
 
 def _runtime_overhead_s(prof) -> float:

@@ -29,6 +29,7 @@ class LayerOptions:
     choices: list[Decomposition]
     costs: list[LayerCost]
     illegal: dict[str, str] = field(default_factory=dict)   # str(decomposition) -> reason
+    exact_keys: list[list[str]] = field(default_factory=list)  # per choice: exact entries used
 
     @property
     def has_params(self) -> bool:
@@ -103,6 +104,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
                   prune: bool = True, choice_filter=None) -> LayerOptions:
     choices: list[Decomposition] = []
     costs: list[LayerCost] = []
+    keys: list[list[str]] = []
     illegal: dict[str, str] = {}
     for kind, cls in REGISTRY.items():
         if kinds is not None and kind not in kinds:
@@ -114,13 +116,21 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
             if why:
                 illegal[str(dec)] = why
                 continue
-            c = dec.cost(layer, ctx)
+            saved, ctx.key_log = ctx.key_log, []
+            try:
+                c = dec.cost(layer, ctx)
+                used = sorted(set(ctx.key_log))
+            finally:
+                ctx.key_log = saved
             c = replace(c, optim_step_s=_optimizer_step_s(c, ctx))
             choices.append(dec)
             costs.append(c)
+            keys.append(used)
     if prune and len(choices) > ctx.max_candidates:
-        choices, costs = _pareto(choices, costs, ctx.max_candidates)
-    return LayerOptions(layer, choices, costs, illegal)
+        kept_choices, costs = _pareto(choices, costs, ctx.max_candidates)
+        keys = [keys[choices.index(d)] for d in kept_choices]
+        choices = kept_choices
+    return LayerOptions(layer, choices, costs, illegal, keys)
 
 
 def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] | None = None,

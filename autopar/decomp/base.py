@@ -116,6 +116,7 @@ class CostContext:
     prefer_exact: bool = True
     max_candidates: int = 10
     spec_log: list | None = None      # when a list, every exact shape the pricing asked for
+    key_log: list | None = None       # when a list, the exact measurements that priced ops
 
     @property
     def ranks_on_node(self) -> int:
