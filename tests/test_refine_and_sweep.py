@@ -33,7 +33,8 @@ def test_fit_recovers_factors_per_world():
 
 
 def test_apply_scales_slowdown_collectives_and_overhead(profile):
-    corr = {"compute_scale_by_world": {"2": 1.5}, "comm_scale": 2.0, "per_op_overhead_s": 3e-5}
+    corr = {"compute_scale_by_world": {"2": 1.5}, "comm_scale": 2.0, "per_op_overhead_s": 3e-5,
+            "apply_world_scale": True}
     new = apply_corrections(profile, corr)
     assert new.slowdown(2) == pytest.approx(1.5 * profile.slowdown(2))
     assert new.collective_time_s("allreduce", 2, 1e6) == pytest.approx(2 * profile.collective_time_s("allreduce", 2, 1e6))
