@@ -61,7 +61,8 @@ def cmd_plan(args) -> int:
                     calibration=args.calibration, out_dir=args.output,
                     memory_limit_bytes=parse_bytes(args.memory_limit),
                     ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
-                    time_limit_s=args.time_limit, solver=args.solver, progress=_p)
+                    time_limit_s=args.time_limit, solver=args.solver, progress=_p,
+                    max_candidates=args.max_candidates)
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
     if sweep:
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     p.add_argument("--solver", choices=["highs", "cbc"], default="highs")
+    p.add_argument("--max-candidates", type=int, default=8,
+                   help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
     p.set_defaults(fn=cmd_plan)

@@ -63,7 +63,7 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
               calibration: str | Path | None = None, out_dir: str | Path | None = None,
               memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
               nodes: int | None = None, kinds: list[str] | None = None,
-              time_limit_s: float = 60.0, solver: str = "highs", max_candidates: int = 10,
+              time_limit_s: float = 60.0, solver: str = "highs", max_candidates: int = 8,
               force: dict[int, str] | None = None, write: bool = True,
               progress: Callable[[str], None] | None = None,
               optimizer_state_per_param: float = 1.0, profile=None, graph=None,
@@ -196,7 +196,12 @@ def _plan_json(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_node
                                 "src_layout": str(src), "dst_layout": str(dst),
                                 "fwd_s": e.fwd_s[i][j], "bwd_s": e.bwd_s[i][j]})
     solver = sol.to_json()
-    solver.update({"memory_limit_bytes": memory_limit_bytes, "candidates": table.size()})
+    solver.update({"memory_limit_bytes": memory_limit_bytes, "candidates": table.size(),
+                   "max_candidates_per_layer": table.ctx.max_candidates})
+    if any(len(o.choices) >= table.ctx.max_candidates for o in table.layers):
+        solver["notes"] = list(solver.get("notes", [])) + [
+            f"optimal over the candidates kept per layer (at most {table.ctx.max_candidates}, "
+            f"cost_table._pareto); --max-candidates keeps more"]
     fp = profile.fingerprint
     return {
         "schema": PLAN_SCHEMA,

@@ -87,6 +87,11 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep
         ks = [i for i in range(len(choices)) if choices[i].kind == kind]
         if ks:
             keep.append(max(ks, key=lambda i: getattr(choices[i], "parts", 0)))
+            # and the two fastest of the kind (e.g. a narrower sample split whose statistics
+            # stay within a node), so that pruning never makes the kind alone plan worse
+            for i in sorted(ks, key=lambda i: t(costs[i]))[:2]:
+                if i not in keep:
+                    keep.append(i)
     best_mem = math.inf
     for i in order:
         if costs[i].memory_bytes < best_mem - 1e-9:

@@ -114,7 +114,7 @@ class CostContext:
     optimizer_state_per_param: float = 1.0   # SGD with momentum: 1 copy; Adam: 2
     batch_size: int = 1
     prefer_exact: bool = True
-    max_candidates: int = 10
+    max_candidates: int = 8
     spec_log: list | None = None      # when a list, every exact shape the pricing asked for
     key_log: list | None = None       # when a list, the exact measurements that priced ops
 
