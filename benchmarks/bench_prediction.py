@@ -53,6 +53,11 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
     from autopar.execute.runner import ExecuteOptions, execute
     from autopar.pipeline import make_plan
     rows = []
+    # one discarded run first: the first processes after a pause (or after calibration) run slow
+    _, model0, world0, batch0, _, _ = CANDIDATES[0]
+    r0 = make_plan(model0, world0, batch_size=batch0, calibration=calibration, out_dir=tmp / f"{tag}-warm")
+    execute(r0.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False), out_dir=tmp / f"{tag}-warm-run",
+            progress=lambda s: None)
     for i, (label, model, world, batch, kinds, force) in enumerate(CANDIDATES):
         if only is not None and i not in only:
             continue
@@ -99,7 +104,7 @@ def time_calibration(full: bool, tmp: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibration", default=str(ROOT / "calibration/cpu-2core-gloo.json"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--full", action="store_true", help="also time a full calibration")
     ap.add_argument("--no-calibration-timing", action="store_true")
     ap.add_argument("--refine", action="store_true", help="refine the profile from the runs and re-predict")

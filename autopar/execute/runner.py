@@ -10,8 +10,9 @@ For each rank (fresh processes, gloo on CPU / NCCL on GPU):
    parameter after it; rank 0 computes the same with the single-process model and compares
    (``max|a-b| <= rtol * max|b| + atol`` per tensor; ``DEFAULT_TOL``: float64 rtol 1e-9, float32
    rtol 2e-5);
-3. **timing** (float32, a fresh copy of the model): ``warmup`` + ``steps`` training steps, each fenced by a barrier and taken as
-   the slowest rank's wall time; one more instrumented step gives per-layer times;
+3. **timing** (float32, a fresh copy of the model): ``warmup`` + ``steps`` training steps, each
+   fenced by a barrier and taken as the slowest rank's wall time; ``instrumented_steps`` more
+   give per-layer times (median per layer);
 4. **baseline**: torch DDP on the same model and batch (samples split over the world), timed
    the same way in the same processes.
 
@@ -57,6 +58,7 @@ class ExecuteOptions:
         rt, at = DEFAULT_TOL[self.validate_dtype]
         return (self.rtol if self.rtol is not None else rt, self.atol if self.atol is not None else at)
     timeout_s: float = 600.0
+    instrumented_steps: int = 3
     ddp: bool = True
     backend: str = "gloo"
 
@@ -201,34 +203,39 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
     timed(dm, local, plan_loss, dm.finish_grads, opts.warmup)
     plan_times = timed(dm, local, plan_loss, dm.finish_grads, opts.steps)
 
-    # one instrumented step: per-layer forward/backward segments
-    dm.timer = LayerTimer(sync)
-    barrier()
-    opt.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    o = dm(*local)
-    t_fwd_end = time.perf_counter()
-    plan_loss(o).backward()
-    t_bwd_end = time.perf_counter()
-    dm.finish_grads()
-    t_sync_end = time.perf_counter()
-    opt.step()
-    t_end = time.perf_counter()
-    per = dm.timer.per_layer_s(t_fwd_end, t_bwd_end)
-    dm.timer = None
+    # instrumented steps: per-layer forward/backward segments, the median of each over the
+    # steps (of the slowest rank in each step)
     n_layers = len(dm.graph.layers)
-    arr = torch.zeros(2 * n_layers + 4, dtype=torch.float64)
-    for li, d in per.items():
-        arr[2 * li] = d["fwd_s"]
-        arr[2 * li + 1] = d["bwd_s"]
-    arr[-4] = t_fwd_end - t0
-    arr[-3] = t_bwd_end - t_fwd_end
-    arr[-2] = t_sync_end - t_bwd_end
-    arr[-1] = t_end - t_sync_end
-    if world > 1:
-        arr = arr.to(device)
-        dist.all_reduce(arr, op=dist.ReduceOp.MAX)
-        arr = arr.cpu()
+    samples = []
+    for _ in range(max(1, opts.instrumented_steps)):
+        dm.timer = LayerTimer(sync)
+        barrier()
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        o = dm(*local)
+        t_fwd_end = time.perf_counter()
+        plan_loss(o).backward()
+        t_bwd_end = time.perf_counter()
+        dm.finish_grads()
+        t_sync_end = time.perf_counter()
+        opt.step()
+        t_end = time.perf_counter()
+        per = dm.timer.per_layer_s(t_fwd_end, t_bwd_end)
+        dm.timer = None
+        arr = torch.zeros(2 * n_layers + 4, dtype=torch.float64)
+        for li, d in per.items():
+            arr[2 * li] = d["fwd_s"]
+            arr[2 * li + 1] = d["bwd_s"]
+        arr[-4] = t_fwd_end - t0
+        arr[-3] = t_bwd_end - t_fwd_end
+        arr[-2] = t_sync_end - t_bwd_end
+        arr[-1] = t_end - t_sync_end
+        if world > 1:
+            arr = arr.to(device)
+            dist.all_reduce(arr, op=dist.ReduceOp.MAX)
+            arr = arr.cpu()
+        samples.append(arr)
+    arr = torch.stack(samples).median(dim=0).values
     per_layer = [{"layer": li, "fwd_s": float(arr[2 * li]), "bwd_s": float(arr[2 * li + 1])}
                  for li in range(n_layers)]
     phases = {"fwd_s": float(arr[-4]), "bwd_s": float(arr[-3]), "grad_sync_wait_s": float(arr[-2]),
