@@ -390,6 +390,13 @@ def _anchor_ok(layer: Layer) -> bool:
     return bool(layer.ops) and layer.anchor.kind in ANCHORS
 
 
+def _one_axis_candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
+    """(world / p, p) for every divisor p > 1 of the world: the model axis takes p ranks."""
+    if not _anchor_ok(layer):
+        return []
+    return [cls(ctx.world // p, p) for p in divisors(ctx.world) if p > 1]
+
+
 @register
 @dataclass(frozen=True)
 class Channel(_WeightGrid):
@@ -404,9 +411,7 @@ class Channel(_WeightGrid):
 
     @classmethod
     def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
-        if not _anchor_ok(layer):
-            return []
-        return [cls(ctx.world // p, p) for p in divisors(ctx.world) if p > 1]
+        return _one_axis_candidates(cls, layer, ctx)
 
 
 @register
@@ -423,9 +428,7 @@ class Filter(_WeightGrid):
 
     @classmethod
     def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
-        if not _anchor_ok(layer):
-            return []
-        return [cls(ctx.world // p, p) for p in divisors(ctx.world) if p > 1]
+        return _one_axis_candidates(cls, layer, ctx)
 
 
 @register
