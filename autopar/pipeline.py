@@ -50,12 +50,12 @@ def parse_bytes(text: str | None) -> float | None:
 
 
 def load_calibration(path: str | Path | None, check_machine: bool = True):
-    from .calibrate.profile import default_profile_path, load_profile
+    from .calibrate.profile import check_fingerprint, default_profile_path, load_profile
     if path is None:
         path = default_profile_path()
     prof = load_profile(path, check_machine=False)
     if check_machine and prof.provenance.get("kind") == "measured":
-        prof = load_profile(path, check_machine=True)  # warns, naming the fields that differ
+        check_fingerprint(prof, path)  # warns, naming the fields that differ
     return Path(path), prof
 
 

@@ -308,6 +308,21 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
+def check_fingerprint(prof: Profile, path) -> None:
+    """Warn (not fail), naming each differing field, if ``prof`` was made on another machine."""
+    fp = prof.fingerprint
+    here = current_fingerprint(fp.get("backend") or "gloo")
+    diffs = [f"{k}: profile {fp.get(k)!r} vs here {here.get(k)!r}"
+             for k in _CHECKED_FIELDS if fp.get(k) != here.get(k)]
+    if diffs:
+        kind = prof.provenance.get("kind", "measured")
+        extra = (" (a datasheet profile describes a machine you need not be on; pass "
+                 "check_machine=False to silence this)" if kind == "datasheet" else
+                 "; its timings may not hold here, recalibrate with `autopar calibrate`")
+        warnings.warn(f"calibration profile {path} was made on another machine or software "
+                      f"({'; '.join(diffs)}){extra}", stacklevel=3)
+
+
 def load_profile(path, check_machine: bool = True) -> Profile:
     """Read and validate a profile; warn (not fail) if it was measured on another machine."""
     obj = read_json(path, CalibrationError, "calibration profile")
@@ -316,17 +331,7 @@ def load_profile(path, check_machine: bool = True) -> Profile:
     except CalibrationError as e:
         raise CalibrationError(f"calibration profile {path}: {e.message}", e.hint) from None
     if check_machine:
-        fp = prof.fingerprint
-        here = current_fingerprint(fp.get("backend") or "gloo")
-        diffs = [f"{k}: profile {fp.get(k)!r} vs here {here.get(k)!r}"
-                 for k in _CHECKED_FIELDS if fp.get(k) != here.get(k)]
-        if diffs:
-            kind = prof.provenance.get("kind", "measured")
-            extra = (" (a datasheet profile describes a machine you need not be on; pass "
-                     "check_machine=False to silence this)" if kind == "datasheet" else
-                     "; its timings may not hold here, recalibrate with `autopar calibrate`")
-            warnings.warn(f"calibration profile {path} was made on another machine or software "
-                          f"({'; '.join(diffs)}){extra}", stacklevel=2)
+        check_fingerprint(prof, path)
     return prof
 
 

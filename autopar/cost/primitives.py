@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from ..calibrate.exact_ops import op_key, op_spec
+from ..calibrate.kernels import shape_key
 from ..decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CAT, CONV, DROPOUT, FLATTEN, LINEAR,
                          MEAN, OTHER, POOL, UNARY, VIEW, OpSpec)
 
@@ -48,7 +50,6 @@ def linear_spec(x_shape: Sequence[int], w_shape: Sequence[int]) -> dict:
 
 
 def _shape_key(spec: dict) -> str:
-    from ..calibrate.kernels import shape_key
     return shape_key(spec)
 
 
@@ -111,7 +112,6 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
     if op.kind in (VIEW, FLATTEN):
         return 0.0, 0.0, "fit"
     over = _runtime_overhead_s(prof)
-    from ..calibrate.exact_ops import op_key, op_spec
     spec = op_spec(op, in_shapes, out_shape)
     if spec is not None:
         if getattr(ctx, "spec_log", None) is not None:

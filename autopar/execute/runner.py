@@ -176,21 +176,21 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
         opt = torch.optim.SGD(dm.parameters(), lr=opts.lr, momentum=opts.momentum)
         local = dm.shard_inputs(xs)
 
-    def step_once(model, inputs, loss_of, finish):
-        opt_.zero_grad(set_to_none=True)
+    def step_once(model, optim, inputs, loss_of, finish):
+        optim.zero_grad(set_to_none=True)
         o = model(*inputs)
         l = loss_of(o)
         l.backward()
         finish()
-        opt_.step()
+        optim.step()
 
-    def timed(model, inputs, loss_of, finish, n):
+    def timed(model, optim, inputs, loss_of, finish, n):
         ts = []
         for _ in range(n):
             barrier()
             sync()
             t0 = time.perf_counter()
-            step_once(model, inputs, loss_of, finish)
+            step_once(model, optim, inputs, loss_of, finish)
             sync()
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             if world > 1:
@@ -198,10 +198,9 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
             ts.append(float(dt))
         return ts
 
-    opt_ = opt
     plan_loss = lambda o: dm.local_loss(o, ys, loss_fn)  # noqa: E731
-    timed(dm, local, plan_loss, dm.finish_grads, opts.warmup)
-    plan_times = timed(dm, local, plan_loss, dm.finish_grads, opts.steps)
+    timed(dm, opt, local, plan_loss, dm.finish_grads, opts.warmup)
+    plan_times = timed(dm, opt, local, plan_loss, dm.finish_grads, opts.steps)
 
     # instrumented steps: per-layer forward/backward segments, the median of each over the
     # steps (of the slowest rank in each step)
@@ -252,10 +251,10 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
         lay = Layout(((0, world),))
         bx = [local_slice(x, lay, comm) for x in xs]
         by = local_slice(ys, lay, comm) if ys is not None else None
-        opt_ = torch.optim.SGD(ddp.parameters(), lr=opts.lr, momentum=opts.momentum)
+        ddp_opt = torch.optim.SGD(ddp.parameters(), lr=opts.lr, momentum=opts.momentum)
         ddp_loss = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
-        timed(ddp, bx, ddp_loss, lambda: None, opts.warmup)
-        ddp_times = timed(ddp, bx, ddp_loss, lambda: None, opts.steps)
+        timed(ddp, ddp_opt, bx, ddp_loss, lambda: None, opts.warmup)
+        ddp_times = timed(ddp, ddp_opt, bx, ddp_loss, lambda: None, opts.steps)
         has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
         baseline = {"ddp_step_times_s": ddp_times, "ddp_step_time_s": statistics.median(ddp_times),
                     "ddp_allreduce_bytes_per_step": sum(p.numel() * p.element_size()
