@@ -101,6 +101,75 @@ def time_calibration(full: bool, tmp: Path) -> None:
               f"(target {'60 s' if quick else '300 s'})")
 
 
+def reprice(row: dict, calibration: str, tmp: Path, tag: str) -> float:
+    """The step time ``calibration`` predicts for the very plan a row measured (every layer
+    pinned to its decomposition, every candidate kept so that none is pruned away)."""
+    from autopar.pipeline import make_plan
+    plan = json.loads(Path(row["plan"]).read_text())
+    _, model, world, batch, kinds, _ = CANDIDATES[row["index"]]
+    force = {l["layer"]: l["choice"] for l in plan["layers"]}
+    r = make_plan(model, world, batch_size=batch, calibration=calibration, kinds=kinds, force=force,
+                  max_candidates=10**6, out_dir=tmp / f"{tag}-reprice{row['index']}", write=False)
+    return r.plan["predicted"]["step_time_s"]
+
+
+def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
+    """Learn from half the plans, judge on the other half (never on what it learned from).
+
+    Two judgements, both against measurements the refinement never saw:
+    1. the same held-out runs, predicted by the profile as calibrated and by the refined one
+       (one measurement, two predictions: the fairest comparison on a noisy machine);
+    2. re-planning with the refined profile: where the planner now picks another plan, that
+       plan is measured too (else the run of step 1 stands for it).
+    """
+    from autopar.calibrate.refine import refine_profile
+    train = [r for r in rows if r["index"] % 2 == 0]
+    held = [r for r in rows if r["index"] % 2 == 1]
+    refined = tmp / "refined.json"
+    refine_profile([r["run"] for r in train], args.calibration, out=refined, plans=[r["plan"] for r in train])
+    info = json.loads(refined.read_text())["provenance"]["refined"]
+    c = info["corrections"]
+    cv = info.get("cross_validation", {})
+    print(f"refined from {len(train)} runs: kinds chosen by leave-one-run-out cross-validation "
+          f"{info['kinds'] or 'none'} (LOO median error {100 * cv.get('uncorrected_loo_median_abs_error', float('nan')):.1f}% "
+          f"uncorrected -> {100 * cv.get('chosen_loo_median_abs_error', float('nan')):.1f}%); "
+          f"drift x{c['drift']:.2f}, blocking comm x{c['blocking_comm_scale']:.2f}, gradient all-reduce "
+          f"x{c['grad_sync_scale']:.2f}, {c['exact_entries']} exact entries")
+    out: dict = {"refinement": {k: info[k] for k in ("kinds", "corrections", "cross_validation",
+                                                       "training_median_abs_error")}}
+    same = []
+    for r in held:
+        p_after = reprice(r, str(refined), tmp, "c")
+        same.append({**r, "predicted_after_s": p_after, "error_after": (p_after - r["measured_s"]) / r["measured_s"]})
+        print(f"  {r['label']:<32} world {r['world']}: measured {r['measured_s'] * 1e3:8.2f} ms  predicted "
+              f"{r['predicted_s'] * 1e3:8.2f} ms ({100 * r['error']:+6.1f}%) as calibrated, "
+              f"{p_after * 1e3:8.2f} ms ({100 * (p_after - r['measured_s']) / r['measured_s']:+6.1f}%) refined")
+    out["heldout_same_runs_before"] = summary(held, "held-out runs, profile as calibrated")
+    out["heldout_same_runs_after"] = summary([{**r, "predicted_s": r["predicted_after_s"], "error": r["error_after"]}
+                                              for r in same], "held-out runs, refined profile")
+    # 2. re-plan with the refined profile; measure only plans that changed
+    from autopar.pipeline import make_plan
+    replanned, changed = [], []
+    for r in held:
+        _, model, world, batch, kinds, force = CANDIDATES[r["index"]]
+        p2 = make_plan(model, world, batch_size=batch, calibration=str(refined), kinds=kinds, force=force,
+                       out_dir=tmp / f"d-plan{r['index']}", write=False)
+        old = [l["choice"] for l in json.loads(Path(r["plan"]).read_text())["layers"]]
+        new = [l["choice"] for l in p2.plan["layers"]]
+        if old != new:
+            changed.append(r["index"])
+    if changed:
+        print(f"re-planning with the refined profile changed {len(changed)} held-out plan(s); measuring them")
+        rows2 = {x["index"]: x for x in run_all(str(refined), args.steps, tmp, "b", only=set(changed))}
+    else:
+        rows2 = {}
+        print("re-planning with the refined profile chose the same plans")
+    for s_ in same:
+        replanned.append(rows2.get(s_["index"]) or {**s_, "predicted_s": s_["predicted_after_s"], "error": s_["error_after"]})
+    out["heldout_replanned_after"] = summary(replanned, "held-out, re-planned with the refined profile")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibration", default=str(ROOT / "calibration/cpu-2core-gloo.json"))
@@ -109,32 +178,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-calibration-timing", action="store_true")
     ap.add_argument("--refine", action="store_true", help="refine the profile from the runs and re-predict")
     ap.add_argument("--json", help="write the figures to this JSON file")
+    ap.add_argument("--keep", help="keep every plan and run under this folder (for analysis)")
     args = ap.parse_args(argv)
     out: dict = {}
     with tempfile.TemporaryDirectory() as t:
-        tmp = Path(t)
+        tmp = Path(args.keep) if args.keep else Path(t)
+        tmp.mkdir(parents=True, exist_ok=True)
         if not args.no_calibration_timing:
             time_calibration(args.full, tmp)
         print(f"profile: {args.calibration}")
         rows = run_all(args.calibration, args.steps, tmp, "a")
         out["before"] = summary(rows, "prediction (profile as calibrated)")
         if args.refine:
-            # learn from half the plans, judge on the other half (never on what it learned from)
-            from autopar.calibrate.refine import refine_profile
-            train = [r for r in rows if r["index"] % 2 == 0]
-            held = {r["index"] for r in rows if r["index"] % 2 == 1}
-            refined = tmp / "refined.json"
-            refine_profile([r["run"] for r in train], args.calibration, out=refined,
-                           plans=[r["plan"] for r in train])
-            corr = json.loads(refined.read_text())["provenance"]["refined"]["corrections"]
-            out["corrections"] = corr
-            print(f"refined from {len(train)} runs: compute x{corr['compute_scale_by_world']}, "
-                  f"communication x{corr['comm_scale']:.2f}; re-planning and re-measuring the "
-                  f"{len(held)} held-out plans")
-            out["before_heldout"] = summary([r for r in rows if r["index"] in held],
-                                            "held-out plans, profile as calibrated")
-            rows2 = run_all(str(refined), args.steps, tmp, "b", only=held)
-            out["after_refine_heldout"] = summary(rows2, "held-out plans, refined profile")
+            out.update(judge_refinement(rows, args, tmp))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

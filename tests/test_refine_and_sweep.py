@@ -1,45 +1,110 @@
-"""Learning from runs (refit of kernel coefficients) and the strong-scaling sweep."""
-
-import copy
+"""Learning from runs (factors fitted from measured runs, chosen by cross-validation) and the
+strong-scaling sweep."""
 
 import pytest
 
-from autopar.calibrate.refine import apply_corrections, fit_corrections
+from autopar.calibrate.refine import (Corrections, RunRows, apply_corrections, cross_validate, fit,
+                                      run_rows)
 
 
-def _plan_and_run(world, scale, comm_scale, overhead, n=8):
+def _plan_and_run(world, shapes, blocking, grad, n=8, exposed=0.01, noise=None):
+    """A synthetic plan and the run that measured it: layer i is priced by exact key
+    shapes[i % len(shapes)], measured at that key's true factor, its communication x blocking,
+    the exposed gradient all-reduce x grad."""
     layers, measured = [], []
+    keys = sorted(shapes)
     for i in range(n):
-        kinds = ["conv", "batch_norm", "unary"] if i % 2 == 0 else ["linear"]
+        key = keys[i % len(keys)]
         comp = 0.001 * (i + 1)
         comm = 0.0002 * (i % 3)
-        layers.append({"layer": i, "kinds": kinds, "predicted": {
+        layers.append({"layer": i, "kinds": ["conv"], "exact_keys": [key], "predicted": {
             "fwd_compute_s": comp / 3, "bwd_compute_s": 2 * comp / 3, "fwd_comm_s": comm, "bwd_comm_s": 0.0}})
-        measured.append({"layer": i, "measured_s": scale * comp + comm_scale * comm + overhead * len(kinds)})
-    # one communication-dominated layer
-    layers.append({"layer": n, "kinds": ["binary"], "predicted": {
-        "fwd_compute_s": 1e-5, "bwd_compute_s": 0.0, "fwd_comm_s": 0.004, "bwd_comm_s": 0.0}})
-    measured.append({"layer": n, "measured_s": scale * 1e-5 + comm_scale * 0.004})
-    return {"world_size": world, "layers": layers, "transitions": []}, {"measured": {"per_layer": measured}}
+        m = shapes[key] * comp + blocking * comm
+        measured.append({"layer": i, "measured_s": m * (1 + (noise[i] if noise else 0.0))})
+    layers.append({"layer": n, "kinds": ["batch_norm"], "exact_keys": [], "predicted": {
+        "fwd_compute_s": 1e-4, "bwd_compute_s": 0.0, "fwd_comm_s": 0.004, "bwd_comm_s": 0.0}})
+    measured.append({"layer": n, "measured_s": 1e-4 + blocking * 0.004})
+    compute = sum(m["measured_s"] for m in measured)
+    pred_total = sum(sum(l["predicted"].values()) for l in layers) + exposed
+    step = compute + grad * exposed
+    plan = {"world_size": world, "layers": layers, "transitions": [],
+            "predicted": {"step_time_s": pred_total, "exposed_comm_s": exposed, "optimizer_s": 0.0}}
+    run = {"plan": f"w{world}", "measured": {"step_time_s": step, "per_layer": measured,
+           "phases": {"fwd_s": compute / 3, "bwd_s": 2 * compute / 3, "grad_sync_wait_s": grad * exposed,
+                      "optimizer_s": 0.0}}}
+    return plan, run
 
 
-def test_fit_recovers_factors_per_world():
-    p2, r2 = _plan_and_run(2, 1.4, 3.0, 0.0)
-    p4, r4 = _plan_and_run(4, 1.9, 3.0, 0.0)
-    c = fit_corrections([r2, r4], [p2, p4])
-    assert c["compute_scale_by_world"]["2"] == pytest.approx(1.4, rel=1e-6)
-    assert c["compute_scale_by_world"]["4"] == pytest.approx(1.9, rel=1e-6)
-    assert c["comm_scale"] == pytest.approx(3.0, rel=1e-3)
+def test_fit_recovers_exact_blocking_and_grad_sync_factors():
+    truth = {"a": 1.3, "b": 0.8, "c": 1.1}
+    rows = [run_rows(r, p) for p, r in (_plan_and_run(2, truth, 2.5, 0.6), _plan_and_run(4, truth, 2.5, 0.6))]
+    corr = fit(rows, ("exact", "blocking", "grad_sync"))
+    for k, f in truth.items():
+        assert corr.exact[k] == pytest.approx(f, rel=1e-3)
+    assert corr.blocking == pytest.approx(2.5, rel=1e-3)
+    assert corr.grad_sync == pytest.approx(0.6, rel=1e-6)
+    # the corrected model reproduces what was measured
+    for r in rows:
+        assert r.predict_s(corr) == pytest.approx(r.step_measured_s, rel=1e-3)
+    # kinds not asked for stay 1
+    only = fit(rows, ("grad_sync",))
+    assert only.exact == {} and only.blocking == 1.0 and only.drift == 1.0
 
 
-def test_apply_scales_slowdown_collectives_and_overhead(profile):
-    corr = {"compute_scale_by_world": {"2": 1.5}, "comm_scale": 2.0, "per_op_overhead_s": 3e-5,
-            "apply_world_scale": True}
+def test_drift_prices_shapes_no_run_measured():
+    rows = [run_rows(r, p) for p, r in (_plan_and_run(2, {"a": 1.5, "b": 1.5}, 1.0, 1.0),)]
+    corr = fit(rows, ("exact", "drift"))
+    assert corr.compute_factor(["unseen"]) == pytest.approx(1.5, rel=1e-3)
+    assert corr.compute_factor(["a"]) == pytest.approx(1.5, rel=1e-3)
+
+
+def test_cross_validation_picks_nothing_when_the_profile_is_right_and_factors_when_wrong():
+    noise = [0.03, -0.02, 0.01, -0.03, 0.02, 0.0, -0.01, 0.02]
+    right = [run_rows(r, p) for p, r in (_plan_and_run(w, {"a": 1.0, "b": 1.0}, 1.0, 1.0, noise=noise)
+                                         for w in (2, 4, 2, 4))]
+    cv = cross_validate(right)
+    assert len(cv["table"]) == 16
+    assert cv["chosen_loo_median_abs_error"] <= cv["uncorrected_loo_median_abs_error"]
+    wrong = [run_rows(r, p) for p, r in (_plan_and_run(w, {"a": 1.4, "b": 1.4}, 2.0, 1.0, noise=noise)
+                                         for w in (2, 4, 2, 4))]
+    cv = cross_validate(wrong)
+    assert cv["chosen"], "a systematic error must be corrected"
+    assert cv["chosen_loo_median_abs_error"] < 0.5 * cv["uncorrected_loo_median_abs_error"]
+
+
+def _with_exact(profile):
+    profile.exact["conv k"] = {"fwd": 1e-3, "bwd_data": 2e-3, "bwd_filter": 3e-3}
+    profile.exact["conv other"] = {"fwd": 1e-3, "bwd_data": 2e-3, "bwd_filter": 3e-3}
+    return "conv k"
+
+
+def test_apply_scales_exact_entries_and_stores_comm_factors(profile):
+    key = _with_exact(profile)
+    corr = Corrections(exact={key: 2.0}, drift=1.0, blocking=1.7, grad_sync=0.5)
+    new = apply_corrections(profile, corr)
+    for ph, t in profile.exact[key].items():
+        assert new.exact[key][ph] == pytest.approx(2 * t)
+    assert new.exact["conv other"] == profile.exact["conv other"]
+    assert new.samples["corrections"] == {"blocking_comm_scale": 1.7, "grad_sync_scale": 0.5}
+    assert "corrections" not in profile.samples  # the original is untouched
+    from autopar.cost import primitives as prim
+    from autopar.decomp.base import CostContext
+    ctx0 = CostContext(profile=profile, world=4, ranks_per_node=4)
+    ctx1 = CostContext(profile=new, world=4, ranks_per_node=4)
+    assert prim.blocking_s(ctx1, "allreduce", 4, 1e4, "intra") == pytest.approx(
+        1.7 * prim.blocking_s(ctx0, "allreduce", 4, 1e4, "intra"))
+    assert prim.grad_sync_time_s(ctx1, 1e6, range(4)) == pytest.approx(0.5 * prim.grad_sync_time_s(ctx0, 1e6, range(4)))
+
+
+def test_drift_scales_unmeasured_compute_only(profile):
+    key = _with_exact(profile)
+    corr = Corrections(exact={key: 2.0}, drift=1.5)
     new = apply_corrections(profile, corr)
     assert new.slowdown(2) == pytest.approx(1.5 * profile.slowdown(2))
-    assert new.collective_time_s("allreduce", 2, 1e6) == pytest.approx(2 * profile.collective_time_s("allreduce", 2, 1e6))
-    assert new.kernels["runtime_op"]["t0_s"] == pytest.approx(3e-5)
-    assert "runtime_op" not in profile.kernels  # the original is untouched
+    for ph, t in profile.exact[key].items():   # a corrected entry ends at its own factor
+        assert new.exact[key][ph] * new.slowdown(2) == pytest.approx(2 * t * profile.slowdown(2))
+    for ph, t in profile.exact["conv other"].items():   # the others follow the drift
+        assert new.exact["conv other"][ph] * new.slowdown(2) == pytest.approx(1.5 * t * profile.slowdown(2))
 
 
 def test_scaling_sweep_has_three_series(tmp_path, root, profile):

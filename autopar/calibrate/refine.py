@@ -1,129 +1,196 @@
-"""Learning from runs: refit the profile from measured per-layer times.
+"""Learning from runs: correct the profile from measured step, phase and per-layer times.
 
-A run measures each layer (forward + backward of an instrumented step) at its world size;
-the plan predicted it. The model, fitted with medians (robust to the noisy layers of a shared
-machine, see ``fit_corrections``)::
+A run of a plan measures its step time, its phases (forward, backward, waiting for the
+gradient all-reduce, optimizer) and every layer's forward + backward (instrumented steps,
+scaled to the median timed step). The plan predicted each of them from three kinds of terms:
+``compute_l`` (kernels of layer l), ``comm_l`` (collectives the ranks wait on inside the step:
+statistics, halos, the transitions into l) and the exposed gradient all-reduce ``X``. The
+corrected model of one run is::
 
-    measured_l = s_w * compute_l + c * comm_l   (+ b * ops_l, b = 0 in this fit)
+    step = sum_l ( f(l) * compute_l + c * comm_l ) + g * X + optimizer
 
-``compute_l`` is the layer's predicted compute (kernels, with the profile's slowdown for w
-ranks on a node already applied), ``comm_l`` its predicted communication (halo, statistics,
-transitions into it), ``ops_l`` its number of ops; ``s_w`` is one factor per world size w
-(how much more the ranks slow each other down than the kernel-mix calibration saw: shared
-cores, gloo's communication threads), ``c`` scales communication (waiting for the slowest rank
-at every synchronisation), ``b`` is per-op work no benchmark sees.
+with four kinds of factor, each fitted with medians (robust to the noisy steps of a shared
+machine) and clipped to [0.25, 4]:
 
-The refined profile applies per-layer corrections: every exact measurement that priced a
-measured layer (plan.json lists them per layer, ``exact_keys``) is scaled by that layer's ratio
-(measured - c * comm) / predicted compute (median over the layers sharing it), so any plan that
-meets the same local shapes again is priced from what the runs measured; and every
-collective's alpha and beta are scaled by ``c``. The per-world factors ``s_w`` are reported but
-applied to ``compute_slowdown`` only on request (``apply_world_scale``): on the 2-core machine
-they did not transfer between models (ResNet at 4 ranks ran faster than its kernels predict,
-the 3-D CNN slower), and held-out predictions got worse with them. The measured profile is left untouched: the refined copy is
-written beside it, its provenance naming the runs and the fitted factors.
+* ``exact``: per exact measurement (``plan.json`` lists per layer the ``exact_keys`` that
+  priced it), f = median over the layers it priced of (measured - c * comm) / compute, so a plan
+  that meets the same local shapes again is priced from what the runs measured;
+* ``drift``: one factor ``a`` for every shape no run measured, the same ratio over all layers,
+  weighted by their compute (the machine is slower or faster than when it was calibrated);
+* ``blocking``: ``c`` = median of (measured - f * compute) / comm over the layers whose
+  prediction is mostly communication (``cost.primitives.correction("blocking_comm_scale")``);
+* ``grad_sync``: ``g`` = median over runs of the measured all-reduce wait / predicted ``X``
+  (``correction("grad_sync_scale")``).
+
+Which factors to apply is decided by leave-one-run-out cross-validation: each subset of the
+four kinds is fitted on all runs but one and predicts the step time of the one left out; the
+subset with the lowest median error is applied (no subset at all when none beats the profile as
+calibrated). With fewer than three runs there is nothing to cross-validate against, and the
+default set ``exact + blocking + grad_sync`` is applied and marked so. The measured profile is
+left untouched: the refined copy is written beside it, its provenance naming the runs, the
+factors, the cross-validation table and the subset chosen.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime as _dt
+import itertools
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-def _layer_rows(run: dict[str, Any], plan: dict[str, Any]):
+KINDS = ("exact", "drift", "blocking", "grad_sync")
+DEFAULT_KINDS = ("exact", "blocking", "grad_sync")
+CLIP = (0.25, 4.0)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    compute_s: float
+    comm_s: float
+    keys: tuple[str, ...]
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class RunRows:
+    """What one measured run tells about its plan's prediction."""
+
+    label: str
+    world: int
+    layers: tuple[LayerRow, ...]
+    exposed_s: float            # predicted exposed gradient all-reduce X
+    grad_wait_s: float          # measured wait for it (scaled like the layers)
+    optimizer_s: float          # predicted optimizer step
+    step_measured_s: float
+    step_predicted_s: float
+
+    def predict_s(self, corr: "Corrections") -> float:
+        t = sum(corr.compute_factor(l.keys) * l.compute_s + corr.blocking * l.comm_s for l in self.layers)
+        return t + corr.grad_sync * self.exposed_s + self.optimizer_s
+
+
+@dataclass(frozen=True)
+class Corrections:
+    exact: dict[str, float]
+    drift: float = 1.0
+    blocking: float = 1.0
+    grad_sync: float = 1.0
+
+    def compute_factor(self, keys: Sequence[str]) -> float:
+        fs = [self.exact[k] for k in keys if k in self.exact]
+        return float(np.median(fs)) if fs else self.drift
+
+
+def run_rows(run: dict[str, Any], plan: dict[str, Any]) -> RunRows:
     trans_into: dict[int, float] = {}
     for t in plan.get("transitions", []):
         trans_into[t["dst"]] = trans_into.get(t["dst"], 0.0) + t["fwd_s"] + t["bwd_s"]
     by_layer = {l["layer"]: l for l in plan["layers"]}
-    # per-layer times come from one instrumented step (timestamps, hooks), which runs slower
-    # than the timed steps: scale them to the median timed step
+    # per-layer and phase times come from instrumented steps (timestamps, hooks), which run
+    # slower than the timed steps: scale them to the median timed step
     ph = run["measured"].get("phases") or {}
     instrumented = sum(ph.values()) if ph else 0.0
-    norm = run["measured"]["step_time_s"] / instrumented if instrumented > 0 else 1.0
+    step = float(run["measured"]["step_time_s"])
+    norm = step / instrumented if instrumented > 0 else 1.0
+    layers = []
     for m in run["measured"]["per_layer"]:
         lay = by_layer[m["layer"]]
         p = lay["predicted"]
-        compute = p["fwd_compute_s"] + p["bwd_compute_s"]
-        comm = p["fwd_comm_s"] + p["bwd_comm_s"] + trans_into.get(m["layer"], 0.0)
-        yield compute, comm, float(len(lay["kinds"])), m["measured_s"] * norm
+        layers.append(LayerRow(compute_s=p["fwd_compute_s"] + p["bwd_compute_s"],
+                               comm_s=p["fwd_comm_s"] + p["bwd_comm_s"] + trans_into.get(m["layer"], 0.0),
+                               keys=tuple(lay.get("exact_keys") or ()),
+                               measured_s=float(m["measured_s"]) * norm))
+    pred = plan["predicted"]
+    return RunRows(label=str(run.get("plan", "")), world=int(plan["world_size"]), layers=tuple(layers),
+                   exposed_s=float(pred.get("exposed_comm_s", 0.0)),
+                   grad_wait_s=float(ph.get("grad_sync_wait_s", 0.0)) * norm,
+                   optimizer_s=float(pred.get("optimizer_s", 0.0)),
+                   step_measured_s=step, step_predicted_s=float(pred["step_time_s"]))
 
 
-def fit_corrections(runs: Iterable[dict[str, Any]], plans: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Robust (median) factors, alternating: per world size w, ``s_w`` = median of
-    (measured - c * comm) / compute over the compute-dominated layers (communication under 20 %
-    of the prediction; layers under 1 % of the step ignored); ``c`` = median of (measured - s_w *
-    compute) / comm over the communication-dominated layers (over half), clipped to [0.25, 4]."""
-    by_world: dict[int, list] = {}
-    for run, plan in zip(runs, plans):
-        w = int(plan["world_size"])
-        step = sum(r[0] + r[1] for r in _layer_rows(run, plan)) or 1.0
-        for compute, comm, ops, measured in _layer_rows(run, plan):
-            if compute + comm >= 0.01 * step and measured > 0:
-                by_world.setdefault(w, []).append((compute, comm, measured))
-    if sum(len(v) for v in by_world.values()) < 4:
-        raise ValueError("too few measured layers to refine from (need at least 4)")
-    scales = {str(w): 1.0 for w in by_world}
-    comm = 1.0
+def _clip(x: float) -> float:
+    return float(np.clip(x, *CLIP))
+
+
+def fit(runs: Sequence[RunRows], kinds: Iterable[str] = DEFAULT_KINDS) -> Corrections:
+    """Fit the factors of ``kinds`` (the others stay 1) on ``runs`` (see module docstring).
+    Layers under 1 % of their run's predicted step are ignored (timer noise)."""
+    kinds = set(kinds)
+    rows = []
+    for r in runs:
+        total = sum(l.compute_s + l.comm_s for l in r.layers) or 1.0
+        rows += [l for l in r.layers if l.compute_s + l.comm_s >= 0.01 * total and l.measured_s > 0]
+    corr = Corrections(exact={})
     for _ in range(4):   # alternate: compute factors given c, then c given the compute factors
-        for w, rows in by_world.items():
-            r = [(m - comm * k) / c for c, k, m in rows if k < 0.2 * (c + k) and c > 0]
-            scales[str(w)] = float(np.median(r)) if r else 1.0
-        ratios = [(m - scales[str(w)] * c) / k for w, rows in by_world.items()
-                  for c, k, m in rows if k > 0.5 * (c + k)]
-        comm = float(np.clip(np.median(ratios), 0.25, 4.0)) if ratios else 1.0
-    resid = [abs(scales[str(w)] * c + comm * k - m) / m for w, rows in by_world.items() for c, k, m in rows]
-    return {"compute_scale_by_world": scales, "comm_scale": comm, "per_op_overhead_s": 0.0,
-            "layers": sum(len(v) for v in by_world.values()),
-            "median_rel_residual": float(np.median(resid))}
-
-
-def exact_corrections(runs, plans, corr: dict[str, Any]) -> dict[str, float]:
-    """Per exact entry: the median over the layers it priced of
-    (measured - c * comm) / predicted compute, so that re-pricing those layers reproduces what
-    was measured. Entries are shared by layers of the same local shape, in any plan."""
-    ratios: dict[str, list[float]] = {}
-    for run, plan in zip(runs, plans):
-        by_layer = {l["layer"]: l for l in plan["layers"]}
-        rows = list(_layer_rows(run, plan))
-        for m, (compute, comm, ops, measured) in zip(run["measured"]["per_layer"], rows):
-            keys = by_layer[m["layer"]].get("exact_keys") or []
-            if not keys or compute <= 0 or measured <= 0:
+        ratios: dict[str, list[float]] = {}
+        num = den = 0.0
+        for l in rows:
+            if l.compute_s <= 0:
                 continue
-            r = (measured - corr["comm_scale"] * comm) / compute
-            if r > 0:
-                for k in keys:
-                    ratios.setdefault(k, []).append(r)
-    return {k: float(np.clip(np.median(v), 0.25, 4.0)) for k, v in ratios.items()}
+            r = (l.measured_s - corr.blocking * l.comm_s) / l.compute_s
+            if r <= 0:
+                continue
+            num, den = num + r * l.compute_s, den + l.compute_s
+            for k in l.keys:
+                ratios.setdefault(k, []).append(r)
+        exact = {k: _clip(np.median(v)) for k, v in ratios.items()} if "exact" in kinds else {}
+        # drift weighs layers by their compute: small layers carry most of the timer noise
+        drift = _clip(num / den) if ("drift" in kinds and den > 0) else 1.0
+        corr = Corrections(exact=exact, drift=drift, blocking=corr.blocking, grad_sync=1.0)
+        if "blocking" in kinds:
+            cr = [(l.measured_s - corr.compute_factor(l.keys) * l.compute_s) / l.comm_s
+                  for l in rows if l.comm_s > 0.5 * (l.compute_s + l.comm_s)]
+            corr = Corrections(exact=exact, drift=drift, blocking=_clip(np.median(cr)) if cr else 1.0)
+    g = 1.0
+    if "grad_sync" in kinds:
+        gr = [r.grad_wait_s / r.exposed_s for r in runs if r.exposed_s > 0.02 * r.step_predicted_s]
+        g = _clip(np.median(gr)) if gr else 1.0
+    return Corrections(exact=corr.exact, drift=corr.drift, blocking=corr.blocking, grad_sync=g)
 
 
-def apply_corrections(profile, corr: dict[str, Any]):
-    """A copy of ``profile`` with the fitted factors applied (see module docstring): exact
-    entries that priced measured layers are scaled by their own ratio (``exact_scale``); the
-    slowdown of a world size by its compute factor for everything else."""
+def cross_validate(runs: Sequence[RunRows]) -> dict[str, Any]:
+    """Leave-one-run-out median |error| of the step time for every subset of ``KINDS``; the
+    subset with the lowest error wins (ties: fewer kinds), the empty subset (the profile as
+    calibrated) included."""
+    table = []
+    for n in range(len(KINDS) + 1):
+        for sub in itertools.combinations(KINDS, n):
+            errs = []
+            for i, held in enumerate(runs):
+                rest = [r for j, r in enumerate(runs) if j != i]
+                corr = fit(rest, sub)
+                errs.append(abs(held.predict_s(corr) - held.step_measured_s) / held.step_measured_s)
+            table.append({"kinds": list(sub), "loo_median_abs_error": float(np.median(errs)),
+                          "loo_max_abs_error": float(max(errs))})
+    best = min(table, key=lambda row: (round(row["loo_median_abs_error"], 4), len(row["kinds"])))
+    return {"table": table, "chosen": best["kinds"], "chosen_loo_median_abs_error": best["loo_median_abs_error"],
+            "uncorrected_loo_median_abs_error": table[0]["loo_median_abs_error"]}
+
+
+def apply_corrections(profile, corr: Corrections):
+    """A copy of ``profile`` with ``corr`` applied: exact entries scaled by their own factor;
+    with a drift factor, every other compute (``compute_slowdown``) scaled by it, the corrected
+    entries compensated so that they end at their own factor; ``blocking`` and ``grad_sync``
+    stored as ``samples["corrections"]`` for ``cost.primitives.correction``."""
     new = copy.deepcopy(profile)
-    for key, f in corr.get("exact_scale", {}).items():
-        entry = new.exact.get(key)
-        if entry is None:
-            continue
+    a = corr.drift
+    for key, entry in new.exact.items():
+        f = corr.exact.get(key)
+        scale = (f / a) if f is not None else 1.0
         for phase in list(entry):
             if isinstance(entry[phase], (int, float)):
-                entry[phase] = float(entry[phase]) * f
-    if corr.get("apply_world_scale", False):
-        for w, s in corr["compute_scale_by_world"].items():
-            new.compute_slowdown[str(w)] = profile.slowdown(int(w)) * float(s)
-    c = corr["comm_scale"]
-    for kind in new.collectives.values():
-        for level in kind.values():
-            for entry in level.values():
-                entry["alpha_s"] = float(entry["alpha_s"]) * c
-                entry["beta_s_per_byte"] = float(entry["beta_s_per_byte"]) * c
-                entry["refined"] = True
-    k = new.kernels.setdefault("runtime_op", {"t0_s": 0.0, "s_per_flop": 0.0, "s_per_byte": 0.0})
-    k["t0_s"] = float(k["t0_s"]) + corr["per_op_overhead_s"]
-    k["refined"] = True
+                entry[phase] = float(entry[phase]) * scale
+    if a != 1.0:
+        known = set(new.compute_slowdown) | {"1"}
+        new.compute_slowdown = {k: profile.slowdown(int(k)) * a for k in known}
+    c = dict(new.samples.get("corrections") or {})
+    c["blocking_comm_scale"] = float(c.get("blocking_comm_scale", 1.0)) * corr.blocking
+    c["grad_sync_scale"] = float(c.get("grad_sync_scale", 1.0)) * corr.grad_sync
+    new.samples["corrections"] = c
     return new
 
 
@@ -137,17 +204,33 @@ def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: st
 
     runs = [runs] if isinstance(runs, dict) else list(runs)
     plan_objs = [load_plan(p) for p in (plans or [r["plan"] for r in runs])]
+    rows = [run_rows(r, p) for r, p in zip(runs, plan_objs)]
+    if sum(len(r.layers) for r in rows) < 4:
+        raise ValueError("too few measured layers to refine from (need at least 4)")
+    if len(rows) >= 3:
+        cv = cross_validate(rows)
+        kinds = cv["chosen"]
+    else:
+        cv = {"note": f"{len(rows)} run(s): nothing to cross-validate against; default kinds applied"}
+        kinds = list(DEFAULT_KINDS)
+    corr = fit(rows, kinds)
     profile = load_profile(profile_path, check_machine=False)
-    corr = fit_corrections(runs, plan_objs)
-    corr["exact_scale"] = exact_corrections(runs, plan_objs, corr)
     new = apply_corrections(profile, corr)
+    in_sample = [abs(r.predict_s(corr) - r.step_measured_s) / r.step_measured_s for r in rows]
+    before = [abs(r.step_predicted_s - r.step_measured_s) / r.step_measured_s for r in rows]
     new.provenance = dict(new.provenance)
     new.provenance["refined"] = {
         "from_profile": str(profile_path),
         "runs": [r.get("plan", "") for r in runs],
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "corrections": corr,
-        "note": "kernel coefficients refitted from measured per-layer times (autopar.calibrate.refine)",
+        "kinds": list(kinds),
+        "corrections": {"drift": corr.drift, "blocking_comm_scale": corr.blocking,
+                        "grad_sync_scale": corr.grad_sync, "exact_entries": len(corr.exact),
+                        "exact_scale": corr.exact},
+        "cross_validation": cv,
+        "training_median_abs_error": {"before": float(np.median(before)), "after": float(np.median(in_sample))},
+        "note": "factors learned from measured runs (autopar.calibrate.refine); the measured "
+                "entries they scale are otherwise unchanged",
     }
     p = Path(profile_path)
     out = Path(out) if out else p.with_name(p.stem + "-refined.json")

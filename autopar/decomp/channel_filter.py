@@ -284,8 +284,7 @@ class _WeightGrid(Decomposition):
         for nbytes, vary in ((w_bytes, "s"), (other_bytes, "s" + ("c" if self.rs_along_batch else ""))):
             groups = self.partition(vary)
             if nbytes and len(groups[0]) > 1:
-                grad_s += ctx.profile.collective_time_s("allreduce", len(groups[0]), nbytes,
-                                                        _worst_level(ctx, groups))
+                grad_s += prim.grad_allreduce_s(ctx, nbytes, len(groups[0]), _worst_level(ctx, groups))
                 grad_bytes_synced += nbytes
         pbytes = float(w_bytes + other_bytes)
         return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd,
