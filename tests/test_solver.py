@@ -26,15 +26,23 @@ def _op(name):
                   out_shape=[2, 2], dtype="float32", inputs=[], in_shapes=[], params={}, param_names={})
 
 
-def random_table(n_layers, n_choices, rng, dag=False):
+def _cost(rng, latency):
+    sync = rng.choice([0.0, rng.uniform(0, 3)])
+    lat = ()
+    if latency and sync:   # a share of the sync is a group's latency, paid once per bucket
+        groups = rng.sample(["world", "g2", "g3"], rng.randint(1, 2))
+        lat = tuple((g, {"world": 0.5, "g2": 0.3, "g3": 0.2}[g] * sync / 2) for g in groups)
+    return LayerCost(fwd_compute_s=rng.uniform(0, 1), bwd_compute_s=rng.uniform(0, 2),
+                     fwd_comm_s=rng.uniform(0, 0.3), grad_sync_s=sync, grad_sync_latency=lat,
+                     activation_bytes=rng.uniform(1, 10), optim_step_s=rng.uniform(0, 0.1))
+
+
+def random_table(n_layers, n_choices, rng, dag=False, latency=False):
     layers = [Layer(index=l, name=f"l{l}", ops=[_op(f"l{l}")], inputs=[], output=f"l{l}") for l in range(n_layers)]
     opts = []
     for l in range(n_layers):
         k = rng.randint(1, n_choices)
-        costs = [LayerCost(fwd_compute_s=rng.uniform(0, 1), bwd_compute_s=rng.uniform(0, 2),
-                           fwd_comm_s=rng.uniform(0, 0.3), grad_sync_s=rng.choice([0.0, rng.uniform(0, 3)]),
-                           activation_bytes=rng.uniform(1, 10), optim_step_s=rng.uniform(0, 0.1))
-                 for _ in range(k)]
+        costs = [_cost(rng, latency) for _ in range(k)]
         opts.append(LayerOptions(layers[l], [_Choice(i) for i in range(k)], costs))
     pairs = [(l - 1, l) for l in range(1, n_layers)]
     if dag:
@@ -55,8 +63,8 @@ def random_table(n_layers, n_choices, rng, dag=False):
 @pytest.mark.parametrize("seed", range(12))
 def test_ilp_equals_brute_force(seed):
     rng = random.Random(seed)
-    table = random_table(rng.randint(2, 6), 3, rng, dag=seed % 2 == 1)
-    if seed % 3 == 0:   # gradient buckets of several layers, as the runtime forms them
+    table = random_table(rng.randint(2, 6), 3, rng, dag=seed % 2 == 1, latency=seed % 4 == 0)
+    if seed % 4 == 0 or seed % 3 == 0:   # gradient buckets of several layers, as the runtime forms them
         from autopar.runtime.gradsync import layer_buckets
         table.buckets = layer_buckets([(l, rng.uniform(1, 3)) for l in range(len(table.layers))], cap_bytes=4)
     sol = solve(table)
@@ -107,3 +115,13 @@ def test_overlap_hides_allreduce_behind_backward():
     p = evaluate(table, [0, 0, 0])
     assert p.step_time_s == pytest.approx(12.0) and p.exposed_comm_s == pytest.approx(3.0)
     assert solve(table).objective_s == pytest.approx(12.0)
+
+
+def test_bucket_pays_each_group_latency_once():
+    from autopar.cost.table import bucket_allreduce_s
+    a = LayerCost(grad_sync_s=3.0, grad_sync_latency=(("world", 1.0),))
+    b = LayerCost(grad_sync_s=2.5, grad_sync_latency=(("world", 1.0), ("g", 0.5)))
+    c = LayerCost(grad_sync_s=1.2, grad_sync_latency=(("g", 0.7),))
+    # bandwidth parts 2.0 + 1.0 + 0.5, then world once (1.0) and g once (its largest, 0.7)
+    assert bucket_allreduce_s([a, b, c]) == pytest.approx(2.0 + 1.0 + 0.5 + 1.0 + 0.7)
+    assert bucket_allreduce_s([a]) == pytest.approx(3.0)

@@ -20,7 +20,7 @@ import statistics
 import time
 
 
-def _rank(rank, world, iters):
+def _rank(rank, world, iters, p=None):
     import torch
     import torch.distributed as dist
 
@@ -33,9 +33,13 @@ def _rank(rank, world, iters):
     bw = torch.ones(16, requires_grad=True)
     bb = torch.zeros(16, requires_grad=True)
     rm, rv = torch.zeros(16), torch.ones(16)
-    ranks = list(range(world))
+    p = p or world
+    first = (rank // p) * p
+    ranks = list(range(first, first + p)) if first + p <= world else [rank]
+    comm.ensure_partitions([[list(range(a, a + p)) for a in range(0, world - p + 1, p)]])
     out = {}
     for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
+        sync = sync and len(ranks) > 1
         def body():
             y = torch.nn.functional.conv2d(x, w, padding=1)
             if sync:
@@ -55,22 +59,30 @@ def _rank(rank, world, iters):
     return out
 
 
-def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0) -> dict[str, float]:
-    """{str(p): seconds per blocking collective inside a step} for each group size p >= 2."""
+def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0) -> dict[str, dict[str, float]]:
+    """{str(w): {str(p): seconds per blocking collective among p ranks inside a step, with w
+    ranks running}} for each world w in ``world_sizes`` (>= 2) and group size 2 <= p <= w."""
     from ..runtime.launch import run_ranks
-    res = {}
-    for p in world_sizes:
-        if p < 2:
+    res: dict[str, dict[str, float]] = {}
+    for w in world_sizes:
+        if w < 2:
             continue
-        per_rank = run_ranks(_rank, p, args=(iters,), timeout_s=timeout_s)
-        sync = statistics.median([min(r["sync"], r["sync2"]) for r in per_rank])
-        local = statistics.median([min(r["local"], r["local2"]) for r in per_rank])
-        res[str(p)] = max(0.0, (sync - local) / 2.0)
+        res[str(w)] = {}
+        for p in range(2, w + 1):
+            per_rank = run_ranks(_rank, w, args=(iters, p), timeout_s=timeout_s)
+            in_groups = per_rank[: (w // p) * p]          # ranks that synchronised
+            sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
+            local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
+            res[str(w)][str(p)] = max(0.0, (sync - local) / 2.0)
     return res
 
 
-def apply_insitu(profile, latency_s: dict[str, float]) -> None:
-    """Store the in-situ latencies in the profile (``samples["insitu_latency_s"]``); the cost
-    model charges them to blocking collectives only (``cost.primitives.blocking_s``), not to
-    the gradient allreduce, which runs asynchronously behind backward."""
-    profile.samples["insitu_latency_s"] = {str(k): float(v) for k, v in latency_s.items()}
+def apply_insitu(profile, latency_s: dict[str, dict[str, float]]) -> None:
+    """Store the in-situ latencies in the profile: ``samples["insitu_latency_by_world_s"]``
+    (``{w: {p: s}}``) and, for readers of older profiles, ``samples["insitu_latency_s"]``
+    (``{p: s}`` with p = w). The cost model charges them to blocking collectives only
+    (``cost.primitives.blocking_s``), not to the gradient allreduce, which runs
+    asynchronously behind backward."""
+    table = {str(w): {str(p): float(t) for p, t in row.items()} for w, row in latency_s.items()}
+    profile.samples["insitu_latency_by_world_s"] = table
+    profile.samples["insitu_latency_s"] = {w: row[w] for w, row in table.items() if w in row}

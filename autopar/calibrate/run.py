@@ -293,7 +293,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     insitu = measure_insitu_latency_s(range(2, world_size + 1), iters=10 if quick else 30)
     apply_insitu(prof, insitu)
     progress(f"{stamp()} blocking-collective latency in situ: " +
-             ", ".join(f"p={p} {t * 1e3:.2f} ms" for p, t in insitu.items()))
+             ", ".join(f"p={p} of {w} ranks {t * 1e3:.2f} ms" for w, row in insitu.items()
+                       for p, t in row.items()))
     from .overhead import add_runtime_overhead
     overhead_s = launch(_overhead_rank, 1, (prof,))[0]
     add_runtime_overhead(prof, overhead_s)

@@ -161,11 +161,22 @@ def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Seque
     return 0.0
 
 
-def insitu_latency_s(prof, p: int) -> float:
-    """Measured latency of a blocking collective among p ranks inside a step
-    (``calibrate.insitu``); the nearest measured group size; 0 when not measured."""
-    table = getattr(prof, "samples", {}).get("insitu_latency_s") if isinstance(getattr(prof, "samples", None), dict) else None
-    if not table or p < 2:
+def insitu_latency_s(prof, p: int, ranks_on_node: int | None = None) -> float:
+    """Measured latency of a blocking collective among p ranks inside a step, with
+    ``ranks_on_node`` ranks running on the node (``calibrate.insitu``): the nearest measured
+    world, then the nearest measured group size; 0 when not measured. Profiles measured before
+    the per-world table have the p = w diagonal only (``insitu_latency_s``)."""
+    samples = getattr(prof, "samples", None)
+    if not isinstance(samples, dict) or p < 2:
+        return 0.0
+    by_world = samples.get("insitu_latency_by_world_s")
+    if by_world and ranks_on_node is not None:
+        worlds = sorted(int(w) for w in by_world)
+        w = min(worlds, key=lambda x: (abs(x - max(ranks_on_node, p)), -x))
+        table = by_world[str(w)]
+    else:
+        table = samples.get("insitu_latency_s")
+    if not table:
         return 0.0
     sizes = sorted(int(k) for k in table)
     near = min(sizes, key=lambda s: (abs(s - p), -s))
@@ -179,7 +190,7 @@ def blocking_s(ctx, kind: str, p: int, nbytes: float, level: str) -> float:
 
     i.e. the isolated fit, with its latency raised to what the runtime meets between kernels."""
     t = ctx.profile.collective_time_s(kind, p, nbytes, level)
-    lat = insitu_latency_s(ctx.profile, p)
+    lat = insitu_latency_s(ctx.profile, p, ctx.ranks_on_node)
     if lat > 0:
         t += max(0.0, lat - ctx.profile.collective_time_s(kind, p, 0.0, level))
     return t * correction(ctx.profile, "blocking_comm_scale")
@@ -213,6 +224,16 @@ def grad_sync_time_s(ctx, param_bytes: float, group: Sequence[int]) -> float:
     if len(group) <= 1 or param_bytes <= 0:
         return 0.0
     return grad_allreduce_s(ctx, param_bytes, len(group), ctx.level(group))
+
+
+def grad_sync_latency(ctx, group: Sequence[int], signature: str | None = None) -> tuple:
+    """``LayerCost.grad_sync_latency`` of a layer whose gradients all-reduce over ``group``:
+    one (signature, latency) pair; the signature names the group (the runtime's bucket key)."""
+    group = list(group)
+    if len(group) <= 1:
+        return ()
+    sig = signature or f"allreduce {len(group)} {ctx.level(group)} {min(group)}..{max(group)}"
+    return ((sig, grad_allreduce_s(ctx, 0.0, len(group), ctx.level(group))),)
 
 
 def grad_allreduce_s(ctx, nbytes: float, p: int, level: str) -> float:

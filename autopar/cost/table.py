@@ -192,6 +192,22 @@ class StepPrediction:
         return dict(self.__dict__)
 
 
+def bucket_allreduce_s(costs: list[LayerCost]) -> float:
+    """All-reduce time of one gradient bucket whose layers are priced ``costs``::
+
+        AR_b = sum_l (grad_sync_l - its latency terms) + sum over groups g of max_l latency_(l,g)
+
+    the runtime flattens a bucket's gradients of one group into one all-reduce
+    (``runtime.gradsync``): bandwidth terms add up, each group's latency is paid once."""
+    total = 0.0
+    lat: dict[str, float] = {}
+    for c in costs:
+        total += c.grad_sync_s - sum(t for _, t in c.grad_sync_latency)
+        for sig, t in c.grad_sync_latency:
+            lat[sig] = max(lat.get(sig, 0.0), t)
+    return total + sum(lat.values())
+
+
 def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     """Step time of one choice per layer, by the model the ILP encodes::
 
@@ -200,8 +216,9 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
         ready_b = T_fwd + sum of bwd over layers at or after the first layer of gradient
                   bucket b (and their input edges): the moment all of b's gradients exist
                   (backward runs in reverse order; buckets as ``runtime.gradsync.layer_buckets``)
-        F_b    = max(F_(b-1), ready_b) + sum_(l in b) AR_l   (bucket allreduces run one after
-                 another, each starting when its gradients are ready: DDP's overlap)
+        F_b    = max(F_(b-1), ready_b) + AR_b   (bucket allreduces run one after another, each
+                 starting when its gradients are ready: DDP's overlap; AR_b as
+                 ``bucket_allreduce_s``)
         step   = max(T_fwd + T_bwd, F_last) + sum_l optimizer(l)
     """
     cs = [table.layers[l].costs[choice[l]] for l in range(len(table.layers))]
@@ -215,13 +232,14 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     bucket = table.bucket_of()
     suffix = 0.0
     ready: dict[int, float] = {}
-    ar: dict[int, float] = {}
+    members: dict[int, list[LayerCost]] = {}
     for l in reversed(table.topo):
         suffix += cs[l].bwd_s + edge_bwd_into[l]
         if cs[l].grad_sync_s > 0 and l in bucket:
             b = bucket[l]
             ready[b] = t_fwd + suffix          # the bucket's lowest layer comes last
-            ar[b] = ar.get(b, 0.0) + cs[l].grad_sync_s
+            members.setdefault(b, []).append(cs[l])
+    ar = {b: bucket_allreduce_s(m) for b, m in members.items()}
     f = 0.0
     for b in sorted(ar):
         f = max(f, ready[b]) + ar[b]

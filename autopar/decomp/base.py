@@ -84,6 +84,10 @@ class LayerCost:
     workspace_bytes: float = 0.0      # transient buffers (halos, gathers)
     source: str = "fit"               # what priced the compute: "exact", "fit", "mixed"
     optim_step_s: float = 0.0         # optimizer update of the local parameters (set by the table)
+    # the latency part of grad_sync_s per gradient group, ((group signature, s), ...): the
+    # runtime all-reduces a bucket's gradients of one group as ONE collective, so a bucket pays
+    # each group's latency once, not once per layer (``cost.table.bucket_allreduce_s``)
+    grad_sync_latency: tuple = ()
 
     @property
     def memory_bytes(self) -> float:

@@ -281,15 +281,21 @@ class _WeightGrid(Decomposition):
         # segmented gradient allreduce
         w_bytes, other_bytes = self.local_param_bytes(layer)
         grad_s = grad_bytes_synced = 0.0
+        latency: list = []
         for nbytes, vary in ((w_bytes, "s"), (other_bytes, "s" + ("c" if self.rs_along_batch else ""))):
             groups = self.partition(vary)
             if nbytes and len(groups[0]) > 1:
-                grad_s += prim.grad_allreduce_s(ctx, nbytes, len(groups[0]), _worst_level(ctx, groups))
+                level = _worst_level(ctx, groups)
+                grad_s += prim.grad_allreduce_s(ctx, nbytes, len(groups[0]), level)
                 grad_bytes_synced += nbytes
+                # the partition's groups run side by side; the runtime buckets per group
+                sig = "world" if len(groups[0]) == ctx.world else f"allreduce {len(groups[0])} {level} {groups[0]}"
+                latency.append((sig, prim.grad_allreduce_s(ctx, 0.0, len(groups[0]), level)))
         pbytes = float(w_bytes + other_bytes)
         return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd,
                          fwd_comm_s=fwd_comm + bn_fwd, bwd_comm_s=bwd_comm + bn_bwd,
                          grad_sync_s=grad_s, grad_sync_bytes=grad_bytes_synced,
+                         grad_sync_latency=tuple(latency),
                          param_bytes=pbytes, grad_bytes=pbytes,
                          optim_bytes=prim.optimizer_bytes(ctx, pbytes),
                          activation_bytes=saved, workspace_bytes=workspace,

@@ -50,6 +50,7 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
     return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd,
                      fwd_comm_s=bn_fwd + extra_fwd_comm_s, bwd_comm_s=bn_bwd + extra_bwd_comm_s,
                      grad_sync_s=gsync, grad_sync_bytes=pbytes if ctx.world > 1 else 0.0,
+                     grad_sync_latency=prim.grad_sync_latency(ctx, range(ctx.world), "world") if gsync else (),
                      param_bytes=pbytes, grad_bytes=pbytes,
                      optim_bytes=prim.optimizer_bytes(ctx, pbytes),
                      activation_bytes=saved, workspace_bytes=workspace_bytes, source=src)

@@ -23,8 +23,11 @@ Constraints:
                     F[b] >= F[b-1] + AR_b;  F[b] >= T_fwd + S_(first layer of b) + AR_b;
                     step >= F[last], over gradient buckets b as the runtime forms them
                     (``runtime.gradsync.layer_buckets``), AR_b = sum over the bucket's layers
-                    of sum_i x[l,i] sync[l,i]: DDP-style bucket allreduces, each starting when
-                    all its gradients exist, one at a time                   (_add_overlap)
+                    of sum_i x[l,i] (sync[l,i] - lat[l,i]) + sum_g lat_g z[b,g] with
+                    z[b,g] >= sum_(i uses group g) x[l,i] for each l in b (one latency per
+                    group and bucket, as ``cost.table.bucket_allreduce_s``): DDP-style bucket
+                    allreduces, each starting when all its gradients exist, one at a time
+                                                                             (_add_overlap)
     memory          sum_{l,i} mem[l,i] x[l,i] <= M per rank                   (_add_memory)
 
 Minimisation makes every max tight, so the optimum equals ``cost.table.evaluate`` of the
@@ -126,6 +129,8 @@ def _add_overlap(prob, table, x, y, step, t_fwd):
     prev_s = None
     last_s: dict[int, object] = {}            # bucket -> S of its lowest layer
     ar_terms: dict[int, list] = {}
+    lat_users: dict[tuple[int, str], dict[int, list[int]]] = {}   # (bucket, group) -> layer -> choices
+    lat_s: dict[tuple[int, str], float] = {}
     for l in reversed(table.topo):
         o = table.layers[l]
         terms = [c.bwd_s * x[l, i] for i, c in enumerate(o.costs) if c.bwd_s]
@@ -137,7 +142,21 @@ def _add_overlap(prob, table, x, y, step, t_fwd):
         if l in bucket and any(c.grad_sync_s > 0 for c in o.costs):
             b = bucket[l]
             last_s[b] = s_l
-            ar_terms.setdefault(b, []).extend(c.grad_sync_s * x[l, i] for i, c in enumerate(o.costs) if c.grad_sync_s)
+            ar_terms.setdefault(b, []).extend(
+                (c.grad_sync_s - sum(t for _, t in c.grad_sync_latency)) * x[l, i]
+                for i, c in enumerate(o.costs) if c.grad_sync_s)
+            for i, c in enumerate(o.costs):
+                for sig in {sig for sig, _ in c.grad_sync_latency}:
+                    lat_users.setdefault((b, sig), {}).setdefault(l, []).append(i)
+                    t = max(t for s_, t in c.grad_sync_latency if s_ == sig)
+                    lat_s[(b, sig)] = max(lat_s.get((b, sig), 0.0), t)
+    # each group's latency once per bucket: z[b,g] >= (layer l uses group g) for every l in b
+    for k, (key, users) in enumerate(sorted(lat_users.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
+        b, _ = key
+        z = _new_var(prob, f"Zlat_{k}")
+        for l, idx in users.items():
+            prob += z >= pulp.lpSum(x[l, i] for i in idx), f"lat_{k}_{l}"
+        ar_terms[b].append(lat_s[key] * z)
     prev_f = None
     for b in sorted(ar_terms):
         ar = pulp.lpSum(ar_terms[b])
