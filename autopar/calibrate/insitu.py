@@ -86,3 +86,44 @@ def apply_insitu(profile, latency_s: dict[str, dict[str, float]]) -> None:
     table = {str(w): {str(p): float(t) for p, t in row.items()} for w, row in latency_s.items()}
     profile.samples["insitu_latency_by_world_s"] = table
     profile.samples["insitu_latency_s"] = {w: row[w] for w, row in table.items() if w in row}
+
+
+def remeasure(profile_path, iters: int = 30, progress=print) -> None:
+    """Measure the in-situ latencies again into an existing profile measured on this machine
+    (fingerprint checked), replacing the old ones atomically and noting it in the provenance:
+    ``python -m autopar.calibrate.insitu PROFILE [--iters N]``."""
+    import datetime as _dt
+
+    from ..errors import CalibrationError
+    from .profile import _CHECKED_FIELDS, current_fingerprint, load_profile, save_profile
+    prof = load_profile(profile_path, check_machine=False)
+    if prof.provenance.get("kind") != "measured":
+        raise CalibrationError(f"{profile_path} is not a measured profile",
+                               "re-measure only profiles calibrated on this machine")
+    here = current_fingerprint(prof.fingerprint.get("backend") or "gloo")
+    diff = [k for k in _CHECKED_FIELDS if prof.fingerprint.get(k) != here.get(k)]
+    if diff:
+        raise CalibrationError(f"{profile_path} was measured on another machine or software "
+                               f"(differs in {', '.join(diff)})", "recalibrate this machine instead")
+    world = int(prof.provenance.get("world_size") or prof.topology.get("ranks_per_node", 2))
+    t0 = time.perf_counter()
+    lat = measure_insitu_latency_s(range(2, world + 1), iters=iters)
+    apply_insitu(prof, lat)
+    prof.provenance.setdefault("added", []).append(
+        {"what": "in-situ blocking-collective latency per (group size, ranks running), re-measured "
+                 "(samples.insitu_latency_by_world_s)", "latency_s": lat, "iters": iters,
+         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+         "loadavg": [round(x, 2) for x in __import__("os").getloadavg()],
+         "by": "autopar.calibrate.insitu.remeasure"})
+    save_profile(prof, profile_path)
+    progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: " +
+             ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in lat.items() for p, t in row.items()))
+
+
+if __name__ == "__main__":   # pragma: no cover - a maintenance command
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m autopar.calibrate.insitu")
+    ap.add_argument("profile")
+    ap.add_argument("--iters", type=int, default=30)
+    a = ap.parse_args()
+    remeasure(a.profile, a.iters)

@@ -1,0 +1,109 @@
+"""The calibration report: how good is each fit, in a table and in pictures.
+
+``write_report(profile, out_dir)`` writes ``out_dir/report.md`` and the plots of
+``calibrate.plots`` beside it: provenance, every kernel fit's held-out error (median and max
+relative error on the sizes left out of the fit), every collective fit's per level and group
+size, the in-situ latency of blocking collectives per (group size, ranks running), the compute
+slowdown, how many exact shapes were measured, and any factors learned from runs. Numbers are
+read from the profile, never recomputed or rounded into it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..io import atomic_write_text
+from .profile import COLLECTIVES, OP_CLASSES, Profile
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * float(x):.0f}%"
+
+
+def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> str:
+    pv = profile.provenance
+    lines = [f"# Calibration report: `{profile_name}`", "",
+             f"- kind: **{pv.get('kind', '?')}**; date {pv.get('date', '?')}; "
+             f"command `{pv.get('command', '?')}`",
+             f"- machine: {profile.fingerprint.get('cpu_model') or '?'}"
+             f"{' / ' + profile.fingerprint['gpu_model'] if profile.fingerprint.get('gpu_model') else ''}, "
+             f"torch {profile.fingerprint.get('torch_version', '?')}, backend {profile.fingerprint.get('backend', '?')}",
+             f"- topology: {profile.topology.get('nodes')} node(s) x {profile.topology.get('ranks_per_node')} ranks",
+             f"- notes: {pv.get('notes', '')}", "",
+             "Held-out error: each fit is made on 70% of the measured sizes and judged on the other "
+             "30% (median and maximum relative error), then refitted on all of them.", "",
+             "## Kernels", "", "| op class | t0 | GFLOP/s | GB/s | held-out median | held-out max | samples | measured |",
+             "|---|---|---|---|---|---|---|---|"]
+    for op in OP_CLASSES:
+        k = profile.kernels.get(op)
+        if not k:
+            continue
+        fl = k.get("flops_per_s")
+        by = k.get("bytes_per_s")
+        lines.append(f"| {op} | {k['t0_s'] * 1e6:.1f} us | {'-' if not fl else f'{fl / 1e9:.3g}'} | "
+                     f"{'-' if not by else f'{by / 1e9:.3g}'} | {_pct(k.get('heldout_median_rel_err'))} | "
+                     f"{_pct(k.get('heldout_max_rel_err'))} | {k.get('n_samples', '-')} | {k.get('measured')} |")
+    if "runtime_op" in profile.kernels:
+        lines += ["", f"Runtime per-op cost beyond the kernels: "
+                  f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]
+    lines += ["", "## Collectives", "",
+              "Time = a(p) alpha + b(p) bytes beta (terms per kind in `calibrate.profile`).", "",
+              "| kind | level | p | alpha | beta (GB/s) | held-out median | held-out max | measured | source |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for kind in COLLECTIVES:
+        levels = profile.collectives.get(kind, {})
+        for level, sizes in sorted(levels.items(), key=lambda kv: kv[0] != "intra"):
+            for p, e in sorted(sizes.items(), key=lambda kv: int(kv[0])):
+                beta = e.get("beta_s_per_byte") or 0.0
+                lines.append(f"| {kind} | {level} | {p} | {e['alpha_s'] * 1e6:.1f} us | "
+                             f"{'-' if beta <= 0 else f'{1 / beta / 1e9:.3g}'} | "
+                             f"{_pct(e.get('heldout_median_rel_err'))} | {_pct(e.get('heldout_max_rel_err'))} | "
+                             f"{e.get('measured')} | {e.get('source', '')} |")
+    by_world = profile.samples.get("insitu_latency_by_world_s") or {}
+    if by_world:
+        ps = sorted({int(p) for row in by_world.values() for p in row})
+        lines += ["", "## Blocking collectives in a step (in situ)", "",
+                  "Latency of a blocking collective among p ranks between kernels of a step, with w "
+                  "ranks running on the node (`calibrate.insitu`).", "",
+                  "| ranks running w | " + " | ".join(f"p = {p}" for p in ps) + " |",
+                  "|---|" + "---|" * len(ps)]
+        for w, row in sorted(by_world.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {w} | " + " | ".join(f"{row[str(p)] * 1e3:.2f} ms" if str(p) in row else "-"
+                                                 for p in ps) + " |")
+    if profile.compute_slowdown:
+        lines += ["", "## Compute slowdown with k ranks on a node", "",
+                  "| k | " + " | ".join(sorted(profile.compute_slowdown, key=int)) + " |",
+                  "|---|" + "---|" * len(profile.compute_slowdown),
+                  "| factor | " + " | ".join(f"{profile.compute_slowdown[k]:.2f}"
+                                              for k in sorted(profile.compute_slowdown, key=int)) + " |"]
+    lines += ["", "## Exact shapes", "", f"{len(profile.exact)} local shapes measured exactly "
+              "(forward, backward-data, backward-filter); the cost model prefers them to the fits."]
+    ref = pv.get("refined")
+    if ref:
+        c = ref.get("corrections", {})
+        cv = ref.get("cross_validation", {})
+        lines += ["", "## Learned from runs", "",
+                  f"Refined from {len(ref.get('runs', []))} run(s); kinds applied: {ref.get('kinds') or 'none'} "
+                  f"(leave-one-run-out median error {_pct(cv.get('uncorrected_loo_median_abs_error'))} "
+                  f"uncorrected, {_pct(cv.get('chosen_loo_median_abs_error'))} with them); drift x{c.get('drift', 1):.3g}, "
+                  f"blocking collectives x{c.get('blocking_comm_scale', 1):.3g}, gradient all-reduce "
+                  f"x{c.get('grad_sync_scale', 1):.3g}, {c.get('exact_entries', 0)} exact entries rescaled."]
+    if plots:
+        lines += ["", "## Measured against fitted", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(profile: Profile, out_dir, profile_name: str = "profile") -> Path:
+    """Write ``report.md`` and the fit plots into ``out_dir``; return the report's path."""
+    from .plots import plot_fits
+    out_dir = Path(out_dir)
+    plots = plot_fits(profile, out_dir)
+    path = out_dir / "report.md"
+    atomic_write_text(path, report_markdown(profile, profile_name, plots))
+    return path
+
+
+def default_report_dir(profile_path) -> Path:
+    p = Path(profile_path)
+    return p.with_name(p.stem + "-report")
