@@ -17,6 +17,8 @@ def _p(*a, **k) -> None:
 
 
 def cmd_calibrate(args) -> int:
+    if args.nodes is not None:
+        return _print_cluster_command(args)
     from .calibrate.run import calibrate
     out = Path(args.output) if args.output else None
     kw = {}
@@ -31,6 +33,20 @@ def cmd_calibrate(args) -> int:
         from .calibrate.exact_ops import add_op_shapes
         add_op_shapes(path, generic, progress=_p)
     _p(f"profile written to {path}")
+    return 0
+
+
+def _print_cluster_command(args) -> int:
+    """--nodes K: print the torchrun command that calibrates K nodes (measures nothing here)."""
+    from .calibrate.cluster import torchrun_command
+    from .errors import CalibrationError
+    if args.nodes < 1 or not args.ranks_per_node or args.ranks_per_node < 1:
+        raise CalibrationError("--nodes K needs --ranks-per-node R (both >= 1)",
+                               "e.g. autopar calibrate --nodes 4 --ranks-per-node 8")
+    out = args.output or f"calibration/cluster-{args.nodes}x{args.ranks_per_node}-{args.backend}.json"
+    _p("# run on every node (HOST:PORT = an address of node 0 that all nodes reach):")
+    _p(torchrun_command(args.nodes, args.ranks_per_node, out, quick=args.quick,
+                        backend=args.backend, merge_into=args.merge_into))
     return 0
 
 
@@ -139,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="also measure the exact local shapes this model's plans need")
     c.add_argument("--batch-size", type=int)
     c.add_argument("--ranks-per-node", type=int)
+    c.add_argument("--nodes", type=int, help="with --ranks-per-node: print the torchrun command "
+                   "that calibrates a cluster of this many nodes (measures nothing here)")
+    c.add_argument("--merge-into", help="with --nodes: the single-node profile the cluster "
+                   "calibration is merged into")
     c.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("plan", help="trace a model file, price every decomposition, solve, generate code")

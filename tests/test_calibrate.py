@@ -241,7 +241,9 @@ def test_committed_profiles_load():
         assert prof.kernel_time_s("conv_fwd", 1e9, 1e7) > 0
         assert prof.collective_time_s("allreduce", 2, 1 << 20, "inter") > 0
         assert prof.provenance["kind"] in ("measured", "datasheet")
-        if prof.provenance["kind"] == "measured":
+        if prof.provenance["kind"] == "measured" and prof.topology["nodes"] == 1:
+            # single node: "inter" cannot have been measured (multi-node profiles: see
+            # tests/test_calibrate_cluster.py)
             assert all(not e["measured"] for e in prof.collectives["allreduce"]["inter"].values())
     try:
         assert default_profile_path().is_file()

@@ -14,6 +14,11 @@ gloo needs); reduce_scatter: whole input per rank (scattered on dim 0); all_to_a
 rank sends, its own block included (``all_to_all_single`` with even splits); p2p: one message,
 measured as half a ping-pong between ranks 0 and 1 (no barrier skew in it).
 
+``measure_rank(..., group=g)`` measures inside a subgroup of a larger world instead (the
+multi-node calibration, :mod:`autopar.calibrate.cluster`): ``rank`` and ``world`` are then the
+rank within ``g`` and its size, every op and barrier runs on ``g``, and broadcast roots and p2p
+peers are translated to global ranks. Only members of ``g`` may call it.
+
 float32 elements: a requested size is rounded to whole elements (and to a multiple of p where
 the buffer is split p ways); the size actually moved is what is recorded.
 """
@@ -34,49 +39,60 @@ def _elements(kind: str, nbytes: int, p: int) -> tuple[int, int]:
     return e, 4 * e
 
 
-def _make_op(kind: str, nbytes: int, rank: int, p: int, dev, gather, scatter):
-    """(callable running one ``kind`` op on fresh buffers, actual bytes, time scale)."""
+def _make_op(kind: str, nbytes: int, rank: int, p: int, dev, gather, scatter, group=None):
+    """(callable running one ``kind`` op on fresh buffers, actual bytes, time scale).
+
+    ``rank`` and ``p`` are within ``group`` (None: the default group)."""
     import torch
     import torch.distributed as dist
 
+    def glob(r: int) -> int:  # a rank of ``group`` as the global rank send/recv/broadcast take
+        return r if group is None else dist.get_global_rank(group, r)
+
+    g = {} if group is None else {"group": group}
     e, actual = _elements(kind, nbytes, p)
     if kind == "allreduce":
         buf = torch.ones(e, device=dev)
-        return (lambda: dist.all_reduce(buf)), actual, 1.0
+        return (lambda: dist.all_reduce(buf, **g)), actual, 1.0
     if kind == "broadcast":
         buf = torch.ones(e, device=dev)
-        return (lambda: dist.broadcast(buf, src=0)), actual, 1.0
+        root = glob(0)
+        return (lambda: dist.broadcast(buf, src=root, **g)), actual, 1.0
     if kind == "allgather":
         inp, outp = torch.ones(e, device=dev), torch.empty(e * p, device=dev)
-        return (lambda: gather(outp, inp)), actual, 1.0
+        return (lambda: gather(outp, inp, **g)), actual, 1.0
     if kind == "reduce_scatter":
         inp, outp = torch.ones(e * p, device=dev), torch.empty(e, device=dev)
-        return (lambda: scatter(outp, inp)), actual, 1.0
+        return (lambda: scatter(outp, inp, **g)), actual, 1.0
     if kind == "all_to_all":
         inp, outp = torch.ones(e * p, device=dev), torch.empty(e * p, device=dev)
-        return (lambda: dist.all_to_all_single(outp, inp, [e] * p, [e] * p)), actual, 1.0
+        return (lambda: dist.all_to_all_single(outp, inp, [e] * p, [e] * p, **g)), actual, 1.0
     if kind == "p2p":
         buf = torch.ones(e, device=dev)
+        peer = glob(1 - rank) if rank in (0, 1) else None
 
         def ping_pong():
             if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
+                dist.send(buf, peer, **g)
+                dist.recv(buf, peer, **g)
             else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+                dist.recv(buf, peer, **g)
+                dist.send(buf, peer, **g)
         return ping_pong, actual, 0.5  # one round trip = two messages
     raise ValueError(f"unknown collective {kind!r}")
 
 
 def measure_rank(rank: int, world: int, kinds: tuple, sizes: tuple, repeats: int, warmup: int,
-                 device: str = "cpu", seed: int = 0) -> dict:
+                 device: str = "cpu", seed: int = 0, group=None) -> dict:
     """Run in every rank: ``{kind: [{"nbytes": n, "times_s": [...]}]}`` for this rank.
 
     Interleaved rounds: each round times every (kind, size) once, in an order shuffled per
     round (the same on every rank, from ``seed``), so slow phases of the machine (other work,
     scheduler regimes of an oversubscribed node) spread over all sizes instead of bending
     the curve of whichever sizes ran at that moment. p2p is measured only when ``world == 2``.
+
+    ``group``: measure inside this subgroup (``rank``/``world`` are then its rank and size;
+    see the module docstring); None (default) is the default group.
     """
     import random
 
@@ -96,7 +112,9 @@ def measure_rank(rank: int, world: int, kinds: tuple, sizes: tuple, repeats: int
             if (kind != "p2p" or world == 2) and (kind, actual) not in seen:
                 seen.add((kind, actual))
                 cases.append((kind, n))
-    ops = {case: _make_op(case[0], case[1], rank, world, dev, gather, scatter) for case in cases}
+    ops = {case: _make_op(case[0], case[1], rank, world, dev, gather, scatter, group)
+           for case in cases}
+    barrier = (lambda: dist.barrier()) if group is None else (lambda: dist.barrier(group=group))
     times: dict[tuple, list] = {case: [] for case in cases}
     for case in cases:
         for _ in range(warmup):
@@ -108,7 +126,7 @@ def measure_rank(rank: int, world: int, kinds: tuple, sizes: tuple, repeats: int
         rng.shuffle(order)
         for case in order:
             op, _, scale = ops[case]
-            dist.barrier()
+            barrier()
             sync()
             t0 = time.perf_counter()
             op()

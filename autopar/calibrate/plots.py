@@ -58,7 +58,8 @@ def plot_fits(profile: Profile, out_dir) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    csamples = profile.samples.get("collectives", {})
+    csamples = {"intra": profile.samples.get("collectives", {}),
+                "inter": profile.samples.get("collectives_inter", {})}  # multi-node profiles
     for kind in COLLECTIVES:
         levels = profile.collectives.get(kind)
         if not levels:
@@ -70,14 +71,16 @@ def plot_fits(profile: Profile, out_dir) -> list[Path]:
                 if level == "inter" and not entry.get("measured", True):
                     continue  # a copy of intra: drawing it again would suggest a measurement
                 colour = f"C{j % 10}"
-                rows = csamples.get(kind, {}).get(p, []) if level == "intra" else []
+                rows = csamples[level].get(kind, {}).get(p, [])
                 if rows:
                     n_line = np.logspace(np.log2(max(rows[0]["nbytes"], 1)),
                                          np.log2(rows[-1]["nbytes"]), 60, base=2)
-                    ax.loglog([r["nbytes"] for r in rows], [r["median_s"] for r in rows], "o",
+                    ax.loglog([r["nbytes"] for r in rows], [r["median_s"] for r in rows],
+                              "o" if level == "intra" else "x",
                               color=colour, ms=4)
                 t = [profile.collective_time_s(kind, int(p), n, level) for n in n_line]
-                ax.loglog(n_line, t, style, color=colour, label=f"{level}, p={p}")
+                sim = " (SIMULATED: one host)" if entry.get("measured") == "simulated" else ""
+                ax.loglog(n_line, t, style, color=colour, label=f"{level}, p={p}{sim}")
         ax.set_xlabel("bytes (profile convention)")
         ax.set_ylabel("time [s]")
         ax.set_title(f"{kind}: measured (dots) vs fitted ({label} profile)")

@@ -54,6 +54,8 @@ _REQUIRED_FIELDS = ("schema", "fingerprint", "provenance", "topology", "kernels"
                     "exact", "compute_slowdown", "samples")
 _KERNEL_KEYS = ("t0_s", "s_per_flop", "s_per_byte")
 _COLL_KEYS = ("alpha_s", "beta_s_per_byte")
+SIMULATED = "simulated"   # ``measured`` value of an entry measured on a simulated multi-node layout
+_MEASURED_VALUES = (True, False, SIMULATED)
 
 _REDO = "rerun `autopar calibrate` to regenerate it"
 
@@ -130,8 +132,11 @@ class Profile:
       ``heldout_median_rel_err, heldout_max_rel_err, n_samples, measured``.
     - ``collectives[kind][level][str(group_size)]``: ``alpha_s, beta_s_per_byte``,
       ``heldout_median_rel_err, heldout_max_rel_err, n_samples, measured`` (False for entries
-      that were not measured, e.g. "inter" in a single-node profile, which copy "intra"),
-      ``source``.
+      that were not measured, e.g. "inter" in a single-node profile, which copy "intra";
+      ``"simulated"`` for "inter" entries of a simulated multi-node calibration, measured
+      between processes of ONE host over loopback: see ``autopar.calibrate.cluster``),
+      ``source``. A multi-node calibration keeps its "inter" samples in
+      ``samples["collectives_inter"]`` (``samples["collectives"]`` holds "intra").
     - ``exact[shape_key] = {"fwd": s, "bwd_data": s, "bwd_filter": s}``.
     - ``compute_slowdown[str(k)]``: kernel-time factor with k ranks running on one node.
     """
@@ -299,6 +304,11 @@ def _validate(obj, where: str = "profile") -> None:
                     raise CalibrationError(
                         f"{where}: collectives.{kind}.{level}.{size} lacks numeric "
                         f"{', '.join(bad)}", _REDO)
+                m = entry.get("measured", False)
+                if not any(m is v or (isinstance(v, str) and m == v) for v in _MEASURED_VALUES):
+                    raise CalibrationError(
+                        f"{where}: collectives.{kind}.{level}.{size}.measured is {m!r}; "
+                        f"expected true, false or {SIMULATED!r}", _REDO)
     for k, v in obj["compute_slowdown"].items():
         if not str(k).isdigit() or not _is_number(v):
             raise CalibrationError(f"{where}: compute_slowdown[{k!r}] is malformed", _REDO)
@@ -323,8 +333,16 @@ def check_fingerprint(prof: Profile, path) -> None:
                       f"({'; '.join(diffs)}){extra}", stacklevel=3)
 
 
+def simulated_entries(prof: Profile) -> list[str]:
+    """``kind.level.p`` of every collective entry measured on a simulated multi-node layout."""
+    return [f"{kind}.{level}.{p}" for kind, levels in prof.collectives.items()
+            for level, sizes in levels.items() for p, e in sizes.items()
+            if e.get("measured") == SIMULATED]
+
+
 def load_profile(path, check_machine: bool = True) -> Profile:
-    """Read and validate a profile; warn (not fail) if it was measured on another machine."""
+    """Read and validate a profile; warn (not fail) if it was measured on another machine, and
+    (always) if some of its collectives were measured on a simulated multi-node layout."""
     obj = read_json(path, CalibrationError, "calibration profile")
     try:
         prof = Profile.from_json(obj)
@@ -332,6 +350,12 @@ def load_profile(path, check_machine: bool = True) -> Profile:
         raise CalibrationError(f"calibration profile {path}: {e.message}", e.hint) from None
     if check_machine:
         check_fingerprint(prof, path)
+    sim = simulated_entries(prof)
+    if sim:
+        warnings.warn(f"calibration profile {path}: {len(sim)} collective entries (e.g. {sim[0]}) "
+                      "are SIMULATED: 'inter' was measured between processes on ONE host "
+                      "(loopback), not over a real inter-node link; calibrate the real cluster "
+                      "before trusting multi-node plans", stacklevel=2)
     return prof
 
 
