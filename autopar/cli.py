@@ -33,6 +33,59 @@ def cmd_calibrate(args) -> int:
         from .calibrate.exact_ops import add_op_shapes
         add_op_shapes(path, generic, progress=_p)
     _p(f"profile written to {path}")
+    if not args.no_report:
+        _write_calibration_report(path)
+    return 0
+
+
+def _write_calibration_report(path) -> None:
+    from .calibrate.profile import load_profile
+    from .calibrate.report import default_report_dir, write_report
+    rep = write_report(load_profile(path, check_machine=False), default_report_dir(path), Path(path).name)
+    _p(f"calibration report (fits against measurements, held-out errors) written to {rep}")
+
+
+def cmd_refine(args) -> int:
+    """Refine a profile from measured runs (``calibrate.refine``): the factors that
+    leave-one-run-out cross-validation says help, written to a copy of the profile."""
+    from .calibrate.refine import refine_profile
+    from .errors import AutoparError
+    from .io import read_json
+    runs = []
+    for r in args.runs:
+        p = Path(r)
+        p = p / "run.json" if p.is_dir() else p
+        run = read_json(p, AutoparError, "run file")
+        if not isinstance(run, dict) or "measured" not in run or "plan" not in run:
+            raise AutoparError(f"{p} is not an autopar run (no measured/plan fields)",
+                               "pass run.json files (or their folders) written by `autopar execute`")
+        plan = Path(run["plan"])
+        if not plan.is_file():
+            raise AutoparError(f"the plan of run {p} is not at {plan}",
+                               "run `autopar refine` from the folder `autopar execute` ran in")
+        from .io import sha256_file
+        if run.get("plan_sha256") and sha256_file(plan) != run["plan_sha256"]:
+            raise AutoparError(f"{plan} changed since run {p} measured it",
+                               "execute the current plan again, or refine from runs of unchanged plans")
+        runs.append(run)
+    try:
+        out = refine_profile(runs, args.profile, out=args.output)
+    except ValueError as e:
+        raise AutoparError(str(e), "measure more runs (`autopar execute`) and refine from all of them") from None
+    info = read_json(out, AutoparError, "profile")["provenance"]["refined"]
+    cv = info["cross_validation"]
+    c = info["corrections"]
+    if "table" in cv:
+        _p(f"cross-validated over {len(runs)} runs: applied {info['kinds'] or 'nothing'} (leave-one-run-out "
+           f"median error {100 * cv['uncorrected_loo_median_abs_error']:.1f}% as calibrated, "
+           f"{100 * cv['chosen_loo_median_abs_error']:.1f}% refined)")
+    else:
+        _p(cv["note"])
+    _p(f"drift x{c['drift']:.3f}, blocking collectives x{c['blocking_comm_scale']:.3f}, gradient all-reduce "
+       f"x{c['grad_sync_scale']:.3f}, {c['exact_entries']} exact entries rescaled")
+    _p(f"refined profile written to {out} (the measured profile is unchanged)")
+    if not args.no_report:
+        _write_calibration_report(out)
     return 0
 
 
@@ -159,7 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "that calibrates a cluster of this many nodes (measures nothing here)")
     c.add_argument("--merge-into", help="with --nodes: the single-node profile the cluster "
                    "calibration is merged into")
+    c.add_argument("--no-report", action="store_true", help="do not write the calibration report")
     c.set_defaults(fn=cmd_calibrate)
+
+    r = sub.add_parser("refine", help="correct a profile from measured runs (cross-validated)")
+    r.add_argument("profile", help="the profile the runs were planned with")
+    r.add_argument("runs", nargs="+", help="run.json files (or run folders) written by `autopar execute`")
+    r.add_argument("-o", "--output", help="refined profile path (default <profile>-refined.json)")
+    r.add_argument("--no-report", action="store_true", help="do not write the calibration report")
+    r.set_defaults(fn=cmd_refine)
 
     p = sub.add_parser("plan", help="trace a model file, price every decomposition, solve, generate code")
     p.add_argument("model", help="a .py file defining build_model() and example_inputs(batch_size)")

@@ -119,3 +119,40 @@ def test_scaling_sweep_has_three_series(tmp_path, root, profile):
     # the ILP's hybrid is never predicted slower than sample-only (it can choose it)
     assert all(hyb[w] <= samp[w] * (1 + 1e-9) for w in samp if w in hyb)
     assert plot(res, tmp_path / "s.png").is_file()
+
+
+def test_cli_refine_from_run_files(tmp_path, profile, monkeypatch, capsys):
+    import json
+
+    from autopar.calibrate.profile import load_profile, save_profile
+    from autopar.cli import main
+    from autopar.codegen.plan import PLAN_SCHEMA
+    from autopar.io import sha256_file
+    monkeypatch.chdir(tmp_path)
+    pf = tmp_path / "p.json"
+    save_profile(profile, pf)
+    truth = {"a": 1.3, "b": 0.9}
+    paths = []
+    for i, w in enumerate((2, 4, 2, 4)):
+        plan, run = _plan_and_run(w, truth, 2.0, 0.7)
+        plan.update({"schema": PLAN_SCHEMA, "model": {}, "mesh": {}, "calibration": {}, "solver": {},
+                     "graph": {}, "generated": "x.py"})
+        d = tmp_path / f"r{i}"
+        d.mkdir()
+        (d / "plan.json").write_text(json.dumps(plan))
+        run["plan"] = f"r{i}/plan.json"
+        run["plan_sha256"] = sha256_file(d / "plan.json")
+        (d / "run.json").write_text(json.dumps(run))
+        paths.append(str(d))
+    assert main(["refine", str(pf), *paths, "-o", "ref.json", "--no-report"]) == 0
+    out = capsys.readouterr().out
+    assert "cross-validated over 4 runs" in out
+    ref = load_profile(tmp_path / "ref.json", check_machine=False)
+    info = ref.provenance["refined"]
+    assert info["kinds"], "a systematic error must be learned"
+    assert info["cross_validation"]["chosen_loo_median_abs_error"] < info["cross_validation"]["uncorrected_loo_median_abs_error"]
+    assert load_profile(pf, check_machine=False).samples.get("corrections") is None   # input untouched
+    # a plan changed after its run is refused, by name
+    (tmp_path / "r0/plan.json").write_text((tmp_path / "r0/plan.json").read_text() + " ")
+    assert main(["refine", str(pf), *paths, "-o", "ref2.json", "--no-report"]) == 2
+    assert "changed since run" in capsys.readouterr().err
