@@ -131,7 +131,7 @@ def cmd_plan(args) -> int:
                     memory_limit_bytes=parse_bytes(args.memory_limit),
                     ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
                     time_limit_s=args.time_limit, solver=args.solver, progress=_p,
-                    max_candidates=args.max_candidates)
+                    max_candidates=args.max_candidates, placement=args.placement)
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
     if sweep:
@@ -239,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
+    p.add_argument("--placement", default="search", metavar="{search,block,N}",
+                   help="rank placement: search (default: plan under block and each candidate local "
+                        "stride, keep the fastest; only block on one node), block (logical rank = "
+                        "physical rank), or N (local stride N: logical ranks N apart share a node)")
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("execute", help="run a plan, validate it against one process, time it against DDP")

@@ -37,6 +37,10 @@ class IllegalDecomposition(AutoparError):
     """A decomposition cannot be applied to a layer (names the layer and the reason)."""
 
 
+class PlacementError(AutoparError):
+    """A rank placement that does not fit the world size, or an unknown placement in a plan."""
+
+
 class InfeasiblePlan(AutoparError):
     """No plan fits the memory limit; names the layers that cannot fit and the memory that would."""
 

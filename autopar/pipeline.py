@@ -67,14 +67,18 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
               force: dict[int, str] | None = None, write: bool = True,
               progress: Callable[[str], None] | None = None,
               optimizer_state_per_param: float = 1.0, profile=None, graph=None,
-              choice_filter=None) -> PlanResult:
+              choice_filter=None, placement: str | int = "search") -> PlanResult:
     """Plan ``model_file`` for ``world_size`` ranks. ``force`` maps layer index -> str of a
-    decomposition to pin (for forced alternative plans in benchmarks)."""
+    decomposition to pin (for forced alternative plans in benchmarks). ``placement``: "search"
+    (plan under block placement and each candidate local stride, keep the fastest; only block
+    on one node), "block" (logical rank = physical rank), or an integer local stride
+    (``autopar.decomp.placement``, ``autopar.solve.placement``)."""
     from .codegen.generate import generate_module
     from .cost.table import build_cost_table, evaluate
     from .decomp.base import CostContext
     from .modelfile import load_model_file
     from .solve.ilp import solve
+    from .solve.placement import placements_for, search_placement
     from .trace.tracer import trace_model
 
     say = progress or (lambda s: None)
@@ -94,6 +98,7 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
         raise AutoparError(f"{n_nodes} nodes x {rpn} ranks per node < world size {world_size}",
                            "raise --nodes or --ranks-per-node")
     profile = profile.with_topology(rpn, n_nodes)
+    placements_for(placement, world_size, rpn)   # a bad --placement fails before tracing
     timings["load_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -105,23 +110,38 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
     ctx = CostContext(profile=profile, world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=optimizer_state_per_param, batch_size=batch_size,
                       max_candidates=max_candidates)
-    t = time.perf_counter()
-    table = build_cost_table(graph, ctx, kinds=kinds, choice_filter=choice_filter)
-    if force:
-        _pin(table, force)
-    timings["cost_s"] = time.perf_counter() - t
-    say(f"priced {table.size()['choices']} layer choices and {table.size()['pairs']} transitions "
-        f"in {timings['cost_s']:.2f} s")
+    tables_s = []
 
-    t = time.perf_counter()
-    sol = solve(table, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, solver=solver)
-    timings["solve_s"] = time.perf_counter() - t
-    pred = evaluate(table, sol.choice)
-    say(f"solved with {sol.solver} in {sol.time_s:.2f} s ({sol.status}, gap {sol.gap})")
+    def build(c):
+        t = time.perf_counter()
+        tab = build_cost_table(graph, c, kinds=kinds, choice_filter=choice_filter)
+        if force:
+            _pin(tab, force)
+        tables_s.append(time.perf_counter() - t)
+        return tab
+
+    solves = []
+
+    def solve_table(tab):
+        t = time.perf_counter()
+        s = solve(tab, memory_limit_bytes=memory_limit_bytes, time_limit_s=time_limit_s, solver=solver)
+        solves.append((time.perf_counter() - t, s))
+        return s
+
+    placed = search_placement(ctx, placement, build, solve_table, evaluate)
+    table, sol, pred = placed.table, placed.solution, placed.prediction
+    timings["cost_s"] = sum(tables_s)
+    timings["solve_s"] = sum(t for t, _ in solves)
+    say(f"priced {table.size()['choices']} layer choices and {table.size()['pairs']} transitions "
+        f"in {tables_s[0]:.2f} s" + (f" (+{sum(tables_s[1:]):.2f} s for {len(tables_s) - 1} more "
+                                      f"placements)" if len(tables_s) > 1 else ""))
+    say(f"solved with {sol.solver} in {sol.time_s:.2f} s ({sol.status}, gap {sol.gap})"
+        + (f"; {len(solves)} placements solved in {timings['solve_s']:.2f} s" if len(solves) > 1 else ""))
+    say(placed.summary())
 
     out_dir = Path(out_dir) if out_dir is not None else default_plan_dir(mf.name, world_size)
     plan = _plan_json(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
-                      profile, table, sol, pred, memory_limit_bytes)
+                      profile, table, sol, pred, memory_limit_bytes, placed)
     plan["timings_s"] = timings
     plan_path = module_path = None
     if write:
@@ -168,7 +188,8 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def _plan_json(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_nodes: int,
-               batch: int, cal_path, profile, table, sol, pred, memory_limit_bytes) -> dict[str, Any]:
+               batch: int, cal_path, profile, table, sol, pred, memory_limit_bytes,
+               placed) -> dict[str, Any]:
     graph = table.graph
     layers = []
     for lay, o, ci in zip(graph.layers, table.layers, sol.choice):
@@ -211,7 +232,9 @@ def _plan_json(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_node
         "model": {"path": _rel(model_file, out_dir), "sha256": sha256_file(model_file),
                   "name": mf.name, "batch_size": batch, "tracer": graph.tracer},
         "world_size": world,
-        "mesh": {"world_size": world, "ranks_per_node": rpn, "nodes": n_nodes},
+        "mesh": {"world_size": world, "ranks_per_node": rpn, "nodes": n_nodes,
+                 "placement": placed.placement.to_json()},
+        "placement_search": placed.to_json(),
         "calibration": {"path": str(cal_path) if cal_path else None, "fingerprint": fp,
                         "provenance": profile.provenance},
         "solver": solver,

@@ -44,7 +44,13 @@ def test_plan_simulated_world_needs_no_processes(tmp_path, root, prof_file):
     assert main(["plan", str(root / "strategies/examples/resnet50.py"), "--world-size", "1024",
                  "--ranks-per-node", "8", "--calibration", str(prof_file), "-o", str(out)]) == 0
     plan = load_plan(out / "plan.json")
-    assert plan["mesh"] == {"world_size": 1024, "ranks_per_node": 8, "nodes": 128}
+    mesh = dict(plan["mesh"])
+    placement = mesh.pop("placement")
+    assert mesh == {"world_size": 1024, "ranks_per_node": 8, "nodes": 128}
+    # 128 nodes: the planner searched the rank placements and recorded why it kept this one
+    tried = plan["placement_search"]["tried"]
+    assert tried[0]["name"] == "block" and len(tried) == 8 and placement == plan["placement_search"]["chosen"]
+    assert plan["predicted"]["step_time_s"] == min(t["step_time_s"] for t in tried if t["solved"])
 
 
 def test_memory_limit_too_low_is_a_named_error(tmp_path, root, prof_file, capsys):

@@ -18,16 +18,24 @@ therefore the gradient of a parameter is the SUM of local gradients over the ran
 same shard (``grad_group``). Replicas of a block scale their loss share by 1/replicas.
 
 Register a decomposition with ``@register``; ``autopar.decomp`` imports every module explicitly.
+``register`` also routes ``candidates``, ``check`` and ``cost`` through the placement search's
+memo (``price_once``): when ``ctx.cost_memo`` is a dict, a result priced under one rank
+placement is reused under another whenever every group the pricing asked ``ctx.level`` about
+is on the same kind of link under both, so a search over placements prices each choice once
+plus once per placement that actually moves one of its groups across nodes.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Iterable
 
 from .ir import Layer, OpSpec
 from .layout import Layout
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,13 @@ class LayerCost:
 
 @dataclass
 class CostContext:
-    """What pricing needs besides the layer: the profile, the world, the placement."""
+    """What pricing needs besides the layer: the profile, the world, the placement.
+
+    ``placement`` maps the logical ranks pricing speaks of to physical slots, and so to nodes
+    (``autopar.decomp.placement``); None is the identity (nodes hold contiguous rank ranges).
+    Pricing asks about links only through ``level`` and ``worst_level`` and never reads
+    ``placement`` itself: the placement search's memo (``price_once``) relies on it.
+    """
 
     profile: Any                      # autopar.calibrate.profile.Profile
     world: int
@@ -121,21 +135,75 @@ class CostContext:
     max_candidates: int = 8
     spec_log: list | None = None      # when a list, every exact shape the pricing asked for
     key_log: list | None = None       # when a list, the exact measurements that priced ops
+    placement: Placement | None = None
+    level_log: set | None = None      # when a set, every group of <= ranks_per_node ranks that
+                                      # level() was asked about (sorted tuples; larger groups
+                                      # cross nodes under every placement), and every partition
+                                      # worst_level() was (tuples of such tuples)
+    cost_memo: dict | None = None     # when a dict, pricing results shared across placements
+                                      # (``price_once``); contexts that share it must differ
+                                      # in nothing but the placement
+
+    def __post_init__(self) -> None:
+        if self.placement is None:
+            self.placement = Placement.identity(self.world)
+        elif self.placement.world != self.world:
+            raise ValueError(f"placement for world {self.placement.world} used at world {self.world}")
 
     @property
     def ranks_on_node(self) -> int:
         return max(1, min(self.world, self.ranks_per_node))
 
     def level(self, ranks: Iterable[int]) -> str:
-        """"intra" when every rank is on one node (nodes hold contiguous rank ranges)."""
-        if isinstance(ranks, range):
-            lo, hi = (ranks.start, ranks[-1]) if len(ranks) else (0, 0)
-        else:
+        """"intra" when every rank is on one node under the placement, else "inter"."""
+        rpn = self.ranks_per_node
+        if not isinstance(ranks, (range, list, tuple)):
             ranks = list(ranks)
-            if not ranks:
-                return "intra"
-            lo, hi = min(ranks), max(ranks)
-        return "intra" if lo // self.ranks_per_node == hi // self.ranks_per_node else "inter"
+        if self.level_log is not None and 1 < len(ranks) <= rpn:
+            self.level_log.add(tuple(sorted(ranks)))
+        if self.placement.is_identity:   # fast path: nodes hold contiguous rank ranges
+            if isinstance(ranks, range):
+                lo, hi = (ranks.start, ranks[-1]) if len(ranks) else (0, 0)
+            else:
+                if not ranks:
+                    return "intra"
+                lo, hi = min(ranks), max(ranks)
+            return "intra" if lo // rpn == hi // rpn else "inter"
+        if len(ranks) > rpn:             # more ranks than one node holds
+            return "inter"
+        if not len(ranks):
+            return "intra"
+        return "intra" if _one_node(self.placement, rpn, tuple(ranks)) else "inter"
+
+    def worst_level(self, groups: Iterable[Iterable[int]]) -> str:
+        """"inter" if any of ``groups`` (e.g. one partition's, running side by side) crosses
+        nodes, else "intra". ``level_log`` records the partition as one entry (a tuple of
+        groups), unless its answer cannot depend on the placement."""
+        groups = groups if isinstance(groups, tuple) else tuple(tuple(sorted(g)) for g in groups)
+        if self.level_log is not None and any(1 < len(g) <= self.ranks_per_node for g in groups):
+            self.level_log.add(groups)      # one entry for the partition (price_once resolves it)
+        return "inter" if _any_crosses(self.placement, self.ranks_per_node, groups) else "intra"
+
+
+@functools.lru_cache(maxsize=4096)
+def _any_crosses(placement: Placement, ranks_per_node: int, groups: tuple) -> bool:
+    """Cached: pricing asks about the same few partitions many times."""
+    for g in groups:
+        if not g:
+            continue
+        if placement.is_identity:
+            if min(g) // ranks_per_node != max(g) // ranks_per_node:
+                return True
+        elif len(g) > ranks_per_node or not _one_node(placement, ranks_per_node, tuple(g)):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=65536)
+def _one_node(placement: Placement, ranks_per_node: int, ranks: tuple[int, ...]) -> bool:
+    """Cached: pricing asks about the same few groups many times at large world sizes."""
+    node = placement.node_of(ranks[0], ranks_per_node)
+    return all(placement.node_of(r, ranks_per_node) == node for r in ranks[1:])
 
 
 class Decomposition:
@@ -198,13 +266,90 @@ REGISTRY: dict[str, type[Decomposition]] = {}
 
 
 def register(cls: type[Decomposition]) -> type[Decomposition]:
-    """Class decorator: add a decomposition to the one registry, keyed by ``cls.kind``."""
+    """Class decorator: add a decomposition to the one registry, keyed by ``cls.kind``, with
+    its ``candidates``, ``check`` and ``cost`` routed through ``price_once``."""
     if not cls.kind:
         raise TypeError(f"{cls.__name__} has no kind")
     if cls.kind in REGISTRY and REGISTRY[cls.kind] is not cls:
         raise TypeError(f"decomposition kind {cls.kind!r} registered twice")
+    for name in ("candidates", "check", "cost"):
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, classmethod):
+            if not getattr(attr.__func__, "_price_once", False):
+                setattr(cls, name, classmethod(price_once(attr.__func__, name)))
+        elif not getattr(attr, "_price_once", False):
+            setattr(cls, name, price_once(attr, name))
     REGISTRY[cls.kind] = cls
     return cls
+
+
+def price_once(fn, name: str):
+    """Wrap ``fn(obj, layer, ctx)`` (``candidates``, ``check`` or ``cost``) with ``ctx.cost_memo``.
+
+    Without a memo it is ``fn``. With one, the result is kept per (name, obj, layer) together
+    with the link level of every group of at most ``ranks_per_node`` ranks the call asked
+    ``ctx.level`` about (larger groups cross nodes under any placement). Pricing depends on the
+    placement only through those answers, and the groups asked depend only on earlier answers,
+    so when every recorded group has the same level under ``ctx.placement`` the computation
+    would repeat itself: the kept result is returned (with the exact-measurement keys and
+    shapes it logged, replayed into ``ctx.key_log`` / ``ctx.spec_log``).
+    """
+    @functools.wraps(fn)
+    def memoized(obj, layer, ctx):
+        memo = getattr(ctx, "cost_memo", None)
+        if memo is None:
+            return fn(obj, layer, ctx)
+        key = (name, obj, id(layer))
+        entries = memo.get(key)
+        if entries:
+            known = _levels_known(memo, ctx)
+            for groups, levels, value, keys, specs in entries:
+                if all((known.get(g) or _level_into(known, ctx, g)) == lv for g, lv in zip(groups, levels)):
+                    if ctx.level_log is not None:      # an enclosing call records them too
+                        ctx.level_log.update(groups)
+                    if keys and ctx.key_log is not None:
+                        ctx.key_log.extend(keys)
+                    if specs and ctx.spec_log is not None:
+                        ctx.spec_log.extend(specs)
+                    return list(value) if isinstance(value, list) else value
+        outer = ctx.level_log
+        n_keys = len(ctx.key_log) if ctx.key_log is not None else 0
+        n_specs = len(ctx.spec_log) if ctx.spec_log is not None else 0
+        ctx.level_log = set()
+        try:
+            value = fn(obj, layer, ctx)
+            asked = ctx.level_log
+        finally:
+            ctx.level_log = outer
+        if outer is not None:
+            outer |= asked
+        groups = tuple(asked)
+        known = _levels_known(memo, ctx)
+        levels = tuple(known.get(g) or _level_into(known, ctx, g) for g in groups)
+        keys = list(ctx.key_log[n_keys:]) if ctx.key_log is not None else []
+        specs = list(ctx.spec_log[n_specs:]) if ctx.spec_log is not None else []
+        memo.setdefault(key, []).append((groups, levels, list(value) if isinstance(value, list) else value,
+                                         keys, specs))
+        return value
+    memoized._price_once = True
+    return memoized
+
+
+def _levels_known(memo: dict, ctx: CostContext) -> dict:
+    """The memo's group -> level answers under ``ctx``'s placement (a dict lookup is ~20x
+    cheaper than ``ctx.level``, and a table asks about the same few groups many times)."""
+    return memo.setdefault(("levels", ctx.placement, ctx.ranks_per_node), {})
+
+
+def _level_into(known: dict, ctx: CostContext, group: tuple) -> str:
+    """The level of a ``level_log`` entry: a group (ints) or a partition (tuple of groups)."""
+    saved, ctx.level_log = ctx.level_log, None
+    try:
+        partition = bool(group) and isinstance(group[0], tuple)
+        known[group] = lv = ctx.worst_level(group) if partition else ctx.level(group)
+    finally:
+        ctx.level_log = saved
+    return lv
 
 
 def decomposition_from_json(obj: dict[str, Any]) -> Decomposition:

@@ -13,7 +13,9 @@ channel parts, ``pf`` filter parts; world ``P = s * pc * pf``. Grid coordinates 
     rank = (c_s * pc + c_c) * pf + c_f          (sample outermost, filter innermost)
 
 so a channel group (varying ``c_c``) and a filter group (varying ``c_f``) are nearby ranks, and
-the segmented gradient allreduce (varying ``c_s``) is the one that crosses nodes.
+the segmented gradient allreduce (varying ``c_s``) is the one that crosses nodes under block
+placement; a local stride of ``pc * pf`` keeps it within a node instead (the planner's
+placement search weighs the two, ``autopar.solve.placement``).
 
 =================  ==========================  =========================  ========================
                    Channel(s, p)               Filter(s, p)               ChannelFilter(s, pc, pf)
@@ -387,8 +389,9 @@ def _partition(grid: tuple[int, int, int], vary: str) -> tuple[tuple[int, ...], 
     return tuple(sorted(tuple(_group(grid, r, vary)) for r in reps))
 
 
-def _worst_level(ctx: CostContext, groups: list[list[int]]) -> str:
-    return "inter" if any(ctx.level(g) == "inter" for g in groups) else "intra"
+def _worst_level(ctx: CostContext, groups) -> str:
+    """"inter" if any group of the partition crosses nodes (they run side by side)."""
+    return ctx.worst_level(groups)
 
 
 def _anchor_ok(layer: Layer) -> bool:

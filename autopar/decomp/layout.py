@@ -10,6 +10,9 @@ grid row-major::
 
 so spatial neighbours (inner axes) are nearby ranks, which keeps halo traffic within a node, and
 the replica axis (the group that shares one block, e.g. a filter-parallel group) is innermost.
+These are *logical* ranks; which node each runs on is the plan's placement
+(``autopar.decomp.placement``: block placement keeps the innermost axes node-local, a local
+stride another axis).
 
 A dim of extent n split into p parts gives block i the extent ``n // p + (1 if i < n % p else
 0)`` starting at ``i * (n // p) + min(i, n % p)`` (the rule of ``torch.tensor_split``), so

@@ -16,6 +16,7 @@ the largest) stands for the busiest rank: n_recv = |dst block 0| - |dst block 0 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -27,6 +28,13 @@ EXACT_WORLD = 16
 def recv_bytes(src: Layout, dst: Layout, shape: Sequence[int], world: int, itemsize: int) -> float:
     if src == dst:
         return 0.0
+    return _recv_bytes(src, dst, tuple(int(n) for n in shape), int(world), int(itemsize))
+
+
+@functools.lru_cache(maxsize=65536)
+def _recv_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], world: int, itemsize: int) -> float:
+    """Cached: a cost table asks for the same few (layouts, shape) pairs on many edges, and the
+    placement search builds one table per placement."""
     if world <= EXACT_WORLD:
         from ..runtime.comm import transfer_bytes
         sent, recv = transfer_bytes(src, dst, shape, world, itemsize)
@@ -44,6 +52,16 @@ def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, 
     if n <= 0:
         return 0.0, 0.0
     level = ctx.level(range(ctx.world))
+    memo = getattr(ctx, "cost_memo", None)   # the placement search's: one price per link level
+    if memo is not None:
+        key = ("transition", src, dst, tuple(shape), itemsize, level)
+        if key not in memo:
+            memo[key] = _transition_s(n, level, ctx)
+        return memo[key]
+    return _transition_s(n, level, ctx)
+
+
+def _transition_s(n: float, level: str, ctx) -> tuple[float, float]:
     # the profile's all_to_all takes the whole buffer a rank sends, its own block included
     from ..cost.primitives import blocking_s
     t = blocking_s(ctx, "all_to_all", ctx.world, n * ctx.world / (ctx.world - 1), level)

@@ -292,8 +292,10 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "
              f"{opts.warmup}+{opts.steps} timed steps, DDP baseline")
     t0 = time.perf_counter()
+    from ..runtime.entry import plan_placement
+    placement = plan_placement(plan)   # ranks relabeled at init; results in logical order
     results = run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
-                        backend=opts.backend, timeout_s=opts.timeout_s)
+                        backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     wall = time.perf_counter() - t0
     r0 = results[0]
     checks = r0["checks"]
@@ -319,6 +321,7 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "plan": str(plan_path), "plan_sha256": sha256_file(plan_path),
         "model": plan["model"]["name"], "world_size": world, "backend": opts.backend,
+        "placement": placement.to_json(),
         "batch_size": plan["model"]["batch_size"],
         "options": asdict(opts),
         "decompositions": sorted({l["choice"] for l in plan["layers"]}),

@@ -28,7 +28,7 @@ FAMILIES = {
 
 def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
           memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
-          families: dict | None = None) -> dict[str, Any]:
+          families: dict | None = None, placement: str | int = "search") -> dict[str, Any]:
     from ..errors import AutoparError
     from ..pipeline import load_calibration, make_plan
     from ..modelfile import load_model_file
@@ -44,7 +44,8 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
             try:
                 r = make_plan(model, w, batch_size=batch, profile=profile, calibration=calibration,
                               kinds=kinds, memory_limit_bytes=memory_limit_bytes, write=False,
-                              ranks_per_node=ranks_per_node, graph=graph, choice_filter=keep)
+                              ranks_per_node=ranks_per_node, graph=graph, choice_filter=keep,
+                              placement=placement)
                 pts.append({"world": w, "step_time_s": r.plan["predicted"]["step_time_s"],
                             "memory_per_rank_bytes": r.plan["predicted"]["memory_per_rank_bytes"],
                             "decompositions": sorted({l["choice"] for l in r.plan["layers"]})})
@@ -80,7 +81,8 @@ def scaling_sweep(args, worlds: list[int], out_dir: Path) -> tuple[Path, list[st
     """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir."""
     from ..pipeline import parse_bytes
     res = sweep(args.model, worlds, args.batch_size, args.calibration,
-                parse_bytes(args.memory_limit), args.ranks_per_node)
+                parse_bytes(args.memory_limit), args.ranks_per_node,
+                placement=getattr(args, "placement", "search"))
     atomic_write_json(Path(out_dir) / "scaling.json", res)
     png = plot(res, Path(out_dir) / "scaling.png")
     rows = []

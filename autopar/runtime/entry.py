@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..decomp.placement import Placement
 from ..modelfile import load_model_file
 from .comm import Comm
 
@@ -18,6 +19,12 @@ from .comm import Comm
 def read_plan(plan_file: str | Path) -> dict[str, Any]:
     from ..codegen.plan import load_plan
     return load_plan(plan_file)
+
+
+def plan_placement(plan: dict[str, Any]) -> Placement:
+    """The plan's rank placement (``mesh.placement``); plans made before placements existed
+    have none, which means the identity (block placement)."""
+    return Placement.from_json(plan["mesh"].get("placement"), int(plan["world_size"]))
 
 
 def model_path(plan: dict[str, Any], plan_file: str | Path) -> Path:
@@ -58,8 +65,8 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     ap.add_argument("--lr", type=float, default=0.01)
     args = ap.parse_args(argv)
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "1")))
-    rank, world = init_from_env()
     plan = read_plan(plan_file)
+    rank, world = init_from_env(placement=plan_placement(plan))   # relabels: ranks are logical
     mf, model = build_user_model(plan, plan_file, args.seed)
     dm = cls(plan, model, Comm.from_env())
     opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)

@@ -10,6 +10,15 @@ Fork is ~50x faster to start than spawn on small machines; it needs ``torch.set_
 in each child and no torch compute (no OpenMP pool) in the parent before forking, so the parent
 only forks before it touches torch kernels. Generated code run under ``torchrun`` does not use
 this module: it reads RANK/WORLD_SIZE from the environment (see ``init_from_env``).
+
+Rank placement (``autopar.decomp.placement``) is applied by relabeling at process-group init:
+the process in physical slot ``p`` (launcher slot ``p``, or torchrun's RANK) joins the group as
+logical rank ``placement.logical(p)``, so every torch.distributed rank the runtime sees is the
+plan's logical rank and nothing else changes. What stays physical: the slot (and so the node,
+and the CUDA device ``slot % device_count``). Results, errors and ``fn``'s rank argument are
+logical: ``run_ranks`` returns results in logical rank order, the order callers expect with
+or without a placement (logical rank 0, which checks and reports, is slot 0 in every stride
+placement: ``physical(0) == 0``).
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from ..errors import RankFailure
+from ..decomp.placement import Placement
+from ..errors import PlacementError, RankFailure
 
 
 def free_port() -> int:
@@ -31,17 +41,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, args, backend, port, threads, timeout_s, q):  # pragma: no cover - in child
+def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=None):  # pragma: no cover - in child
+    """Logical rank ``rank`` in physical slot ``slot`` (default: the same number)."""
     import torch
     import torch.distributed as dist
 
+    slot = rank if slot is None else slot
     torch.set_num_threads(threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(slot % torch.cuda.device_count())
         out = fn(rank, world, *args)
         q.put((rank, "ok", out))
         # Leave the group together so that no rank tears down sockets a peer still uses.
@@ -99,21 +111,32 @@ def _root_cause(errors: dict[int, str]) -> int:
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo",
-              timeout_s: float = 300.0, start_method: str = "fork", threads: int = 1) -> list[Any]:
+              timeout_s: float = 300.0, start_method: str = "fork", threads: int = 1,
+              placement: Placement | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return results in rank order.
 
+    ``placement`` (default: the identity) says which physical slot runs each logical rank;
+    ``rank``, the results' order and the ranks named in errors are logical (module docstring).
     Raises RankFailure (naming the ranks) if any rank fails, dies, or the run outlasts
     ``timeout_s``; all ranks are killed before it is raised.
     """
     import multiprocessing as mp
 
+    if placement is None:
+        placement = Placement.identity(world)
+    elif placement.world != world:
+        raise PlacementError(f"placement for world size {placement.world} given for {world} ranks",
+                             "pass the plan's placement with its world size")
     ctx = mp.get_context(start_method)
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, args, backend, port, threads, timeout_s, q),
+    # procs[r] runs logical rank r (in slot placement.physical(r)): the bookkeeping below is
+    # per logical rank; processes start in slot order
+    procs = [ctx.Process(target=_child, args=(fn, r, world, args, backend, port, threads, timeout_s, q,
+                                              placement.physical(r)),
                          daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    for slot in range(world):
+        procs[placement.logical(slot)].start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
@@ -148,8 +171,10 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
             _collect_more(procs, q, results, errors, grace_s=2.0)
             first = _root_cause(errors)
             detail = errors[first].strip().splitlines()
+            where = ("" if placement.is_identity else
+                     f" (slot {placement.physical(first)}, placement {placement})")
             raise RankFailure(
-                f"rank {first} failed: {detail[0] if detail else '?'}; ranks that stopped: {sorted(errors)}",
+                f"rank {first}{where} failed: {detail[0] if detail else '?'}; ranks that stopped: {sorted(errors)}",
                 "all ranks were stopped; rerun with --debug for the traceback" if len(detail) > 1 else
                 "all ranks were stopped")
         return [results[r] for r in range(world)]
@@ -163,13 +188,27 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
         q.close()
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
-    """Initialise the default process group from torchrun's environment; return (rank, world)."""
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0,
+                  placement: Placement | None = None) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; return the logical
+    (rank, world). Under ``placement`` (None: the identity) the process torchrun calls RANK p
+    joins as logical rank ``placement.logical(p)``; its CUDA device stays LOCAL_RANK (physical)."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        kw = {}
+        if placement is not None:
+            world = int(os.environ["WORLD_SIZE"])
+            if placement.world != world:
+                raise PlacementError(f"the plan's placement is for world size {placement.world}, "
+                                     f"torchrun started {world} processes",
+                                     f"run with {placement.world} processes in all, or re-plan")
+            if not placement.is_identity:
+                kw = {"rank": placement.logical(int(os.environ["RANK"])), "world_size": world}
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kw)
     return dist.get_rank(), dist.get_world_size()
