@@ -131,7 +131,8 @@ def cmd_plan(args) -> int:
                     memory_limit_bytes=parse_bytes(args.memory_limit),
                     ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
                     time_limit_s=args.time_limit, solver=args.solver, progress=_p,
-                    max_candidates=args.max_candidates, placement=args.placement)
+                    max_candidates=args.max_candidates, placement=args.placement,
+                    trace_cache=not args.no_trace_cache)
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
     if sweep:
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
+    p.add_argument("--no-trace-cache", action="store_true",
+                   help="trace the model again even if an unchanged copy was traced before")
     p.add_argument("--placement", default="search", metavar="{search,block,N}",
                    help="rank placement: search (default: plan under block and each candidate local "
                         "stride, keep the fastest; only block on one node), block (logical rank = "

@@ -67,19 +67,21 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
               force: dict[int, str] | None = None, write: bool = True,
               progress: Callable[[str], None] | None = None,
               optimizer_state_per_param: float = 1.0, profile=None, graph=None,
-              choice_filter=None, placement: str | int = "search") -> PlanResult:
+              choice_filter=None, placement: str | int = "search",
+              trace_cache: bool = True) -> PlanResult:
     """Plan ``model_file`` for ``world_size`` ranks. ``force`` maps layer index -> str of a
     decomposition to pin (for forced alternative plans in benchmarks). ``placement``: "search"
     (plan under block placement and each candidate local stride, keep the fastest; only block
     on one node), "block" (logical rank = physical rank), or an integer local stride
-    (``autopar.decomp.placement``, ``autopar.solve.placement``)."""
+    (``autopar.decomp.placement``, ``autopar.solve.placement``). ``trace_cache``: reuse the
+    traced graph of an unchanged model file (``autopar.trace.cache``)."""
     from .codegen.generate import generate_module
     from .cost.table import build_cost_table, evaluate
     from .decomp.base import CostContext
     from .modelfile import load_model_file
     from .solve.ilp import solve
     from .solve.placement import placements_for, search_placement
-    from .trace.tracer import trace_model
+    from .trace.cache import trace_cached
 
     say = progress or (lambda s: None)
     timings: dict[str, float] = {}
@@ -102,10 +104,12 @@ def make_plan(model_file: str | Path, world_size: int, batch_size: int | None = 
     timings["load_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    cached = False
     if graph is None:
-        graph = trace_model(mf, batch_size)
+        graph, cached = trace_cached(mf, batch_size, use_cache=trace_cache)
     timings["trace_s"] = time.perf_counter() - t
-    say(f"traced {mf.name}: {len(graph.layers)} layers ({graph.tracer}) in {timings['trace_s']:.2f} s")
+    say(f"traced {mf.name}: {len(graph.layers)} layers ({graph.tracer}"
+        f"{', from the trace cache' if cached else ''}) in {timings['trace_s']:.2f} s")
 
     ctx = CostContext(profile=profile, world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=optimizer_state_per_param, batch_size=batch_size,

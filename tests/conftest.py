@@ -7,6 +7,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# traced graphs are cached per session, never in the user's home
+if "AUTOPAR_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
 
 
 @pytest.fixture

@@ -287,7 +287,7 @@ def test_tiny_calibration_end_to_end(tmp_path):
         warnings.simplefilter("error")
         prof = load_profile(out)  # this machine: no fingerprint warning
     assert prof.provenance["kind"] == "measured" and prof.provenance["command"] == "pytest"
-    assert set(prof.kernels) == set(OP_CLASSES) | {"runtime_op"}
+    assert set(prof.kernels) == set(OP_CLASSES) | {"runtime_op", "optimizer_step"}
     assert prof.kernels["runtime_op"]["t0_s"] >= 0   # measured, not fitted
     for op, k in prof.kernels.items():
         if op == "runtime_op":

@@ -6,8 +6,9 @@ just as hard to fit with one linear model per op class, so the same idea is appl
 the spec of an op is its traced ``OpSpec`` with the *local* shapes a decomposition gives it,
 the key is a canonical string of that, and the measurement runs the op exactly as the runtime
 does (``runtime.ops.call_local``) on random tensors: forward, then backward with a random
-output gradient. Stored in ``profile.exact[key]`` as ``{"fwd": s, "bwd_data": s}`` (the whole
-backward under ``bwd_data``).
+output gradient, less what starting the autograd engine costs (``backward_call_s``: a step
+starts it once, not per op). Stored in ``profile.exact[key]`` as ``{"fwd": s, "bwd_data": s}``
+(the whole backward under ``bwd_data``).
 """
 
 from __future__ import annotations
@@ -63,10 +64,29 @@ def _build(spec: dict):
     return op, ins, params, buffers
 
 
+def backward_call_s(repeats: int = 200) -> float:
+    """Median time of ``y.backward(g)`` through one trivial one-element op: what starting the
+    autograd engine costs. A step starts it once, not once per op, so ``measure_ops``
+    subtracts it from every op's backward (the engine's per-op work is ``runtime_op``)."""
+    import torch
+    x = torch.randn(1, requires_grad=True)
+    g = torch.ones(1)
+    ts = []
+    for _ in range(repeats):
+        y = x * 1.0
+        t = time.perf_counter()
+        y.backward(g)
+        ts.append(time.perf_counter() - t)
+        x.grad = None
+    return statistics.median(ts)
+
+
 def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2) -> dict[str, dict[str, float]]:
-    """Median forward and backward time of each op spec (one thread, as ranks run)."""
+    """Median forward and backward time of each op spec (one thread, as ranks run); backward
+    without the engine's start-up (``backward_call_s``)."""
     import torch
     from ..runtime.ops import call_local
+    base_s = backward_call_s()
     out: dict[str, dict[str, float]] = {}
     for spec in specs:
         key = op_key(spec)
@@ -91,7 +111,7 @@ def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2) -> di
             if i >= warmup:
                 fwd.append(t1 - t)
                 bwd.append(t2 - t1)
-        out[key] = {"fwd": statistics.median(fwd), "bwd_data": statistics.median(bwd)}
+        out[key] = {"fwd": statistics.median(fwd), "bwd_data": max(0.0, statistics.median(bwd) - base_s)}
     return out
 
 

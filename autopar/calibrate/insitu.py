@@ -59,7 +59,66 @@ def _rank(rank, world, iters, p=None):
     return out
 
 
-def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0) -> dict[str, dict[str, float]]:
+def _straggle_rank(rank, world, iters, lengths):
+    """Per length L: the median time of L convolutions (forward and backward) alone, and of the
+    same followed by a one-float all-reduce over the world, interleaved twice."""
+    import torch
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32, 32)
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    one = torch.ones(1)
+    out = {}
+    for L in lengths:
+        for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
+            def body():
+                for _ in range(L):
+                    torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+                if sync:
+                    dist.all_reduce(one)
+            body()
+            dist.barrier()
+            ts = []
+            for _ in range(max(5, iters // L)):
+                t = time.perf_counter()
+                body()
+                ts.append(time.perf_counter() - t)
+            out[f"{name}_{L}"] = statistics.median(ts)
+    return out
+
+
+def measure_straggler(world_sizes, iters: int = 30, lengths=(1, 8), timeout_s: float = 300.0) -> dict[str, float]:
+    """{str(w): kappa}: with w ranks computing between synchronisations, a synchronisation waits
+    for the slowest, and the wait grows with the compute since the last one::
+
+        t_sync(L) - t_local(L) = latency + kappa * t_local(L)
+
+    fitted from two segment lengths L (convolutions between one-float all-reduces). On
+    dedicated devices kappa is about 0; on a CPU whose cores the ranks (and gloo's threads)
+    share it is the step's straggler tax. The cost model multiplies multi-rank compute by
+    ``1 + kappa`` (``cost.primitives.straggler``)."""
+    from ..runtime.launch import run_ranks
+    lo, hi = lengths
+    res = {}
+    for w in world_sizes:
+        if w < 2:
+            continue
+        per_rank = run_ranks(_straggle_rank, w, args=(iters, tuple(lengths)), timeout_s=timeout_s)
+
+        def med(key, L):
+            return statistics.median([min(r[f"{key}_{L}"], r[f"{key}2_{L}"]) for r in per_rank])
+        d_lo, d_hi = med("sync", lo) - med("local", lo), med("sync", hi) - med("local", hi)
+        span = med("local", hi) - med("local", lo)
+        res[str(w)] = float(min(2.0, max(0.0, (d_hi - d_lo) / span))) if span > 0 else 0.0
+    return res
+
+
+def apply_straggler(profile, kappa: dict[str, float]) -> None:
+    profile.samples["straggler_kappa"] = {str(k): float(v) for k, v in kappa.items()}
+
+
+def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0,
+                             kappa: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """{str(w): {str(p): seconds per blocking collective among p ranks inside a step, with w
     ranks running}} for each world w in ``world_sizes`` (>= 2) and group size 2 <= p <= w."""
     from ..runtime.launch import run_ranks
@@ -73,7 +132,9 @@ def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 30
             in_groups = per_rank[: (w // p) * p]          # ranks that synchronised
             sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
             local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
-            res[str(w)][str(p)] = max(0.0, (sync - local) / 2.0)
+            # the straggler share of the wait is priced with the compute (kappa), not here
+            k = (kappa or {}).get(str(w), 0.0)
+            res[str(w)][str(p)] = max(0.0, (sync - local - k * local) / 2.0)
     return res
 
 
@@ -107,17 +168,36 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
                                f"(differs in {', '.join(diff)})", "recalibrate this machine instead")
     world = int(prof.provenance.get("world_size") or prof.topology.get("ranks_per_node", 2))
     t0 = time.perf_counter()
-    lat = measure_insitu_latency_s(range(2, world + 1), iters=iters)
+    kappa = measure_straggler(range(2, world + 1), iters=iters)
+    apply_straggler(prof, kappa)
+    lat = measure_insitu_latency_s(range(2, world + 1), iters=iters, kappa=kappa)
     apply_insitu(prof, lat)
+    from .optimizer import add_optimizer_step, measure_optimizer_step
+    from ..runtime.launch import run_ranks
+    opt = run_ranks(_optimizer_rank, 1, ())[0]
+    add_optimizer_step(prof, opt)
     prof.provenance.setdefault("added", []).append(
-        {"what": "in-situ blocking-collective latency per (group size, ranks running), re-measured "
-                 "(samples.insitu_latency_by_world_s)", "latency_s": lat, "iters": iters,
+        {"what": "in-situ blocking-collective latency per (group size, ranks running), straggler "
+                 "factor per ranks running, optimizer step per tensor; re-measured "
+                 "(samples.insitu_latency_by_world_s, samples.straggler_kappa, kernels.optimizer_step)",
+         "latency_s": lat, "straggler_kappa": kappa, "optimizer_step": {k: opt[k] for k in ("t0_s", "s_per_byte")},
+         "iters": iters,
          "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
          "loadavg": [round(x, 2) for x in __import__("os").getloadavg()],
          "by": "autopar.calibrate.insitu.remeasure"})
     save_profile(prof, profile_path)
     progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: " +
-             ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in lat.items() for p, t in row.items()))
+             ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in lat.items() for p, t in row.items()) +
+             "; straggler kappa " + ", ".join(f"{w}: {k:.3f}" for w, k in kappa.items()) +
+             f"; optimizer {opt['t0_s'] * 1e6:.1f} us per tensor")
+
+
+def _optimizer_rank(rank, world):
+    import torch.distributed as dist
+
+    from .optimizer import measure_optimizer_step
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return measure_optimizer_step(device="cuda" if nccl else "cpu")
 
 
 if __name__ == "__main__":   # pragma: no cover - a maintenance command

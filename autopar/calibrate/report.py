@@ -46,6 +46,16 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
     if "runtime_op" in profile.kernels:
         lines += ["", f"Runtime per-op cost beyond the kernels: "
                   f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]
+    opt = profile.kernels.get("optimizer_step")
+    if opt:
+        lines += ["", f"Optimizer step (SGD, momentum): {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "
+                  f"{opt['s_per_byte'] * 1e12:.2f} ps per parameter byte (held-out median "
+                  f"{_pct(opt.get('heldout_median_rel_err'))}, max {_pct(opt.get('heldout_max_rel_err'))})."]
+    kappa = profile.samples.get("straggler_kappa") or {}
+    if kappa:
+        lines += ["", "Straggler factor (wait at a synchronisation per second of compute since the last, "
+                  "`calibrate.insitu.measure_straggler`): " +
+                  ", ".join(f"{w} ranks {float(k):.3f}" for w, k in sorted(kappa.items(), key=lambda kv: int(kv[0]))) + "."]
     lines += ["", "## Collectives", "",
               "Time = a(p) alpha + b(p) bytes beta (terms per kind in `calibrate.profile`).", "",
               "| kind | level | p | alpha | beta (GB/s) | held-out median | held-out max | measured | source |",

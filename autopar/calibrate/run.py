@@ -289,12 +289,22 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
-    from .insitu import apply_insitu, measure_insitu_latency_s
-    insitu = measure_insitu_latency_s(range(2, world_size + 1), iters=10 if quick else 30)
+    from .insitu import apply_insitu, apply_straggler, measure_insitu_latency_s, measure_straggler
+    kappa = measure_straggler(range(2, world_size + 1), iters=10 if quick else 30)
+    apply_straggler(prof, kappa)
+    progress(f"{stamp()} straggler factor (wait per second of compute between synchronisations): " +
+             ", ".join(f"{w} ranks {k:.3f}" for w, k in kappa.items()))
+    insitu = measure_insitu_latency_s(range(2, world_size + 1), iters=10 if quick else 30, kappa=kappa)
     apply_insitu(prof, insitu)
     progress(f"{stamp()} blocking-collective latency in situ: " +
              ", ".join(f"p={p} of {w} ranks {t * 1e3:.2f} ms" for w, row in insitu.items()
                        for p, t in row.items()))
+    from .insitu import _optimizer_rank
+    from .optimizer import add_optimizer_step
+    opt = launch(_optimizer_rank, 1, ())[0]
+    add_optimizer_step(prof, opt)
+    progress(f"{stamp()} optimizer step: {opt['t0_s'] * 1e6:.1f} us per tensor, "
+             f"{opt['s_per_byte'] * 1e12:.1f} ps per byte")
     from .overhead import add_runtime_overhead
     overhead_s = launch(_overhead_rank, 1, (prof,))[0]
     add_runtime_overhead(prof, overhead_s)

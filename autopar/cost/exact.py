@@ -18,14 +18,14 @@ def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | 
     from ..calibrate.kernels import shape_key
     from ..decomp.base import CostContext
     from ..modelfile import load_model_file
-    from ..trace.tracer import trace_model
+    from ..trace.cache import trace_cached
     from .table import build_cost_table
 
     if profile is None:
         profile = _neutral_profile()
     mf = load_model_file(model)
     batch = batch_size or mf.default_batch_size() or max(8, world_size)
-    graph = trace_model(mf, batch)
+    graph, _ = trace_cached(mf, batch)
     log: list[dict] = []
     ctx = CostContext(profile=profile, world=world_size,
                       ranks_per_node=ranks_per_node or world_size, batch_size=batch,

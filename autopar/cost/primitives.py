@@ -4,7 +4,10 @@ Compute of one op on a local shape (the slowest rank holds block 0, the largest)
 
     t_phase = profile.exact_time_s(shape_key, phase)                       if measured ("exact")
             = profile.kernel_time_s(class(op, phase), flops, bytes)        otherwise ("fit")
-    t       = t_phase * profile.slowdown(ranks_on_node)
+    t       = t_phase * profile.slowdown(ranks_on_node) * (1 + kappa(ranks_on_node))
+
+``kappa`` (``straggler``, world > 1 only): ranks that synchronise wait for the slowest, which on
+shared cores costs a measured share of the compute between synchronisations.
 
 FLOPs (per phase, multiply-add = 2): convolution ``2 * N * F * prod(out_spatial) * C/g *
 prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M * K * O`` for
@@ -62,7 +65,7 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
                  ctx, w_shape: Sequence[int] | None = None, itemsize: int = 4) -> tuple[float, float, str]:
     """(forward s, backward s, source) of ``op`` on local shapes, on one rank."""
     prof = ctx.profile
-    slow = prof.slowdown(ctx.ranks_on_node)
+    slow = prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0)
     out_numel = math.prod(out_shape)
     in_bytes = sum(math.prod(s) for s in in_shapes) * itemsize
     out_bytes = out_numel * itemsize
@@ -159,6 +162,17 @@ def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Seque
         p = op.attrs.get("p", 0.0)
         return math.prod(out_shape) * 1.0 if p and op.attrs.get("train", True) else 0.0
     return 0.0
+
+
+def straggler(prof, ranks_on_node: int) -> float:
+    """kappa of ``calibrate.insitu.measure_straggler`` for the nearest measured number of ranks
+    running: ranks that synchronise wait for the slowest, about kappa seconds per second of
+    compute between synchronisations; 0 when not measured (dedicated devices)."""
+    table = prof.samples.get("straggler_kappa") if isinstance(getattr(prof, "samples", None), dict) else None
+    if not table or ranks_on_node < 2:
+        return 0.0
+    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
+    return float(table[str(w)])
 
 
 def insitu_latency_s(prof, p: int, ranks_on_node: int | None = None) -> float:

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..calibrate.optimizer import optimizer_step_s
 from ..decomp import REGISTRY
 from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
@@ -66,13 +67,17 @@ class CostTable:
                 "pairs": sum(len(e.fwd_s) * len(e.fwd_s[0]) for e in self.edges if e.fwd_s)}
 
 
-def _optimizer_step_s(cost: LayerCost, ctx: CostContext) -> float:
-    """SGD-with-momentum update of the local parameters: ~4 flops and ~5 words per element."""
+def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> float:
+    """SGD-with-momentum update of the layer's ``n_tensors`` local parameter tensors: measured
+    per tensor and per byte when the profile has ``optimizer_step`` (``calibrate.optimizer``),
+    else ~4 flops and ~5 words per element of the elementwise kernel fit."""
     if cost.param_bytes <= 0:
         return 0.0
-    n = cost.param_bytes / 4.0
-    return ctx.profile.kernel_time_s("elementwise", 4.0 * n, 5.0 * cost.param_bytes) * \
-        ctx.profile.slowdown(ctx.ranks_on_node)
+    t = optimizer_step_s(ctx.profile, n_tensors, cost.param_bytes)
+    if t is None:
+        n = cost.param_bytes / 4.0
+        t = ctx.profile.kernel_time_s("elementwise", 4.0 * n, 5.0 * cost.param_bytes)
+    return t * ctx.profile.slowdown(ctx.ranks_on_node)
 
 
 def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep_kinds=("sample", "replicate")):
@@ -111,6 +116,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
     costs: list[LayerCost] = []
     keys: list[list[str]] = []
     illegal: dict[str, str] = {}
+    n_params = sum(len(op.params) for op in layer.ops)
     for kind, cls in REGISTRY.items():
         if kinds is not None and kind not in kinds:
             continue
@@ -127,7 +133,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
                 used = sorted(set(ctx.key_log))
             finally:
                 ctx.key_log = saved
-            c = replace(c, optim_step_s=_optimizer_step_s(c, ctx))
+            c = replace(c, optim_step_s=_optimizer_step_s(c, ctx, n_params))
             choices.append(dec)
             costs.append(c)
             keys.append(used)

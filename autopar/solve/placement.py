@@ -15,7 +15,9 @@ placement:
    ``decomp.base.price_once``): a choice is re-priced only where the placement moves one of its
    groups across or within nodes; transitions (an all-to-all over the world, inter-node under
    every placement) come from a cache;
-3. block is solved first. Every other placement gets a bound on how much faster it can be::
+3. block is solved first. Every other placement gets two bounds on how much faster it can be,
+   the smaller of which counts: ``T_block - lower_bound_s`` (every layer at its cheapest
+   choice, communication between layers free) and::
 
        gain_s <= D_s = sum over layers of max over its kept choices c of
                        sum over time terms of max(0, term_block(c) - term_s(c))
@@ -126,6 +128,13 @@ def gain_bound_s(table, base_ctx: CostContext) -> float:
     return total
 
 
+def lower_bound_s(table) -> float:
+    """A lower bound of the predicted step time of any plan over ``table``: every layer at its
+    cheapest choice of forward + backward + optimizer step, transitions and gradient
+    all-reduce free (``cost.table.evaluate``: step >= T_fwd + T_bwd, plus the optimizer)."""
+    return sum(min(c.fwd_s + c.bwd_s + c.optim_step_s for c in o.costs) for o in table.layers)
+
+
 def search_placement(ctx: CostContext, mode: str | int, build: Callable[[CostContext], Any],
                      solve: Callable[[Any], Any],
                      evaluate: Callable[[Any, list[int]], Any]) -> PlacementResult:
@@ -152,7 +161,9 @@ def search_placement(ctx: CostContext, mode: str | int, build: Callable[[CostCon
     others = []
     for p in cands[1:]:
         tab = build(replace(base, placement=p))
-        others.append((gain_bound_s(tab, base), p, tab))
+        # the two bounds: no faster than block by more than D_s, nor than its lower bound
+        d = min(gain_bound_s(tab, base), max(0.0, t_block - lower_bound_s(tab)))
+        others.append((d, p, tab))
     n_solved = 0
     for d, p, tab in sorted(others, key=lambda x: -x[0]):
         t_best = best.prediction.step_time_s

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Re-make every shipped plan (strategies/plans/) and every shipped run (reports/) with the
+# committed profiles. The CPU runs measure this machine: run it on a quiet machine, after
+# `bash scripts/setup.sh`. About 10 minutes on 2 cores. Pass --plans-only to skip execution.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+CPU=calibration/cpu-2core-gloo.json
+A100=calibration/datasheet-a100-cluster.json
+PLANS=strategies/plans
+ONLY_PLANS=0
+[ "${1:-}" = "--plans-only" ] && ONLY_PLANS=1
+
+# --- CPU plans, executed (validated against one process, timed against DDP) ---------------
+cpu() {  # name model world [plan options...]
+  local name=$1 model=$2 world=$3; shift 3
+  autopar plan "strategies/examples/$model.py" --world-size "$world" --calibration "$CPU" \
+      -o "$PLANS/$name" "$@" > /dev/null
+  if [ "$ONLY_PLANS" = 0 ]; then
+    autopar execute "$PLANS/$name/plan.json" --steps 10 --out "reports/$name"
+  fi
+}
+cpu resnet2d-w4 resnet2d 4
+cpu wide_resnet-w2 wide_resnet 2
+cpu wide_resnet-w4 wide_resnet 4
+cpu cnn3d-w2 cnn3d_large 2
+cpu cnn3d-w4 cnn3d_large 4
+cpu cnn3d-w4-mem5MiB cnn3d_large 4 --batch-size 2 --memory-limit 5MiB
+
+# --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
+SWEEP=1,2,4,8,16,32,64,128,256,512,1024
+autopar plan strategies/examples/resnet50.py --world-size 1024 --calibration "$A100" \
+    --cluster strategies/clusters/a100-128x8.json -o "$PLANS/resnet50-w1024-a100" > /dev/null
+AUTOPAR_CNN3D_SIZE=256 autopar plan strategies/examples/cnn3d_large.py --world-size 64 \
+    --batch-size 8 --calibration "$A100" --cluster strategies/clusters/a100-128x8.json \
+    -o "$PLANS/cnn3d-256-w64-a100" --sweep "$SWEEP" > /dev/null
+AUTOPAR_MESH_SIZE=1024 autopar plan strategies/examples/meshtangle2d.py --world-size 16 \
+    --batch-size 4 --memory-limit 1GiB --calibration "$A100" \
+    --cluster strategies/clusters/a100-128x8.json -o "$PLANS/meshtangle2d-1024-w16-a100" \
+    --sweep "$SWEEP" > /dev/null
+echo "regenerated: $(ls -d $PLANS/*/ | wc -l) plans; reports in reports/"
