@@ -81,7 +81,8 @@ def cmd_refine(args) -> int:
            f"{100 * cv['chosen_loo_median_abs_error']:.1f}% refined)")
     else:
         _p(cv["note"])
-    _p(f"drift x{c['drift']:.3f}, blocking collectives x{c['blocking_comm_scale']:.3f}, gradient all-reduce "
+    drift = ", ".join(f"{w} ranks x{a:.3f}" for w, a in sorted(c["drift_by_world"].items())) or "none"
+    _p(f"drift {drift}, blocking collectives x{c['blocking_comm_scale']:.3f}, gradient all-reduce "
        f"x{c['grad_sync_scale']:.3f}, {c['exact_entries']} exact entries rescaled")
     _p(f"refined profile written to {out} (the measured profile is unchanged)")
     if not args.no_report:

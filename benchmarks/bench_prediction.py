@@ -133,7 +133,7 @@ def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
     print(f"refined from {len(train)} runs: kinds chosen by leave-one-run-out cross-validation "
           f"{info['kinds'] or 'none'} (LOO median error {100 * cv.get('uncorrected_loo_median_abs_error', float('nan')):.1f}% "
           f"uncorrected -> {100 * cv.get('chosen_loo_median_abs_error', float('nan')):.1f}%); "
-          f"drift x{c['drift']:.2f}, blocking comm x{c['blocking_comm_scale']:.2f}, gradient all-reduce "
+          f"drift {c['drift_by_world'] or 'none'}, blocking comm x{c['blocking_comm_scale']:.2f}, gradient all-reduce "
           f"x{c['grad_sync_scale']:.2f}, {c['exact_entries']} exact entries")
     out: dict = {"refinement": {k: info[k] for k in ("kinds", "corrections", "cross_validation",
                                                        "training_median_abs_error")}}

@@ -33,9 +33,13 @@ def test_blocking_collective_priced_with_the_world_it_runs_in(profile):
 
 def test_grad_sync_latency_names_the_group(profile):
     ctx = CostContext(profile=profile, world=4, ranks_per_node=4)
-    ((sig, lat),) = prim.grad_sync_latency(ctx, range(4), "world")
+    ((sig, lat, final),) = prim.grad_sync_latency(ctx, range(4), "world")
     assert sig == "world"
     assert lat == pytest.approx(profile.collective_time_s("allreduce", 4, 0.0))
+    assert final == pytest.approx(lat)          # nothing measured in situ: the fit
+    profile.samples["insitu_latency_by_world_s"] = {"4": {"4": 0.05}}
+    ((_, lat2, final2),) = prim.grad_sync_latency(ctx, range(4), "world")
+    assert lat2 == pytest.approx(lat) and final2 == pytest.approx(max(lat, 0.05))
     assert 0 < lat < prim.grad_sync_time_s(ctx, 1e6, range(4))
     assert prim.grad_sync_latency(ctx, [2]) == ()
 

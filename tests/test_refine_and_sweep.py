@@ -48,14 +48,17 @@ def test_fit_recovers_exact_blocking_and_grad_sync_factors():
         assert r.predict_s(corr) == pytest.approx(r.step_measured_s, rel=1e-3)
     # kinds not asked for stay 1
     only = fit(rows, ("grad_sync",))
-    assert only.exact == {} and only.blocking == 1.0 and only.drift == 1.0
+    assert only.exact == {} and only.blocking == 1.0 and only.drift == {}
 
 
-def test_drift_prices_shapes_no_run_measured():
-    rows = [run_rows(r, p) for p, r in (_plan_and_run(2, {"a": 1.5, "b": 1.5}, 1.0, 1.0),)]
+def test_drift_per_world_prices_shapes_no_run_measured():
+    rows = [run_rows(r, p) for p, r in (_plan_and_run(2, {"a": 1.5, "b": 1.5}, 1.0, 1.0),
+                                        _plan_and_run(4, {"a": 0.8, "b": 0.8}, 1.0, 1.0))]
     corr = fit(rows, ("exact", "drift"))
-    assert corr.compute_factor(["unseen"]) == pytest.approx(1.5, rel=1e-3)
-    assert corr.compute_factor(["a"]) == pytest.approx(1.5, rel=1e-3)
+    assert corr.drift == pytest.approx({"2": 1.5, "4": 0.8}, rel=1e-3)
+    assert corr.compute_factor(["unseen"], 2) == pytest.approx(1.5, rel=1e-3)
+    assert corr.compute_factor(["a"], 4) == pytest.approx(0.8, rel=1e-3)
+    assert corr.compute_factor(["a"], 8) == pytest.approx(1.0, rel=1e-3)   # no run at 8: no drift
 
 
 def test_cross_validation_picks_nothing_when_the_profile_is_right_and_factors_when_wrong():
@@ -80,12 +83,12 @@ def _with_exact(profile):
 
 def test_apply_scales_exact_entries_and_stores_comm_factors(profile):
     key = _with_exact(profile)
-    corr = Corrections(exact={key: 2.0}, drift=1.0, blocking=1.7, grad_sync=0.5)
+    corr = Corrections(exact={key: 2.0}, blocking=1.7, grad_sync=0.5)
     new = apply_corrections(profile, corr)
     for ph, t in profile.exact[key].items():
         assert new.exact[key][ph] == pytest.approx(2 * t)
     assert new.exact["conv other"] == profile.exact["conv other"]
-    assert new.samples["corrections"] == {"blocking_comm_scale": 1.7, "grad_sync_scale": 0.5}
+    assert new.samples["corrections"] == {"blocking_comm_scale": 1.7, "grad_sync_scale": 0.5}   # no drift
     assert "corrections" not in profile.samples  # the original is untouched
     from autopar.cost import primitives as prim
     from autopar.decomp.base import CostContext
@@ -96,15 +99,17 @@ def test_apply_scales_exact_entries_and_stores_comm_factors(profile):
     assert prim.grad_sync_time_s(ctx1, 1e6, range(4)) == pytest.approx(0.5 * prim.grad_sync_time_s(ctx0, 1e6, range(4)))
 
 
-def test_drift_scales_unmeasured_compute_only(profile):
+def test_drift_scales_compute_of_its_world_only(profile):
+    from autopar.cost import primitives as prim
     key = _with_exact(profile)
-    corr = Corrections(exact={key: 2.0}, drift=1.5)
+    corr = Corrections(exact={key: 2.0}, drift={"2": 1.5})
     new = apply_corrections(profile, corr)
-    assert new.slowdown(2) == pytest.approx(1.5 * profile.slowdown(2))
-    for ph, t in profile.exact[key].items():   # a corrected entry ends at its own factor
-        assert new.exact[key][ph] * new.slowdown(2) == pytest.approx(2 * t * profile.slowdown(2))
-    for ph, t in profile.exact["conv other"].items():   # the others follow the drift
-        assert new.exact["conv other"][ph] * new.slowdown(2) == pytest.approx(1.5 * t * profile.slowdown(2))
+    assert new.samples["corrections"]["compute_drift"] == {"2": 1.5}
+    assert prim.compute_drift(new, 2) == 1.5 and prim.compute_drift(new, 4) == 1.0
+    assert prim.compute_drift(profile, 2) == 1.0
+    for ph, t in profile.exact[key].items():   # a corrected entry: its own factor
+        assert new.exact[key][ph] == pytest.approx(2 * t)
+    assert new.exact["conv other"] == profile.exact["conv other"]
 
 
 def test_scaling_sweep_has_three_series(tmp_path, root, profile):

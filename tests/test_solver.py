@@ -31,7 +31,8 @@ def _cost(rng, latency):
     lat = ()
     if latency and sync:   # a share of the sync is a group's latency, paid once per bucket
         groups = rng.sample(["world", "g2", "g3"], rng.randint(1, 2))
-        lat = tuple((g, {"world": 0.5, "g2": 0.3, "g3": 0.2}[g] * sync / 2) for g in groups)
+        lat = tuple((g, {"world": 0.5, "g2": 0.3, "g3": 0.2}[g] * sync / 2,
+                     {"world": 0.9, "g2": 0.6, "g3": 0.2}[g] * sync / 2) for g in groups)
     return LayerCost(fwd_compute_s=rng.uniform(0, 1), bwd_compute_s=rng.uniform(0, 2),
                      fwd_comm_s=rng.uniform(0, 0.3), grad_sync_s=sync, grad_sync_latency=lat,
                      activation_bytes=rng.uniform(1, 10), optim_step_s=rng.uniform(0, 0.1))
@@ -119,9 +120,11 @@ def test_overlap_hides_allreduce_behind_backward():
 
 def test_bucket_pays_each_group_latency_once():
     from autopar.cost.table import bucket_allreduce_s
-    a = LayerCost(grad_sync_s=3.0, grad_sync_latency=(("world", 1.0),))
-    b = LayerCost(grad_sync_s=2.5, grad_sync_latency=(("world", 1.0), ("g", 0.5)))
-    c = LayerCost(grad_sync_s=1.2, grad_sync_latency=(("g", 0.7),))
+    a = LayerCost(grad_sync_s=3.0, grad_sync_latency=(("world", 1.0, 4.0),))
+    b = LayerCost(grad_sync_s=2.5, grad_sync_latency=(("world", 1.0, 4.0), ("g", 0.5, 0.5)))
+    c = LayerCost(grad_sync_s=1.2, grad_sync_latency=(("g", 0.7, 2.0),))
     # bandwidth parts 2.0 + 1.0 + 0.5, then world once (1.0) and g once (its largest, 0.7)
     assert bucket_allreduce_s([a, b, c]) == pytest.approx(2.0 + 1.0 + 0.5 + 1.0 + 0.7)
     assert bucket_allreduce_s([a]) == pytest.approx(3.0)
+    # the last bucket, waited for right after backward, pays the blocking latencies
+    assert bucket_allreduce_s([a, b, c], final=True) == pytest.approx(2.0 + 1.0 + 0.5 + 4.0 + 2.0)

@@ -7,16 +7,17 @@ scaled to the median timed step). The plan predicted each of them from three kin
 statistics, halos, the transitions into l) and the exposed gradient all-reduce ``X``. The
 corrected model of one run is::
 
-    step = sum_l ( f(l) * compute_l + c * comm_l ) + g * X + optimizer
+    step = sum_l ( f(l) * a_w * compute_l + c * comm_l ) + g * X + optimizer
 
 with four kinds of factor, each fitted with medians (robust to the noisy steps of a shared
 machine) and clipped to [0.25, 4]:
 
+* ``drift``: per number of ranks w running on a node, a factor ``a_w`` on all compute: the ratio
+  (measured - c * comm) / compute over the compute-dominated layers of the runs at w, weighted
+  by compute (the machine runs w ranks slower or faster than its calibration said);
 * ``exact``: per exact measurement (``plan.json`` lists per layer the ``exact_keys`` that
-  priced it), f = median over the layers it priced of (measured - c * comm) / compute, so a plan
-  that meets the same local shapes again is priced from what the runs measured;
-* ``drift``: one factor ``a`` for every shape no run measured, the same ratio over all layers,
-  weighted by their compute (the machine is slower or faster than when it was calibrated);
+  priced it), f = median over the layers it priced of that ratio / a_w, so a plan that meets
+  the same local shapes again is priced from what the runs measured;
 * ``blocking``: ``c`` = median of (measured - f * compute) / comm over the layers whose
   prediction is mostly communication (``cost.primitives.correction("blocking_comm_scale")``);
 * ``grad_sync``: ``g`` = median over runs of the measured all-reduce wait / predicted ``X``
@@ -36,7 +37,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -53,6 +54,7 @@ class LayerRow:
     comm_s: float
     keys: tuple[str, ...]
     measured_s: float
+    world: int = 1
 
 
 @dataclass(frozen=True)
@@ -69,20 +71,27 @@ class RunRows:
     step_predicted_s: float
 
     def predict_s(self, corr: "Corrections") -> float:
-        t = sum(corr.compute_factor(l.keys) * l.compute_s + corr.blocking * l.comm_s for l in self.layers)
+        t = sum(corr.compute_factor(l.keys, self.world) * l.compute_s + corr.blocking * l.comm_s
+                for l in self.layers)
         return t + corr.grad_sync * self.exposed_s + self.optimizer_s
 
 
 @dataclass(frozen=True)
 class Corrections:
+    """``exact``: per exact entry, its factor beyond the drift of the world that measured it;
+    ``drift``: per number of ranks running on a node (str), the machine's factor."""
+
     exact: dict[str, float]
-    drift: float = 1.0
+    drift: dict[str, float] = field(default_factory=dict)
     blocking: float = 1.0
     grad_sync: float = 1.0
 
-    def compute_factor(self, keys: Sequence[str]) -> float:
+    def drift_of(self, world: int) -> float:
+        return float(self.drift.get(str(world), 1.0))
+
+    def compute_factor(self, keys: Sequence[str], world: int = 1) -> float:
         fs = [self.exact[k] for k in keys if k in self.exact]
-        return float(np.median(fs)) if fs else self.drift
+        return (float(np.median(fs)) if fs else 1.0) * self.drift_of(world)
 
 
 def run_rows(run: dict[str, Any], plan: dict[str, Any]) -> RunRows:
@@ -96,6 +105,8 @@ def run_rows(run: dict[str, Any], plan: dict[str, Any]) -> RunRows:
     instrumented = sum(ph.values()) if ph else 0.0
     step = float(run["measured"]["step_time_s"])
     norm = step / instrumented if instrumented > 0 else 1.0
+    world = int(plan["world_size"])
+    on_node = min(world, int((plan.get("mesh") or {}).get("ranks_per_node") or world))
     layers = []
     for m in run["measured"]["per_layer"]:
         lay = by_layer[m["layer"]]
@@ -103,9 +114,9 @@ def run_rows(run: dict[str, Any], plan: dict[str, Any]) -> RunRows:
         layers.append(LayerRow(compute_s=p["fwd_compute_s"] + p["bwd_compute_s"],
                                comm_s=p["fwd_comm_s"] + p["bwd_comm_s"] + trans_into.get(m["layer"], 0.0),
                                keys=tuple(lay.get("exact_keys") or ()),
-                               measured_s=float(m["measured_s"]) * norm))
+                               measured_s=float(m["measured_s"]) * norm, world=on_node))
     pred = plan["predicted"]
-    return RunRows(label=str(run.get("plan", "")), world=int(plan["world_size"]), layers=tuple(layers),
+    return RunRows(label=str(run.get("plan", "")), world=on_node, layers=tuple(layers),
                    exposed_s=float(pred.get("exposed_comm_s", 0.0)),
                    grad_wait_s=float(ph.get("grad_sync_wait_s", 0.0)) * norm,
                    optimizer_s=float(pred.get("optimizer_s", 0.0)),
@@ -126,23 +137,29 @@ def fit(runs: Sequence[RunRows], kinds: Iterable[str] = DEFAULT_KINDS) -> Correc
         rows += [l for l in r.layers if l.compute_s + l.comm_s >= 0.01 * total and l.measured_s > 0]
     corr = Corrections(exact={})
     for _ in range(4):   # alternate: compute factors given c, then c given the compute factors
+        def ratio(l):
+            return (l.measured_s - corr.blocking * l.comm_s) / l.compute_s if l.compute_s > 0 else 0.0
+        drift: dict[str, float] = {}
+        if "drift" in kinds:
+            # per world, over the compute-dominated layers, weighted by compute (small layers
+            # carry most of the timer noise, communication-bound ones its waiting)
+            by_w: dict[str, list[float]] = {}
+            for l in rows:
+                if l.compute_s > 0 and l.comm_s < 0.2 * (l.compute_s + l.comm_s) and ratio(l) > 0:
+                    acc = by_w.setdefault(str(l.world), [0.0, 0.0])
+                    acc[0] += ratio(l) * l.compute_s
+                    acc[1] += l.compute_s
+            drift = {w: _clip(n / d) for w, (n, d) in by_w.items() if d > 0}
         ratios: dict[str, list[float]] = {}
-        num = den = 0.0
         for l in rows:
-            if l.compute_s <= 0:
-                continue
-            r = (l.measured_s - corr.blocking * l.comm_s) / l.compute_s
-            if r <= 0:
-                continue
-            num, den = num + r * l.compute_s, den + l.compute_s
-            for k in l.keys:
-                ratios.setdefault(k, []).append(r)
+            r = ratio(l)
+            if r > 0:
+                for k in l.keys:
+                    ratios.setdefault(k, []).append(r / drift.get(str(l.world), 1.0))
         exact = {k: _clip(np.median(v)) for k, v in ratios.items()} if "exact" in kinds else {}
-        # drift weighs layers by their compute: small layers carry most of the timer noise
-        drift = _clip(num / den) if ("drift" in kinds and den > 0) else 1.0
-        corr = Corrections(exact=exact, drift=drift, blocking=corr.blocking, grad_sync=1.0)
+        corr = Corrections(exact=exact, drift=drift, blocking=corr.blocking)
         if "blocking" in kinds:
-            cr = [(l.measured_s - corr.compute_factor(l.keys) * l.compute_s) / l.comm_s
+            cr = [(l.measured_s - corr.compute_factor(l.keys, l.world) * l.compute_s) / l.comm_s
                   for l in rows if l.comm_s > 0.5 * (l.compute_s + l.comm_s)]
             corr = Corrections(exact=exact, drift=drift, blocking=_clip(np.median(cr)) if cr else 1.0)
     g = 1.0
@@ -173,23 +190,24 @@ def cross_validate(runs: Sequence[RunRows]) -> dict[str, Any]:
 
 def apply_corrections(profile, corr: Corrections):
     """A copy of ``profile`` with ``corr`` applied: exact entries scaled by their own factor;
-    with a drift factor, every other compute (``compute_slowdown``) scaled by it, the corrected
-    entries compensated so that they end at their own factor; ``blocking`` and ``grad_sync``
-    stored as ``samples["corrections"]`` for ``cost.primitives.correction``."""
+    ``blocking``, ``grad_sync`` and the drift per number of ranks on a node (``compute_drift``)
+    stored as ``samples["corrections"]`` for ``cost.primitives``."""
     new = copy.deepcopy(profile)
-    a = corr.drift
     for key, entry in new.exact.items():
         f = corr.exact.get(key)
-        scale = (f / a) if f is not None else 1.0
+        if f is None:
+            continue
         for phase in list(entry):
             if isinstance(entry[phase], (int, float)):
-                entry[phase] = float(entry[phase]) * scale
-    if a != 1.0:
-        known = set(new.compute_slowdown) | {"1"}
-        new.compute_slowdown = {k: profile.slowdown(int(k)) * a for k in known}
+                entry[phase] = float(entry[phase]) * f
     c = dict(new.samples.get("corrections") or {})
     c["blocking_comm_scale"] = float(c.get("blocking_comm_scale", 1.0)) * corr.blocking
     c["grad_sync_scale"] = float(c.get("grad_sync_scale", 1.0)) * corr.grad_sync
+    drift = dict(c.get("compute_drift") or {})
+    for w, a in corr.drift.items():
+        drift[w] = float(drift.get(w, 1.0)) * a
+    if drift:
+        c["compute_drift"] = drift
     new.samples["corrections"] = c
     return new
 
@@ -224,7 +242,7 @@ def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: st
         "runs": [r.get("plan", "") for r in runs],
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "kinds": list(kinds),
-        "corrections": {"drift": corr.drift, "blocking_comm_scale": corr.blocking,
+        "corrections": {"drift_by_world": corr.drift, "blocking_comm_scale": corr.blocking,
                         "grad_sync_scale": corr.grad_sync, "exact_entries": len(corr.exact),
                         "exact_scale": corr.exact},
         "cross_validation": cv,

@@ -95,7 +95,7 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
         lines += ["", "## Learned from runs", "",
                   f"Refined from {len(ref.get('runs', []))} run(s); kinds applied: {ref.get('kinds') or 'none'} "
                   f"(leave-one-run-out median error {_pct(cv.get('uncorrected_loo_median_abs_error'))} "
-                  f"uncorrected, {_pct(cv.get('chosen_loo_median_abs_error'))} with them); drift x{c.get('drift', 1):.3g}, "
+                  f"uncorrected, {_pct(cv.get('chosen_loo_median_abs_error'))} with them); drift per ranks on a node {c.get('drift_by_world') or 'none'}, "
                   f"blocking collectives x{c.get('blocking_comm_scale', 1):.3g}, gradient all-reduce "
                   f"x{c.get('grad_sync_scale', 1):.3g}, {c.get('exact_entries', 0)} exact entries rescaled."]
     if plots:

@@ -7,7 +7,8 @@ Compute of one op on a local shape (the slowest rank holds block 0, the largest)
     t       = t_phase * profile.slowdown(ranks_on_node) * (1 + kappa(ranks_on_node))
 
 ``kappa`` (``straggler``, world > 1 only): ranks that synchronise wait for the slowest, which on
-shared cores costs a measured share of the compute between synchronisations.
+shared cores costs a measured share of the compute between synchronisations. A profile refined
+from runs (``calibrate.refine``) also multiplies by its ``compute_drift`` of that many ranks.
 
 FLOPs (per phase, multiply-add = 2): convolution ``2 * N * F * prod(out_spatial) * C/g *
 prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M * K * O`` for
@@ -65,7 +66,8 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
                  ctx, w_shape: Sequence[int] | None = None, itemsize: int = 4) -> tuple[float, float, str]:
     """(forward s, backward s, source) of ``op`` on local shapes, on one rank."""
     prof = ctx.profile
-    slow = prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0)
+    slow = prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0) \
+        * compute_drift(prof, ctx.ranks_on_node)
     out_numel = math.prod(out_shape)
     in_bytes = sum(math.prod(s) for s in in_shapes) * itemsize
     out_bytes = out_numel * itemsize
@@ -164,6 +166,15 @@ def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Seque
     return 0.0
 
 
+def compute_drift(prof, ranks_on_node: int) -> float:
+    """The compute factor learned from runs with ``ranks_on_node`` ranks on a node
+    (``calibrate.refine``, ``samples["corrections"]["compute_drift"]``); 1.0 for other counts:
+    a drift seen at 2 ranks says nothing about 8."""
+    table = prof.samples.get("corrections") if isinstance(getattr(prof, "samples", None), dict) else None
+    drift = (table or {}).get("compute_drift") or {}
+    return float(drift.get(str(int(ranks_on_node)), 1.0))
+
+
 def straggler(prof, ranks_on_node: int) -> float:
     """kappa of ``calibrate.insitu.measure_straggler`` for the nearest measured number of ranks
     running: ranks that synchronise wait for the slowest, about kappa seconds per second of
@@ -242,12 +253,22 @@ def grad_sync_time_s(ctx, param_bytes: float, group: Sequence[int]) -> float:
 
 def grad_sync_latency(ctx, group: Sequence[int], signature: str | None = None) -> tuple:
     """``LayerCost.grad_sync_latency`` of a layer whose gradients all-reduce over ``group``:
-    one (signature, latency) pair; the signature names the group (the runtime's bucket key)."""
+    one (signature, latency, final latency) triple (``grad_latencies_s``); the signature names
+    the group (the runtime's bucket key)."""
     group = list(group)
     if len(group) <= 1:
         return ()
     sig = signature or f"allreduce {len(group)} {ctx.level(group)} {min(group)}..{max(group)}"
-    return ((sig, grad_allreduce_s(ctx, 0.0, len(group), ctx.level(group))),)
+    return ((sig, *grad_latencies_s(ctx, len(group), ctx.level(group))),)
+
+
+def grad_latencies_s(ctx, p: int, level: str) -> tuple[float, float]:
+    """(latency of a gradient all-reduce running behind backward, latency of the LAST bucket's,
+    which the step waits for right after backward: a blocking collective, priced with the
+    in-situ latency of p ranks as ``blocking_s`` prices one)."""
+    lat = grad_allreduce_s(ctx, 0.0, p, level)
+    final = max(lat, insitu_latency_s(ctx.profile, p, ctx.ranks_on_node) * correction(ctx.profile, "grad_sync_scale"))
+    return lat, final
 
 
 def grad_allreduce_s(ctx, nbytes: float, p: int, level: str) -> float:

@@ -198,19 +198,20 @@ class StepPrediction:
         return dict(self.__dict__)
 
 
-def bucket_allreduce_s(costs: list[LayerCost]) -> float:
+def bucket_allreduce_s(costs: list[LayerCost], final: bool = False) -> float:
     """All-reduce time of one gradient bucket whose layers are priced ``costs``::
 
         AR_b = sum_l (grad_sync_l - its latency terms) + sum over groups g of max_l latency_(l,g)
 
     the runtime flattens a bucket's gradients of one group into one all-reduce
-    (``runtime.gradsync``): bandwidth terms add up, each group's latency is paid once."""
+    (``runtime.gradsync``): bandwidth terms add up, each group's latency is paid once. The
+    ``final`` bucket (the step waits for it right after backward) pays the blocking latency."""
     total = 0.0
     lat: dict[str, float] = {}
     for c in costs:
-        total += c.grad_sync_s - sum(t for _, t in c.grad_sync_latency)
-        for sig, t in c.grad_sync_latency:
-            lat[sig] = max(lat.get(sig, 0.0), t)
+        total += c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency)
+        for sig, t, t_final in c.grad_sync_latency:
+            lat[sig] = max(lat.get(sig, 0.0), t_final if final else t)
     return total + sum(lat.values())
 
 
@@ -245,7 +246,8 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
             b = bucket[l]
             ready[b] = t_fwd + suffix          # the bucket's lowest layer comes last
             members.setdefault(b, []).append(cs[l])
-    ar = {b: bucket_allreduce_s(m) for b, m in members.items()}
+    last = max(members, default=None)
+    ar = {b: bucket_allreduce_s(m, final=b == last) for b, m in members.items()}
     f = 0.0
     for b in sorted(ar):
         f = max(f, ready[b]) + ar[b]

@@ -92,9 +92,11 @@ class LayerCost:
     workspace_bytes: float = 0.0      # transient buffers (halos, gathers)
     source: str = "fit"               # what priced the compute: "exact", "fit", "mixed"
     optim_step_s: float = 0.0         # optimizer update of the local parameters (set by the table)
-    # the latency part of grad_sync_s per gradient group, ((group signature, s), ...): the
-    # runtime all-reduces a bucket's gradients of one group as ONE collective, so a bucket pays
-    # each group's latency once, not once per layer (``cost.table.bucket_allreduce_s``)
+    # the latency part of grad_sync_s per gradient group, ((group signature, s, s if in the
+    # last bucket), ...): the runtime all-reduces a bucket's gradients of one group as ONE
+    # collective, so a bucket pays each group's latency once, not once per layer; the last
+    # bucket, which the step waits for, at the blocking in-situ latency
+    # (``cost.table.bucket_allreduce_s``, ``cost.primitives.grad_latencies_s``)
     grad_sync_latency: tuple = ()
 
     @property

@@ -292,7 +292,7 @@ class _WeightGrid(Decomposition):
                 grad_bytes_synced += nbytes
                 # the partition's groups run side by side; the runtime buckets per group
                 sig = "world" if len(groups[0]) == ctx.world else f"allreduce {len(groups[0])} {level} {groups[0]}"
-                latency.append((sig, prim.grad_allreduce_s(ctx, 0.0, len(groups[0]), level)))
+                latency.append((sig, *prim.grad_latencies_s(ctx, len(groups[0]), level)))
         pbytes = float(w_bytes + other_bytes)
         return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd,
                          fwd_comm_s=fwd_comm + bn_fwd, bwd_comm_s=bwd_comm + bn_bwd,

@@ -25,7 +25,8 @@ Constraints:
                     (``runtime.gradsync.layer_buckets``), AR_b = sum over the bucket's layers
                     of sum_i x[l,i] (sync[l,i] - lat[l,i]) + sum_g lat_g z[b,g] with
                     z[b,g] >= sum_(i uses group g) x[l,i] for each l in b (one latency per
-                    group and bucket, as ``cost.table.bucket_allreduce_s``): DDP-style bucket
+                    group and bucket, the last bucket's blocking, as
+                    ``cost.table.bucket_allreduce_s``): DDP-style bucket
                     allreduces, each starting when all its gradients exist, one at a time
                                                                              (_add_overlap)
     memory          sum_{l,i} mem[l,i] x[l,i] <= M per rank                   (_add_memory)
@@ -130,7 +131,7 @@ def _add_overlap(prob, table, x, y, step, t_fwd):
     last_s: dict[int, object] = {}            # bucket -> S of its lowest layer
     ar_terms: dict[int, list] = {}
     lat_users: dict[tuple[int, str], dict[int, list[int]]] = {}   # (bucket, group) -> layer -> choices
-    lat_s: dict[tuple[int, str], float] = {}
+    lat_s: dict[tuple[int, str], tuple[float, float]] = {}   # (behind backward, last bucket)
     for l in reversed(table.topo):
         o = table.layers[l]
         terms = [c.bwd_s * x[l, i] for i, c in enumerate(o.costs) if c.bwd_s]
@@ -143,20 +144,23 @@ def _add_overlap(prob, table, x, y, step, t_fwd):
             b = bucket[l]
             last_s[b] = s_l
             ar_terms.setdefault(b, []).extend(
-                (c.grad_sync_s - sum(t for _, t in c.grad_sync_latency)) * x[l, i]
+                (c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency)) * x[l, i]
                 for i, c in enumerate(o.costs) if c.grad_sync_s)
             for i, c in enumerate(o.costs):
-                for sig in {sig for sig, _ in c.grad_sync_latency}:
+                for sig in {sig for sig, _, _ in c.grad_sync_latency}:
                     lat_users.setdefault((b, sig), {}).setdefault(l, []).append(i)
-                    t = max(t for s_, t in c.grad_sync_latency if s_ == sig)
-                    lat_s[(b, sig)] = max(lat_s.get((b, sig), 0.0), t)
+                    t = max(t for s_, t, _ in c.grad_sync_latency if s_ == sig)
+                    tf = max(tf for s_, _, tf in c.grad_sync_latency if s_ == sig)
+                    old = lat_s.get((b, sig), (0.0, 0.0))
+                    lat_s[(b, sig)] = (max(old[0], t), max(old[1], tf))
     # each group's latency once per bucket: z[b,g] >= (layer l uses group g) for every l in b
+    last = max(ar_terms, default=None)
     for k, (key, users) in enumerate(sorted(lat_users.items(), key=lambda kv: (kv[0][0], kv[0][1]))):
         b, _ = key
         z = _new_var(prob, f"Zlat_{k}")
         for l, idx in users.items():
             prob += z >= pulp.lpSum(x[l, i] for i in idx), f"lat_{k}_{l}"
-        ar_terms[b].append(lat_s[key] * z)
+        ar_terms[b].append(lat_s[key][1 if b == last else 0] * z)
     prev_f = None
     for b in sorted(ar_terms):
         ar = pulp.lpSum(ar_terms[b])
