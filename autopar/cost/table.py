@@ -81,9 +81,10 @@ def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> 
 
 
 def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep_kinds=("sample", "replicate")):
-    """Keep, in this priority, up to ``cap`` choices: the widest sample split and replicate
-    (so the pure data-parallel plan stays representable on every layer), the Pareto front in
-    (time, memory), then the next cheapest in time."""
+    """Keep every sample and replicate choice (so the data-parallel plan space is inside the
+    all-kinds one, whose optimum can then never be worse: at 1024 ranks keeping only some
+    sample splits lost ResNet-50 mixes, 27.9 ms against 23.6 ms sample-only), and of the others
+    up to ``cap - 2``: the Pareto front in (time, memory), then the next cheapest in time."""
     def t(c: LayerCost) -> float:
         return c.fwd_s + c.bwd_s + c.grad_sync_s
     order = sorted(range(len(choices)), key=lambda i: (t(costs[i]), costs[i].memory_bytes))
@@ -106,7 +107,11 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep
     for i in order:
         if i not in keep:
             keep.append(i)
-    keep = keep[:max(cap, 2)]
+    # every sample/replicate choice stays, beyond the cap: then the all-kinds plan space
+    # contains the data-parallel one, and its optimum is never worse
+    base = [i for i in range(len(choices)) if choices[i].kind in keep_kinds]
+    others = [i for i in keep if i not in base][:max(cap - len(keep_kinds), 2)]
+    keep = base + others
     return [choices[i] for i in keep], [costs[i] for i in keep]
 
 

@@ -28,8 +28,8 @@ placement:
    placement, and like the plan itself the search is exact over the candidates kept.) Placements are
    taken in the order of decreasing D_s; one is solved only when ``T_block - D_s`` could beat
    the best step time so far by more than ``MIN_GAIN`` (0.5 %), and at most ``MAX_SOLVED``
-   (3) besides block are solved, which bounds planning time at large worlds (ResNet-50 at
-   1024 ranks: 7 strides priced, 3 solved). Placements not solved are recorded with their bound
+   (2) besides block are solved, which bounds planning time at large worlds (ResNet-50 at
+   1024 ranks: 7 strides priced, at most 3 solved in all). Placements not solved are recorded with their bound
    and the reason;
 4. the placement with the lowest predicted step time wins; ties keep block.
 """
@@ -46,7 +46,7 @@ from ..errors import PlacementError
 #: a placement other than the best so far is solved only if it might be this much faster
 MIN_GAIN = 0.005
 #: at most this many placements besides block are solved (those with the largest bounds)
-MAX_SOLVED = 3
+MAX_SOLVED = 2
 #: the LayerCost terms a placement can change (the optimizer step is local)
 TIME_TERMS = ("fwd_compute_s", "bwd_compute_s", "fwd_comm_s", "bwd_comm_s", "grad_sync_s")
 
