@@ -25,8 +25,8 @@ machine) and clipped to [0.25, 4]:
 
 Which factors to apply is decided by leave-one-run-out cross-validation: each subset of the
 four kinds is fitted on all runs but one and predicts the step time of the one left out; the
-subset with the lowest median error is applied (no subset at all when none beats the profile as
-calibrated). With fewer than three runs there is nothing to cross-validate against, and the
+subset with the lowest median error is applied, unless it beats the profile as calibrated by
+less than 1 point and 10 % of its error (then nothing is: a smaller gain is the runs' noise). With fewer than three runs there is nothing to cross-validate against, and the
 default set ``exact + blocking + grad_sync`` is applied and marked so. The measured profile is
 left untouched: the refined copy is written beside it, its provenance naming the runs, the
 factors, the cross-validation table and the subset chosen.
@@ -46,6 +46,10 @@ import numpy as np
 KINDS = ("exact", "drift", "blocking", "grad_sync")
 DEFAULT_KINDS = ("exact", "blocking", "grad_sync")
 CLIP = (0.25, 4.0)
+#: factors are applied only if they cut the leave-one-run-out median error by at least this
+#: much (absolute, and relative to the uncorrected error)
+MIN_GAIN_ABS = 0.01
+MIN_GAIN_REL = 0.1
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,12 @@ def cross_validate(runs: Sequence[RunRows]) -> dict[str, Any]:
             table.append({"kinds": list(sub), "loo_median_abs_error": float(np.median(errs)),
                           "loo_max_abs_error": float(max(errs))})
     best = min(table, key=lambda row: (round(row["loo_median_abs_error"], 4), len(row["kinds"])))
+    base = table[0]["loo_median_abs_error"]
+    if best["loo_median_abs_error"] > base - max(MIN_GAIN_ABS, MIN_GAIN_REL * base):
+        best = table[0]   # a gain this small is the runs' noise, not a fault of the profile
     return {"table": table, "chosen": best["kinds"], "chosen_loo_median_abs_error": best["loo_median_abs_error"],
-            "uncorrected_loo_median_abs_error": table[0]["loo_median_abs_error"]}
+            "uncorrected_loo_median_abs_error": base,
+            "min_gain": {"absolute": MIN_GAIN_ABS, "relative": MIN_GAIN_REL}}
 
 
 def apply_corrections(profile, corr: Corrections):
