@@ -272,3 +272,18 @@ def test_torchrun_processes_join_as_their_logical_rank(tmp_path):
     pairs = json.loads(line[0][len("RESULT "):])
     # logical rank r is run by torchrun's RANK physical(r): 0->0, 1->2, 2->1, 3->3
     assert [tuple(p) for p in pairs] == [(Placement(4, 2).physical(r), r) for r in range(4)]
+
+
+def test_report_shows_each_artifacts_placement(tmp_path):
+    import json
+
+    from autopar.report.report import summarize
+    plan = {"schema": "autopar.plan/1", "model": {"name": "m"}, "world_size": 8,
+            "mesh": {"placement": {"kind": "stride", "local_stride": 2}},
+            "predicted": {"step_time_s": 0.01}}
+    old = dict(plan, mesh={})            # a plan written before placements existed
+    (tmp_path / "a.json").write_text(json.dumps(plan))
+    (tmp_path / "b.json").write_text(json.dumps(old))
+    rows = summarize([tmp_path / "a.json", tmp_path / "b.json"]).splitlines()
+    assert "| placement |" in rows[0]
+    assert "| stride(2) | plan |" in rows[2] and "| block | plan |" in rows[3]

@@ -111,11 +111,18 @@ def write_run_report(run: dict[str, Any], out: Path) -> None:
     atomic_write_text(out / "report.md", run_markdown(run, plots))
 
 
+def _placement(obj) -> str:
+    """"block" or "stride(s)" (``decomp.placement``); plans and runs without one are block."""
+    if not isinstance(obj, dict) or int(obj.get("local_stride", 1)) == 1:
+        return "block"
+    return f"stride({int(obj['local_stride'])})"
+
+
 def summarize(paths: list[str | Path]) -> str:
     """A side-by-side table of runs (run.json or a folder holding one) and plans (plan.json)."""
     from ..errors import AutoparError
-    rows = ["| artifact | model | world | kind | predicted | measured | error | validation | plan/DDP |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| artifact | model | world | placement | kind | predicted | measured | error | validation | plan/DDP |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         p = Path(p)
         f = p / "run.json" if (p / "run.json").is_file() else (p / "plan.json" if (p / "plan.json").is_file() else p)
@@ -127,12 +134,14 @@ def summarize(paths: list[str | Path]) -> str:
             raise AutoparError(f"{f} is corrupt or truncated", "re-run or re-plan") from None
         if str(d.get("schema", "")).startswith("autopar.run/"):
             ratio = d.get("ratio_to_ddp")
-            rows.append(f"| {f} | {d['model']} | {d['world_size']} | run | {_ms(d['predicted']['step_time_s'])} | "
+            rows.append(f"| {f} | {d['model']} | {d['world_size']} | {_placement(d.get('placement'))} | run | "
+                        f"{_ms(d['predicted']['step_time_s'])} | "
                         f"{_ms(d['measured']['step_time_s'])} | {_pct(d['prediction_error'])} | "
                         f"{'passed' if d['validation']['passed'] else 'FAILED'} | "
                         f"{'n/a' if ratio is None else f'{ratio:.3f}x'} |")
         elif str(d.get("schema", "")).startswith("autopar.plan/"):
-            rows.append(f"| {f} | {d['model']['name']} | {d['world_size']} | plan | {_ms(d['predicted']['step_time_s'])} | "
+            rows.append(f"| {f} | {d['model']['name']} | {d['world_size']} | "
+                        f"{_placement((d.get('mesh') or {}).get('placement'))} | plan | {_ms(d['predicted']['step_time_s'])} | "
                         f"n/a | n/a | not run | n/a |")
         else:
             raise AutoparError(f"{f} is neither an autopar run nor a plan", "give run.json or plan.json files")
