@@ -52,3 +52,13 @@ def test_insitu_measurement_covers_every_group_size_of_every_world(profile):
     apply_insitu(profile, res)
     assert profile.samples["insitu_latency_s"] == {"3": res["3"]["3"]}
     assert profile.samples["insitu_latency_by_world_s"] == res
+
+
+def test_insitu_latency_per_kind_falls_back_to_allreduce(profile):
+    profile.samples["insitu_latency_by_world_s"] = {"4": {"2": 0.003, "4": 0.008}}
+    profile.samples["insitu_latency_by_kind_s"] = {"all_to_all": {"4": {"4": 0.002}},
+                                                   "p2p": {"4": {"2": 0.004}}}
+    assert prim.insitu_latency_s(profile, 4, 4, "all_to_all") == pytest.approx(0.002)
+    assert prim.insitu_latency_s(profile, 2, 4, "p2p") == pytest.approx(0.004)
+    assert prim.insitu_latency_s(profile, 4, 4, "allgather") == pytest.approx(0.008)   # no table: all-reduce's
+    assert prim.insitu_latency_s(profile, 4, 4) == pytest.approx(0.008)

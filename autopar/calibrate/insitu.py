@@ -59,6 +59,91 @@ def _rank(rank, world, iters, p=None):
     return out
 
 
+def _kind_rank(rank, world, iters, p, kind):
+    """Like ``_rank`` for another kind of blocking collective: a convolution (forward and
+    backward) then two small ``kind`` operations among the rank's group of p (an all-to-all as
+    a layout transition does, or a neighbour exchange as a halo does), against the
+    convolution alone."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.comm import Comm
+    comm = Comm.from_env()
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32, 32)
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    first = (rank // p) * p
+    ranks = list(range(first, first + p)) if first + p <= world else [rank]
+    comm.ensure_partitions([[list(range(a, a + p)) for a in range(0, world - p + 1, p)]])
+    group = comm.group(ranks) if len(ranks) > 1 else None
+    buf_in, buf_out = torch.ones(64 * p), torch.empty(64 * p)
+    halo_out, halo_in = [torch.ones(64) for _ in range(2)], [torch.empty(64) for _ in range(2)]
+
+    def collective():
+        if kind == "all_to_all":
+            dist.all_to_all_single(buf_out, buf_in, group=group)
+        else:   # p2p: exchange with both neighbours on the group's ring (one for a pair)
+            me = ranks.index(rank)
+            peers = sorted({ranks[(me - 1) % p], ranks[(me + 1) % p]})
+            ops = []
+            for i, q in enumerate(peers):
+                ops += [dist.P2POp(dist.isend, halo_out[i], q), dist.P2POp(dist.irecv, halo_in[i], q)]
+            for r in dist.batch_isend_irecv(ops):
+                r.wait()
+
+    out = {}
+    for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
+        sync = sync and len(ranks) > 1
+
+        def body():
+            torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+            if sync:
+                collective()
+                collective()
+        for _ in range(3):
+            body()
+        dist.barrier()
+        ts = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            body()
+            ts.append(time.perf_counter() - t)
+        out[name] = statistics.median(ts)
+    return out
+
+
+def measure_insitu_by_kind(world_sizes, iters: int = 30, timeout_s: float = 300.0,
+                           kappa: dict[str, float] | None = None,
+                           kinds=("all_to_all", "p2p")) -> dict[str, dict[str, dict[str, float]]]:
+    """{kind: {str(w): {str(p): s}}}: ``measure_insitu_latency_s`` for the other blocking
+    collectives the runtime issues (layout transitions: all-to-all; halos: neighbour p2p, p = 2).
+    On the 2-core machine they wait less than a batch-norm all-reduce (fewer dependent steps
+    for a descheduled peer to hold up), and pricing them with the all-reduce's latency
+    over-priced transitions at 4 ranks about 2x."""
+    from ..runtime.launch import run_ranks
+    res: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in kinds:
+        res[kind] = {}
+        for w in world_sizes:
+            if w < 2:
+                continue
+            res[kind][str(w)] = {}
+            for p in (range(2, w + 1) if kind != "p2p" else [2]):
+                per_rank = run_ranks(_kind_rank, w, args=(iters, p, kind), timeout_s=timeout_s)
+                in_groups = per_rank[: (w // p) * p]
+                sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
+                local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
+                k = (kappa or {}).get(str(w), 0.0)
+                res[kind][str(w)][str(p)] = max(0.0, (sync - local - k * local) / 2.0)
+    return res
+
+
+def apply_insitu_by_kind(profile, latency_s: dict) -> None:
+    profile.samples["insitu_latency_by_kind_s"] = {
+        kind: {str(w): {str(p): float(t) for p, t in row.items()} for w, row in table.items()}
+        for kind, table in latency_s.items()}
+
+
 def _straggle_rank(rank, world, iters, lengths):
     """Per length L: the median time of L convolutions (forward and backward) alone, and of the
     same followed by a one-float all-reduce over the world, interleaved twice."""
@@ -172,6 +257,8 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
     apply_straggler(prof, kappa)
     lat = measure_insitu_latency_s(range(2, world + 1), iters=iters, kappa=kappa)
     apply_insitu(prof, lat)
+    by_kind = measure_insitu_by_kind(range(2, world + 1), iters=iters, kappa=kappa)
+    apply_insitu_by_kind(prof, by_kind)
     from .optimizer import add_optimizer_step, measure_optimizer_step
     from ..runtime.launch import run_ranks
     opt = run_ranks(_optimizer_rank, 1, ())[0]
@@ -180,7 +267,7 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
         {"what": "in-situ blocking-collective latency per (group size, ranks running), straggler "
                  "factor per ranks running, optimizer step per tensor; re-measured "
                  "(samples.insitu_latency_by_world_s, samples.straggler_kappa, kernels.optimizer_step)",
-         "latency_s": lat, "straggler_kappa": kappa, "optimizer_step": {k: opt[k] for k in ("t0_s", "s_per_byte")},
+         "latency_s": lat, "latency_by_kind_s": by_kind, "straggler_kappa": kappa, "optimizer_step": {k: opt[k] for k in ("t0_s", "s_per_byte")},
          "iters": iters,
          "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
          "loadavg": [round(x, 2) for x in __import__("os").getloadavg()],
@@ -188,6 +275,8 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
     save_profile(prof, profile_path)
     progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: " +
              ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in lat.items() for p, t in row.items()) +
+             "; " + "; ".join(f"{kind}: " + ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in tab.items()
+                                                    for p, t in row.items()) for kind, tab in by_kind.items()) +
              "; straggler kappa " + ", ".join(f"{w}: {k:.3f}" for w, k in kappa.items()) +
              f"; optimizer {opt['t0_s'] * 1e6:.1f} us per tensor")
 

@@ -80,6 +80,13 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
         for w, row in sorted(by_world.items(), key=lambda kv: int(kv[0])):
             lines.append(f"| {w} | " + " | ".join(f"{row[str(p)] * 1e3:.2f} ms" if str(p) in row else "-"
                                                  for p in ps) + " |")
+    for kind, table in sorted((profile.samples.get("insitu_latency_by_kind_s") or {}).items()):
+        ps = sorted({int(p) for row in table.values() for p in row})
+        lines += ["", f"In situ, {kind} (the runtime's {'layout transitions' if kind == 'all_to_all' else 'halo exchanges'}):", "",
+                  "| ranks running w | " + " | ".join(f"p = {p}" for p in ps) + " |", "|---|" + "---|" * len(ps)]
+        for w, row in sorted(table.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {w} | " + " | ".join(f"{row[str(p)] * 1e3:.2f} ms" if str(p) in row else "-"
+                                                 for p in ps) + " |")
     if profile.compute_slowdown:
         lines += ["", "## Compute slowdown with k ranks on a node", "",
                   "| k | " + " | ".join(sorted(profile.compute_slowdown, key=int)) + " |",

@@ -296,9 +296,14 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
              ", ".join(f"{w} ranks {k:.3f}" for w, k in kappa.items()))
     insitu = measure_insitu_latency_s(range(2, world_size + 1), iters=10 if quick else 30, kappa=kappa)
     apply_insitu(prof, insitu)
+    from .insitu import apply_insitu_by_kind, measure_insitu_by_kind
+    by_kind = measure_insitu_by_kind(range(2, world_size + 1), iters=10 if quick else 30, kappa=kappa)
+    apply_insitu_by_kind(prof, by_kind)
     progress(f"{stamp()} blocking-collective latency in situ: " +
              ", ".join(f"p={p} of {w} ranks {t * 1e3:.2f} ms" for w, row in insitu.items()
-                       for p, t in row.items()))
+                       for p, t in row.items()) + "; " +
+             "; ".join(f"{kind}: " + ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in tab.items()
+                                              for p, t in row.items()) for kind, tab in by_kind.items()))
     from .insitu import _optimizer_rank
     from .optimizer import add_optimizer_step
     opt = launch(_optimizer_rank, 1, ())[0]

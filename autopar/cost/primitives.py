@@ -186,15 +186,18 @@ def straggler(prof, ranks_on_node: int) -> float:
     return float(table[str(w)])
 
 
-def insitu_latency_s(prof, p: int, ranks_on_node: int | None = None) -> float:
-    """Measured latency of a blocking collective among p ranks inside a step, with
+def insitu_latency_s(prof, p: int, ranks_on_node: int | None = None, kind: str = "allreduce") -> float:
+    """Measured latency of a blocking collective of ``kind`` among p ranks inside a step, with
     ``ranks_on_node`` ranks running on the node (``calibrate.insitu``): the nearest measured
-    world, then the nearest measured group size; 0 when not measured. Profiles measured before
-    the per-world table have the p = w diagonal only (``insitu_latency_s``)."""
+    world, then the nearest measured group size; 0 when not measured. all_to_all and p2p have
+    tables of their own when measured (``insitu_latency_by_kind_s``); other kinds, and profiles
+    without them, use the all-reduce's. Profiles measured before the per-world table have the
+    p = w diagonal only (``insitu_latency_s``)."""
     samples = getattr(prof, "samples", None)
     if not isinstance(samples, dict) or p < 2:
         return 0.0
-    by_world = samples.get("insitu_latency_by_world_s")
+    by_world = (samples.get("insitu_latency_by_kind_s") or {}).get(kind) if kind != "allreduce" else None
+    by_world = by_world or samples.get("insitu_latency_by_world_s")
     if by_world and ranks_on_node is not None:
         worlds = sorted(int(w) for w in by_world)
         w = min(worlds, key=lambda x: (abs(x - max(ranks_on_node, p)), -x))
@@ -215,7 +218,7 @@ def blocking_s(ctx, kind: str, p: int, nbytes: float, level: str) -> float:
 
     i.e. the isolated fit, with its latency raised to what the runtime meets between kernels."""
     t = ctx.profile.collective_time_s(kind, p, nbytes, level)
-    lat = insitu_latency_s(ctx.profile, p, ctx.ranks_on_node)
+    lat = insitu_latency_s(ctx.profile, p, ctx.ranks_on_node, kind)
     if lat > 0:
         t += max(0.0, lat - ctx.profile.collective_time_s(kind, p, 0.0, level))
     return t * correction(ctx.profile, "blocking_comm_scale")

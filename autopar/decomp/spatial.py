@@ -389,7 +389,7 @@ class Spatial(Decomposition):
                     best_t = max(best_t, t_send, t_recv)
                     best_b = max(best_b, nbytes)
             if p > 1:   # one blocking exchange round per split dim (latency as met in a step)
-                best_t += max(0.0, prim.insitu_latency_s(prof, 2, ctx.ranks_on_node) - prof.collective_time_s("p2p", 2, 0.0, "intra"))
+                best_t += max(0.0, prim.insitu_latency_s(prof, 2, ctx.ranks_on_node, "p2p") - prof.collective_time_s("p2p", 2, 0.0, "intra"))
             total_t += best_t * prim.correction(prof, "blocking_comm_scale")
             total_b += best_b
             ext[dim] = max(b - a for a, b in (window_bounds(g, p, c) for c in range(p)))
