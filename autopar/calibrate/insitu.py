@@ -22,7 +22,6 @@ import time
 
 def _rank(rank, world, iters, p=None):
     import torch
-    import torch.distributed as dist
 
     from ..runtime.comm import Comm
     from ..runtime.ops import sync_batch_norm
@@ -37,23 +36,31 @@ def _rank(rank, world, iters, p=None):
     first = (rank // p) * p
     ranks = list(range(first, first + p)) if first + p <= world else [rank]
     comm.ensure_partitions([[list(range(a, a + p)) for a in range(0, world - p + 1, p)]])
+
+    def body(sync):
+        y = torch.nn.functional.conv2d(x, w, padding=1)
+        if sync:
+            z = sync_batch_norm(y, bw, bb, rm, rv, True, 0.1, 1e-5, comm, ranks)
+        else:
+            z = torch.nn.functional.batch_norm(y, rm, rv, bw, bb, True, 0.1, 1e-5)
+        z.sum().backward()
+    return _time_variants(body, len(ranks) > 1, iters)
+
+
+def _time_variants(body, can_sync: bool, iters: int) -> dict[str, float]:
+    """Median time of ``body(sync)`` for the variants local, sync, local2, sync2 (interleaved,
+    so that a slow phase of the machine does not fall on one variant), after a barrier."""
+    import torch.distributed as dist
     out = {}
     for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
-        sync = sync and len(ranks) > 1
-        def body():
-            y = torch.nn.functional.conv2d(x, w, padding=1)
-            if sync:
-                z = sync_batch_norm(y, bw, bb, rm, rv, True, 0.1, 1e-5, comm, ranks)
-            else:
-                z = torch.nn.functional.batch_norm(y, rm, rv, bw, bb, True, 0.1, 1e-5)
-            z.sum().backward()
+        sync = sync and can_sync
         for _ in range(3):
-            body()
+            body(sync)
         dist.barrier()
         ts = []
         for _ in range(iters):
             t = time.perf_counter()
-            body()
+            body(sync)
             ts.append(time.perf_counter() - t)
         out[name] = statistics.median(ts)
     return out
@@ -91,25 +98,12 @@ def _kind_rank(rank, world, iters, p, kind):
             for r in dist.batch_isend_irecv(ops):
                 r.wait()
 
-    out = {}
-    for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
-        sync = sync and len(ranks) > 1
-
-        def body():
-            torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
-            if sync:
-                collective()
-                collective()
-        for _ in range(3):
-            body()
-        dist.barrier()
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            body()
-            ts.append(time.perf_counter() - t)
-        out[name] = statistics.median(ts)
-    return out
+    def body(sync):
+        torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+        if sync:
+            collective()
+            collective()
+    return _time_variants(body, len(ranks) > 1, iters)
 
 
 def measure_insitu_by_kind(world_sizes, iters: int = 30, timeout_s: float = 300.0,
