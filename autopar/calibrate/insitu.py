@@ -114,21 +114,32 @@ def measure_insitu_by_kind(world_sizes, iters: int = 30, timeout_s: float = 300.
     On the 2-core machine they wait less than a batch-norm all-reduce (fewer dependent steps
     for a descheduled peer to hold up), and pricing them with the all-reduce's latency
     over-priced transitions at 4 ranks about 2x."""
+    return {kind: _latency_table(_kind_rank, world_sizes,
+                                 (lambda w: range(2, w + 1)) if kind != "p2p" else (lambda w: [2]),
+                                 iters, timeout_s, kappa, kind)
+            for kind in kinds}
+
+
+def _latency_table(rank_fn, world_sizes, group_sizes, iters, timeout_s, kappa, *extra) -> dict[str, dict[str, float]]:
+    """{str(w): {str(p): s}} from ``rank_fn(rank, w, iters, p, *extra)`` (``_time_variants``
+    results) for each world w >= 2 and group size p in ``group_sizes(w)``::
+
+        latency(p, w) = (t_sync - t_local - kappa_w * t_local) / 2
+
+    over the ranks that synchronised (the straggler share is priced with the compute)."""
     from ..runtime.launch import run_ranks
-    res: dict[str, dict[str, dict[str, float]]] = {}
-    for kind in kinds:
-        res[kind] = {}
-        for w in world_sizes:
-            if w < 2:
-                continue
-            res[kind][str(w)] = {}
-            for p in (range(2, w + 1) if kind != "p2p" else [2]):
-                per_rank = run_ranks(_kind_rank, w, args=(iters, p, kind), timeout_s=timeout_s)
-                in_groups = per_rank[: (w // p) * p]
-                sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
-                local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
-                k = (kappa or {}).get(str(w), 0.0)
-                res[kind][str(w)][str(p)] = max(0.0, (sync - local - k * local) / 2.0)
+    res: dict[str, dict[str, float]] = {}
+    for w in world_sizes:
+        if w < 2:
+            continue
+        res[str(w)] = {}
+        for p in group_sizes(w):
+            per_rank = run_ranks(rank_fn, w, args=(iters, p, *extra), timeout_s=timeout_s)
+            in_groups = per_rank[: (w // p) * p]
+            sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
+            local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
+            k = (kappa or {}).get(str(w), 0.0)
+            res[str(w)][str(p)] = max(0.0, (sync - local - k * local) / 2.0)
     return res
 
 
@@ -200,21 +211,7 @@ def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 30
                              kappa: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """{str(w): {str(p): seconds per blocking collective among p ranks inside a step, with w
     ranks running}} for each world w in ``world_sizes`` (>= 2) and group size 2 <= p <= w."""
-    from ..runtime.launch import run_ranks
-    res: dict[str, dict[str, float]] = {}
-    for w in world_sizes:
-        if w < 2:
-            continue
-        res[str(w)] = {}
-        for p in range(2, w + 1):
-            per_rank = run_ranks(_rank, w, args=(iters, p), timeout_s=timeout_s)
-            in_groups = per_rank[: (w // p) * p]          # ranks that synchronised
-            sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
-            local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
-            # the straggler share of the wait is priced with the compute (kappa), not here
-            k = (kappa or {}).get(str(w), 0.0)
-            res[str(w)][str(p)] = max(0.0, (sync - local - k * local) / 2.0)
-    return res
+    return _latency_table(_rank, world_sizes, lambda w: range(2, w + 1), iters, timeout_s, kappa)
 
 
 def apply_insitu(profile, latency_s: dict[str, dict[str, float]]) -> None:
@@ -234,45 +231,56 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
     ``python -m autopar.calibrate.insitu PROFILE [--iters N]``."""
     import datetime as _dt
 
-    from ..errors import CalibrationError
-    from .profile import _CHECKED_FIELDS, current_fingerprint, load_profile, save_profile
+    from .profile import load_profile, require_measured_here, save_profile
     prof = load_profile(profile_path, check_machine=False)
-    if prof.provenance.get("kind") != "measured":
-        raise CalibrationError(f"{profile_path} is not a measured profile",
-                               "re-measure only profiles calibrated on this machine")
-    here = current_fingerprint(prof.fingerprint.get("backend") or "gloo")
-    diff = [k for k in _CHECKED_FIELDS if prof.fingerprint.get(k) != here.get(k)]
-    if diff:
-        raise CalibrationError(f"{profile_path} was measured on another machine or software "
-                               f"(differs in {', '.join(diff)})", "recalibrate this machine instead")
+    require_measured_here(prof, profile_path, "in-situ latencies")
     world = int(prof.provenance.get("world_size") or prof.topology.get("ranks_per_node", 2))
     t0 = time.perf_counter()
-    kappa = measure_straggler(range(2, world + 1), iters=iters)
-    apply_straggler(prof, kappa)
-    lat = measure_insitu_latency_s(range(2, world + 1), iters=iters, kappa=kappa)
-    apply_insitu(prof, lat)
-    by_kind = measure_insitu_by_kind(range(2, world + 1), iters=iters, kappa=kappa)
-    apply_insitu_by_kind(prof, by_kind)
-    from .optimizer import add_optimizer_step, measure_optimizer_step
-    from ..runtime.launch import run_ranks
-    opt = run_ranks(_optimizer_rank, 1, ())[0]
-    add_optimizer_step(prof, opt)
+    m = measure_step_costs(prof, world, iters)
     prof.provenance.setdefault("added", []).append(
         {"what": "in-situ blocking-collective latency per (group size, ranks running), straggler "
                  "factor per ranks running, optimizer step per tensor; re-measured "
                  "(samples.insitu_latency_by_world_s, samples.straggler_kappa, kernels.optimizer_step)",
-         "latency_s": lat, "latency_by_kind_s": by_kind, "straggler_kappa": kappa, "optimizer_step": {k: opt[k] for k in ("t0_s", "s_per_byte")},
+         "latency_s": m["latency_s"], "latency_by_kind_s": m["by_kind"], "straggler_kappa": m["kappa"],
+         "optimizer_step": {k: m["optimizer"][k] for k in ("t0_s", "s_per_byte")},
          "iters": iters,
          "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
          "loadavg": [round(x, 2) for x in __import__("os").getloadavg()],
          "by": "autopar.calibrate.insitu.remeasure"})
     save_profile(prof, profile_path)
-    progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: " +
-             ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in lat.items() for p, t in row.items()) +
-             "; " + "; ".join(f"{kind}: " + ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in tab.items()
-                                                    for p, t in row.items()) for kind, tab in by_kind.items()) +
-             "; straggler kappa " + ", ".join(f"{w}: {k:.3f}" for w, k in kappa.items()) +
-             f"; optimizer {opt['t0_s'] * 1e6:.1f} us per tensor")
+    progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: {describe_step_costs(m)}")
+
+
+def measure_step_costs(prof, world: int, iters: int, launch=None) -> dict:
+    """Measure into ``prof`` what a step meets beyond its kernels, for 2..``world`` ranks: the
+    straggler factor, the in-situ latency of blocking all-reduces and of the other kinds, and
+    the optimizer step, on one rank started by ``launch(fn, world, args)`` (the calibration's
+    backend; default gloo) (``calibrate.run`` and ``remeasure`` alike). Returns what was
+    measured."""
+    from ..runtime.launch import run_ranks
+    from .optimizer import add_optimizer_step
+    launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
+    worlds = range(2, world + 1)
+    kappa = measure_straggler(worlds, iters=iters)
+    apply_straggler(prof, kappa)
+    lat = measure_insitu_latency_s(worlds, iters=iters, kappa=kappa)
+    apply_insitu(prof, lat)
+    by_kind = measure_insitu_by_kind(worlds, iters=iters, kappa=kappa)
+    apply_insitu_by_kind(prof, by_kind)
+    opt = launch(_optimizer_rank, 1, ())[0]
+    add_optimizer_step(prof, opt)
+    return {"kappa": kappa, "latency_s": lat, "by_kind": by_kind, "optimizer": opt}
+
+
+def describe_step_costs(m: dict) -> str:
+    """One line for progress output of ``measure_step_costs``'s result."""
+    def table(t):
+        return ", ".join(f"p={p} of {w} {s * 1e3:.2f} ms" for w, row in t.items() for p, s in row.items())
+    return (f"allreduce: {table(m['latency_s'])}; " +
+            "; ".join(f"{kind}: {table(t)}" for kind, t in m["by_kind"].items()) +
+            "; straggler kappa " + ", ".join(f"{w} ranks {k:.3f}" for w, k in m["kappa"].items()) +
+            f"; optimizer {m['optimizer']['t0_s'] * 1e6:.1f} us per tensor, "
+            f"{m['optimizer']['s_per_byte'] * 1e12:.1f} ps per byte")
 
 
 def _optimizer_rank(rank, world):
@@ -289,4 +297,9 @@ if __name__ == "__main__":   # pragma: no cover - a maintenance command
     ap.add_argument("profile")
     ap.add_argument("--iters", type=int, default=30)
     a = ap.parse_args()
-    remeasure(a.profile, a.iters)
+    from ..errors import AutoparError
+    try:
+        remeasure(a.profile, a.iters)
+    except AutoparError as e:   # one named line, as the CLI prints it
+        print(f"error: {e}", file=__import__("sys").stderr)
+        raise SystemExit(e.exit_code) from None

@@ -333,6 +333,22 @@ def check_fingerprint(prof: Profile, path) -> None:
                       f"({'; '.join(diffs)}){extra}", stacklevel=3)
 
 
+def require_measured_here(prof: Profile, path, what: str) -> None:
+    """CalibrationError unless ``prof`` was measured on this machine and software: adding
+    ``what`` measured here to a datasheet profile, or to one from another host, would mix two
+    machines' numbers in one profile."""
+    if prof.provenance.get("kind") != "measured":
+        raise CalibrationError(f"{path} is a {prof.provenance.get('kind')!r} profile: {what} "
+                               "measured here would not describe its machine",
+                               "calibrate this machine (`autopar calibrate`) and add them to that")
+    here = current_fingerprint(prof.fingerprint.get("backend") or "gloo")
+    diff = [k for k in _CHECKED_FIELDS if prof.fingerprint.get(k) != here.get(k)]
+    if diff:
+        raise CalibrationError(f"{path} was measured on another machine or software "
+                               f"(differs in {', '.join(diff)}): {what} measured here would not "
+                               "match it", "recalibrate this machine first")
+
+
 def simulated_entries(prof: Profile) -> list[str]:
     """``kind.level.p`` of every collective entry measured on a simulated multi-node layout."""
     return [f"{kind}.{level}.{p}" for kind, levels in prof.collectives.items()

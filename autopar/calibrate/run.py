@@ -289,27 +289,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
-    from .insitu import apply_insitu, apply_straggler, measure_insitu_latency_s, measure_straggler
-    kappa = measure_straggler(range(2, world_size + 1), iters=10 if quick else 30)
-    apply_straggler(prof, kappa)
-    progress(f"{stamp()} straggler factor (wait per second of compute between synchronisations): " +
-             ", ".join(f"{w} ranks {k:.3f}" for w, k in kappa.items()))
-    insitu = measure_insitu_latency_s(range(2, world_size + 1), iters=10 if quick else 30, kappa=kappa)
-    apply_insitu(prof, insitu)
-    from .insitu import apply_insitu_by_kind, measure_insitu_by_kind
-    by_kind = measure_insitu_by_kind(range(2, world_size + 1), iters=10 if quick else 30, kappa=kappa)
-    apply_insitu_by_kind(prof, by_kind)
-    progress(f"{stamp()} blocking-collective latency in situ: " +
-             ", ".join(f"p={p} of {w} ranks {t * 1e3:.2f} ms" for w, row in insitu.items()
-                       for p, t in row.items()) + "; " +
-             "; ".join(f"{kind}: " + ", ".join(f"p={p} of {w} {t * 1e3:.2f} ms" for w, row in tab.items()
-                                              for p, t in row.items()) for kind, tab in by_kind.items()))
-    from .insitu import _optimizer_rank
-    from .optimizer import add_optimizer_step
-    opt = launch(_optimizer_rank, 1, ())[0]
-    add_optimizer_step(prof, opt)
-    progress(f"{stamp()} optimizer step: {opt['t0_s'] * 1e6:.1f} us per tensor, "
-             f"{opt['s_per_byte'] * 1e12:.1f} ps per byte")
+    from .insitu import describe_step_costs, measure_step_costs
+    steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch)
+    progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
+             f"optimizer): {describe_step_costs(steps)}")
     from .overhead import add_runtime_overhead
     overhead_s = launch(_overhead_rank, 1, (prof,))[0]
     add_runtime_overhead(prof, overhead_s)
@@ -328,21 +311,12 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     CalibrationError). The updated profile replaces the old one atomically.
     """
     from ..runtime.launch import run_ranks
-    from .profile import _CHECKED_FIELDS, load_profile
+    from .profile import load_profile, require_measured_here
 
     path = Path(profile_path)
     prof = load_profile(path, check_machine=False)
     backend = prof.fingerprint.get("backend") or "gloo"
-    if prof.provenance.get("kind") != "measured":
-        raise CalibrationError(f"{path} is a {prof.provenance.get('kind')!r} profile: exact shapes "
-                               "measured here would not describe its machine",
-                               "calibrate this machine (`autopar calibrate`) and add shapes to that")
-    here = current_fingerprint(backend)
-    diff = [k for k in _CHECKED_FIELDS if prof.fingerprint.get(k) != here.get(k)]
-    if diff:
-        raise CalibrationError(f"{path} was measured on another machine or software "
-                               f"(differs in {', '.join(diff)}): exact shapes measured here would "
-                               "not match it", "recalibrate this machine first")
+    require_measured_here(prof, path, "exact shapes")
     device = _check_backend(backend, 1)
     todo, seen = [], set(prof.exact)
     for spec in specs:

@@ -166,12 +166,17 @@ def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Seque
     return 0.0
 
 
+def _samples(prof) -> dict:
+    """The profile's measured extras (``Profile.samples``); empty for stand-ins without them."""
+    samples = getattr(prof, "samples", None)
+    return samples if isinstance(samples, dict) else {}
+
+
 def compute_drift(prof, ranks_on_node: int) -> float:
     """The compute factor learned from runs with ``ranks_on_node`` ranks on a node
     (``calibrate.refine``, ``samples["corrections"]["compute_drift"]``); 1.0 for other counts:
     a drift seen at 2 ranks says nothing about 8."""
-    table = prof.samples.get("corrections") if isinstance(getattr(prof, "samples", None), dict) else None
-    drift = (table or {}).get("compute_drift") or {}
+    drift = (_samples(prof).get("corrections") or {}).get("compute_drift") or {}
     return float(drift.get(str(int(ranks_on_node)), 1.0))
 
 
@@ -179,7 +184,7 @@ def straggler(prof, ranks_on_node: int) -> float:
     """kappa of ``calibrate.insitu.measure_straggler`` for the nearest measured number of ranks
     running: ranks that synchronise wait for the slowest, about kappa seconds per second of
     compute between synchronisations; 0 when not measured (dedicated devices)."""
-    table = prof.samples.get("straggler_kappa") if isinstance(getattr(prof, "samples", None), dict) else None
+    table = _samples(prof).get("straggler_kappa")
     if not table or ranks_on_node < 2:
         return 0.0
     w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
@@ -193,8 +198,8 @@ def insitu_latency_s(prof, p: int, ranks_on_node: int | None = None, kind: str =
     tables of their own when measured (``insitu_latency_by_kind_s``); other kinds, and profiles
     without them, use the all-reduce's. Profiles measured before the per-world table have the
     p = w diagonal only (``insitu_latency_s``)."""
-    samples = getattr(prof, "samples", None)
-    if not isinstance(samples, dict) or p < 2:
+    samples = _samples(prof)
+    if p < 2:
         return 0.0
     by_world = (samples.get("insitu_latency_by_kind_s") or {}).get(kind) if kind != "allreduce" else None
     by_world = by_world or samples.get("insitu_latency_by_world_s")
@@ -230,8 +235,7 @@ def correction(prof, name: str) -> float:
     the step (``blocking_s``, halo exchange); ``grad_sync_scale`` the gradient all-reduce
     (``grad_allreduce_s``). Kept apart because they fail apart: on the 2-core machine blocking
     statistics were under-priced while the large asynchronous all-reduce was over-priced."""
-    table = prof.samples.get("corrections") if isinstance(getattr(prof, "samples", None), dict) else None
-    return float(table.get(name, 1.0)) if table else 1.0
+    return float((_samples(prof).get("corrections") or {}).get(name, 1.0))
 
 
 def allreduce_s(ctx, nbytes: float, ranks: Sequence[int], blocking: bool = True) -> float:

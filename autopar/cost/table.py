@@ -87,30 +87,16 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep
     up to ``cap - 2``: the Pareto front in (time, memory), then the next cheapest in time."""
     def t(c: LayerCost) -> float:
         return c.fwd_s + c.bwd_s + c.grad_sync_s
+    base = [i for i in range(len(choices)) if choices[i].kind in keep_kinds]
     order = sorted(range(len(choices)), key=lambda i: (t(costs[i]), costs[i].memory_bytes))
-    keep: list[int] = []
-    for kind in keep_kinds:
-        ks = [i for i in range(len(choices)) if choices[i].kind == kind]
-        if ks:
-            keep.append(max(ks, key=lambda i: getattr(choices[i], "parts", 0)))
-            # and the two fastest of the kind (e.g. a narrower sample split whose statistics
-            # stay within a node), so that pruning never makes the kind alone plan worse
-            for i in sorted(ks, key=lambda i: t(costs[i]))[:2]:
-                if i not in keep:
-                    keep.append(i)
+    front: list[int] = []          # the Pareto front over all choices, less the kept kinds
     best_mem = math.inf
     for i in order:
         if costs[i].memory_bytes < best_mem - 1e-9:
             best_mem = costs[i].memory_bytes
-            if i not in keep:
-                keep.append(i)
-    for i in order:
-        if i not in keep:
-            keep.append(i)
-    # every sample/replicate choice stays, beyond the cap: then the all-kinds plan space
-    # contains the data-parallel one, and its optimum is never worse
-    base = [i for i in range(len(choices)) if choices[i].kind in keep_kinds]
-    others = [i for i in keep if i not in base][:max(cap - len(keep_kinds), 2)]
+            if i not in base:
+                front.append(i)
+    others = (front + [i for i in order if i not in base and i not in front])[:max(cap - len(keep_kinds), 2)]
     keep = base + others
     return [choices[i] for i in keep], [costs[i] for i in keep]
 
