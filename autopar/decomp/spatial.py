@@ -47,6 +47,7 @@ from .base import CostContext, Decomposition, LayerCost, divisors, register
 from .common import global_count_per_channel, price_replicated_weights
 from .ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
                  OpSpec)
+from .halo_plan import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
 from .layout import Layout, block_extent
 
 WINDOW_OPS = (CONV, POOL)
@@ -230,7 +231,6 @@ class Spatial(Decomposition):
         return None
 
     def _check_values(self, op: OpSpec, lays: dict[str, Layout], world: int) -> str | None:
-        from ..runtime.halo import dim_name
         named = list(zip(op.inputs, op.in_shapes)) + [(op.name, op.out_shape)]
         for v, shape in named:
             lay = lays[v]
@@ -243,7 +243,6 @@ class Spatial(Decomposition):
         return None
 
     def _check_op(self, op: OpSpec, lays: dict[str, Layout], full: Layout, world: int) -> str | None:
-        from ..runtime.halo import axis_problem, dim_name
         why = self._check_values(op, lays, world)
         if why:
             return why
@@ -316,7 +315,6 @@ class Spatial(Decomposition):
         """(tensor dim, WindowGeom) of the dims whose window is built explicitly: conv: split
         dims and dims with asymmetric padding; pool: every spatial dim. ``all_dims``: every
         spatial dim (for legality)."""
-        from ..runtime.halo import WindowGeom
         full = self.layout()
         x, y = op.in_shapes[0], op.out_shape
         out = []
@@ -334,7 +332,6 @@ class Spatial(Decomposition):
                 for i, (lo, _, _, _) in enumerate(window_params(op, self.k))]
 
     def plan(self, op: OpSpec, rank: int, world: int):
-        from ..runtime.halo import plan_halo
         return plan_halo(tuple(int(s) for s in op.in_shapes[0]), self.layout(),
                          self.window_geoms(op), rank, world)
 
@@ -356,7 +353,6 @@ class Spatial(Decomposition):
             T_halo    = sum_d max_c T_step(c)
             buffers   = sum_d max_c (sent + received bytes)
         """
-        from ..runtime.halo import axis_pieces, window_bounds
         geoms = self.window_geoms(op)
         full = self.layout()
         x = [int(s) for s in op.in_shapes[0]]
@@ -398,7 +394,6 @@ class Spatial(Decomposition):
     def _local_shapes(self, op: OpSpec, lays: dict[str, Layout]):
         """Local (largest block) input and output shapes the runtime computes on: windows for
         conv/pool inputs, blocks otherwise."""
-        from ..runtime.halo import window_bounds
         ins = [list(lays[v].max_local_shape(s)) for v, s in zip(op.inputs, op.in_shapes)]
         out = list(lays[op.name].max_local_shape(op.out_shape))
         if op.kind in WINDOW_OPS and ins:
@@ -479,7 +474,7 @@ class Spatial(Decomposition):
         full = self.layout()
         x_sp = bool(op.inputs) and lays[op.inputs[0]] == full
         if op.kind == CONV:
-            x = halo_exchange(inputs[0], self.plan(op, comm.rank, comm.world), 0.0)
+            x = halo_exchange(inputs[0], self.plan(op, comm.rank, comm.world), 0.0, comm)
             w = params[op.param_names["weight"]]
             b = params[op.param_names["bias"]] if "bias" in op.param_names else None
             a = op.attrs
@@ -519,10 +514,10 @@ class Spatial(Decomposition):
         ks = _expand(a.get("kernel"), k, 1)
         stride = [s for _, _, s, _ in params]
         if a.get("pool") == "max":
-            xw = halo_exchange(x, plan, float("-inf"))
+            xw = halo_exchange(x, plan, float("-inf"), comm)
             mp = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[k - 1]
             return mp(xw, ks, stride, 0, _expand(a.get("dilation"), k, 1), False)
-        xw = halo_exchange(x, plan, 0.0)
+        xw = halo_exchange(x, plan, 0.0, comm)
         if k == 1:
             s = F.avg_pool2d(xw.unsqueeze(2), [1] + ks, [1] + stride, 0, False, True, 1).squeeze(2)
         else:
@@ -537,7 +532,6 @@ def _pool_counts(dec: Spatial, op: OpSpec, rank: int, world: int):
     """Tensor (1, 1, *local out) of the divisors of an average pool for ``rank``'s block."""
     import torch
 
-    from ..runtime.halo import window_bounds
     full = dec.layout()
     cs, _ = full.coords(rank, world)
     axis_of = {d: i for i, (d, _) in enumerate(full.splits)}

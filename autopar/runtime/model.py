@@ -130,9 +130,7 @@ class DistModel(nn.Module):
         for lay in self.graph.layers:
             partitions.extend(self.decisions[lay.index].partitions(lay, world))
         self.comm.ensure_partitions(partitions)
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # one collective on the default group before any point-to-point (NCCL)
+        self.comm.barrier()  # one collective on the mesh before any point-to-point (NCCL)
 
         # parameters in the order of the layers that use them (backward reverses it)
         layer_of_param: dict[str, int] = {}
@@ -228,7 +226,6 @@ class DistModel(nn.Module):
         """Every floating buffer rebuilt in full. A buffer used by an op whose weight is sharded
         (a channel-sharded batch norm's running stats) is valid only in each rank's slice: the
         slices are assembled like the weight's shards."""
-        import torch.distributed as dist
         out = {}
         world, rank = self.comm.world, self.comm.rank
         owner: dict[str, ParamShard] = {}
@@ -251,13 +248,10 @@ class DistModel(nn.Module):
                 bd = sh.local_bounds(b.shape, rank, world)
                 sl = tuple(slice(s, s + e) for s, e in bd)
                 full[sl] = b[sl]
-            if world > 1:
-                dist.all_reduce(full)
-            out[q] = full
+            out[q] = self.comm.all_reduce_(full)
         return out
 
     def _full(self, get: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
-        import torch.distributed as dist
         out = {}
         world, rank = self.comm.world, self.comm.rank
         for safe, p in self.params.items():
@@ -272,9 +266,7 @@ class DistModel(nn.Module):
             if rank == min(grp):
                 b = sh.local_bounds(shape, rank, world)
                 full[tuple(slice(s, s + e) for s, e in b)] = get(p)
-            if world > 1:
-                dist.all_reduce(full)
-            out[qual] = full
+            out[qual] = self.comm.all_reduce_(full)
         return out
 
     def _global_param_shape(self, qual: str, p: torch.Tensor) -> list[int]:
