@@ -37,17 +37,20 @@ def step_level(step: Step, ctx) -> str:
     return ctx.level(groups[0]) if len(groups) == 1 else ctx.worst_level(groups)
 
 
-def step_s(step: Step, ctx, itemsize: int, level: str | None = None) -> tuple[float, float]:
-    """(forward s, backward s) of one step."""
+def step_s(step: Step, ctx, itemsize: int, level: str | None = None,
+           nbytes: float | None = None) -> tuple[float, float]:
+    """(forward s, backward s) of one step (``level``, ``nbytes``: already known to the caller)."""
     from .primitives import blocking_s
-    if not isinstance(step, COLLECTIVES) or step.p <= 1:
+    if not isinstance(step, COLLECTIVES):
         return 0.0, 0.0
-    n = step.payload_bytes(itemsize)
-    if n <= 0:
+    p = step.p
+    n = step.payload_bytes(itemsize) if nbytes is None else nbytes
+    if p <= 1 or n <= 0:
         return 0.0, 0.0
     level = level or step_level(step, ctx)
-    return (blocking_s(ctx, step.kind, step.p, n, level),
-            blocking_s(ctx, ADJOINT[step.kind], step.p, n, level))
+    fwd = blocking_s(ctx, step.kind, p, n, level)
+    adj = ADJOINT[step.kind]
+    return fwd, (fwd if adj == step.kind else blocking_s(ctx, adj, p, n, level))
 
 
 def redistribution_s(steps: Sequence[Step], ctx, itemsize: int) -> tuple[float, float]:

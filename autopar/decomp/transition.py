@@ -68,24 +68,40 @@ def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, 
     shape = tuple(int(n) for n in shape)
     if src.partial == 1 and dst.partial == 1 and ctx.world > EXACT_WORLD:
         return _unplanned_s(src, dst, shape, itemsize, ctx)
-    from ..cost.redistribute import step_level, step_s
-    steps = [st for st in plan_layouts(src, dst, shape, ctx.world)
-             if isinstance(st, COLLECTIVES) and max(st.traffic_bytes(itemsize)) > 0]
+    from ..cost.redistribute import step_s
+    steps = _moving_steps(src, dst, shape, ctx.world, int(itemsize))
     if not steps:
         return 0.0, 0.0
-    levels = tuple(step_level(st, ctx) for st in steps)
+    levels = tuple(ctx.level(gs[0]) if len(gs) == 1 else ctx.worst_level(gs) for _, _, gs in steps)
     memo = getattr(ctx, "cost_memo", None)   # the placement search's: one price per link level
     key = ("transition", src, dst, shape, itemsize, levels)
     if memo is not None and key in memo:
         return memo[key]
     fwd = bwd = 0.0
-    for st, level in zip(steps, levels):
-        f, b = step_s(st, ctx, itemsize, level)
+    for (st, nbytes, _), level in zip(steps, levels):
+        f, b = step_s(st, ctx, itemsize, level, nbytes)
         fwd += f
         bwd += b
     if memo is not None:
         memo[key] = (fwd, bwd)
     return fwd, bwd
+
+
+@functools.lru_cache(maxsize=65536)
+def _moving_steps(src: Layout, dst: Layout, shape: tuple[int, ...], world: int,
+                  itemsize: int) -> tuple:
+    """(step, payload bytes, global groups) of the planned collectives that move data (cached:
+    pricing asks for the same pairs on many edges and under many placements). A group of the
+    whole world is ``range(world)``, as ``ctx.level`` answers that fastest."""
+    from ..cost.redistribute import global_groups
+    out = []
+    for st in plan_layouts(src, dst, shape, world):
+        if isinstance(st, COLLECTIVES) and max(st.traffic_bytes(itemsize)) > 0:
+            gs = global_groups(st)
+            if gs == (tuple(range(world)),):
+                gs = (range(world),)
+            out.append((st, st.payload_bytes(itemsize), gs))
+    return tuple(out)
 
 
 def _unplanned_s(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, ctx) -> tuple[float, float]:
