@@ -20,7 +20,8 @@ from autopar.decomp.distspec import (DistSpec, PaddedShard, Partial, Replicate, 
 from autopar.decomp.layout import Layout
 from autopar.decomp.mesh import Mesh
 from autopar.decomp.redistribute import (AllGather, AllReduce, AllToAll, ReduceScatter, Slice,
-                                         plan_redistribution, simulate, steps_str, transfer_bytes)
+                                         plan_redistribution, simulate, step_from_json, steps_str,
+                                         transfer_bytes)
 from autopar.decomp.transition import EXACT_WORLD, recv_bytes, transition_s
 
 from fakes import synthetic_profile
@@ -245,3 +246,7 @@ def test_steps_serialise():
     steps = plan_redistribution(DistSpec(mesh, (Partial(),), (8, 6)), DistSpec(mesh, (Shard(1),), (8, 6)))
     js = json.loads(json.dumps([s.to_json() for s in steps]))
     assert js[0]["step"] == "ReduceScatter" and js[0]["dim"] == 1 and js[0]["groups"] == [[0, 1, 2, 3]]
+    assert tuple(step_from_json(j) for j in js) == steps
+    lay = plan_redistribution(Layout(((0, 4),)).to_spec((8, 4, 6, 6), 4),
+                              Layout(((0, 2), (2, 2))).to_spec((8, 4, 6, 6), 4))
+    assert tuple(step_from_json(json.loads(json.dumps(s.to_json()))) for s in lay) == lay

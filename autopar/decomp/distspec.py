@@ -26,7 +26,6 @@ take mesh-local indices. ``local_bounds`` is the valid data (global start, exten
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence

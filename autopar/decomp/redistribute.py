@@ -228,7 +228,9 @@ class AllToAll(_Step):
 
 @dataclass(frozen=True)
 class Slice(_Step):
-    """Local copy: every rank already holds its new block (e.g. Replicate -> Shard)."""
+    """Local copy: every rank already holds its new block (e.g. Replicate -> Shard); with no
+    ``dims`` the blocks are unchanged and only the spec is relabelled (e.g. onto another mesh
+    shape)."""
 
     dims: tuple[int, ...]
     src: DistSpec = field(repr=False)
@@ -271,6 +273,27 @@ class Unpad(_Step):
 
 Step = AllReduce | ReduceScatter | AllGather | AllToAll | Slice | ToPartial | Pad | Unpad
 COLLECTIVES = (AllReduce, ReduceScatter, AllGather, AllToAll)
+
+
+def step_from_json(obj: dict) -> Step:
+    """Inverse of ``Step.to_json`` (plans load without a process group)."""
+    cls = {c.__name__: c for c in (AllReduce, ReduceScatter, AllGather, AllToAll, Slice,
+                                   ToPartial, Pad, Unpad)}[obj["step"]]
+    kw = {}
+    for k, v in obj.items():
+        if k == "step":
+            continue
+        if k in ("src", "dst"):
+            kw[k] = DistSpec.from_json(v)
+        elif k == "transfers":
+            kw[k] = tuple(Transfer(int(s), int(d), tuple(tuple(b) for b in box)) for s, d, box in v)
+        elif k == "groups":
+            kw[k] = tuple(tuple(g) for g in v)
+        elif k == "dims":
+            kw[k] = tuple(v)
+        else:
+            kw[k] = v
+    return cls(**kw)
 
 
 def steps_str(steps: Sequence[Step]) -> str:

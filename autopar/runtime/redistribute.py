@@ -26,7 +26,7 @@ largest; the padding is dropped after the collective. ``Comm`` members used: ``r
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
