@@ -2,11 +2,12 @@
 
 Vocabulary: a tensor *dim* is an axis of a tensor (0 = N samples, 1 = C channels, 2.. = spatial
 D/H/W); a mesh *axis* is one factor of the process grid. A ``Layout`` is a tuple of splits
-``((dim, parts), ...)``, outermost mesh axis first. With world size P and Q = prod(parts), the
-remaining factor R = P / Q is *replication*; it is the innermost mesh axis. Ranks map onto the
-grid row-major::
+``((dim, parts), ...)``, outermost mesh axis first, and an optional *partial-sum* axis of size
+``partial`` (ranks along it hold addends of the value; 1 = none). With world size P and
+Q = prod(parts), the remaining factor R = P / (Q * partial) is *replication*; it is the
+innermost mesh axis. Ranks map onto the grid row-major::
 
-    rank = ((c_0 * p_1 + c_1) * p_2 + c_2 ...) * R + r
+    rank = (((c_0 * p_1 + c_1) * p_2 + c_2 ...) * partial + k) * R + r     (k = partial index)
 
 so spatial neighbours (inner axes) are nearby ranks, which keeps halo traffic within a node, and
 the replica axis (the group that shares one block, e.g. a filter-parallel group) is innermost.
@@ -17,6 +18,10 @@ stride another axis).
 A dim of extent n split into p parts gives block i the extent ``n // p + (1 if i < n % p else
 0)`` starting at ``i * (n // p) + min(i, n % p)`` (the rule of ``torch.tensor_split``), so
 remainders are handled wherever a block is at least one element.
+
+``Layout.to_spec`` gives the same distribution as a ``DistSpec`` on a ``Mesh``
+(``autopar.decomp.distspec``): one mesh axis per split (``Shard(dim)``), then ``Partial(sum)``,
+then ``Replicate()`` for the replicas, in exactly the rank order above.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from .distspec import DistSpec
+    from .mesh import Mesh
 
 
 def block_extent(n: int, parts: int, index: int) -> int:
@@ -39,11 +48,16 @@ def block_start(n: int, parts: int, index: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Splits of a tensor over the mesh: ``((dim, parts), ...)``, outermost first; () = replicated."""
+    """Splits of a tensor over the mesh: ``((dim, parts), ...)``, outermost first; () = replicated;
+    ``partial`` > 1: a partial-sum axis of that size between the splits and the replicas."""
 
     splits: tuple[tuple[int, int], ...] = ()
+    partial: int = 1
 
     def __post_init__(self) -> None:
+        if int(self.partial) < 1:
+            raise ValueError(f"Layout partial must be >= 1: {self.partial}")
+        object.__setattr__(self, "partial", int(self.partial))
         dims = [d for d, _ in self.splits]
         if len(set(dims)) != len(dims):
             raise ValueError(f"Layout splits one dim twice: {self.splits}")
@@ -63,11 +77,19 @@ class Layout:
         return Layout(tuple(splits))
 
     @staticmethod
-    def from_json(obj: Sequence[Sequence[int]]) -> "Layout":
+    def from_json(obj) -> "Layout":
+        """Reads both forms: ``[[dim, parts], ...]`` and ``{"splits": [...], "partial": p}``."""
+        if isinstance(obj, dict):
+            return Layout(tuple((int(d), int(p)) for d, p in obj.get("splits", ())),
+                          int(obj.get("partial", 1)))
         return Layout(tuple((int(d), int(p)) for d, p in obj))
 
-    def to_json(self) -> list[list[int]]:
-        return [[d, p] for d, p in self.splits]
+    def to_json(self):
+        """The list of [dim, parts] pairs (the old form) unless there is a partial axis."""
+        pairs = [[d, p] for d, p in self.splits]
+        if self.partial == 1:
+            return pairs
+        return {"splits": pairs, "partial": self.partial}
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -81,50 +103,61 @@ class Layout:
         return 1
 
     def replicas(self, world: int) -> int:
-        q = self.num_blocks
+        """R = world / (blocks * partial)."""
+        q = self.num_blocks * self.partial
         if world % q:
-            raise ValueError(f"layout {self} has {q} blocks, which does not divide world {world}")
+            what = f"{self.num_blocks} blocks x {self.partial} partial" if self.partial > 1 else \
+                f"{q} blocks"
+            raise ValueError(f"layout {self} has {what}, which does not divide world {world}")
         return world // q
 
     def is_replicated(self) -> bool:
-        return not self.splits
+        return not self.splits and self.partial == 1
 
     def __str__(self) -> str:
-        if not self.splits:
-            return "R"
         names = {0: "N", 1: "C"}
-        return "x".join(f"{names.get(d, f'[{d}]')}{p}" for d, p in self.splits)
+        parts = [f"{names.get(d, f'[{d}]')}{p}" for d, p in self.splits]
+        if self.partial > 1:
+            parts.append(f"P{self.partial}")
+        return "x".join(parts) if parts else "R"
 
     # ---- rank arithmetic ----------------------------------------------------------------
     def coords(self, rank: int, world: int) -> tuple[tuple[int, ...], int]:
-        """(block coordinates per split, replica index) of ``rank``."""
+        """(block coordinates per split, replica index) of ``rank`` (``partial_index`` gives
+        the coordinate on the partial axis)."""
         r = self.replicas(world)
         rep = rank % r
-        rest = rank // r
+        rest = rank // r // self.partial
         cs = []
         for _, p in reversed(self.splits):
             cs.append(rest % p)
             rest //= p
         return tuple(reversed(cs)), rep
 
-    def rank_of(self, coords: Sequence[int], replica: int, world: int) -> int:
+    def partial_index(self, rank: int, world: int) -> int:
+        """Coordinate of ``rank`` on the partial-sum axis (0 when there is none)."""
+        return (rank // self.replicas(world)) % self.partial
+
+    def rank_of(self, coords: Sequence[int], replica: int, world: int, partial_index: int = 0) -> int:
         rank = 0
         for (_, p), c in zip(self.splits, coords):
             rank = rank * p + c
-        return rank * self.replicas(world) + replica
+        return (rank * self.partial + partial_index) * self.replicas(world) + replica
 
     def block_index(self, rank: int, world: int) -> int:
-        """Linear block id of ``rank`` (ranks with equal id hold the same data)."""
-        return rank // self.replicas(world)
+        """Linear block id of ``rank`` (ranks with equal id hold the same region; with a
+        partial axis they hold different addends of it)."""
+        return rank // (self.replicas(world) * self.partial)
 
     def axis_group(self, axis: int, rank: int, world: int) -> list[int]:
         """Ranks that differ from ``rank`` only along split ``axis`` (in coordinate order)."""
         cs, rep = self.coords(rank, world)
+        k = self.partial_index(rank, world)
         out = []
         for c in range(self.splits[axis][1]):
             cc = list(cs)
             cc[axis] = c
-            out.append(self.rank_of(cc, rep, world))
+            out.append(self.rank_of(cc, rep, world, k))
         return out
 
     def split_group(self, dims: Iterable[int], rank: int, world: int) -> list[int]:
@@ -135,13 +168,15 @@ class Layout:
         dims = set(dims)
         axes = [i for i, (d, _) in enumerate(self.splits) if d in dims]
         cs, rep = self.coords(rank, world)
+        k = self.partial_index(rank, world)
         groups = [list(cs)]
         for a in axes:
             groups = [g[:a] + [c] + g[a + 1:] for g in groups for c in range(self.splits[a][1])]
-        return tuple(sorted(self.rank_of(g, rep, world) for g in groups))
+        return tuple(sorted(self.rank_of(g, rep, world, k) for g in groups))
 
     def data_group(self, rank: int, world: int) -> list[int]:
-        """Ranks holding different blocks of the tensor with the same replica index."""
+        """Ranks holding different blocks of the tensor with the same replica (and partial)
+        index."""
         return self.split_group([d for d, _ in self.splits], rank, world)
 
     def replica_group(self, rank: int, world: int) -> list[int]:
@@ -149,9 +184,15 @@ class Layout:
         base = (rank // r) * r
         return list(range(base, base + r))
 
+    def partial_group(self, rank: int, world: int) -> list[int]:
+        """Ranks whose addends sum to ``rank``'s block (same block and replica index)."""
+        r = self.replicas(world)
+        base = self.block_index(rank, world) * r * self.partial + rank % r
+        return [base + k * r for k in range(self.partial)]
+
     def block_bounds(self, shape: Sequence[int], block: int, world: int) -> tuple[tuple[int, int], ...]:
         """Per dim (start, extent) of linear block id ``block`` for a tensor of ``shape``."""
-        rank = block * self.replicas(world)
+        rank = block * self.replicas(world) * self.partial
         cs, _ = self.coords(rank, world)
         bounds = [(0, int(n)) for n in shape]
         for (d, p), c in zip(self.splits, cs):
@@ -180,7 +221,9 @@ class Layout:
     def fits(self, shape: Sequence[int], world: int) -> str | None:
         """None if legal for ``shape`` at ``world``; else the reason."""
         q = self.num_blocks
-        if world % q:
+        if world % (q * self.partial):
+            if self.partial > 1:
+                return f"{q} blocks x {self.partial} partial do not divide world size {world}"
             return f"{q} blocks do not divide world size {world}"
         for d, p in self.splits:
             if d >= len(shape):
@@ -188,6 +231,56 @@ class Layout:
             if int(shape[d]) < p:
                 return f"dim {d} has extent {shape[d]} < {p} parts"
         return None
+
+    # ---- DTensor view ---------------------------------------------------------------------
+    def mesh_axes(self, world: int, ndim: int | None = None) -> tuple[tuple[str, int], ...]:
+        """(name, size) of each mesh axis: one per split, then "P" (partial), then "rep"."""
+        axes = [(dim_name(d, ndim), p) for d, p in self.splits]
+        if self.partial > 1:
+            axes.append(("P", self.partial))
+        r = self.replicas(world)
+        if r > 1 or not axes:
+            axes.append(("rep", r))
+        return tuple(axes)
+
+    def placements(self, world: int, ndim: int | None = None) -> tuple:
+        """One DTensor-style placement per mesh axis of ``mesh_axes``."""
+        from .distspec import Partial, Replicate, Shard
+        out = [Shard(d) for d, _ in self.splits]
+        if self.partial > 1:
+            out.append(Partial())
+        if len(out) < len(self.mesh_axes(world, ndim)):
+            out.append(Replicate())
+        return tuple(out)
+
+    def to_spec(self, shape: Sequence[int], world_or_mesh: "int | Mesh") -> "DistSpec":
+        """This layout as a ``DistSpec``: the world (ranks 0..P-1) or the given mesh's ranks,
+        in order, reshaped to ``mesh_axes``."""
+        from .distspec import DistSpec
+        from .mesh import Mesh
+        ranks = tuple(range(world_or_mesh)) if isinstance(world_or_mesh, int) else world_or_mesh.ranks
+        axes = self.mesh_axes(len(ranks), len(shape))
+        mesh = Mesh(ranks, tuple(s for _, s in axes), tuple(n for n, _ in axes))
+        return DistSpec(mesh, self.placements(len(ranks), len(shape)), tuple(int(n) for n in shape))
+
+    def placements_str(self, world: int) -> str:
+        """E.g. ``[Shard(0), Shard(2), Replicate()]`` (for reports)."""
+        return "[" + ", ".join(str(p) for p in self.placements(world)) + "]"
+
+
+def dim_name(dim: int, ndim: int | None = None) -> str:
+    """N, C, then the spatial dims D/H/W (the last ``ndim - 2`` of them); else ``d<dim>``."""
+    if dim == 0:
+        return "N"
+    if dim == 1:
+        return "C"
+    spatial = "DHW"
+    if ndim is None:
+        ndim = 4 if dim < 4 else 5
+    k = dim - 2 + (3 - (ndim - 2))
+    if ndim <= 5 and 0 <= k < 3:
+        return spatial[k]
+    return f"d{dim}"
 
 
 @functools.lru_cache(maxsize=65536)

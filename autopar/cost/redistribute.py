@@ -1,0 +1,64 @@
+"""Price of a planned redistribution (``autopar.decomp.redistribute``), forward and backward.
+
+Legend: a *dim* is a tensor dimension; an *axis* is a mesh axis. Step groups are mesh-local;
+they are mapped to global ranks (``step.src.mesh.ranks``) before asking the context about links.
+
+Each collective step is a blocking collective (``cost.primitives.blocking_s``)::
+
+    t_fwd = blocking_s(ctx, kind, p, n, level(groups))
+    t_bwd = blocking_s(ctx, adjoint(kind), p, n, level(groups))
+
+with p the group size, n the step's ``payload_bytes`` (the profile's convention per kind:
+all-reduce the buffer, all-gather the whole gathered output, reduce-scatter the whole input,
+all-to-all all one rank sends incl. its own block = max(sent, recv) * p/(p-1)), and the adjoint
+all-gather <-> reduce-scatter, all-reduce -> all-reduce, all-to-all -> all-to-all (the reverse
+exchange moves the same bytes, so n is unchanged). Slice, Pad, Unpad and ToPartial are local: 0.
+The level is ``ctx.level(group)`` for one group, ``ctx.worst_level(groups)`` for several running
+side by side.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..decomp.redistribute import COLLECTIVES, Step
+
+ADJOINT = {"allreduce": "allreduce", "reduce_scatter": "allgather", "allgather": "reduce_scatter",
+           "all_to_all": "all_to_all"}
+
+
+def global_groups(step: Step) -> tuple[tuple[int, ...], ...]:
+    ranks = step.src.mesh.ranks
+    return tuple(tuple(ranks[i] for i in g) for g in step.groups)
+
+
+def step_level(step: Step, ctx) -> str:
+    groups = global_groups(step)
+    return ctx.level(groups[0]) if len(groups) == 1 else ctx.worst_level(groups)
+
+
+def step_s(step: Step, ctx, itemsize: int, level: str | None = None,
+           nbytes: float | None = None) -> tuple[float, float]:
+    """(forward s, backward s) of one step (``level``, ``nbytes``: already known to the caller)."""
+    from .primitives import blocking_s
+    if not isinstance(step, COLLECTIVES):
+        return 0.0, 0.0
+    p = step.p
+    n = step.payload_bytes(itemsize) if nbytes is None else nbytes
+    if p <= 1 or n <= 0:
+        return 0.0, 0.0
+    level = level or step_level(step, ctx)
+    fwd = blocking_s(ctx, step.kind, p, n, level)
+    adj = ADJOINT[step.kind]
+    return fwd, (fwd if adj == step.kind else blocking_s(ctx, adj, p, n, level))
+
+
+def redistribution_s(steps: Sequence[Step], ctx, itemsize: int) -> tuple[float, float]:
+    """(forward s, backward s) of a whole plan: the sum of its steps (they run one after
+    another)."""
+    fwd = bwd = 0.0
+    for st in steps:
+        f, b = step_s(st, ctx, itemsize)
+        fwd += f
+        bwd += b
+    return fwd, bwd
