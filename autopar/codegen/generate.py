@@ -13,8 +13,7 @@ from typing import Any
 
 from ..decomp import decomposition_from_json
 from ..decomp.ir import LayerGraphData
-from ..decomp.layout import Layout
-from ..runtime.model import loss_layout_for
+from ..decomp.layout import Layout, loss_layout_for
 
 
 def _var(name: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from ..calibrate.optimizer import optimizer_step_s
 from ..decomp import REGISTRY
 from ..decomp.base import CostContext, Decomposition, LayerCost
+from ..decomp.buckets import layer_buckets
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
 from ..decomp.transition import transition_s
 
@@ -80,14 +81,15 @@ def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> 
     return t * ctx.profile.slowdown(ctx.ranks_on_node)
 
 
-def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep_kinds=("sample", "replicate")):
-    """Keep every sample and replicate choice (so the data-parallel plan space is inside the
+def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int):
+    """Keep every choice whose class says ``always_kept`` (sample and replicate: so the data-parallel plan space is inside the
     all-kinds one, whose optimum can then never be worse: at 1024 ranks keeping only some
     sample splits lost ResNet-50 mixes, 27.9 ms against 23.6 ms sample-only), and of the others
     up to ``cap - 2``: the Pareto front in (time, memory), then the next cheapest in time."""
     def t(c: LayerCost) -> float:
         return c.fwd_s + c.bwd_s + c.grad_sync_s
-    base = [i for i in range(len(choices)) if choices[i].kind in keep_kinds]
+    base = [i for i in range(len(choices)) if type(choices[i]).always_kept]
+    n_kept_kinds = sum(1 for cls in REGISTRY.values() if cls.always_kept)
     order = sorted(range(len(choices)), key=lambda i: (t(costs[i]), costs[i].memory_bytes))
     front: list[int] = []          # the Pareto front over all choices, less the kept kinds
     best_mem = math.inf
@@ -96,7 +98,7 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int, keep
             best_mem = costs[i].memory_bytes
             if i not in base:
                 front.append(i)
-    others = (front + [i for i in order if i not in base and i not in front])[:max(cap - len(keep_kinds), 2)]
+    others = (front + [i for i in order if i not in base and i not in front])[:max(cap - n_kept_kinds, 2)]
     keep = base + others
     return [choices[i] for i in keep], [costs[i] for i in keep]
 
@@ -164,7 +166,6 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
             fwd.append(rf)
             bwd.append(rb)
         edges.append(EdgeOptions(u, v, value, fwd, bwd))
-    from ..runtime.gradsync import layer_buckets
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
     return CostTable(graph, ctx, opts, edges, topo=[lay.index for lay in graph.layers], buckets=buckets)
 

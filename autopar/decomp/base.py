@@ -214,6 +214,9 @@ class Decomposition:
     kind: ClassVar[str] = ""
     #: Op kinds this decomposition can execute (others make the layer illegal under it).
     supported_ops: ClassVar[frozenset[str]] = frozenset()
+    #: Kept by the cost table's pruner whatever its price (the data-parallel baselines, so
+    #: that the plan space of every run contains pure data parallelism and pure replication).
+    always_kept: ClassVar[bool] = False
 
     # ---- layouts -------------------------------------------------------------------------
     def in_layout(self, layer: Layer, value: str) -> Layout:
@@ -245,9 +248,11 @@ class Decomposition:
         raise NotImplementedError
 
     # ---- runtime -------------------------------------------------------------------------
-    def run(self, ctx: Any, op: str, inputs: list[Any], params: dict[str, Any],
-            buffers: dict[str, Any], attrs: dict[str, Any], in_shapes: list[list[int]],
-            out_shape: list[int]) -> Any:
+    def run(self, comm: Any, layer: Layer, op: OpSpec, inputs: list[Any],
+            params: dict[str, Any], buffers: dict[str, Any]) -> Any:
+        """Run ``op`` of ``layer`` on this rank's local tensors (``comm``: the runtime's
+        ``Comm`` of the plan's mesh; ``params``/``buffers`` by qualified name). Imports the
+        runtime lazily: this is the run-time half of the decomposition."""
         raise NotImplementedError
 
     # ---- serialisation -------------------------------------------------------------------

@@ -64,9 +64,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost import primitives as prim
 from .base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
-from .common import batch_dim_ok, global_count_per_channel
+from .common import batch_dim_ok
 from .ir import BATCH_NORM, CONV, DROPOUT, LINEAR, UNARY, Layer, OpSpec
 from .layout import Layout, block_extent, block_start
 
@@ -236,7 +235,7 @@ class _WeightGrid(Decomposition):
                    The allgather of x that Filter / ChannelFilter need (and its backward
                    reduce-scatter) is the incoming edge's transition, priced by
                    ``autopar.decomp.transition``; zero when the producer already holds x so.
-        bn       = per training batch norm (runtime ``sync_batch_norm``) over the G ranks holding
+        bn       = per training batch norm (runtime ``run_batch_norm``) over the G ranks holding
                    the same F shard (s, or s*pc for channel+filter): forward T_allreduce(G,
                    4 G (2 F_loc + 1)) (a table of per-rank count, mean, M2), backward
                    T_allreduce(G, 4 * 2 F_loc); zero when G = 1
@@ -249,6 +248,7 @@ class _WeightGrid(Decomposition):
                    + saved activations (local shapes) + workspace |y_part| (the partial sum
                    before the reduce-scatter; in backward the gathered dy of the same size)
         """
+        from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
         item = layer.itemsize
         sh = self.local_shapes(layer)
         a = layer.anchor
@@ -319,19 +319,14 @@ class _WeightGrid(Decomposition):
     # ---- runtime --------------------------------------------------------------------------
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
             buffers: dict[str, Any]):
-        from ..runtime.ops import call_local, substitute, sync_batch_norm
+        from ..runtime.ops import call_local, run_batch_norm
         out_lay = self.out_layout(layer)
         if op.name == layer.anchor.name:
             return self._run_anchor(comm, layer, op, inputs, params, buffers)
         if op.kind == BATCH_NORM:
-            x, w, b, rm, rv, training, momentum, eps = substitute(
-                op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
-            start, ext = out_lay.local_bounds(op.out_shape, comm.rank, comm.world)[1]
-            rm = rm[start:start + ext] if rm is not None else None   # views: updated in place
-            rv = rv[start:start + ext] if rv is not None else None
-            return sync_batch_norm(x, w, b, rm, rv, training, momentum, eps, comm,
-                                   out_lay.split_group([0], comm.rank, comm.world),
-                                   global_count_per_channel(op.in_shapes[0]))
+            return run_batch_norm(op, inputs, params, buffers, comm,
+                                  out_lay.split_group([0], comm.rank, comm.world),
+                                  channels=out_lay.local_bounds(op.out_shape, comm.rank, comm.world)[1])
         return call_local(op, inputs, params, buffers,
                           local_out_shape=out_lay.local_shape(op.out_shape, comm.rank, comm.world))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-from ..cost import primitives as prim
 from .base import CostContext, LayerCost
 from .ir import BATCH_NORM, Layer
 from .layout import Layout
@@ -23,6 +22,7 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
     grad     = allreduce(param bytes) over the world (replicated weights)    -> grad_sync_s
     memory   = params + grads + optimizer state (whole) + saved activations (local) + workspace
     """
+    from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
     fwd = bwd = 0.0
     saved = 0.0
     sources = set()
@@ -72,7 +72,3 @@ def batch_dim_ok(layer: Layer) -> str | None:
         if op.kind == "cat" and op.attrs.get("dim", 0) % max(1, len(op.out_shape)) == 0:
             return f"op {op.name} concatenates along the batch dim"
     return None
-
-
-def global_count_per_channel(shape) -> int:
-    return int(shape[0]) * math.prod(int(s) for s in shape[2:])

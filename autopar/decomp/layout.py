@@ -298,3 +298,12 @@ def overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple
             return None
         out.append((lo, hi - lo))
     return tuple(out)
+
+
+def loss_layout_for(out: Layout, batch: int, world: int) -> Layout:
+    """The layout the loss is computed in: the output's if it splits only samples, else the
+    widest sample split that divides the world and the batch."""
+    if all(d == 0 for d, _ in out.splits):
+        return out
+    p = max(d for d in range(1, world + 1) if world % d == 0 and d <= batch)
+    return Layout(((0, p),))

@@ -19,6 +19,7 @@ from .layout import Layout
 @dataclass(frozen=True)
 class Replicate(Decomposition):
     kind = "replicate"
+    always_kept = True
 
     def in_layout(self, layer: Layer, value: str) -> Layout:
         return Layout()

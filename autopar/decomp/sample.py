@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, divisors, register
-from .common import batch_dim_ok, global_count_per_channel, price_replicated_weights
+from .common import batch_dim_ok, price_replicated_weights
 from .ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CAT, CONV, DROPOUT, FLATTEN, LINEAR, MEAN,
                  POOL, UNARY, VIEW, Layer)
 from .layout import Layout
@@ -23,6 +23,7 @@ from .layout import Layout
 class Sample(Decomposition):
     parts: int = 1
     kind = "sample"
+    always_kept = True
     supported_ops = frozenset({CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN,
                                FLATTEN, VIEW, DROPOUT, CAT})
 
@@ -64,13 +65,10 @@ class Sample(Decomposition):
         return price_replicated_weights(layer, self.layout(), ctx, bn_group_size=self.parts)
 
     def run(self, comm, layer, op, inputs, params, buffers):
-        from ..runtime.ops import call_local, substitute, sync_batch_norm
+        from ..runtime.ops import call_local, run_batch_norm
         lay = self.layout()
         if op.kind == BATCH_NORM:
-            x, w, b, rm, rv, training, momentum, eps = substitute(
-                op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
-            return sync_batch_norm(x, w, b, rm, rv, training, momentum, eps, comm,
-                                   lay.data_group(comm.rank, comm.world),
-                                   global_count_per_channel(op.in_shapes[0]))
+            return run_batch_norm(op, inputs, params, buffers, comm,
+                                  lay.data_group(comm.rank, comm.world))
         return call_local(op, inputs, params, buffers,
                           local_out_shape=lay.local_shape(op.out_shape, comm.rank, comm.world))

@@ -17,7 +17,7 @@ layer ending after global pooling.
 How each op runs on local blocks (``run``):
 
 =============  =================================================================================
-conv           halo exchange (``autopar.runtime.halo``) to the input window of the local output
+conv           halo exchange (plan: ``autopar.decomp.halo_plan``, run: ``autopar.runtime.halo``) to the input window of the local output
                block, then the local convolution with padding 0 along windowed dims (native
                padding along unsplit dims with symmetric padding)
 pool max/avg   window along every spatial dim (fill -inf / 0), pool with padding 0, no ceil;
@@ -32,7 +32,7 @@ mean           over exactly the spatial dims: likewise
 =============  =================================================================================
 
 Legality (``check``) is named and plan-time, e.g. ``layer3.0.conv1: local H extent 3 < halo
-radius 4 at 8 parts``; the halo rules are in ``autopar.runtime.halo``.
+radius 4 at 8 parts``; the halo rules are in ``autopar.decomp.halo_plan``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..cost import primitives as prim
 from .base import CostContext, Decomposition, LayerCost, divisors, register
-from .common import global_count_per_channel, price_replicated_weights
+from .common import price_replicated_weights
 from .ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
                  OpSpec)
 from .halo_plan import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
@@ -353,6 +352,7 @@ class Spatial(Decomposition):
             T_halo    = sum_d max_c T_step(c)
             buffers   = sum_d max_c (sent + received bytes)
         """
+        from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
         geoms = self.window_geoms(op)
         full = self.layout()
         x = [int(s) for s in op.in_shapes[0]]
@@ -423,6 +423,7 @@ class Spatial(Decomposition):
         memory    = params + grads + optimizer state (whole) + saved activations (windows for
                     conv/pool) + workspace = largest halo send+receive buffers of one op
         """
+        from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
         lays = self.value_layouts(layer)
         item = layer.itemsize
         halo_t = work = gap_t = bn_fwd = bn_bwd = 0.0
@@ -468,7 +469,7 @@ class Spatial(Decomposition):
 
         from ..runtime.comm import all_reduce_sum
         from ..runtime.halo import halo_exchange
-        from ..runtime.ops import call_local, substitute, sync_batch_norm
+        from ..runtime.ops import call_local, run_batch_norm
 
         lays = self.value_layouts(layer)
         full = self.layout()
@@ -485,12 +486,9 @@ class Spatial(Decomposition):
         if op.kind == POOL:
             return self._run_pool(op, inputs[0], comm)
         if op.kind == BATCH_NORM:
-            x, w, b, rm, rv, training, momentum, eps = substitute(
-                op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
             lay = lays[op.inputs[0]]
-            return sync_batch_norm(x, w, b, rm, rv, training, momentum, eps, comm,
-                                   lay.data_group(comm.rank, comm.world),
-                                   global_count_per_channel(op.in_shapes[0]))
+            return run_batch_norm(op, inputs, params, buffers, comm,
+                                  lay.data_group(comm.rank, comm.world))
         if op.kind in (ADAPTIVE_POOL, MEAN) and x_sp:
             keep = True if op.kind == ADAPTIVE_POOL else bool(op.attrs.get("keepdim", False))
             dims = self.spatial_dims
@@ -503,7 +501,6 @@ class Spatial(Decomposition):
         """Pool on the explicit window (padding 0, no ceil): max with -inf fill; average as
         window sum / count, where count = the positions torch counts (inside [-pad, n + pad)
         with count_include_pad, inside [0, n) without; the constant override if given)."""
-        import torch
         import torch.nn.functional as F
 
         from ..runtime.halo import halo_exchange

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..decomp.buckets import DEFAULT_BUCKET_CAP_BYTES, layer_buckets  # noqa: F401  (re-export)
 from .comm import Comm
 
 
@@ -32,24 +33,6 @@ class _Bucket:
     arrived: int = 0
     work: Any = None
     flat: torch.Tensor | None = None
-
-
-DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
-
-
-def layer_buckets(layer_bytes: list[tuple[int, float]], cap_bytes: float = DEFAULT_BUCKET_CAP_BYTES) -> dict[int, int]:
-    """Bucket id of each layer that owns parameters. ``layer_bytes``: (layer index, parameter
-    bytes as traced) in forward order; buckets fill in backward order, whole layers only, and
-    close before a layer that would overflow the cap. Pure: the planner calls it too."""
-    out: dict[int, int] = {}
-    bucket, filled = 0, 0.0
-    for li, nbytes in reversed([lb for lb in layer_bytes if lb[1] > 0]):
-        if filled and filled + nbytes > cap_bytes:
-            bucket += 1
-            filled = 0.0
-        out[li] = bucket
-        filled += nbytes
-    return out
 
 
 class GradSync:

@@ -70,8 +70,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..decomp.halo_plan import (HaloIllegal, HaloPlan, HaloStep, WindowGeom, axis_pieces,  # noqa: F401
-                                axis_problem, dim_name, plan_halo, window_bounds)
+from ..decomp.halo_plan import HaloPlan, HaloStep
 
 
 def _p2p(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],

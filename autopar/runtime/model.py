@@ -28,18 +28,9 @@ from torch import nn
 from ..decomp import decomposition_from_json
 from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
-from ..decomp.layout import Layout
+from ..decomp.layout import Layout, loss_layout_for
 from .comm import Comm, local_slice, redistribute
 from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
-
-
-def loss_layout_for(out: Layout, batch: int, world: int) -> Layout:
-    """The layout the loss is computed in: the output's if it splits only samples, else the
-    widest sample split that divides the world and the batch."""
-    if all(d == 0 for d, _ in out.splits):
-        return out
-    p = max(d for d in range(1, world + 1) if world % d == 0 and d <= batch)
-    return Layout(((0, p),))
 
 
 def _safe(name: str) -> str:

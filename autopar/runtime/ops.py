@@ -136,12 +136,29 @@ class _SyncBatchNorm(torch.autograd.Function):
 def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                     running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                     training: bool, momentum: float, eps: float, comm: Comm,
-                    ranks: Sequence[int], global_count: int | None = None) -> torch.Tensor:
-    """Batch norm whose statistics cover every rank of ``ranks`` (``_SyncBatchNorm``); the
-    plain local batch norm when not training or alone. ``global_count`` is accepted for
-    callers that know it; the count is gathered with the statistics."""
+                    ranks: Sequence[int]) -> torch.Tensor:
+    """Batch norm whose statistics cover every rank of ``ranks`` (``_SyncBatchNorm``; the
+    per-rank sample counts are gathered with the statistics); the plain local batch norm when
+    not training or alone."""
     if not training or len(ranks) <= 1:
         return torch.nn.functional.batch_norm(x, running_mean, running_var, weight, bias,
                                               training, momentum, eps)
     return _SyncBatchNorm.apply(x, weight, bias, eps, comm, tuple(sorted(ranks)),
                                 running_mean, running_var, momentum)
+
+
+def run_batch_norm(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, torch.Tensor],
+                   buffers: dict[str, torch.Tensor], comm: Comm, ranks: Sequence[int],
+                   channels: tuple[int, int] | None = None) -> torch.Tensor:
+    """A traced ``aten.batch_norm`` (x, weight, bias, running_mean, running_var, training,
+    momentum, eps) on this rank's block, its statistics over the mesh ranks ``ranks``: the one
+    batch-norm runtime every decomposition uses. ``channels`` = (start, extent) of this rank's
+    channel block when the channels are split: the running statistics are updated in that
+    slice (views of the whole buffers)."""
+    x, w, b, rm, rv, training, momentum, eps = substitute(
+        op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
+    if channels is not None:
+        start, ext = channels
+        rm = rm[start:start + ext] if rm is not None else None
+        rv = rv[start:start + ext] if rv is not None else None
+    return sync_batch_norm(x, w, b, rm, rv, training, momentum, eps, comm, ranks)
