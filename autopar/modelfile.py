@@ -50,6 +50,15 @@ class ModelFile:
     def default_batch_size(self) -> int | None:
         return getattr(self.module, "DEFAULT_BATCH_SIZE", None)
 
+    def planning_units(self) -> list[str]:
+        """``PLANNING_UNITS``: module paths or fnmatch patterns whose whole sub-graph is planned
+        as one unit (``autopar.trace.units``); none by default."""
+        units = getattr(self.module, "PLANNING_UNITS", None) or []
+        if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+            raise ModelFileError(f"PLANNING_UNITS in {self.path.name} must be a list of module paths",
+                                 'write e.g. PLANNING_UNITS = ["blocks.*.attn"]')
+        return list(units)
+
 
 def default_loss(output, target=None):
     import torch.nn.functional as F

@@ -214,7 +214,7 @@ def _plan_json(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_node
     transitions = []
     for e in table.edges:
         i, j = sol.choice[e.src], sol.choice[e.dst]
-        src = table.layers[e.src].choices[i].out_layout(graph.layers[e.src])
+        src = table.layers[e.src].choices[i].out_layout(graph.layers[e.src], e.value)
         dst = table.layers[e.dst].choices[j].in_layout(graph.layers[e.dst], e.value)
         if src != dst:
             transitions.append({"src": e.src, "dst": e.dst, "value": e.value,

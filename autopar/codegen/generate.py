@@ -53,7 +53,7 @@ def generate_module(plan: dict[str, Any]) -> str:
                      f"{tuple(lay.out_shape)}  -> {dec}  [{dec.out_layout(lay)}]")
         local: dict[str, str] = {}
         for v in lay.inputs:
-            src = decs[prod[v]].out_layout(graph.layers[prod[v]]) if v in prod else layout_of_input(v)
+            src = decs[prod[v]].out_layout(graph.layers[prod[v]], v) if v in prod else layout_of_input(v)
             dst = dec.in_layout(lay, v)
             if src == dst:
                 local[v] = _var(v)
@@ -71,7 +71,7 @@ def generate_module(plan: dict[str, Any]) -> str:
             lines.append(f"        {_var(op.name)} = self.op({args}){where}")
     out = graph.output
     li = prod[out]
-    out_layout = decs[li].out_layout(graph.layers[li])
+    out_layout = decs[li].out_layout(graph.layers[li], out)
     loss_layout = loss_layout_for(out_layout, graph.value_shape(out)[0], world)
     if loss_layout != out_layout:
         lines.append(f"        # the loss is computed with samples split: {out_layout} -> {loss_layout}")

@@ -157,7 +157,7 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
         item = lu.itemsize
         fwd, bwd = [], []
         for du in opts[u].choices:
-            src = du.out_layout(lu)
+            src = du.out_layout(lu, value)
             rf, rb = [], []
             for dv in opts[v].choices:
                 f, b = transition_s(src, dv.in_layout(lv, value), shape, item, ctx)

@@ -222,7 +222,9 @@ class Decomposition:
     def in_layout(self, layer: Layer, value: str) -> Layout:
         raise NotImplementedError
 
-    def out_layout(self, layer: Layer) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+        """Layout of ``value`` (one of ``layer.outputs``; default the main ``layer.output``) as
+        the layer leaves it."""
         raise NotImplementedError
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:

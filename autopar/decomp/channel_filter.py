@@ -132,7 +132,7 @@ class _WeightGrid(Decomposition):
         s, pc, _ = self.grid()
         return Layout(((0, s), (_feature_dim(layer.anchor), pc)))
 
-    def out_layout(self, layer: Layer) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
         s, pc, pf = self.grid()
         fo = _feature_dim(layer.anchor)
         if self.rs_along_batch:

@@ -74,14 +74,26 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64":
 
 @dataclass
 class Layer:
-    """A planning unit: an anchor op and the transparent ops folded after it."""
+    """A planning unit: an anchor op and the transparent ops folded after it, or a sub-graph
+    (``autopar.trace.units``: an attention block, a message-passing step, a branch) with
+    several inputs and outputs, decided as one."""
 
     index: int
-    name: str                       # anchor op name
+    name: str                       # anchor (first) op name
     ops: list[OpSpec]
     inputs: list[str]               # activation values entering the layer from outside
-    output: str                     # the value leaving the layer (last op's output)
+    output: str                     # the main value leaving the layer (last op's output)
     module: str = ""
+    side_outputs: list[str] = field(default_factory=list)  # other values leaving a sub-graph
+                                                           # unit (consumed outside it)
+
+    @property
+    def outputs(self) -> list[str]:
+        """Every value leaving the layer, in op order: ``[output]`` for a chain layer."""
+        if not self.side_outputs:
+            return [self.output]
+        leave = set(self.side_outputs) | {self.output}
+        return [op.name for op in self.ops if op.name in leave]
 
     @property
     def anchor(self) -> OpSpec:
@@ -122,16 +134,27 @@ class Layer:
                     return s
         raise KeyError(value)
 
+    def value_shape(self, value: str) -> list[int]:
+        """Global shape of a value produced or consumed inside the layer."""
+        for op in self.ops:
+            if op.name == value:
+                return op.out_shape
+        return self.in_shape(value)
+
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "name": self.name, "module": self.module,
-                "inputs": self.inputs, "output": self.output,
-                "ops": [op.to_json() for op in self.ops]}
+        d = {"index": self.index, "name": self.name, "module": self.module,
+             "inputs": self.inputs, "output": self.output,
+             "ops": [op.to_json() for op in self.ops]}
+        if self.side_outputs:
+            d["side_outputs"] = list(self.side_outputs)
+        return d
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> "Layer":
         return Layer(index=obj["index"], name=obj["name"], module=obj.get("module", ""),
                      inputs=list(obj["inputs"]), output=obj["output"],
-                     ops=[OpSpec.from_json(o) for o in obj["ops"]])
+                     ops=[OpSpec.from_json(o) for o in obj["ops"]],
+                     side_outputs=list(obj.get("side_outputs", [])))
 
 
 @dataclass
@@ -154,8 +177,8 @@ class LayerGraphData:
     tracer: str = ""
 
     def producer(self) -> dict[str, int]:
-        """value name -> index of the layer producing it (graph inputs are absent)."""
-        return {lay.output: lay.index for lay in self.layers}
+        """value name -> index of the layer it leaves (graph inputs are absent)."""
+        return {v: lay.index for lay in self.layers for v in lay.outputs}
 
     def edges(self) -> list[tuple[int, int, str]]:
         """(producer layer, consumer layer, value) for every activation edge between layers."""

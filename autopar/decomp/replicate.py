@@ -24,7 +24,7 @@ class Replicate(Decomposition):
     def in_layout(self, layer: Layer, value: str) -> Layout:
         return Layout()
 
-    def out_layout(self, layer: Layer) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
         return Layout()
 
     @classmethod

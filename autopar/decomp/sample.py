@@ -33,7 +33,7 @@ class Sample(Decomposition):
     def in_layout(self, layer: Layer, value: str) -> Layout:
         return self.layout()
 
-    def out_layout(self, layer: Layer) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
         return self.layout()
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:

@@ -142,8 +142,8 @@ class Spatial(Decomposition):
     def in_layout(self, layer: Layer, value: str) -> Layout:
         return self.value_layouts(layer).get(value, self.layout())
 
-    def out_layout(self, layer: Layer) -> Layout:
-        return self.value_layouts(layer)[layer.output]
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+        return self.value_layouts(layer)[value or layer.output]
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         """Batch norm: groups of ranks holding different blocks of its input (the world for a

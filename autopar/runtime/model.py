@@ -181,7 +181,7 @@ class DistModel(nn.Module):
     def output_layout(self) -> Layout:
         prod = self.graph.producer()
         li = prod[self.graph.output]
-        return self.decisions[li].out_layout(self.graph.layers[li])
+        return self.decisions[li].out_layout(self.graph.layers[li], self.graph.output)
 
     def loss_layout(self) -> Layout:
         """Where the generated forward leaves the output (``loss_layout_for``)."""

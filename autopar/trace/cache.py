@@ -68,14 +68,18 @@ def store(key: str, graph: LayerGraphData) -> None:
 
 
 def trace_cached(mf, batch_size: int, use_cache: bool = True) -> tuple[LayerGraphData, bool]:
-    """(graph, True if it came from the cache) for model file ``mf`` at ``batch_size``."""
+    """(graph, True if it came from the cache) for model file ``mf`` at ``batch_size``, with
+    the model file's ``PLANNING_UNITS`` merged into sub-graph units (``trace.units``; after
+    the cache, which holds the traced chain layers)."""
     from .tracer import trace_model
+    from .units import merge_units
+    units = mf.planning_units()
     if not use_cache:
-        return trace_model(mf, batch_size), False
+        return merge_units(trace_model(mf, batch_size), units), False
     key = trace_key(mf.path, batch_size)
     graph = load(key)
     if graph is not None:
-        return graph, True
+        return merge_units(graph, units), True
     graph = trace_model(mf, batch_size)
     store(key, graph)
-    return graph, False
+    return merge_units(graph, units), False
