@@ -119,10 +119,8 @@ def test_unit_plan_executes_equal_to_one_process(kind, tmp_path, profile):
     mf = load_model_file(model)
     graph, _ = trace_cached(mf, 4, use_cache=False)
     unit = next(lay.index for lay in graph.layers if lay.module == "block")
-    r = make_plan(model, PlanOptions(world_size=2, batch_size=4, out_dir=tmp_path / "plan",
-                                     kinds=["replicate", kind]),
-                  PlanHooks(profile=profile,
-                            choice_filter=lambda lay, d: lay.index != unit or d.kind == kind))
+    r = make_plan(model, PlanOptions(world_size=2, batch_size=4, out_dir=tmp_path / "plan"),
+                  PlanHooks(profile=profile, force={unit: kind}))
     chosen = {d["layer"]: d["decomposition"]["kind"] for d in r.plan["layers"]} \
         if isinstance(r.plan, dict) else {d.layer: d.decomposition["kind"] for d in r.plan.layers}
     assert chosen[unit] == kind
