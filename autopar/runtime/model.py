@@ -63,6 +63,53 @@ class LayerTimer:
         return out
 
 
+def param_shards(graph: LayerGraphData, decisions: dict[int, Decomposition]) -> dict[str, ParamShard]:
+    """How each parameter is sharded under the plan (by qualified name)."""
+    shards: dict[str, ParamShard] = {}
+    for lay in graph.layers:
+        dec = decisions[lay.index]
+        for op in lay.ops:
+            for role, qual in op.param_names.items():
+                sh = dec.param_shard(op, role)
+                if qual in shards and shards[qual] != sh:
+                    raise ValueError(f"parameter {qual} is used by several layers with different "
+                                     f"shardings; the planner must not allow this")
+                shards[qual] = sh
+    return shards
+
+
+def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
+                    world: int) -> list[list[list[int]]]:
+    """Every process-group partition (mesh-local ranks) a plan uses: gradient groups, each
+    decomposition's own groups, and the collectives of every transition between layers (and
+    of the output's move to the loss layout). Pure: the runner asks it for each plan of a run
+    set, to create every group of every plan up front."""
+    from ..decomp.redistribute import COLLECTIVES
+    from ..decomp.transition import plan_layouts
+
+    parts: list[list[list[int]]] = []
+    for sh in param_shards(graph, decisions).values():
+        parts.append([sh.grad_group(r, world) for r in range(world)])
+    for lay in graph.layers:
+        parts.extend(decisions[lay.index].partitions(lay, world))
+    moves = []
+    for u, v, value in graph.edges():
+        moves.append((decisions[u].out_layout(graph.layers[u], value),
+                      decisions[v].in_layout(graph.layers[v], value), graph.value_shape(value)))
+    prod = graph.producer()
+    if graph.output in prod:
+        li = prod[graph.output]
+        out = decisions[li].out_layout(graph.layers[li], graph.output)
+        shape = graph.value_shape(graph.output)
+        moves.append((out, loss_layout_for(out, shape[0], world), shape))
+    for src, dst, shape in moves:
+        if src != dst:
+            for st in plan_layouts(src, dst, tuple(int(n) for n in shape), world):
+                if isinstance(st, COLLECTIVES) and hasattr(st, "groups"):
+                    parts.append([list(g) for g in st.groups])
+    return parts
+
+
 class DistModel(nn.Module):
     def __init__(self, plan: dict[str, Any], model: nn.Module, comm: Comm | None = None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
@@ -89,16 +136,7 @@ class DistModel(nn.Module):
 
         # ---- parameters: this rank's shard of each ----------------------------------------
         full_params = dict(model.named_parameters())
-        shards: dict[str, ParamShard] = {}
-        for lay in self.graph.layers:
-            dec = self.decisions[lay.index]
-            for op in lay.ops:
-                for role, qual in op.param_names.items():
-                    sh = dec.param_shard(op, role)
-                    if qual in shards and shards[qual] != sh:
-                        raise ValueError(f"parameter {qual} is used by several layers with different "
-                                         f"shardings; the planner must not allow this")
-                    shards[qual] = sh
+        shards = param_shards(self.graph, self.decisions)
         self.shards = shards
         self.params = nn.ParameterDict()
         self.qualname: dict[str, str] = {}
@@ -115,12 +153,7 @@ class DistModel(nn.Module):
             self.bufs[qual] = t
 
         # ---- process groups (collective, one order everywhere) -----------------------------
-        partitions = []
-        for qual, sh in shards.items():
-            partitions.append([sh.grad_group(r, world) for r in range(world)])
-        for lay in self.graph.layers:
-            partitions.extend(self.decisions[lay.index].partitions(lay, world))
-        self.comm.ensure_partitions(partitions)
+        self.comm.ensure_partitions(plan_partitions(self.graph, self.decisions, world))
         self.comm.barrier()  # one collective on the mesh before any point-to-point (NCCL)
 
         # parameters in the order of the layers that use them (backward reverses it)
