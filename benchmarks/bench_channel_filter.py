@@ -55,7 +55,8 @@ def blocks(conv_width: int, linear_width: int) -> dict[str, tuple[list[int], str
 def _rank(rank, world, configs, steps):
     import torch
     import torch.distributed as dist
-    from autopar.runtime.comm import Comm, local_slice, redistribute
+    from autopar.runtime.comm import Comm, local_slice
+    from autopar.runtime.redistribute import redistribute
     from autopar.runtime.gradsync import GradSync
 
     comm = Comm(rank, world)

@@ -123,7 +123,8 @@ def _ratio(a, b) -> float:
 def _rank_main(rank, world, cases):
     import torch
     import torch.distributed as dist
-    from autopar.runtime.comm import Comm, assemble, local_slice, redistribute
+    from autopar.runtime.comm import Comm, assemble, local_slice
+    from autopar.runtime.redistribute import redistribute
     from autopar.runtime.gradsync import GradSync
 
     comm = Comm(rank, world)

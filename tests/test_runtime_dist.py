@@ -17,7 +17,8 @@ SHAPE = (4, 3, 5, 6)
 
 
 def _redistribute_cases(rank, world, pairs):
-    from autopar.runtime.comm import Comm, assemble, local_slice, redistribute
+    from autopar.runtime.comm import Comm, assemble, local_slice
+    from autopar.runtime.redistribute import redistribute
     comm = Comm.from_env()
     torch.manual_seed(0)
     x = torch.randn(SHAPE, dtype=torch.float64)

@@ -16,7 +16,7 @@ from autopar.decomp.layout import Layout
 from autopar.decomp.replicate import Replicate
 from autopar.decomp.sample import Sample
 from autopar.decomp.spatial import Spatial
-from autopar.decomp.halo_plan import WindowGeom, axis_pieces, axis_problem, plan_halo, window_bounds
+from autopar.decomp.spatial.geometry import WindowGeom, axis_pieces, axis_problem, plan_halo, window_bounds
 
 ALPHA, BETA = 1e-5, 1e-9          # p2p: alpha + n*beta (intra); inter: 10x
 

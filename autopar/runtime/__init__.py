@@ -1,7 +1,8 @@
 """The runtime library that generated modules import. It imports neither the solver (pulp) nor
 the tracer (torch.export): a test checks this."""
 
-from .comm import Comm, redistribute
+from .comm import Comm
+from .redistribute import redistribute
 from .entry import build_planned, run_generated
 from .model import DistModel
 

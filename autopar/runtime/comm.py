@@ -6,13 +6,15 @@ collective here is an autograd Function whose backward is the exact adjoint of i
 the gradient convention of ``autopar.decomp.base`` requires:
 
 * ``all_reduce_sum``: forward y = sum_g x; backward dx = sum_g dy.
-* ``redistribute`` (now in ``autopar.runtime.redistribute``, re-exported here because generated
-  code imports it from this module): move a tensor from one Layout to another by the planned
-  steps of ``autopar.decomp.redistribute``; each step's backward is its adjoint.
+* ``reduce_scatter_dim``: forward sum over a group and keep my slice of a dim; backward the
+  all-gather of the gradient.
+
+Redistribution between layouts is ``autopar.runtime.redistribute``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -20,9 +22,6 @@ import torch
 import torch.distributed as dist
 
 from ..decomp.layout import Layout
-# moved to ``runtime.redistribute`` / ``decomp.redistribute``; re-exported for generated code
-from .redistribute import (Transfer, local_slice, redistribute, transfer_bytes,  # noqa: F401
-                           transfer_plan)
 
 
 @dataclass
@@ -140,6 +139,11 @@ class Comm:
         return t
 
 
+# Newer torch names the dim-0 collectives *_single (the *_tensor names are deprecated there).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 #: process groups of this process, by sorted global ranks (``create_groups``)
 _GROUPS: dict[tuple[int, ...], Any] = {}
 
@@ -183,6 +187,13 @@ def all_reduce_sum(x: torch.Tensor, comm: Comm, ranks: Sequence[int]) -> torch.T
     return _AllReduceSum.apply(x, comm, ranks)
 
 
+def local_slice(full: torch.Tensor, layout: Layout, comm) -> torch.Tensor:
+    """This rank's block of a full tensor (no communication; for inputs and validation)."""
+    b = layout.local_bounds(full.shape, comm.rank, comm.world)
+    return full[tuple(slice(s, s + e) for s, e in b)]
+
+
+
 def assemble(local: torch.Tensor, layout: Layout, shape: Sequence[int], comm: Comm,
              mode: str) -> torch.Tensor:
     """Rebuild the full tensor on every rank (validation only, not differentiable).
@@ -196,3 +207,86 @@ def assemble(local: torch.Tensor, layout: Layout, shape: Sequence[int], comm: Co
         b = layout.local_bounds(shape, comm.rank, comm.world)
         full[tuple(slice(s, s + e) for s, e in b)] += local.detach()
     return comm.all_reduce_(full)
+
+
+# ---- collectives along one dim (gloo: dim 0, equal chunks) ------------------------------------
+def reduce_scatter_along(x: torch.Tensor, dim: int, comm, group: tuple[int, ...], extents: Sequence[int],
+        out_shape: Sequence[int]) -> torch.Tensor:
+    """Sum over ``group`` and keep my block of ``dim`` (block i has ``extents[i]``)."""
+    me = group.index(comm.rank)
+    m = max(extents)
+    if len(group) == 1:
+        return x.clone()
+    if m == 0 or x.numel() == 0:           # every member knows: nothing to reduce
+        return x.new_zeros(tuple(out_shape))
+    xt = x.movedim(dim, 0)
+    buf = xt.new_zeros((len(group) * m,) + tuple(xt.shape[1:]))
+    off = 0
+    for i, e in enumerate(extents):
+        buf[i * m:i * m + e] = xt[off:off + e]
+        off += e
+    out = xt.new_empty((m,) + tuple(xt.shape[1:]))
+    _reduce_scatter(out, buf, group=comm.group(group))
+    return out[:extents[me]].movedim(0, dim).contiguous()
+
+
+def all_gather_along(x: torch.Tensor, dim: int, comm, group: tuple[int, ...], extents: Sequence[int],
+        out_shape: Sequence[int]) -> torch.Tensor:
+    """Concatenate every member's block of ``dim`` (block i has ``extents[i]``)."""
+    m = max(extents)
+    if len(group) == 1:
+        return x.clone()
+    if m == 0 or math.prod(out_shape) == 0:
+        return x.new_zeros(tuple(out_shape))
+    xt = x.movedim(dim, 0)
+    if xt.shape[0] < m:
+        xt = torch.cat([xt, xt.new_zeros((m - xt.shape[0],) + tuple(xt.shape[1:]))])
+    buf = xt.new_empty((len(group) * m,) + tuple(xt.shape[1:]))
+    _all_gather(buf, xt.contiguous(), group=comm.group(group))
+    if any(e != m for e in extents):
+        buf = torch.cat([buf[i * m:i * m + e] for i, e in enumerate(extents)])
+    return buf.movedim(0, dim).contiguous()
+
+
+# Channel and channel+filter parallelism reduce-scatter a partial sum over the channel group
+# inside a layer (``autopar.decomp.channel_filter``): forward reduce-scatter, backward the
+# adjoint all-gather of the output gradient ("sum, then keep my slice" -> "gather every slice,
+# then give it to everyone"). The i-th slice belongs to the i-th smallest rank of ``ranks``.
+class _ReduceScatterDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, comm, ranks, extents):
+        ctx.args = (dim, comm, ranks, extents)
+        shape = list(x.shape)
+        shape[dim] = extents[ranks.index(comm.rank)]
+        return reduce_scatter_along(x, dim, comm, ranks, extents, shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dim, comm, ranks, extents = ctx.args
+        shape = list(dy.shape)
+        shape[dim] = sum(extents)
+        return all_gather_along(dy, dim, comm, ranks, extents, shape), None, None, None, None
+
+
+def _check(x: torch.Tensor, dim: int, ranks: Sequence[int], extents: Sequence[int], total: int) -> None:
+    if len(ranks) != len(extents):
+        raise ValueError(f"{len(ranks)} ranks but {len(extents)} slice extents")
+    if min(extents) < 1:
+        raise ValueError(f"empty slice in extents {list(extents)} (a plan-time check was skipped)")
+    if sum(extents) != total:
+        raise ValueError(f"slice extents {list(extents)} do not add up to {total} along dim {dim} "
+                         f"of a {tuple(x.shape)} tensor")
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, comm: Comm, ranks: Sequence[int],
+                       extents: Sequence[int]) -> torch.Tensor:
+    """Sum ``x`` over ``ranks`` and keep this rank's slice of ``dim`` (differentiable).
+
+    ``extents[i]``: length along ``dim`` of the slice kept by the i-th smallest rank.
+    """
+    ranks, extents = tuple(sorted(ranks)), tuple(int(e) for e in extents)
+    dim = dim % x.dim()
+    _check(x, dim, ranks, extents, x.shape[dim])
+    if len(ranks) <= 1:
+        return x
+    return _ReduceScatterDim.apply(x, dim, comm, ranks, extents)

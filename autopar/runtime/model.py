@@ -29,7 +29,8 @@ from ..decomp import decomposition_from_json
 from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.layout import Layout, loss_layout_for
-from .comm import Comm, local_slice, redistribute
+from .comm import Comm, local_slice
+from .redistribute import redistribute
 from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
 
 

@@ -33,17 +33,14 @@ import torch.distributed as dist
 
 from ..decomp.distspec import DistSpec
 from ..decomp.layout import Layout
+from .comm import all_gather_along as _ag
+from .comm import reduce_scatter_along as _rs
 from ..decomp.redistribute import (AllGather, AllReduce, AllToAll, Pad, ReduceScatter, Slice,
                                    Step, ToPartial, Transfer, Unpad, plan_redistribution,
                                    transfer_bytes, transfer_plan, valid_shape)
 
-__all__ = ["redistribute", "redistribute_spec", "run_steps", "local_slice", "Transfer",
+__all__ = ["redistribute", "redistribute_spec", "run_steps", "Transfer",
            "transfer_plan", "transfer_bytes"]
-
-# Newer torch names the dim-0 collectives *_single (the *_tensor names are deprecated there).
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def _local_index(box, my_bounds):
     """Local index of global ``box`` in a block whose valid data starts at ``my_bounds``."""
@@ -55,45 +52,6 @@ def _my_group(groups: Sequence[tuple[int, ...]], me: int) -> tuple[int, ...]:
         if me in g:
             return g
     raise RuntimeError(f"rank {me} is in no group of {groups}")
-
-
-# ---- collectives along one dim (gloo: dim 0, equal chunks) ------------------------------------
-def _rs(x: torch.Tensor, dim: int, comm, group: tuple[int, ...], extents: Sequence[int],
-        out_shape: Sequence[int]) -> torch.Tensor:
-    """Sum over ``group`` and keep my block of ``dim`` (block i has ``extents[i]``)."""
-    me = group.index(comm.rank)
-    m = max(extents)
-    if len(group) == 1:
-        return x.clone()
-    if m == 0 or x.numel() == 0:           # every member knows: nothing to reduce
-        return x.new_zeros(tuple(out_shape))
-    xt = x.movedim(dim, 0)
-    buf = xt.new_zeros((len(group) * m,) + tuple(xt.shape[1:]))
-    off = 0
-    for i, e in enumerate(extents):
-        buf[i * m:i * m + e] = xt[off:off + e]
-        off += e
-    out = xt.new_empty((m,) + tuple(xt.shape[1:]))
-    _reduce_scatter(out, buf, group=comm.group(group))
-    return out[:extents[me]].movedim(0, dim).contiguous()
-
-
-def _ag(x: torch.Tensor, dim: int, comm, group: tuple[int, ...], extents: Sequence[int],
-        out_shape: Sequence[int]) -> torch.Tensor:
-    """Concatenate every member's block of ``dim`` (block i has ``extents[i]``)."""
-    m = max(extents)
-    if len(group) == 1:
-        return x.clone()
-    if m == 0 or math.prod(out_shape) == 0:
-        return x.new_zeros(tuple(out_shape))
-    xt = x.movedim(dim, 0)
-    if xt.shape[0] < m:
-        xt = torch.cat([xt, xt.new_zeros((m - xt.shape[0],) + tuple(xt.shape[1:]))])
-    buf = xt.new_empty((len(group) * m,) + tuple(xt.shape[1:]))
-    _all_gather(buf, xt.contiguous(), group=comm.group(group))
-    if any(e != m for e in extents):
-        buf = torch.cat([buf[i * m:i * m + e] for i, e in enumerate(extents)])
-    return buf.movedim(0, dim).contiguous()
 
 
 def _all_reduce(x: torch.Tensor, comm, group: tuple[int, ...]) -> torch.Tensor:
@@ -258,12 +216,6 @@ def redistribute(x: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]
         return x
     from ..decomp.transition import plan_layouts
     return run_steps(x, plan_layouts(src, dst, tuple(int(s) for s in shape), comm.world), comm)
-
-
-def local_slice(full: torch.Tensor, layout: Layout, comm) -> torch.Tensor:
-    """This rank's block of a full tensor (no communication; for inputs and validation)."""
-    b = layout.local_bounds(full.shape, comm.rank, comm.world)
-    return full[tuple(slice(s, s + e) for s, e in b)]
 
 
 def local_piece(full: torch.Tensor, spec: DistSpec, comm) -> torch.Tensor:

@@ -17,7 +17,7 @@ layer ending after global pooling.
 How each op runs on local blocks (``run``):
 
 =============  =================================================================================
-conv           halo exchange (plan: ``autopar.decomp.halo_plan``, run: ``autopar.runtime.halo``) to the input window of the local output
+conv           halo exchange (plan: ``.geometry``, run: ``.exchange``) to the input window of the local output
                block, then the local convolution with padding 0 along windowed dims (native
                padding along unsplit dims with symmetric padding)
 pool max/avg   window along every spatial dim (fill -inf / 0), pool with padding 0, no ceil;
@@ -32,7 +32,7 @@ mean           over exactly the spatial dims: likewise
 =============  =================================================================================
 
 Legality (``check``) is named and plan-time, e.g. ``layer3.0.conv1: local H extent 3 < halo
-radius 4 at 8 parts``; the halo rules are in ``autopar.decomp.halo_plan``.
+radius 4 at 8 parts``; the halo rules are in ``.exchange``.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .base import CostContext, Decomposition, LayerCost, divisors, register
-from .common import price_replicated_weights
-from .ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
+from ..base import CostContext, Decomposition, LayerCost, divisors, register
+from ..common import price_replicated_weights
+from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
                  OpSpec)
-from .halo_plan import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
-from .layout import Layout, block_extent
+from .geometry import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
+from ..layout import Layout, block_extent
 
 WINDOW_OPS = (CONV, POOL)
 
@@ -352,7 +352,7 @@ class Spatial(Decomposition):
             T_halo    = sum_d max_c T_step(c)
             buffers   = sum_d max_c (sent + received bytes)
         """
-        from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
+        from ...cost import primitives as prim  # plan-time half: the runtime never loads cost
         geoms = self.window_geoms(op)
         full = self.layout()
         x = [int(s) for s in op.in_shapes[0]]
@@ -423,7 +423,7 @@ class Spatial(Decomposition):
         memory    = params + grads + optimizer state (whole) + saved activations (windows for
                     conv/pool) + workspace = largest halo send+receive buffers of one op
         """
-        from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
+        from ...cost import primitives as prim  # plan-time half: the runtime never loads cost
         lays = self.value_layouts(layer)
         item = layer.itemsize
         halo_t = work = gap_t = bn_fwd = bn_bwd = 0.0
@@ -467,9 +467,9 @@ class Spatial(Decomposition):
             buffers: dict[str, Any]):
         import torch
 
-        from ..runtime.comm import all_reduce_sum
-        from ..runtime.halo import halo_exchange
-        from ..runtime.ops import call_local, run_batch_norm
+        from ...runtime.comm import all_reduce_sum
+        from .exchange import halo_exchange
+        from ...runtime.ops import call_local, run_batch_norm
 
         lays = self.value_layouts(layer)
         full = self.layout()
@@ -503,7 +503,7 @@ class Spatial(Decomposition):
         with count_include_pad, inside [0, n) without; the constant override if given)."""
         import torch.nn.functional as F
 
-        from ..runtime.halo import halo_exchange
+        from .exchange import halo_exchange
         a = op.attrs
         k = self.k
         plan = self.plan(op, comm.rank, comm.world)

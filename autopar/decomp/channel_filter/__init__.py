@@ -52,7 +52,7 @@ statistics are sharded by F like the anchor's bias (running statistics are updat
 this rank's slice of the full buffer the runtime passes).
 
 Remainders are allowed: every split follows the ``tensor_split`` rule of ``Layout``, and the
-collectives pad uneven slices (``autopar.runtime.cf_ops``). Channel+filter additionally needs
+collectives pad uneven slices (``autopar.runtime.comm.reduce_scatter_dim``). Channel+filter additionally needs
 the flat split of N into ``s*pc`` blocks to refine the split into ``s`` blocks (true whenever
 ``s*pc`` divides N); ``check`` says so otherwise.
 """
@@ -64,10 +64,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
-from .common import batch_dim_ok
-from .ir import BATCH_NORM, CONV, DROPOUT, LINEAR, UNARY, Layer, OpSpec
-from .layout import Layout, block_extent, block_start
+from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
+from ..common import batch_dim_ok
+from ..ir import BATCH_NORM, CONV, DROPOUT, LINEAR, UNARY, Layer, OpSpec
+from ..layout import Layout, block_extent, block_start
 
 ANCHORS = (CONV, LINEAR)
 
@@ -248,7 +248,7 @@ class _WeightGrid(Decomposition):
                    + saved activations (local shapes) + workspace |y_part| (the partial sum
                    before the reduce-scatter; in backward the gathered dy of the same size)
         """
-        from ..cost import primitives as prim  # plan-time half: the runtime never loads cost
+        from ...cost import primitives as prim  # plan-time half: the runtime never loads cost
         item = layer.itemsize
         sh = self.local_shapes(layer)
         a = layer.anchor
@@ -319,7 +319,7 @@ class _WeightGrid(Decomposition):
     # ---- runtime --------------------------------------------------------------------------
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
             buffers: dict[str, Any]):
-        from ..runtime.ops import call_local, run_batch_norm
+        from ...runtime.ops import call_local, run_batch_norm
         out_lay = self.out_layout(layer)
         if op.name == layer.anchor.name:
             return self._run_anchor(comm, layer, op, inputs, params, buffers)
@@ -333,8 +333,8 @@ class _WeightGrid(Decomposition):
     def _run_anchor(self, comm, layer, op, inputs, params, buffers):
         """Local conv/linear on the shards; when channels are split, the partial sums are
         reduce-scattered over the channel group and the bias is added once, after it."""
-        from ..runtime.cf_ops import reduce_scatter_dim
-        from ..runtime.ops import resolve_target, substitute
+        from ...runtime.comm import reduce_scatter_dim
+        from ...runtime.ops import resolve_target, substitute
         s, pc, pf = self.grid()
         values = dict(zip(op.inputs, inputs))
         args = substitute(op.args, values, params, buffers)

@@ -1,17 +1,18 @@
-"""Halo geometry of sliding-window ops on spatially split tensors: pure arithmetic, no torch.
+"""Spatial decomposition, geometry: halo windows of sliding-window ops on spatially split
+tensors. Pure arithmetic, no torch.
 
 Plan-time legality (``axis_problem``, asked by ``autopar.decomp.spatial``) and the per-rank
-exchange plan (``plan_halo``) that the runtime (``autopar.runtime.halo``) executes. The rules,
-the window arithmetic and the corner scheme are written out in ``autopar.runtime.halo``'s
-docstring; ranks in a ``HaloPlan`` are ranks of the layer's mesh (mesh-local), which the
-runtime maps to process-group ranks.
+exchange plan (``plan_halo``) that the run-time half (``.exchange``) executes. The rules, the
+window arithmetic and the corner scheme are written out in ``.exchange``'s docstring; ranks in
+a ``HaloPlan`` are ranks of the layer's mesh (mesh-local), which the runtime maps to
+process-group ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from .layout import Layout, block_extent, block_start
+from ..layout import Layout, block_extent, block_start
 
 SPATIAL_NAMES = {1: ("W",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
