@@ -68,7 +68,7 @@ class Convolution(OpFamily):
 
     def local_bytes(self, op, in_shapes, out_shape, w_shape=None, itemsize=4):
         w = list(w_shape if w_shape is not None else op.params["weight"])
-        return super().local_bytes(op, in_shapes, out_shape) * itemsize / 4 + numel(w) * itemsize
+        return super().local_bytes(op, in_shapes, out_shape, w, itemsize) + numel(w) * itemsize
 
     def shape_spec(self, op, in_shapes, w_shape=None):
         """The calibrator's shape spec of the convolution on local input ``in_shapes[0]``."""

@@ -33,7 +33,7 @@ class Unary(OpFamily):
     transparent = True
 
     def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
-        return float(numel(out_shape) * itemsize)
+        return numel(out_shape) * itemsize
 
     def independent_dims(self, op):
         return same_index_dims(op, all_dims(op))
@@ -54,7 +54,7 @@ class Binary(OpFamily):
 
     def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
         if op.target.startswith(("aten.mul", "aten.div")):
-            return float(sum(numel(s) for s in in_shapes) * itemsize)
+            return sum(numel(s) for s in in_shapes) * itemsize
         return 0.0
 
     def is_transparent(self, op):

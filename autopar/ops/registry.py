@@ -122,7 +122,7 @@ class OpFamily:
 
     def saved_bytes(self, op, in_shapes: Sequence[Shape], out_shape: Shape, itemsize: int = 4) -> float:
         """Default: the first activation input is kept."""
-        return float(numel(in_shapes[0]) * itemsize) if in_shapes else 0.0
+        return numel(in_shapes[0]) * itemsize if in_shapes else 0.0
 
     def shape_spec(self, op, in_shapes: Sequence[Shape], w_shape: Shape | None = None) -> dict | None:
         """A ``kernels.measure_exact`` shape spec (conv, linear), None for other families."""

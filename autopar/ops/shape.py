@@ -157,7 +157,7 @@ class Cat(OpFamily):
         return 0.0, 0.0
 
     def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
-        return float(sum(numel(s) for s in in_shapes) * itemsize)
+        return sum(numel(s) for s in in_shapes) * itemsize
 
     def independent_dims(self, op):
         d = op.attrs.get("dim", 0) % max(1, len(op.out_shape))
