@@ -38,6 +38,8 @@ CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN, FLATTEN, VIE
 TRANSPARENT = _KindSet(lambda f: f.transparent)
 #: Ops that may own parameters whose gradients must be synchronised (``OpFamily.parametric``).
 PARAMETRIC = _KindSet(lambda f: f.parametric)
+#: Every registered kind (every op but ``OTHER``).
+REGISTERED = _KindSet(lambda f: True)
 
 
 @dataclass

@@ -78,15 +78,20 @@ class Var(_Reduce):
 
 @register_multi_output("var_mean")
 class VarMean(OpFamily):
-    """``var_mean(x, dims, *, correction, keepdim) -> (var, mean)``: ``var.correction`` and
-    ``mean.dim`` of the same arguments."""
+    """``var_mean.dim(x, dims, unbiased, keepdim)`` / ``var_mean.correction(x, dims, *,
+    correction, keepdim) -> (var, mean)``: ``var`` and ``mean.dim`` of the same arguments."""
 
     def getitem(self, base, args, kwargs, index, x_shape):
         dims = args[1] if len(args) > 1 else None
-        keep = bool(kwargs.get("keepdim", False))
+        if len(args) >= 4:                                   # var_mean.dim
+            keep = bool(args[3])
+            var = ("aten.var.dim", [args[0], dims, args[2], keep], {})
+        else:                                                # var_mean.correction
+            keep = bool(kwargs.get("keepdim", False))
+            var = ("aten.var.correction", [args[0], dims],
+                   {"correction": kwargs.get("correction", 1), "keepdim": keep})
         if index == 0:
-            kw = {"correction": kwargs.get("correction", 1), "keepdim": keep}
-            return "aten.var.correction", [args[0], dims], kw
+            return var
         if index == 1:
             return "aten.mean.dim", [args[0], dims if dims is not None else list(range(len(x_shape))), keep], {}
         return None

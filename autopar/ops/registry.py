@@ -316,3 +316,16 @@ def operand_shapes(op, in_shapes: Sequence[Shape] | None = None) -> list[list[in
                 return par.get(a["p"])
         return None
     return [shape(a) for a in op.args]
+
+
+def describe_unregistered(targets: Sequence[str]) -> str:
+    """The line ``autopar plan`` prints for ``LayerGraphData.unregistered``:
+    ``replicated because not registered: aten.logit.default (x2), aten.foo.default``;
+    "" when every op matched a family."""
+    if not targets:
+        return ""
+    counts: dict[str, int] = {}
+    for t in targets:
+        counts[t] = counts.get(t, 0) + 1
+    parts = [f"{t} (x{n})" if n > 1 else t for t, n in sorted(counts.items())]
+    return "replicated because not registered: " + ", ".join(parts)
