@@ -8,7 +8,9 @@ the key is a canonical string of that, and the measurement runs the op exactly a
 does (``runtime.ops.call_local``) on random tensors: forward, then backward with a random
 output gradient, less what starting the autograd engine costs (``backward_call_s``: a step
 starts it once, not per op). Stored in ``profile.exact[key]`` as ``{"fwd": s, "bwd_data": s}``
-(the whole backward under ``bwd_data``).
+(the whole backward under ``bwd_data``). Which ops are measured this way is their op family's
+``exact_measured`` (``autopar.ops``): not views, not convolutions and linear layers, not ops
+with integer inputs (embedding, gather, scatter, class-index losses), not unregistered ops.
 """
 
 from __future__ import annotations

@@ -10,20 +10,24 @@ Compute of one op on a local shape (the slowest rank holds block 0, the largest)
 shared cores costs a measured share of the compute between synchronisations. A profile refined
 from runs (``calibrate.refine``) also multiplies by its ``compute_drift`` of that many ranks.
 
-FLOPs (per phase, multiply-add = 2): convolution ``2 * N * F * prod(out_spatial) * C/g *
+FLOPs, bytes and the kernel class of an op come from its op family (``autopar.ops``, the
+formula in each family's docstring): e.g. convolution ``2 * N * F * prod(out_spatial) * C/g *
 prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M * K * O`` for
 forward and each of the two backward matmuls; elementwise and norm by their output elements
 and bytes moved, pooling by output elements x window size (as the calibrator counts them);
-backward is priced at twice forward. Views cost nothing.
+attention ``4 B H L S D``; gathers and scatters by elements moved. Backward is priced at twice
+forward unless the family names backward classes (convolution). A family's class missing from
+an older profile falls back to the family's ``fallback_class``. Views cost nothing.
 
 Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
 ``runtime_op``, ``calibrate.overhead``): a third in forward, two thirds in backward. Ops other
 than convolutions and linear layers are priced from exact measurements of their local shape
 when the profile has them (``calibrate.exact_ops``), like convolutions.
 
-Saved activations (what autograd keeps for backward, per op): convolution, linear, batch norm,
-pooling and multiplications keep their inputs; activations keep their output; additions, views
-and dropout with p = 0 keep nothing. This is the ``activation_bytes`` term of every layer.
+Saved activations (what autograd keeps for backward, per op, ``OpFamily.saved_bytes``):
+convolution, linear, batch norm, pooling and multiplications keep their inputs; activations
+keep their output; additions, views and dropout with p = 0 keep nothing; unregistered ops are
+assumed to keep their first input. This is the ``activation_bytes`` term of every layer.
 """
 
 from __future__ import annotations

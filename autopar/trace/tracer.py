@@ -5,10 +5,17 @@ on meta inputs: nothing is allocated, so a 1x1x512^3 input traces in well under 
 export fails, ``make_fx`` (fx proxy-tensor tracing, pre-dispatch) is tried; where both fail the
 TraceError names the operation and the user's source line.
 
-Each call_function node becomes an ``OpSpec`` with global shapes, normalised attributes and
-analytic FLOPs; ops are grouped into layers (``autopar.decomp.ir``): an op joins its producer's
-layer when it is layout-transparent (batch norm, activation, dropout, an elementwise op with one
-activation operand), consumes only that layer's output, and is that output's only consumer.
+Each call_function node becomes an ``OpSpec`` with global shapes; its kind, normalised
+attributes and analytic FLOPs come from the one op family that matches it (``autopar.ops``).
+Ops no family matches get kind ``other`` (they run replicated) and their targets are listed in
+``LayerGraphData.unregistered``. An op returning several tensors (split, chunk, unbind,
+var_mean, max pooling with indices) is read through its ``getitem`` nodes: each used output
+becomes the single-output call its family names (a split piece is a ``slice``).
+
+Ops are grouped into layers (``autopar.decomp.ir``): an op joins its producer's layer when its
+family says it is layout-transparent (batch norm, activation, dropout, an elementwise op with
+one activation operand of the output's shape), consumes only that layer's output, and is that
+output's only consumer.
 """
 
 from __future__ import annotations
