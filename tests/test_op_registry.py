@@ -298,6 +298,8 @@ def test_toy_family_is_one_file_and_one_import(tmp_path, profile):
         g = trace_model(mf, 4)
         (op,) = [op for op in _ops(g) if op.target == "aten.logit.default"]
         assert op.kind == "toy_logit" and g.unregistered == []
+        from autopar.decomp.ir import PARAMETRIC, REGISTERED, TRANSPARENT
+        assert "toy_logit" in REGISTERED and "toy_logit" not in PARAMETRIC | TRANSPARENT
         assert (op.flops_fwd, op.flops_bwd) == (3 * 24, 4 * 24)
         from autopar.cost import primitives as prim
         ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
@@ -310,6 +312,8 @@ def test_toy_family_is_one_file_and_one_import(tmp_path, profile):
     finally:
         unregister_family("toy_logit")
         sys.modules.pop("toys.toy_op", None)
+    from autopar.decomp.ir import REGISTERED
+    assert "toy_logit" not in REGISTERED
 
 
 def test_registry_has_one_family_per_op():
@@ -341,3 +345,56 @@ def test_example_cnn_kinds_unchanged(root):
 def test_registry_modules_import_no_torch():
     code = "import sys, autopar.ops, autopar.decomp.ir; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _spec(kind, target, args, in_shapes, out_shape, attrs=None, params=None):
+    from autopar.decomp.ir import OpSpec
+    inputs = [f"x{i}" for i in range(len(in_shapes))]
+    op = OpSpec(name="y", kind=kind, target=target, args=args, kwargs={}, out_shape=out_shape,
+                dtype="float32", inputs=inputs, in_shapes=in_shapes, params=params or {},
+                param_names={r: r for r in (params or {})})
+    op.attrs = attrs if attrs is not None else family_of(kind).attrs(op)
+    return op
+
+
+def test_independent_dims_of_hand_made_ops():
+    v = lambda i: {"v": f"x{i}"}  # noqa: E731
+    view = _spec("view", "aten.view.default", [v(0), [4, 6, 2, 8]], [[4, 6, 16]], [4, 6, 2, 8])
+    assert family_of("view").independent_dims(view) == {0, 1}
+    merge = _spec("view", "aten.view.default", [v(0), [24, 16]], [[4, 6, 16]], [24, 16])
+    assert family_of("view").independent_dims(merge) == frozenset()   # dim 1 was dim 2
+    exp = _spec("expand", "aten.expand.default", [v(0), [-1, 8]], [[4, 1]], [4, 8])
+    assert family_of("expand").independent_dims(exp) == {0}
+    named = _spec("expand", "aten.expand.default", [v(0), [4, 8]], [[4, 1]], [4, 8])
+    assert family_of("expand").independent_dims(named) == frozenset()
+    sq = _spec("squeeze", "aten.squeeze.default", [v(0)], [[4, 1, 3]], [4, 3])
+    assert family_of("squeeze").independent_dims(sq) == frozenset()
+    tr = _spec("permute", "aten.transpose.int", [v(0), 1, 2], [[4, 2, 6, 8]], [4, 6, 2, 8])
+    assert family_of("permute").independent_dims(tr) == {0, 3}
+    bn = _spec("batch_norm", "aten.batch_norm.default",
+               [v(0), {"p": "w"}, {"p": "b"}, None, None, True, 0.1, 1e-5, True],
+               [[4, 3, 5, 5]], [4, 3, 5, 5], params={"weight": [3], "bias": [3]})
+    assert family_of("batch_norm").independent_dims(bn) == {1}
+    assert family_of("batch_norm").synced_dims(bn) == {0, 2, 3}
+    bcast = _spec("binary", "aten.add.Tensor", [v(0), v(1)], [[4, 3], [3]], [4, 3])
+    assert family_of("binary").independent_dims(bcast) == frozenset()   # x1 has no batch dim
+    other = _spec("other", "aten.logit.default", [v(0)], [[4, 3]], [4, 3])
+    assert family_of("other").independent_dims(other) == frozenset()
+
+
+def test_sample_legality_follows_the_families(profile):
+    from autopar.decomp.ir import Layer
+    from autopar.decomp.sample import Sample
+    v = lambda i: {"v": f"x{i}"}  # noqa: E731
+    ctx = CostContext(profile=profile, world=2, ranks_per_node=2)
+    ln = _spec("layer_norm", "aten.layer_norm.default", [v(0), [16], {"p": "w"}, None, 1e-5, True],
+               [[4, 6, 16]], [4, 6, 16], params={"weight": [16]})
+    lay = lambda op: Layer(index=0, name="y", ops=[op], inputs=list(op.inputs), output="y")  # noqa: E731
+    assert Sample(2).check(lay(ln), ctx) is None
+    whole = _spec("layer_norm", "aten.layer_norm.default", [v(0), [4, 6, 16], None, None, 1e-5, True],
+                  [[4, 6, 16]], [4, 6, 16])
+    assert "does not run unchanged" in Sample(2).check(lay(whole), ctx)
+    other = _spec("other", "aten.logit.default", [v(0)], [[4, 3]], [4, 3])
+    assert "other" in Sample(2).check(lay(other), ctx)
+    mean0 = _spec("mean", "aten.mean.dim", [v(0), [0], False], [[4, 3]], [3])
+    assert Sample(2).check(lay(mean0), ctx)

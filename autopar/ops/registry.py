@@ -227,6 +227,10 @@ class KindSet(Set):
     def __init__(self, pred: Callable[[OpFamily], bool]) -> None:
         self._pred = pred
 
+    @classmethod
+    def _from_iterable(cls, it):
+        return frozenset(it)          # set algebra (``|``, ``&``, ``-``) gives plain frozensets
+
     def _kinds(self) -> frozenset[str]:
         return frozenset(k for k, f in FAMILIES.items() if self._pred(f))
 
