@@ -35,7 +35,10 @@ from __future__ import annotations
 
 from . import (attention, conv, dropout, elementwise, embedding, gather, linear,  # noqa: F401
                loss, norm, pool, reduce, scatter, shape, softmax)
-from .registry import (BUFFER_UPDATE, FAMILIES, MULTI_OUTPUT, OTHER, KindSet, OpFamily,  # noqa: F401
+from .registry import (BUFFER_UPDATE, FAMILIES, MULTI_OUTPUT, OTHER, KindSet, OpFamily,
                        RegistryError, classify, describe_unregistered, family_of, kernel_class_for,
-                       register_family,
-                       register_multi_output, unregister_family)
+                       register_family, register_multi_output, unregister_family)
+
+__all__ = ["BUFFER_UPDATE", "FAMILIES", "MULTI_OUTPUT", "OTHER", "KindSet", "OpFamily",
+           "RegistryError", "classify", "describe_unregistered", "family_of", "kernel_class_for",
+           "register_family", "register_multi_output", "unregister_family"]
