@@ -398,3 +398,21 @@ def test_sample_legality_follows_the_families(profile):
     assert "other" in Sample(2).check(lay(other), ctx)
     mean0 = _spec("mean", "aten.mean.dim", [v(0), [0], False], [[4, 3]], [3])
     assert Sample(2).check(lay(mean0), ctx)
+
+
+def test_used_output_no_single_call_expresses_is_a_named_error(tmp_path):
+    from autopar.errors import TraceError
+    body = """
+    import torch
+    import torch.nn.functional as F
+    class M(torch.nn.Module):
+        def forward(self, x):
+            y, idx = F.max_pool2d(x, 2, return_indices=True)
+            return y + idx.float()
+    def build_model():
+        return M()
+    def example_inputs(batch_size):
+        return (torch.randn(batch_size, 2, 4, 4),)
+    """
+    with pytest.raises(TraceError, match="output 1 of aten.max_pool2d_with_indices"):
+        trace_model(_model(tmp_path, body, "idx"), 2)

@@ -12,6 +12,8 @@ from .registry import OpFamily, arg, numel, operand_shapes, register_family, sam
 def attention_flops(q, k, v) -> float:
     """``2 B H L S (D + E)``: Q K^T and P V (``4 B H L S D`` when E = D, the calibrator's
     ``attention`` convention); softmax and masking are not counted."""
+    if q is None or k is None or v is None:     # an operand that is a buffer: shape unknown
+        return 0.0
     b_h = numel(q[:-2])
     return 2.0 * b_h * q[-2] * k[-2] * (q[-1] + v[-1])
 

@@ -195,13 +195,14 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
             multi[node.name] = node          # read through its getitems, one slice each
             continue
         if node.target is operator.getitem and getattr(node.args[0], "name", None) in multi:
+            if not node.users:
+                continue                     # an unused piece: no op, no dead layer
             node = _getitem_as_call(node, multi[node.args[0].name])
-            if node is None:
-                continue                     # an unused second output (max-pool indices)
         if not isinstance(val, torch.Tensor):
             raise TraceError(f"operation {node.target} returns {type(val).__name__}, not one tensor"
                              f"{' at ' + _source(node) if _source(node) else ''}",
-                             "use single-output operations (e.g. max_pool2d without return_indices)")
+                             "use single-output operations (of the ops returning several tensors, autopar "
+                             f"reads {', '.join(sorted(MULTI_OUTPUT))})")
         target = str(node.target)
         name = target.split(".", 1)[1] if target.startswith("aten.") else target
 
@@ -300,7 +301,7 @@ def _resolve(target: str):
 def _getitem_as_call(item, src):
     """``getitem(src, i)`` of a several-output op as the one single-output call its family
     names (``OpFamily.getitem``: a split piece is a slice), a stand-in node with the getitem's
-    name and value; None for an unused output no call expresses."""
+    name and value; a TraceError for a used output no single call expresses."""
     from types import SimpleNamespace
     fam = MULTI_OUTPUT[_base(src)]
     index = int(item.args[1])
@@ -308,8 +309,6 @@ def _getitem_as_call(item, src):
     x_shape = list(x.meta["val"].shape) if hasattr(x, "meta") and "val" in x.meta else []
     call = fam.getitem(_base(src), _full_args(src), dict(src.kwargs), index, x_shape)
     if call is None:
-        if not item.users:
-            return None
         raise TraceError(f"output {index} of {src.target} is used but autopar reads only "
                          f"{src.target} through single-output ops{' at ' + _source(src) if _source(src) else ''}",
                          "compute that value with a separate single-output operation")
