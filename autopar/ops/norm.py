@@ -51,6 +51,7 @@ class _LastDimsNorm(OpFamily):
 
     kernel_class = fallback_class = "norm"
     parametric = True
+    eps_arg = 4                       # position of eps in the aten call
     #: kept as its own layer: a layer's ops share one decomposition, and folding a norm into
     #: the preceding linear layer would take the linear's channel/filter choices away
     transparent = False
@@ -60,8 +61,6 @@ class _LastDimsNorm(OpFamily):
         shape = [int(s) for s in (shape if isinstance(shape, (list, tuple)) else [shape])]
         eps = op.args[self.eps_arg] if len(op.args) > self.eps_arg else None
         return {"normalized_shape": shape, "eps": float(eps) if eps is not None else None}
-
-    eps_arg = 4
 
     def independent_dims(self, op):
         k = len(op.attrs.get("normalized_shape", [])) or 1

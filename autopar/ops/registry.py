@@ -16,7 +16,9 @@ planner needs to know about the aten ops it matches:
   ``synced_dims(op)``, dims a decomposition may split only through the family's synchronised
   runtime (batch-norm statistics);
 * layer grouping: ``transparent`` (folds into its producer's layer), ``parametric`` (owns
-  parameters whose gradients are synchronised).
+  parameters whose gradients are synchronised);
+* several outputs: a family registered with ``@register_multi_output(base, ...)`` rewrites
+  ``getitem(op(...), i)`` into one single-output call (``getitem``; a split piece is a slice).
 
 Ops are duck-typed ``decomp.ir.OpSpec`` values (``kind``, ``target``, ``args``, ``kwargs``,
 ``inputs``, ``in_shapes``, ``out_shape``, ``params``, ``attrs``); shapes are lists of ints.
