@@ -32,7 +32,6 @@ assumed to keep their first input. This is the ``activation_bytes`` term of ever
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from ..calibrate.exact_ops import op_key, op_spec
@@ -50,8 +49,8 @@ def conv_spec(op: OpSpec, x_shape: Sequence[int], w_shape: Sequence[int] | None 
 
 
 def linear_spec(x_shape: Sequence[int], w_shape: Sequence[int]) -> dict:
-    m = math.prod(x_shape[:-1])
-    return {"op": "linear", "x": [int(m), int(x_shape[-1])], "w": [int(s) for s in w_shape]}
+    """The calibrator's shape spec of a linear layer on local input ``x_shape``."""
+    return family_of("linear").shape_spec(None, [x_shape], w_shape)
 
 
 def _shape_key(spec: dict) -> str:
