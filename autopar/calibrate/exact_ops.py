@@ -8,7 +8,9 @@ the key is a canonical string of that, and the measurement runs the op exactly a
 does (``runtime.ops.call_local``) on random tensors: forward, then backward with a random
 output gradient, less what starting the autograd engine costs (``backward_call_s``: a step
 starts it once, not per op). Stored in ``profile.exact[key]`` as ``{"fwd": s, "bwd_data": s}``
-(the whole backward under ``bwd_data``).
+(the whole backward under ``bwd_data``). Which ops are measured this way is their op family's
+``exact_measured`` (``autopar.ops``): not views, not convolutions and linear layers, not ops
+with integer inputs (embedding, gather, scatter, class-index losses), not unregistered ops.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-SKIP_KINDS = ("view", "flatten", "conv", "linear")
-
-
 def op_spec(op, in_shapes, out_shape) -> dict | None:
-    """The spec of ``op`` run on local ``in_shapes`` -> ``out_shape`` (None: not measured)."""
-    if op.kind in SKIP_KINDS or op.kind == "other":
+    """The spec of ``op`` run on local ``in_shapes`` -> ``out_shape``; None when its op family
+    is not measured this way (``OpFamily.exact_measured`` false: views, convolutions and
+    linear layers, which ``kernels.measure_exact`` measures, ops with integer inputs, and
+    unregistered ops). Parameters take their local shapes from the family (``local_params``:
+    a batch norm's follow its input's channels)."""
+    from ..ops import family_of
+    fam = family_of(op.kind)
+    if fam.free or not fam.exact_measured:
         return None
-    params = {}
-    for role, shape in op.params.items():
-        params[role] = [int(in_shapes[0][1])] if op.kind == "batch_norm" else list(shape)
+    params = fam.local_params(op, in_shapes)
     return {"op": "generic", "kind": op.kind, "target": op.target, "args": op.args, "kwargs": op.kwargs,
             "inputs": list(op.inputs), "in_shapes": [list(map(int, s)) for s in in_shapes],
             "out_shape": list(map(int, out_shape)), "params": params, "param_names": op.param_names,

@@ -10,130 +10,111 @@ Compute of one op on a local shape (the slowest rank holds block 0, the largest)
 shared cores costs a measured share of the compute between synchronisations. A profile refined
 from runs (``calibrate.refine``) also multiplies by its ``compute_drift`` of that many ranks.
 
-FLOPs (per phase, multiply-add = 2): convolution ``2 * N * F * prod(out_spatial) * C/g *
+FLOPs, bytes and the kernel class of an op come from its op family (``autopar.ops``, the
+formula in each family's docstring): e.g. convolution ``2 * N * F * prod(out_spatial) * C/g *
 prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M * K * O`` for
 forward and each of the two backward matmuls; elementwise and norm by their output elements
 and bytes moved, pooling by output elements x window size (as the calibrator counts them);
-backward is priced at twice forward. Views cost nothing.
+attention ``4 B H L S D``; gathers and scatters by elements moved. Backward is priced at twice
+forward unless the family names backward classes (convolution). A family's class missing from
+an older profile falls back to the family's ``fallback_class``. Views cost nothing.
 
 Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
 ``runtime_op``, ``calibrate.overhead``): a third in forward, two thirds in backward. Ops other
 than convolutions and linear layers are priced from exact measurements of their local shape
 when the profile has them (``calibrate.exact_ops``), like convolutions.
 
-Saved activations (what autograd keeps for backward, per op): convolution, linear, batch norm,
-pooling and multiplications keep their inputs; activations keep their output; additions, views
-and dropout with p = 0 keep nothing. This is the ``activation_bytes`` term of every layer.
+Saved activations (what autograd keeps for backward, per op, ``OpFamily.saved_bytes``):
+convolution, linear, batch norm, pooling and multiplications keep their inputs; activations
+keep their output; additions, views and dropout with p = 0 keep nothing; unregistered ops are
+assumed to keep their first input. This is the ``activation_bytes`` term of every layer.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 from ..calibrate.exact_ops import op_key, op_spec
 from ..calibrate.kernels import shape_key
-from ..decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CAT, CONV, DROPOUT, FLATTEN, LINEAR,
-                         MEAN, OTHER, POOL, UNARY, VIEW, OpSpec)
+from ..decomp.ir import OpSpec
+from ..ops import family_of, kernel_class_for
+from ..ops.conv import conv_flops  # noqa: F401  (kept importable here)
 
 PHASES = ("fwd", "bwd_data", "bwd_filter")
 
 
 def conv_spec(op: OpSpec, x_shape: Sequence[int], w_shape: Sequence[int] | None = None) -> dict:
     """The calibrator's shape spec of a convolution on local input ``x_shape``."""
-    a = op.attrs
-    w = list(w_shape if w_shape is not None else op.params["weight"])
-    return {"op": "conv", "x": [int(s) for s in x_shape], "w": [int(s) for s in w],
-            "stride": list(a["stride"]), "padding": list(a["padding"]) if not isinstance(a["padding"], str) else a["padding"],
-            "dilation": list(a["dilation"]), "groups": int(a["groups"])}
+    return family_of(op.kind).shape_spec(op, [x_shape], w_shape)
 
 
 def linear_spec(x_shape: Sequence[int], w_shape: Sequence[int]) -> dict:
-    m = math.prod(x_shape[:-1])
-    return {"op": "linear", "x": [int(m), int(x_shape[-1])], "w": [int(s) for s in w_shape]}
+    """The calibrator's shape spec of a linear layer on local input ``x_shape``."""
+    return family_of("linear").shape_spec(None, [x_shape], w_shape)
 
 
 def _shape_key(spec: dict) -> str:
     return shape_key(spec)
 
 
-def conv_flops(x_shape: Sequence[int], w_shape: Sequence[int], out_shape: Sequence[int], groups: int) -> float:
-    n, f = x_shape[0], w_shape[0]
-    return 2.0 * n * f * math.prod(out_shape[2:]) * w_shape[1] * math.prod(w_shape[2:])
-
-
 def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
                  ctx, w_shape: Sequence[int] | None = None, itemsize: int = 4) -> tuple[float, float, str]:
-    """(forward s, backward s, source) of ``op`` on local shapes, on one rank."""
+    """(forward s, backward s, source) of ``op`` on local shapes, on one rank.
+
+    The op's family (``autopar.ops``) gives its local FLOPs and bytes, its calibration class
+    and what may have measured it exactly: a ``shape_spec`` (convolution, linear: three phases
+    measured by ``kernels.measure_exact``), a generic op spec (``exact_measured``:
+    ``calibrate.exact_ops``), or nothing. Views (``free``) cost nothing."""
+    fam = family_of(op.kind)
+    if fam.free:
+        return 0.0, 0.0, "fit"
     prof = ctx.profile
     slow = prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0) \
         * compute_drift(prof, ctx.ranks_on_node)
-    out_numel = math.prod(out_shape)
-    in_bytes = sum(math.prod(s) for s in in_shapes) * itemsize
-    out_bytes = out_numel * itemsize
-    if op.kind == CONV:
-        w = list(w_shape if w_shape is not None else op.params["weight"])
-        x = in_shapes[0]
-        fl = conv_flops(x, w, out_shape, op.attrs.get("groups", 1))
-        wbytes = math.prod(w) * itemsize
-        times, sources = [], []
-        spec = conv_spec(op, x, w)
+    over = _runtime_overhead_s(prof)
+    fl = fam.local_flops(op, in_shapes, out_shape, w_shape)
+    by = fam.local_bytes(op, in_shapes, out_shape, w_shape, itemsize)
+    kernels = prof.kernels if isinstance(getattr(prof, "kernels", None), dict) else None
+    cls = kernel_class_for(fam, kernels)
+    spec = fam.shape_spec(op, in_shapes, w_shape)
+    if spec is not None:
         if getattr(ctx, "spec_log", None) is not None:
             ctx.spec_log.append(spec)
         key = _shape_key(spec) if ctx.prefer_exact else None
-        for phase, cls in zip(PHASES, ("conv_fwd", "conv_bwd_data", "conv_bwd_filter")):
-            t = prof.exact_time_s(key, phase) if key else None
-            if t is None:
-                t, src = prof.kernel_time_s(cls, fl, in_bytes + out_bytes + wbytes), "fit"
-            else:
-                src = "exact"
-            times.append(t)
-            sources.append(src)
-        src = sources[0] if len(set(sources)) == 1 else "mixed"
-        if src != "fit":
-            _note_key(ctx, key)
-        over = _runtime_overhead_s(prof)
-        return (times[0] + over / 3) * slow, (times[1] + times[2] + 2 * over / 3) * slow, src
-    if op.kind == LINEAR:
-        w = list(w_shape if w_shape is not None else op.params["weight"])
-        x = in_shapes[0]
-        m = math.prod(x[:-1])
-        fl = 2.0 * m * w[0] * w[1]
-        by = (m * w[1] + m * w[0] + w[0] * w[1]) * itemsize
-        spec = linear_spec(x, w)
-        if getattr(ctx, "spec_log", None) is not None:
-            ctx.spec_log.append(spec)
-        key = _shape_key(spec) if ctx.prefer_exact else None
+        if fam.bwd_classes:
+            # every phase its own measurement or class (convolution)
+            times, sources = [], []
+            for phase, pcls in zip(PHASES, (cls, *fam.bwd_classes)):
+                t = prof.exact_time_s(key, phase) if key else None
+                if t is None:
+                    t, src = prof.kernel_time_s(pcls, fl, by), "fit"
+                else:
+                    src = "exact"
+                times.append(t)
+                sources.append(src)
+            src = sources[0] if len(set(sources)) == 1 else "mixed"
+            if src != "fit":
+                _note_key(ctx, key)
+            return (times[0] + over / 3) * slow, (times[1] + times[2] + 2 * over / 3) * slow, src
+        # forward measured: backward phases measured too, or as long as forward (linear)
         tf = prof.exact_time_s(key, "fwd") if key else None
         if tf is not None:
             tbd = prof.exact_time_s(key, "bwd_data") or tf
             tbf = prof.exact_time_s(key, "bwd_filter") or tf
             _note_key(ctx, key)
-            over = _runtime_overhead_s(prof)
             return (tf + over / 3) * slow, (tbd + tbf + 2 * over / 3) * slow, "exact"
-        over = _runtime_overhead_s(prof)
-        t = prof.kernel_time_s("matmul", fl, by)
-        return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
-    if op.kind in (VIEW, FLATTEN):
-        return 0.0, 0.0, "fit"
-    over = _runtime_overhead_s(prof)
-    spec = op_spec(op, in_shapes, out_shape)
-    if spec is not None:
-        if getattr(ctx, "spec_log", None) is not None:
-            ctx.spec_log.append(spec)
-        if ctx.prefer_exact and getattr(prof, "exact", None):
-            key = op_key(spec)
-            tf, tb = prof.exact_time_s(key, "fwd"), prof.exact_time_s(key, "bwd_data")
-            if tf is not None and tb is not None:
-                _note_key(ctx, key)
-                return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
-    cls = {BATCH_NORM: "norm", POOL: "pool", ADAPTIVE_POOL: "pool"}.get(op.kind, "elementwise")
-    flops = {BATCH_NORM: 8.0, UNARY: 1.0, BINARY: 1.0}.get(op.kind, 1.0) * out_numel
-    if op.kind == POOL:   # the calibrator counts one flop per window element
-        flops = out_numel * math.prod(op.attrs.get("kernel", [1]))
-    elif op.kind == ADAPTIVE_POOL:
-        flops = float(sum(math.prod(s) for s in in_shapes))
-    t = prof.kernel_time_s(cls, flops, in_bytes + out_bytes)
+    elif fam.exact_measured:
+        gspec = op_spec(op, in_shapes, out_shape)
+        if gspec is not None:
+            if getattr(ctx, "spec_log", None) is not None:
+                ctx.spec_log.append(gspec)
+            if ctx.prefer_exact and getattr(prof, "exact", None):
+                key = op_key(gspec)
+                tf, tb = prof.exact_time_s(key, "fwd"), prof.exact_time_s(key, "bwd_data")
+                if tf is not None and tb is not None:
+                    _note_key(ctx, key)
+                    return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
+    t = prof.kernel_time_s(cls, fl, by)
     return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
 
 
@@ -153,17 +134,8 @@ def _runtime_overhead_s(prof) -> float:
 
 def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
                 itemsize: int = 4) -> float:
-    """Bytes autograd keeps for backward (see module docstring)."""
-    if op.kind in (CONV, LINEAR, BATCH_NORM, POOL, MEAN, ADAPTIVE_POOL, OTHER, CAT):
-        return sum(math.prod(s) for s in in_shapes[:1 if op.kind != CAT else None]) * itemsize
-    if op.kind == BINARY:
-        return sum(math.prod(s) for s in in_shapes) * itemsize if op.target.startswith(("aten.mul", "aten.div")) else 0.0
-    if op.kind == UNARY:
-        return math.prod(out_shape) * itemsize
-    if op.kind == DROPOUT:
-        p = op.attrs.get("p", 0.0)
-        return math.prod(out_shape) * 1.0 if p and op.attrs.get("train", True) else 0.0
-    return 0.0
+    """Bytes autograd keeps for backward: the op family's ``saved_bytes`` (module docstring)."""
+    return family_of(op.kind).saved_bytes(op, in_shapes, out_shape, itemsize)
 
 
 def _samples(prof) -> dict:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from .base import CostContext, LayerCost
-from .ir import BATCH_NORM, Layer
+from ..ops import family_of
+from .ir import BATCH_NORM, OTHER, Layer
 from .layout import Layout
 
 
@@ -57,7 +58,10 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
 
 
 def batch_dim_ok(layer: Layer) -> str | None:
-    """Sample splitting needs dim 0 to be the batch in every tensor of the layer."""
+    """Sample splitting needs dim 0 to be the batch in every tensor of the layer, and every op
+    to run on blocks of samples: dim 0 among its family's ``independent_dims`` (run unchanged
+    by ``runtime.ops.call_local``) or ``synced_dims`` (batch norm: ``sync_batch_norm``).
+    Unregistered ops (kind ``other``) are independent along no dim."""
     n = None
     for op in layer.ops:
         for s in list(op.in_shapes) + [op.out_shape]:
@@ -67,8 +71,13 @@ def batch_dim_ok(layer: Layer) -> str | None:
                 n = s[0]
             elif s[0] != n:
                 return f"op {op.name} changes dim 0 ({n} -> {s[0]}): dim 0 is not the batch"
-        if op.kind in ("mean",) and 0 in [d % max(1, len(op.in_shapes[0])) for d in op.attrs.get("dims", [])]:
-            return f"op {op.name} reduces over the batch dim"
-        if op.kind == "cat" and op.attrs.get("dim", 0) % max(1, len(op.out_shape)) == 0:
-            return f"op {op.name} concatenates along the batch dim"
+        fam = family_of(op.kind)
+        if 0 not in fam.independent_dims(op) and 0 not in fam.synced_dims(op):
+            if op.kind == OTHER:
+                return f"op {op.name} ({op.target}) is not registered (autopar.ops): it runs replicated"
+            if op.kind == "mean":
+                return f"op {op.name} reduces over the batch dim"
+            if op.kind == "cat":
+                return f"op {op.name} concatenates along the batch dim"
+            return f"op {op.name} ({op.kind}) does not run unchanged on blocks of samples"
     return None

@@ -17,16 +17,29 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Op kinds the decompositions know. Anything else is "other" and can only run replicated.
-CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN, FLATTEN, VIEW, DROPOUT, \
-    CAT, BUFFER_UPDATE, OTHER = ("conv", "linear", "batch_norm", "unary", "binary", "pool",
-                                 "adaptive_pool", "mean", "flatten", "view", "dropout", "cat",
-                                 "buffer_update", "other")
+from ..ops import BUFFER_UPDATE, OTHER  # noqa: F401  (re-exported kinds)
+from ..ops import FAMILIES as _FAMILIES
+from ..ops import KindSet as _KindSet
 
-#: Ops that keep the layout of their input and can be folded into the preceding layer.
-TRANSPARENT = frozenset({BATCH_NORM, UNARY, DROPOUT})
-#: Ops that own parameters whose gradients must be synchronised.
-PARAMETRIC = frozenset({CONV, LINEAR, BATCH_NORM})
+# Op kinds: the ``kind`` strings of the op families (``autopar.ops``, one module per family);
+# aliases kept so that ``from autopar.decomp.ir import CONV`` goes on working. An op no family
+# matches is ``OTHER`` and can only run replicated.
+CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN, FLATTEN, VIEW, DROPOUT, CAT, \
+    LAYER_NORM, GROUP_NORM, RMS_NORM, MATMUL, SOFTMAX, ATTENTION, EMBEDDING, GATHER, SCATTER, \
+    SUM, VAR, PERMUTE, SQUEEZE, EXPAND, SLICE, STACK, CROSS_ENTROPY, MSE_LOSS = (
+        _FAMILIES[k].kind for k in (
+            "conv", "linear", "batch_norm", "unary", "binary", "pool", "adaptive_pool", "mean",
+            "flatten", "view", "dropout", "cat", "layer_norm", "group_norm", "rms_norm", "matmul",
+            "softmax", "attention", "embedding", "gather", "scatter", "sum", "var", "permute",
+            "squeeze", "expand", "slice", "stack", "cross_entropy", "mse_loss"))
+
+#: Ops that keep the layout of their input and can be folded into the preceding layer
+#: (a live view of the registry: ``OpFamily.transparent``).
+TRANSPARENT = _KindSet(lambda f: f.transparent)
+#: Ops that may own parameters whose gradients must be synchronised (``OpFamily.parametric``).
+PARAMETRIC = _KindSet(lambda f: f.parametric)
+#: Every registered kind (every op but ``OTHER``).
+REGISTERED = _KindSet(lambda f: True)
 
 
 @dataclass
@@ -34,7 +47,7 @@ class OpSpec:
     """One traced call: ``out = target(*args, **kwargs)`` with global shapes."""
 
     name: str                       # unique value name of the output (from the traced graph)
-    kind: str                       # one of the kinds above
+    kind: str                       # an op family's kind (``autopar.ops``) or "other"
     target: str                     # e.g. "aten.conv2d.default"
     args: list[Any]                 # JSON-able, with {"v"|"p"|"b": name} references
     kwargs: dict[str, Any]
@@ -175,6 +188,8 @@ class LayerGraphData:
     model_name: str = ""
     buffer_updates: list[OpSpec] = field(default_factory=list)  # buffer-only ops (BN counters)
     tracer: str = ""
+    unregistered: list[str] = field(default_factory=list)  # targets no op family matched, one
+                                                           # entry per op (run replicated)
 
     def producer(self) -> dict[str, int]:
         """value name -> index of the layer it leaves (graph inputs are absent)."""
@@ -206,7 +221,8 @@ class LayerGraphData:
                 "tracer": self.tracer,
                 "inputs": [asdict(i) for i in self.inputs],
                 "layers": [lay.to_json() for lay in self.layers],
-                "buffer_updates": [op.to_json() for op in self.buffer_updates]}
+                "buffer_updates": [op.to_json() for op in self.buffer_updates],
+                "unregistered": list(self.unregistered)}
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> "LayerGraphData":
@@ -215,4 +231,5 @@ class LayerGraphData:
                               output=obj["output"], batch_size=int(obj["batch_size"]),
                               model_name=obj.get("model_name", ""),
                               buffer_updates=[OpSpec.from_json(o) for o in obj.get("buffer_updates", [])],
-                              tracer=obj.get("tracer", ""))
+                              tracer=obj.get("tracer", ""),
+                              unregistered=list(obj.get("unregistered", [])))

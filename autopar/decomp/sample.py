@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, divisors, register
 from .common import batch_dim_ok, price_replicated_weights
-from .ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CAT, CONV, DROPOUT, FLATTEN, LINEAR, MEAN,
-                 POOL, UNARY, VIEW, Layer)
+from .ir import BATCH_NORM, REGISTERED, Layer
 from .layout import Layout
 
 
@@ -24,8 +23,9 @@ class Sample(Decomposition):
     parts: int = 1
     kind = "sample"
     always_kept = True
-    supported_ops = frozenset({CONV, LINEAR, BATCH_NORM, UNARY, BINARY, POOL, ADAPTIVE_POOL, MEAN,
-                               FLATTEN, VIEW, DROPOUT, CAT})
+    # no fixed op list: every registered op family says whether it runs on blocks of samples
+    # (``check`` -> ``batch_dim_ok``: dim 0 in ``independent_dims`` or ``synced_dims``)
+    supported_ops = REGISTERED
 
     def layout(self) -> Layout:
         return Layout(((0, self.parts),))
@@ -46,6 +46,9 @@ class Sample(Decomposition):
         return [cls(p) for p in divisors(ctx.world) if p > 1]
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
+        """Legal when every op is registered, the parts divide the world, every op runs on
+        blocks of samples (``batch_dim_ok`` asks each op's family) and every part holds a
+        sample."""
         why = super().check(layer, ctx)
         if why:
             return why

@@ -5,32 +5,31 @@ on meta inputs: nothing is allocated, so a 1x1x512^3 input traces in well under 
 export fails, ``make_fx`` (fx proxy-tensor tracing, pre-dispatch) is tried; where both fail the
 TraceError names the operation and the user's source line.
 
-Each call_function node becomes an ``OpSpec`` with global shapes, normalised attributes and
-analytic FLOPs; ops are grouped into layers (``autopar.decomp.ir``): an op joins its producer's
-layer when it is layout-transparent (batch norm, activation, dropout, an elementwise op with one
-activation operand), consumes only that layer's output, and is that output's only consumer.
+Each call_function node becomes an ``OpSpec`` with global shapes; its kind, normalised
+attributes and analytic FLOPs come from the one op family that matches it (``autopar.ops``).
+Ops no family matches get kind ``other`` (they run replicated) and their targets are listed in
+``LayerGraphData.unregistered``. An op returning several tensors (split, chunk, unbind,
+var_mean, max pooling with indices) is read through its ``getitem`` nodes: each used output
+becomes the single-output call its family names (a split piece is a ``slice``).
+
+Ops are grouped into layers (``autopar.decomp.ir``): an op joins its producer's layer when its
+family says it is layout-transparent (batch norm, activation, dropout, an elementwise op with
+one activation operand of the output's shape), consumes only that layer's output, and is that
+output's only consumer.
 """
 
 from __future__ import annotations
 
-import math
+import operator
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from ..decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, BUFFER_UPDATE, CAT, CONV, DROPOUT,
-                         FLATTEN, LINEAR, MEAN, OTHER, POOL, UNARY, VIEW, GraphInput, Layer,
-                         LayerGraphData, OpSpec)
+from ..decomp.ir import BUFFER_UPDATE, OTHER, GraphInput, Layer, LayerGraphData, OpSpec
 from ..errors import TraceError
 from ..modelfile import ModelFile
-
-UNARY_OPS = {"relu", "relu_", "gelu", "sigmoid", "tanh", "silu", "silu_", "hardtanh", "hardtanh_",
-             "leaky_relu", "leaky_relu_", "elu", "hardswish", "hardsigmoid", "softplus", "clone",
-             "contiguous", "neg", "exp", "abs", "sqrt", "rsqrt", "square", "mish", "relu6", "alias",
-             "detach", "_to_copy", "to", "sin", "cos", "log", "reciprocal"}
-BINARY_OPS = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "maximum", "minimum", "pow"}
-POOL_OPS = {"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d"}
+from ..ops import MULTI_OUTPUT, classify, family_of
 
 
 def _dtype_name(dt) -> str:
@@ -56,17 +55,6 @@ def _full_args(node) -> list[Any]:
     return args
 
 
-def _expand(v, n):
-    if isinstance(v, (list, tuple)):
-        v = list(v)
-        if len(v) == 1:
-            return [int(v[0])] * n
-        if len(v) == 0:
-            return None
-        return [int(x) for x in v]
-    return [int(v)] * n
-
-
 def _source(node) -> str:
     st = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+)', st)
@@ -88,103 +76,19 @@ def _module(node) -> tuple[str, str]:
 
 
 def _classify(name: str, n_act: int, node) -> str:
-    base = name.split(".")[0]
-    if base in ("conv1d", "conv2d", "conv3d"):
-        return CONV
-    if base == "convolution":
-        return CONV if not node.args[6] else OTHER
-    if base == "linear":
-        return LINEAR
-    if base == "batch_norm":
-        return BATCH_NORM
-    if base in POOL_OPS:
-        return POOL
-    if base in ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"):
-        return ADAPTIVE_POOL
-    if base == "mean":
-        return MEAN
-    if base == "flatten":
-        return FLATTEN
-    if base in ("view", "reshape", "_unsafe_view"):
-        return VIEW
-    if base in ("dropout", "feature_dropout"):
-        return DROPOUT
-    if base == "cat":
-        return CAT
-    if base in UNARY_OPS and n_act == 1:
-        return UNARY
-    if base in BINARY_OPS and n_act in (1, 2):
-        return BINARY
-    return OTHER
+    """The kind of the one op family matching aten op ``name`` (``autopar.ops.classify``),
+    ``other`` when none does."""
+    fam = classify("aten." + name, n_act, node)
+    return fam.kind if fam is not None else OTHER
 
 
-def _conv_padding(pad, k, dil, nsp):
-    if isinstance(pad, str):
-        if pad == "valid":
-            return [0] * nsp
-        if pad == "same":
-            eff = [d * (kk - 1) for kk, d in zip(k, dil)]
-            if all(e % 2 == 0 for e in eff):
-                return [e // 2 for e in eff]
-            return "same"
-    return _expand(pad, nsp)
-
-
-def _attrs_and_flops(kind: str, name: str, args: list[Any], in_shapes, out_shape, params) -> tuple[dict, float, float]:
-    out_numel = math.prod(out_shape) if out_shape else 1
-    in_numel = sum(math.prod(s) for s in in_shapes)
-    if kind == CONV:
-        w = params["weight"]
-        nsp = len(w) - 2
-        if name.startswith("convolution"):
-            stride, pad, dil, groups = args[3], args[4], args[5], args[8]
-        else:
-            stride, pad, dil, groups = args[3], args[4], args[5], args[6]
-        dil = _expand(dil, nsp)
-        attrs = {"stride": _expand(stride, nsp), "dilation": dil,
-                 "padding": _conv_padding(pad, w[2:], dil, nsp), "groups": int(groups),
-                 "transposed": False}
-        fl = 2.0 * out_shape[0] * w[0] * math.prod(out_shape[2:]) * w[1] * math.prod(w[2:])
-        return attrs, fl, 2 * fl
-    if kind == LINEAR:
-        w = params["weight"]
-        m = math.prod(in_shapes[0][:-1])
-        fl = 2.0 * m * w[0] * w[1]
-        return {}, fl, 2 * fl
-    if kind == BATCH_NORM:
-        return {"training": bool(args[5]), "momentum": float(args[6]) if args[6] is not None else 0.1,
-                "eps": float(args[7])}, 8.0 * out_numel, 12.0 * out_numel
-    if kind == POOL:
-        nsp = len(out_shape) - 2
-        k = _expand(args[1], nsp)
-        stride = _expand(args[2], nsp) or k
-        attrs = {"pool": "max" if name.startswith("max") else "avg", "kernel": k, "stride": stride,
-                 "padding": _expand(args[3], nsp) if len(args) > 3 else [0] * nsp}
-        if attrs["pool"] == "max":
-            attrs["dilation"] = _expand(args[4], nsp) if len(args) > 4 else [1] * nsp
-            attrs["ceil_mode"] = bool(args[5]) if len(args) > 5 else False
-        else:
-            attrs["dilation"] = [1] * nsp
-            attrs["ceil_mode"] = bool(args[4]) if len(args) > 4 else False
-            attrs["count_include_pad"] = bool(args[5]) if len(args) > 5 else True
-        return attrs, float(in_numel), 2.0 * in_numel
-    if kind == ADAPTIVE_POOL:
-        return {"output_size": list(args[1]) if isinstance(args[1], (list, tuple)) else [args[1]],
-                "pool": "avg"}, float(in_numel), float(in_numel)
-    if kind == MEAN:
-        dims = args[1] if len(args) > 1 and args[1] is not None else list(range(len(in_shapes[0])))
-        dims = [d % len(in_shapes[0]) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-        return {"dims": dims, "keepdim": bool(args[2]) if len(args) > 2 else False}, float(in_numel), float(in_numel)
-    if kind == FLATTEN:
-        return {"start_dim": int(args[1]) if len(args) > 1 else 0,
-                "end_dim": int(args[2]) if len(args) > 2 else -1}, 0.0, 0.0
-    if kind == DROPOUT:
-        return {"p": float(args[1]), "train": bool(args[2])}, float(out_numel), float(out_numel)
-    if kind == CAT:
-        return {"dim": int(args[1]) if len(args) > 1 else 0}, 0.0, 0.0
-    if kind == VIEW:
-        return {}, 0.0, 0.0
-    return {}, float(out_numel), 2.0 * out_numel
+def _attrs_and_flops(spec: OpSpec) -> tuple[dict, float, float]:
+    """(attributes, forward FLOPs, backward FLOPs) of a traced op from its family."""
+    fam = family_of(spec.kind)
+    attrs = fam.attrs(spec)
+    spec.attrs = attrs
+    fwd, bwd = fam.flops(spec)
+    return attrs, float(fwd), float(bwd)
 
 
 def export_graph(mf: ModelFile, batch_size: int):
@@ -264,6 +168,8 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
     inputs: list[GraphInput] = []
     act: dict[str, list[int]] = {}     # activation value -> global shape
     output_name = None
+    multi: dict[str, Any] = {}         # ops returning several tensors (``MULTI_OUTPUT``)
+    unregistered: list[str] = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if node.name in user_inputs:
@@ -285,10 +191,18 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
         if node.op != "call_function":
             raise TraceError(f"unsupported graph node {node.op} {node.target}", "report this model to the autopar developers")
         val = node.meta.get("val")
+        if isinstance(val, (list, tuple)) and _base(node) in MULTI_OUTPUT:
+            multi[node.name] = node          # read through its getitems, one slice each
+            continue
+        if node.target is operator.getitem and getattr(node.args[0], "name", None) in multi:
+            if not node.users:
+                continue                     # an unused piece: no op, no dead layer
+            node = _getitem_as_call(node, multi[node.args[0].name])
         if not isinstance(val, torch.Tensor):
             raise TraceError(f"operation {node.target} returns {type(val).__name__}, not one tensor"
                              f"{' at ' + _source(node) if _source(node) else ''}",
-                             "use single-output operations (e.g. max_pool2d without return_indices)")
+                             "use single-output operations (of the ops returning several tensors, autopar "
+                             f"reads {', '.join(sorted(MULTI_OUTPUT))})")
         target = str(node.target)
         name = target.split(".", 1)[1] if target.startswith("aten.") else target
 
@@ -345,12 +259,13 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
         else:
             kind = _classify(name, len(act_inputs), node)
         in_shapes = [act[v] for v in act_inputs]
-        attrs, ffwd, fbwd = _attrs_and_flops(kind, name, full, in_shapes, list(val.shape), pshapes)
         spec = OpSpec(name=node.name, kind=kind, target=target, args=args, kwargs=kwargs,
                       out_shape=list(val.shape), dtype=_dtype_name(val.dtype), inputs=act_inputs,
                       in_shapes=in_shapes, params=pshapes, param_names=pnames, buffers=bnames,
-                      attrs=attrs, module=module, module_type=mtype, source=_source(node),
-                      flops_fwd=ffwd, flops_bwd=fbwd)
+                      module=module, module_type=mtype, source=_source(node))
+        spec.attrs, spec.flops_fwd, spec.flops_bwd = _attrs_and_flops(spec)
+        if kind == OTHER and act_inputs:
+            unregistered.append(target)
         if kind == BUFFER_UPDATE:
             buffer_updates.append(spec)
             continue
@@ -365,15 +280,47 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
     data = group_layers(ops, inputs, output_name, batch_size, mf.name)
     data.buffer_updates = buffer_updates
     data.tracer = tracer
+    data.unregistered = unregistered
     return data
 
 
+def _base(node) -> str:
+    t = str(node.target)
+    return t.split(".")[1] if t.startswith("aten.") else t
+
+
+def _resolve(target: str):
+    """'aten.slice.Tensor' -> torch.ops.aten.slice.Tensor."""
+    import torch
+    obj = torch.ops
+    for p in target.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def _getitem_as_call(item, src):
+    """``getitem(src, i)`` of a several-output op as the one single-output call its family
+    names (``OpFamily.getitem``: a split piece is a slice), a stand-in node with the getitem's
+    name and value; a TraceError for a used output no single call expresses."""
+    from types import SimpleNamespace
+    fam = MULTI_OUTPUT[_base(src)]
+    index = int(item.args[1])
+    x = src.args[0]
+    x_shape = list(x.meta["val"].shape) if hasattr(x, "meta") and "val" in x.meta else []
+    call = fam.getitem(_base(src), _full_args(src), dict(src.kwargs), index, x_shape)
+    if call is None:
+        raise TraceError(f"output {index} of {src.target} is used but autopar reads only "
+                         f"{src.target} through single-output ops{' at ' + _source(src) if _source(src) else ''}",
+                         "compute that value with a separate single-output operation")
+    target, args, kwargs = call
+    meta = {**src.meta, "val": item.meta.get("val")}
+    return SimpleNamespace(op="call_function", name=item.name, target=_resolve(target),
+                           args=tuple(args), kwargs=kwargs, meta=meta, users=item.users)
+
+
 def _transparent(op: OpSpec) -> bool:
-    if op.kind in (BATCH_NORM, UNARY, DROPOUT):
-        return len(op.inputs) == 1
-    if op.kind == BINARY:
-        return len(op.inputs) == 1 and op.in_shapes[0] == op.out_shape
-    return False
+    """Whether ``op`` may fold into its producer's layer (``OpFamily.is_transparent``)."""
+    return family_of(op.kind).is_transparent(op)
 
 
 def group_layers(ops: list[OpSpec], inputs: list[GraphInput], output: str, batch_size: int,
