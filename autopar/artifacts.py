@@ -422,6 +422,37 @@ class Plan:
         return plan
 
 
+def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> Plan:
+    """A plan built in memory from only ``{"world_size", "graph", "layers": [{"layer",
+    "decomposition"}]}`` (e.g. ``calibrate.overhead``'s synthetic chain): the layouts are the
+    decompositions' own, every prediction is empty; checked like a plan file."""
+    from .decomp import decomposition_from_json
+    from .decomp.ir import Layer
+    try:
+        world = int(obj["world_size"])
+        glayers = {int(g["index"]): g for g in obj["graph"]["layers"]}
+        decisions = []
+        for d in obj["layers"]:
+            gl = glayers[int(d["layer"])]
+            dec = decomposition_from_json(dict(d["decomposition"]))
+            lay = Layer.from_json(gl)
+            decisions.append(LayerDecision(
+                layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
+                out_shape=tuple(lay.out_shape), decomposition_json=dec.to_json(), choice=str(dec),
+                in_layouts={v: _layout_tuple(dec.in_layout(lay, v).to_json()) for v in lay.inputs},
+                out_layout=_layout_tuple(dec.out_layout(lay).to_json()), predicted={}))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanFileError(f"{src} needs world_size, graph and layers [{{layer, decomposition}}] "
+                            f"({e.__class__.__name__}: {e})", "make the plan with `autopar plan`") from None
+    plan = Plan(model=ModelRef(path="", sha256="", name=str(obj["graph"].get("model_name", "")),
+                               batch_size=int(obj["graph"].get("batch_size", 0))),
+                mesh=MeshInfo(world_size=world, ranks_per_node=world, nodes=1), calibration={},
+                solver=SolverInfo(solver="", status="not solved"), predicted=Prediction(step_time_s=0.0),
+                layers=tuple(decisions), transitions=(), graph_json=obj["graph"], generated="")
+    check_plan(plan, src)
+    return plan
+
+
 def _migrate(obj: dict[str, Any], src: str) -> dict[str, Any]:
     schema = obj.get("schema")
     if schema == PLAN_SCHEMA:

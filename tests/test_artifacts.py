@@ -261,3 +261,15 @@ def test_bad_runsets_are_named(plan, tmp_path, entries, msg):
 def test_runset_of_another_schema(tmp_path):
     with pytest.raises(PlanFileError, match="autopar.runset/1"):
         load_runset(_write(tmp_path, {"schema": "x", "world_size": 2, "plans": []}, "rs.json"))
+
+
+def test_plan_of_decisions_only_gets_the_decompositions_layouts(plan):
+    """What calibrate.overhead hands DistModel: world size, graph, one decomposition per layer."""
+    from autopar.artifacts import plan_from_decisions
+    obj = {"world_size": 2, "graph": dict(plan.graph_json),
+           "layers": [{"layer": d.layer, "decomposition": dict(d.decomposition_json)} for d in plan.layers]}
+    p = plan_from_decisions(obj)
+    assert [(d.in_layouts, d.out_layout) for d in p.layers] == [(d.in_layouts, d.out_layout) for d in plan.layers]
+    obj["layers"][0]["decomposition"] = {"kind": "diagonal"}
+    with pytest.raises(PlanFileError, match="diagonal"):
+        plan_from_decisions(obj)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..artifacts import Plan
+from ..artifacts import Plan, plan_from_decisions
 from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.layout import Layout
@@ -78,8 +78,10 @@ class DistModel(nn.Module):
         super().__init__()
         self.comm = comm or Comm.from_env()
         world = self.comm.world
-        if not isinstance(plan, Plan):   # a plan dict (older generated modules): checked on the way
-            plan = Plan.from_json(plan, "the plan given to DistModel")
+        if not isinstance(plan, Plan):   # a plan file's dict (older generated modules) or an in-memory
+            # plan of decisions only (calibrate.overhead): both checked like a plan file
+            plan = (Plan.from_json(plan, "the plan given to DistModel") if "schema" in plan
+                    else plan_from_decisions(plan, "the plan given to DistModel"))
         if plan.world_size != world:
             from ..errors import PlanFileError
             raise PlanFileError(f"plan was made for world size {plan.world_size}, running at {world}",
