@@ -190,6 +190,29 @@ def cmd_execute(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """Load and check plans, runs and run sets (``autopar.artifacts``) without starting anything."""
+    from .artifacts import load_plan, load_run, load_runset
+    from .errors import AutoparError
+    from .io import read_json
+    for f in args.paths:
+        p = Path(f)
+        schema = str((read_json(p, AutoparError, "artifact") or {}).get("schema", "")) if p.is_file() else ""
+        if schema.startswith("autopar.runset/"):
+            rs = load_runset(p)
+            _p(f"{p}: run set of {len(rs.entries)} plans on {rs.world_size} ranks: " + "; ".join(
+                f"{e.plan_path} on ranks {list(e.ranks)}" for e in rs.entries))
+        elif schema.startswith("autopar.run/"):
+            r = load_run(p)
+            _p(f"{p}: run of {r.model} at world {r.world_size}, validation "
+               f"{'passed' if r.validation.passed else 'FAILED'}")
+        else:
+            pl = load_plan(p)
+            _p(f"{p}: plan of {pl.model.name} for world {pl.world_size} ({len(pl.layers)} layers, "
+               f"{', '.join(pl.decompositions())}): ok")
+    return 0
+
+
 def cmd_report(args) -> int:
     from .report.report import summarize
     _p(summarize(args.paths))
@@ -264,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
     e.set_defaults(fn=cmd_execute)
+
+    k = sub.add_parser("check", help="check plans, runs and run sets (names the unit and field at fault)")
+    k.add_argument("paths", nargs="+", help="plan.json, run.json or run set files")
+    k.set_defaults(fn=cmd_check)
 
     r = sub.add_parser("report", help="summarize runs and plans side by side")
     r.add_argument("paths", nargs="+")

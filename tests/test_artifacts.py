@@ -273,3 +273,15 @@ def test_plan_of_decisions_only_gets_the_decompositions_layouts(plan):
     obj["layers"][0]["decomposition"] = {"kind": "diagonal"}
     with pytest.raises(PlanFileError, match="diagonal"):
         plan_from_decisions(obj)
+
+
+def test_cli_check_names_the_fault_or_says_ok(plan, plan_json, tmp_path, capsys):
+    from autopar.cli import main
+    good = write_plan(plan, tmp_path / "good" / "plan.json")
+    rs = _runset(tmp_path, plan, [("a/plan.json", [0, 1]), ("b/plan.json", [2, 3])])
+    assert main(["check", str(good), str(rs)]) == 0
+    out = capsys.readouterr().out
+    assert "for world 2" in out and "ok" in out and "run set of 2 plans on 4 ranks" in out
+    bad = _write(tmp_path, _edit(plan_json, CASES["blocks do not divide the world"][0]))
+    assert main(["check", str(bad)]) == 2
+    assert "layers[3].out_layout" in capsys.readouterr().err
