@@ -48,26 +48,23 @@ def _write_calibration_report(path) -> None:
 def cmd_refine(args) -> int:
     """Refine a profile from measured runs (``calibrate.refine``): the factors that
     leave-one-run-out cross-validation says help, written to a copy of the profile."""
+    from .artifacts import load_run
     from .calibrate.refine import refine_profile
     from .errors import AutoparError
-    from .io import read_json
+    from .io import read_json, sha256_file
     runs = []
     for r in args.runs:
         p = Path(r)
         p = p / "run.json" if p.is_dir() else p
-        run = read_json(p, AutoparError, "run file")
-        if not isinstance(run, dict) or "measured" not in run or "plan" not in run:
-            raise AutoparError(f"{p} is not an autopar run (no measured/plan fields)",
-                               "pass run.json files (or their folders) written by `autopar execute`")
-        plan = Path(run["plan"])
+        run = load_run(p)
+        plan = Path(run.plan)
         if not plan.is_file():
             raise AutoparError(f"the plan of run {p} is not at {plan}",
                                "run `autopar refine` from the folder `autopar execute` ran in")
-        from .io import sha256_file
-        if run.get("plan_sha256") and sha256_file(plan) != run["plan_sha256"]:
+        if run.plan_sha256 and sha256_file(plan) != run.plan_sha256:
             raise AutoparError(f"{plan} changed since run {p} measured it",
                                "execute the current plan again, or refine from runs of unchanged plans")
-        runs.append(run)
+        runs.append(run.to_json())
     try:
         out = refine_profile(runs, args.profile, out=args.output)
     except ValueError as e:
@@ -127,13 +124,15 @@ def cmd_plan(args) -> int:
         _read_cluster(args)
     if args.exact:
         _add_exact_shapes(args)
-    res = make_plan(args.model, args.world_size, batch_size=args.batch_size,
-                    calibration=args.calibration, out_dir=args.output,
-                    memory_limit_bytes=parse_bytes(args.memory_limit),
-                    ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
-                    time_limit_s=args.time_limit, solver=args.solver, progress=_p,
-                    max_candidates=args.max_candidates, placement=args.placement,
-                    trace_cache=not args.no_trace_cache)
+    from .artifacts import PlanHooks, PlanOptions
+    options = PlanOptions(world_size=args.world_size, batch_size=args.batch_size,
+                          calibration=args.calibration, out_dir=args.output,
+                          memory_limit_bytes=parse_bytes(args.memory_limit),
+                          ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
+                          time_limit_s=args.time_limit, solver=args.solver,
+                          max_candidates=args.max_candidates, placement=args.placement,
+                          trace_cache=not args.no_trace_cache)
+    res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
     if sweep:
@@ -176,18 +175,41 @@ def cmd_execute(args) -> int:
                           timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
                           rtol=args.rtol, validate_dtype=args.validate_dtype)
     run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
-    m, p = run["measured"]["step_time_s"], run["predicted"]["step_time_s"]
-    _p(f"validation PASSED ({run['validation']['checked']} tensors in {opts.validate_dtype} within rtol "
+    m, p = run.measured.step_time_s, run.predicted.step_time_s
+    _p(f"validation PASSED ({run.validation.checked} tensors in {opts.validate_dtype} within rtol "
        f"{opts.tolerances()[0]:g} of one process)")
     _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
-       f"{100 * run['prediction_error']:+.1f}%")
-    if run.get("baseline"):
-        _p(f"torch DDP: {run['baseline']['ddp_step_time_s'] * 1e3:.2f} ms; plan/DDP = {run['ratio_to_ddp']:.3f}x")
+       f"{100 * run.prediction_error:+.1f}%")
+    if run.baseline:
+        _p(f"torch DDP: {run.baseline.ddp_step_time_s * 1e3:.2f} ms; plan/DDP = {run.ratio_to_ddp:.3f}x")
     _p(f"report written to {out / 'report.md'}")
     if args.refine:
         from .calibrate.refine import refine_profile
-        path = refine_profile(run, args.refine)
+        path = refine_profile(run.to_json(), args.refine)
         _p(f"profile refined from this run: {path}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    """Load and check plans, runs and run sets (``autopar.artifacts``) without starting anything."""
+    from .artifacts import load_plan, load_run, load_runset
+    from .errors import AutoparError
+    from .io import read_json
+    for f in args.paths:
+        p = Path(f)
+        schema = str((read_json(p, AutoparError, "artifact") or {}).get("schema", "")) if p.is_file() else ""
+        if schema.startswith("autopar.runset/"):
+            rs = load_runset(p)
+            _p(f"{p}: run set of {len(rs.entries)} plans on {rs.world_size} ranks: " + "; ".join(
+                f"{e.plan_path} on ranks {list(e.ranks)}" for e in rs.entries))
+        elif schema.startswith("autopar.run/"):
+            r = load_run(p)
+            _p(f"{p}: run of {r.model} at world {r.world_size}, validation "
+               f"{'passed' if r.validation.passed else 'FAILED'}")
+        else:
+            pl = load_plan(p)
+            _p(f"{p}: plan of {pl.model.name} for world {pl.world_size} ({len(pl.layers)} layers, "
+               f"{', '.join(pl.decompositions())}): ok")
     return 0
 
 
@@ -265,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
     e.set_defaults(fn=cmd_execute)
+
+    k = sub.add_parser("check", help="check plans, runs and run sets (names the unit and field at fault)")
+    k.add_argument("paths", nargs="+", help="plan.json, run.json or run set files")
+    k.set_defaults(fn=cmd_check)
 
     r = sub.add_parser("report", help="summarize runs and plans side by side")
     r.add_argument("paths", nargs="+")

@@ -26,16 +26,17 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default=None)
     args = ap.parse_args(argv)
     from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.artifacts import PlanOptions
     from autopar.pipeline import make_plan
     for world in args.world:
         with tempfile.TemporaryDirectory() as tmp:
-            r = make_plan(args.model, world, calibration=args.calibration, out_dir=Path(tmp) / "plan",
-                          kinds=["sample"])
+            r = make_plan(args.model, PlanOptions(world_size=world, calibration=args.calibration,
+                                                  out_dir=Path(tmp) / "plan", kinds=["sample"]))
             run, _ = execute(r.plan_path, ExecuteOptions(steps=args.steps, warmup=3),
                              out_dir=Path(tmp) / "run", progress=lambda s: None)
-        plan_t = run["measured"]["step_times_s"]
-        ddp_t = run["baseline"]["ddp_step_times_s"]
-        print(f"world {world}: validation {'passed' if run['validation']['passed'] else 'FAILED'}; "
+        plan_t = run.measured.step_times_s
+        ddp_t = run.baseline.ddp_step_times_s
+        print(f"world {world}: validation {'passed' if run.validation.passed else 'FAILED'}; "
               f"generated data-parallel step median {statistics.median(plan_t) * 1e3:.2f} ms, "
               f"torch DDP median {statistics.median(ddp_t) * 1e3:.2f} ms; "
               f"ratio plan/DDP = {statistics.median(plan_t) / statistics.median(ddp_t):.3f} (target <= 1.05)")

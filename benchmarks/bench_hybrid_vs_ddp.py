@@ -27,20 +27,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ["AUTOPAR_CNN3D_SIZE"] = str(args.size)
     from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.artifacts import PlanOptions
     from autopar.pipeline import make_plan, parse_bytes
     for world in args.world:
         with tempfile.TemporaryDirectory() as tmp:
-            r = make_plan(ROOT / "strategies/examples/cnn3d_large.py", world, batch_size=args.batch,
-                          calibration=args.calibration, out_dir=Path(tmp) / "plan",
-                          memory_limit_bytes=parse_bytes(args.memory_limit))
+            r = make_plan(ROOT / "strategies/examples/cnn3d_large.py",
+                          PlanOptions(world_size=world, batch_size=args.batch, calibration=args.calibration,
+                                      out_dir=Path(tmp) / "plan",
+                                      memory_limit_bytes=parse_bytes(args.memory_limit)))
             run, _ = execute(r.plan_path, ExecuteOptions(steps=args.steps, warmup=2),
                              out_dir=Path(tmp) / "run", progress=lambda s: None)
-        kinds = sorted({l["choice"] for l in r.plan["layers"]})
-        b = run["baseline"]
+        kinds = r.plan.decompositions()
+        b = run.baseline
         print(f"world {world}, {args.batch}x1x{args.size}^3: plan {kinds}; validation "
-              f"{'passed' if run['validation']['passed'] else 'FAILED'}; measured {run['measured']['step_time_s'] * 1e3:.1f} ms "
-              f"(predicted {run['predicted']['step_time_s'] * 1e3:.1f} ms), sample-only DDP "
-              f"{b['ddp_step_time_s'] * 1e3:.1f} ms; plan/DDP = {run['ratio_to_ddp']:.3f}")
+              f"{'passed' if run.validation.passed else 'FAILED'}; measured {run.measured.step_time_s * 1e3:.1f} ms "
+              f"(predicted {run.predicted.step_time_s * 1e3:.1f} ms), sample-only DDP "
+              f"{b.ddp_step_time_s * 1e3:.1f} ms; plan/DDP = {run.ratio_to_ddp:.3f}")
     return 0
 
 

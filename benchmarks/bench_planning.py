@@ -25,18 +25,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def one(label, model, world, **kw):
+    from autopar.artifacts import PlanOptions
     from autopar.pipeline import make_plan
     t = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        r = make_plan(model, world, out_dir=Path(tmp), **kw)
+        r = make_plan(model, PlanOptions(world_size=world, out_dir=tmp, **kw))
     total = time.perf_counter() - t
     tm = r.timings_s
-    s = r.plan["solver"]
+    s = r.plan.solver
     print(f"{label}: total {total:.2f} s (trace {tm['trace_s']:.2f}, cost {tm['cost_s']:.2f}, "
-          f"solve {tm['solve_s']:.2f}, write {tm.get('write_s', 0):.2f}); {len(r.plan['layers'])} layers, "
-          f"{s['candidates']['choices']} choices, solver {s['solver']} {s['status']} gap {s['gap']}; "
-          f"predicted step {r.plan['predicted']['step_time_s'] * 1e3:.1f} ms; "
-          f"decompositions {sorted({l['choice'].split('(')[0] for l in r.plan['layers']})}")
+          f"solve {tm['solve_s']:.2f}, write {tm.get('write_s', 0):.2f}); {len(r.plan.layers)} layers, "
+          f"{s.candidates['choices']} choices, solver {s.solver} {s.status} gap {s.gap}; "
+          f"predicted step {r.plan.predicted.step_time_s * 1e3:.1f} ms; "
+          f"decompositions {sorted({l.choice.split('(')[0] for l in r.plan.layers})}")
 
 
 def shell(label, argv, env):

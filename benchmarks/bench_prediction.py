@@ -50,12 +50,14 @@ def spearman(a: list[float], b: list[float]) -> float:
 def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | None = None) -> list[dict]:
     from autopar.decomp import REGISTRY
     from autopar.errors import AutoparError
+    from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
     from autopar.pipeline import make_plan
     rows = []
     # one discarded run first: the first processes after a pause (or after calibration) run slow
     _, model0, world0, batch0, _, _ = CANDIDATES[0]
-    r0 = make_plan(model0, world0, batch_size=batch0, calibration=calibration, out_dir=tmp / f"{tag}-warm")
+    r0 = make_plan(model0, PlanOptions(world_size=world0, batch_size=batch0, calibration=calibration,
+                                       out_dir=tmp / f"{tag}-warm"))
     execute(r0.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False), out_dir=tmp / f"{tag}-warm-run",
             progress=lambda s: None)
     for i, (label, model, world, batch, kinds, force) in enumerate(CANDIDATES):
@@ -65,19 +67,20 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
             print(f"  skip {label}: kinds {kinds} not all registered")
             continue
         try:
-            r = make_plan(model, world, batch_size=batch, calibration=calibration,
-                          out_dir=tmp / f"{tag}-plan{i}", kinds=kinds, force=force)
+            r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=calibration,
+                                             out_dir=tmp / f"{tag}-plan{i}", kinds=kinds),
+                          PlanHooks(force=force))
             run, _ = execute(r.plan_path, ExecuteOptions(steps=steps, warmup=2, ddp=False),
                              out_dir=tmp / f"{tag}-run{i}", progress=lambda s: None)
         except AutoparError as e:
             print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
             continue
-        p, m = run["predicted"]["step_time_s"], run["measured"]["step_time_s"]
+        p, m = run.predicted.step_time_s, run.measured.step_time_s
         rows.append({"index": i, "label": label, "world": world, "predicted_s": p, "measured_s": m,
-                     "error": (p - m) / m, "valid": run["validation"]["passed"],
-                     "plan": str(r.plan_path), "run": run})
+                     "error": (p - m) / m, "valid": run.validation.passed,
+                     "plan": str(r.plan_path), "run": run.to_json()})
         print(f"  {label:<32} world {world}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
-              f"error {100 * (p - m) / m:+6.1f}%  validation {'passed' if run['validation']['passed'] else 'FAILED'}")
+              f"error {100 * (p - m) / m:+6.1f}%  validation {'passed' if run.validation.passed else 'FAILED'}")
     return rows
 
 
@@ -104,13 +107,15 @@ def time_calibration(full: bool, tmp: Path) -> None:
 def reprice(row: dict, calibration: str, tmp: Path, tag: str) -> float:
     """The step time ``calibration`` predicts for the very plan a row measured (every layer
     pinned to its decomposition, every candidate kept so that none is pruned away)."""
+    from autopar.artifacts import PlanHooks, PlanOptions, load_plan
     from autopar.pipeline import make_plan
-    plan = json.loads(Path(row["plan"]).read_text())
+    plan = load_plan(row["plan"])
     _, model, world, batch, kinds, _ = CANDIDATES[row["index"]]
-    force = {l["layer"]: l["choice"] for l in plan["layers"]}
-    r = make_plan(model, world, batch_size=batch, calibration=calibration, kinds=kinds, force=force,
-                  max_candidates=10**6, out_dir=tmp / f"{tag}-reprice{row['index']}", write=False)
-    return r.plan["predicted"]["step_time_s"]
+    force = {l.layer: l.choice for l in plan.layers}
+    r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=calibration, kinds=kinds,
+                                     max_candidates=10**6, out_dir=tmp / f"{tag}-reprice{row['index']}", write=False),
+                  PlanHooks(force=force))
+    return r.plan.predicted.step_time_s
 
 
 def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
@@ -148,14 +153,15 @@ def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
     out["heldout_same_runs_after"] = summary([{**r, "predicted_s": r["predicted_after_s"], "error": r["error_after"]}
                                               for r in same], "held-out runs, refined profile")
     # 2. re-plan with the refined profile; measure only plans that changed
+    from autopar.artifacts import PlanHooks, PlanOptions, load_plan
     from autopar.pipeline import make_plan
     replanned, changed = [], []
     for r in held:
         _, model, world, batch, kinds, force = CANDIDATES[r["index"]]
-        p2 = make_plan(model, world, batch_size=batch, calibration=str(refined), kinds=kinds, force=force,
-                       out_dir=tmp / f"d-plan{r['index']}", write=False)
-        old = [l["choice"] for l in json.loads(Path(r["plan"]).read_text())["layers"]]
-        new = [l["choice"] for l in p2.plan["layers"]]
+        p2 = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=str(refined), kinds=kinds,
+                                          out_dir=tmp / f"d-plan{r['index']}", write=False), PlanHooks(force=force))
+        old = [l.choice for l in load_plan(r["plan"]).layers]
+        new = [l.choice for l in p2.plan.layers]
         if old != new:
             changed.append(r["index"])
     if changed:

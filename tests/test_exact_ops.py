@@ -19,6 +19,7 @@ def test_specs_cover_convs_linears_and_other_ops(root):
 
 
 def test_measured_ops_are_preferred_and_reported(root, profile):
+    from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.pipeline import make_plan
     model = root / "strategies/examples/resnet2d.py"
     specs = [s for s in exact_specs_for_model(model, 2, 8) if s["op"] == "generic"]
@@ -28,9 +29,10 @@ def test_measured_ops_are_preferred_and_reported(root, profile):
     # pretend every generic op takes 1 s: layers made of them must now be priced "exact"
     for s in specs:
         prof.exact[op_key(s)] = {"fwd": 1.0, "bwd_data": 1.0}
-    r = make_plan(model, 2, batch_size=8, profile=prof, write=False, kinds=["sample"])
-    srcs = {l["module"] or l["name"]: l["source"] for l in r.plan["layers"]}
+    r = make_plan(model, PlanOptions(world_size=2, batch_size=8, write=False, kinds=["sample"]),
+                  PlanHooks(profile=prof))
+    srcs = {l.module or l.name: l.source for l in r.plan.layers}
     assert srcs["pool"] == "exact"                      # a max-pool layer: all its ops measured
     assert srcs["stem.0"] == "mixed"                    # conv from the fit, bn + relu exact
-    pool = next(l for l in r.plan["layers"] if l["module"] == "pool")
-    assert pool["predicted"]["fwd_compute_s"] >= 1.0
+    pool = next(l for l in r.plan.layers if l.module == "pool")
+    assert pool.predicted["fwd_compute_s"] >= 1.0

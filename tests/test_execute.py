@@ -9,6 +9,7 @@ import pytest
 
 from autopar.errors import RankFailure, ValidationFailed
 from autopar.execute.runner import ExecuteOptions, execute
+from autopar.artifacts import PlanHooks, PlanOptions, load_run
 from autopar.pipeline import make_plan
 
 pytestmark = pytest.mark.dist
@@ -16,23 +17,25 @@ pytestmark = pytest.mark.dist
 QUICK = ExecuteOptions(steps=2, warmup=1, timeout_s=180)
 
 
-def _plan(model, world, tmp_path, profile, **kw):
-    return make_plan(model, world, profile=profile, out_dir=tmp_path / f"plan-w{world}", **kw)
+def _plan(model, world, tmp_path, profile, out_dir=None, **kw):
+    return make_plan(model, PlanOptions(world_size=world, out_dir=out_dir or tmp_path / f"plan-w{world}", **kw),
+                     PlanHooks(profile=profile))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_resnet2d_validates(world, tmp_path, root, profile):
     r = _plan(root / "strategies/examples/resnet2d.py", world, tmp_path, profile, batch_size=8)
     run, out = execute(r.plan_path, QUICK, out_dir=tmp_path / "run", progress=lambda s: None)
-    v = run["validation"]
-    assert v["passed"], v["failures"]
-    names = {c["tensor"] for c in v["checks"]}
+    v = run.validation
+    assert v.passed, v.failures
+    names = {c.tensor for c in v.checks}
     assert {"output", "loss", "input_grad:x", "grad:stem.0.weight", "param_after_step:head.bias",
             "buffer:layer1.0.bn1.running_var"} <= names
-    assert run["measured"]["step_time_s"] > 0 and run["baseline"]["ddp_step_time_s"] > 0
-    assert run["predicted"]["step_time_s"] == r.plan["predicted"]["step_time_s"]
+    assert run.measured.step_time_s > 0 and run.baseline.ddp_step_time_s > 0
+    assert run.predicted.step_time_s == r.plan.predicted.step_time_s
+    assert load_run(out) == run      # run.json round-trips to the typed run
     saved = json.loads((out / "run.json").read_text())
-    assert saved["validation"]["passed"] and (out / "report.md").is_file()
+    assert saved["schema"] == "autopar.run/1" and saved["validation"]["passed"] and (out / "report.md").is_file()
     assert (out / "per_layer.png").is_file() and (out / "plan_vs_ddp.png").is_file()
 
 
@@ -74,7 +77,7 @@ def test_unseen_cnn_file_validates_with_default_loss(tmp_path, profile):
     f.write_text(textwrap.dedent(UNSEEN))
     r = _plan(f, 2, tmp_path, profile, batch_size=6)
     run, _ = execute(r.plan_path, QUICK, out_dir=tmp_path / "run", progress=lambda s: None)
-    assert run["validation"]["passed"], run["validation"]["failures"]
+    assert run.validation.passed, run.validation.failures
 
 
 # A deliberately wrong decomposition: sample parallelism with local batch-norm statistics
@@ -105,8 +108,8 @@ def test_wrong_decomposition_fails_validation_and_keeps_good_report(tmp_path, ro
     good = _plan(model, 2, tmp_path, profile, batch_size=8, kinds=["sample", "replicate"])
     out = tmp_path / "run"
     execute(good.plan_path, QUICK, out_dir=out, progress=lambda s: None)
-    bad = make_plan(model, 2, profile=profile, out_dir=tmp_path / "bad", batch_size=8,
-                    kinds=["test_local_bn_sample"])
+    bad = _plan(model, 2, tmp_path, profile, out_dir=tmp_path / "bad", batch_size=8,
+                kinds=["test_local_bn_sample"])
     with pytest.raises(ValidationFailed) as e:
         execute(bad.plan_path, QUICK, out_dir=out, progress=lambda s: None)
     assert "worst" in str(e.value) and "rel" in str(e.value)

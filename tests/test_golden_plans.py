@@ -2,6 +2,7 @@
 
 import textwrap
 
+from autopar.artifacts import PlanHooks, PlanOptions
 from autopar.pipeline import make_plan
 
 MLP = """
@@ -26,8 +27,8 @@ def example_inputs(b):
 def _plan(tmp_path, width, batch, profile, world=2, **kw):
     f = tmp_path / f"mlp{width}.py"
     f.write_text(textwrap.dedent(MLP.format(width=width)))
-    r = make_plan(f, world, batch_size=batch, profile=profile, write=False, **kw)
-    return {l["module"]: l["choice"] for l in r.plan["layers"]}
+    r = make_plan(f, PlanOptions(world_size=world, batch_size=batch, write=False, **kw), PlanHooks(profile=profile))
+    return {l.module: l.choice for l in r.plan.layers}
 
 
 def test_very_wide_layers_with_a_small_batch_go_to_channel_or_filter(tmp_path, profile):
@@ -45,16 +46,17 @@ def test_memory_forces_spatial_for_one_huge_sample(tmp_path, root, profile, monk
     monkeypatch.setenv("AUTOPAR_MESH_SIZE", "256")
     from autopar.errors import InfeasiblePlan
     model = root / "strategies/examples/meshtangle2d.py"
-    free = make_plan(model, 4, batch_size=1, profile=profile, write=False, kinds=["sample", "replicate"],
-                     memory_limit_bytes=None)
-    need = free.plan["predicted"]["memory_per_rank_bytes"]
+    hooks = PlanHooks(profile=profile)
+    free = make_plan(model, PlanOptions(world_size=4, batch_size=1, write=False, kinds=["sample", "replicate"],
+                                        memory_limit_bytes=None), hooks)
+    need = free.plan.predicted.memory_per_rank_bytes
     # one sample per rank does not fit: only spatial decomposition can plan it
     try:
-        make_plan(model, 4, batch_size=1, profile=profile, write=False, kinds=["sample", "replicate"],
-                  memory_limit_bytes=need * 0.5)
+        make_plan(model, PlanOptions(world_size=4, batch_size=1, write=False, kinds=["sample", "replicate"],
+                                     memory_limit_bytes=need * 0.5), hooks)
         raise AssertionError("sample/replicate should not fit")
     except InfeasiblePlan:
         pass
-    r = make_plan(model, 4, batch_size=1, profile=profile, write=False, memory_limit_bytes=need * 0.5)
-    kinds = {l["choice"].split("(")[0] for l in r.plan["layers"]}
-    assert "spatial" in kinds and r.plan["predicted"]["memory_per_rank_bytes"] <= need * 0.5
+    r = make_plan(model, PlanOptions(world_size=4, batch_size=1, write=False, memory_limit_bytes=need * 0.5), hooks)
+    kinds = {l.choice.split("(")[0] for l in r.plan.layers}
+    assert "spatial" in kinds and r.plan.predicted.memory_per_rank_bytes <= need * 0.5

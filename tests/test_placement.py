@@ -13,7 +13,13 @@ from autopar.cost.table import build_cost_table
 from autopar.decomp.base import CostContext
 from autopar.decomp.placement import Placement, candidate_strides
 from autopar.errors import PlacementError, PlanFileError
-from autopar.pipeline import make_plan
+from autopar.artifacts import PlanHooks, PlanOptions
+from autopar.pipeline import make_plan as _make_plan
+
+
+def make_plan(model, world, profile, out_dir=None, write=True, placement="search"):
+    return _make_plan(model, PlanOptions(world_size=world, out_dir=out_dir, write=write, placement=placement),
+                      PlanHooks(profile=profile))
 
 # ---- arithmetic ----------------------------------------------------------------------------
 
@@ -121,27 +127,27 @@ def test_search_keeps_the_heavy_gradient_allreduce_within_a_node(mlp, two_nodes)
     which is what the heavy traffic wants."""
     r = make_plan(mlp, 4, profile=two_nodes, write=False)
     plan = r.plan
-    assert plan["mesh"]["placement"] == {"kind": "stride", "local_stride": 2}
-    tried = {t["name"]: t for t in plan["placement_search"]["tried"]}
+    assert plan.mesh.placement_json == {"kind": "stride", "local_stride": 2}
+    tried = {t["name"]: t for t in plan.placement_search["tried"]}
     assert set(tried) == {"block", "stride(2)"} and all(t["solved"] for t in tried.values())
     assert tried["stride(2)"]["step_time_s"] < 0.9 * tried["block"]["step_time_s"]
-    assert plan["predicted"]["step_time_s"] == tried["stride(2)"]["step_time_s"]
-    choices = [l["choice"] for l in plan["layers"]]
+    assert plan.predicted.step_time_s == tried["stride(2)"]["step_time_s"]
+    choices = [l.choice for l in plan.layers]
     assert any(c.startswith(("channel(2,", "filter(2,", "channel_filter(2,")) for c in choices), choices
     # the same plan under block placement is slower: its gradient groups cross nodes
     blk = make_plan(mlp, 4, profile=two_nodes, write=False, placement="block").plan
-    assert blk["mesh"]["placement"]["local_stride"] == 1
-    assert blk["predicted"]["step_time_s"] == tried["block"]["step_time_s"]
+    assert blk.mesh.local_stride == 1
+    assert blk.predicted.step_time_s == tried["block"]["step_time_s"]
     # a forced stride gives the searched plan
     forced = make_plan(mlp, 4, profile=two_nodes, write=False, placement=2).plan
-    assert forced["predicted"]["step_time_s"] == plan["predicted"]["step_time_s"]
+    assert forced.predicted.step_time_s == plan.predicted.step_time_s
 
 
 def test_search_is_skipped_on_one_node(mlp):
     r = make_plan(mlp, 4, profile=synthetic_profile(ranks_per_node=4, nodes=1, inter_factor=50.0),
                   write=False)
-    ps = r.plan["placement_search"]
-    assert r.plan["mesh"]["placement"]["local_stride"] == 1
+    ps = r.plan.placement_search
+    assert r.plan.mesh.local_stride == 1
     assert len(ps["tried"]) == 1 and "one node" in ps["tried"][0]["note"]
 
 
@@ -190,18 +196,21 @@ def test_shared_pricing_memo_gives_the_tables_fresh_pricing_gives(root):
 
 
 def test_plan_without_placement_means_block_and_bad_ones_are_named(mlp, two_nodes, tmp_path):
-    from autopar.codegen.plan import load_plan
+    from autopar.artifacts import load_plan
     from autopar.runtime.entry import plan_placement
     r = make_plan(mlp, 4, profile=two_nodes, out_dir=tmp_path / "p")
     plan = load_plan(r.plan_path)
     assert plan_placement(plan) == Placement(4, 2)
     assert "placement stride(2)" in r.module_path.read_text()
-    del plan["mesh"]["placement"]
-    assert plan_placement(plan) == Placement.identity(4)
-    plan["mesh"]["placement"] = {"kind": "stride", "local_stride": 3}
+    d = plan.to_json()
+    del d["mesh"]["placement"]
+    nop = tmp_path / "noplacement.json"
+    nop.write_text(json.dumps(d))
+    assert plan_placement(load_plan(nop)) == Placement.identity(4)
+    d["mesh"]["placement"] = {"kind": "stride", "local_stride": 3}
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(plan))
-    with pytest.raises(PlanFileError, match="bad mesh.placement"):
+    bad.write_text(json.dumps(d))
+    with pytest.raises(PlanFileError, match="mesh.placement: local stride 3 does not divide"):
         load_plan(bad)
 
 
@@ -231,14 +240,13 @@ def test_plan_with_a_strided_placement_validates_on_gloo(mlp, two_nodes, tmp_pat
     placement.logical(slot), and the plan still computes the single-process function."""
     from autopar.execute.runner import ExecuteOptions, execute
     r = make_plan(mlp, 4, profile=two_nodes, out_dir=tmp_path / "plan", placement=2)
-    assert r.plan["mesh"]["placement"] == {"kind": "stride", "local_stride": 2}
-    assert any(l["choice"] != "replicate" and not l["choice"].startswith("sample")
-               for l in r.plan["layers"])
+    assert r.plan.mesh.placement_json == {"kind": "stride", "local_stride": 2}
+    assert any(l.choice != "replicate" and not l.choice.startswith("sample") for l in r.plan.layers)
     run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1,
                                                  timeout_s=180, ddp=False),
                      out_dir=tmp_path / "run", progress=lambda s: None)
-    assert run["validation"]["passed"], run["validation"]["failures"]
-    assert run["placement"] == {"kind": "stride", "local_stride": 2}
+    assert run.validation.passed, run.validation.failures
+    assert run.placement == {"kind": "stride", "local_stride": 2}
 
 
 RELABEL = """
@@ -274,16 +282,14 @@ def test_torchrun_processes_join_as_their_logical_rank(tmp_path):
     assert [tuple(p) for p in pairs] == [(Placement(4, 2).physical(r), r) for r in range(4)]
 
 
-def test_report_shows_each_artifacts_placement(tmp_path):
-    import json
-
+def test_report_shows_each_artifacts_placement(mlp, two_nodes, tmp_path):
     from autopar.report.report import summarize
-    plan = {"schema": "autopar.plan/1", "model": {"name": "m"}, "world_size": 8,
-            "mesh": {"placement": {"kind": "stride", "local_stride": 2}},
-            "predicted": {"step_time_s": 0.01}}
-    old = dict(plan, mesh={})            # a plan written before placements existed
-    (tmp_path / "a.json").write_text(json.dumps(plan))
+    r = make_plan(mlp, 4, profile=two_nodes, out_dir=tmp_path / "p", placement=2)
+    old = r.plan.to_json()
+    old["schema"] = "autopar.plan/1"       # a plan written before placements existed
+    del old["mesh"]["placement"], old["mesh"]["ranks"]
     (tmp_path / "b.json").write_text(json.dumps(old))
-    rows = summarize([tmp_path / "a.json", tmp_path / "b.json"]).splitlines()
+    with pytest.warns(UserWarning, match="migrated"):
+        rows = summarize([r.plan_path, tmp_path / "b.json"]).splitlines()
     assert "| placement |" in rows[0]
     assert "| stride(2) | plan |" in rows[2] and "| block | plan |" in rows[3]

@@ -7,7 +7,7 @@ import pytest
 
 from autopar.calibrate.profile import save_profile
 from autopar.cli import main
-from autopar.codegen.plan import PLAN_SCHEMA, load_plan
+from autopar.artifacts import PLAN_SCHEMA, load_plan
 from autopar.errors import PlanFileError
 
 
@@ -26,13 +26,14 @@ def test_plan_writes_versioned_plan_and_module(tmp_path, root, prof_file, capsys
     text = capsys.readouterr().out
     assert "predicted step time" in text and "sample(" in text
     plan = load_plan(out / "plan.json", world_size=4)
-    assert plan["schema"] == PLAN_SCHEMA and plan["world_size"] == 4
-    assert plan["predicted"]["step_time_s"] > 0 and plan["predicted"]["memory_per_rank_bytes"] > 0
-    assert plan["solver"]["status"] == "Optimal" and plan["solver"]["gap"] is not None
-    assert plan["calibration"]["fingerprint"]["host"] == "synthetic"
-    assert len(plan["layers"]) == len(plan["graph"]["layers"])
-    assert all("source" in l and "decomposition" in l for l in plan["layers"])
-    mod = out / plan["generated"]
+    assert plan.schema == PLAN_SCHEMA and plan.world_size == 4 and plan.mesh.ranks == (0, 1, 2, 3)
+    assert plan.predicted.step_time_s > 0 and plan.predicted.memory_per_rank_bytes > 0
+    assert plan.solver.status == "Optimal" and plan.solver.gap is not None
+    assert plan.calibration["fingerprint"]["host"] == "synthetic"
+    assert len(plan.layers) == len(plan.graph().layers)
+    assert all(l.source and l.decomposition_json for l in plan.layers)
+    assert json.loads((out / "plan.json").read_text())["schema"] == "autopar.plan/2"
+    mod = out / plan.generated
     py_compile.compile(str(mod), doraise=True)
     src = mod.read_text()
     assert "class PlannedModel(DistModel)" in src and "torchrun --nproc-per-node 4" in src
@@ -44,13 +45,12 @@ def test_plan_simulated_world_needs_no_processes(tmp_path, root, prof_file):
     assert main(["plan", str(root / "strategies/examples/resnet50.py"), "--world-size", "1024",
                  "--ranks-per-node", "8", "--calibration", str(prof_file), "-o", str(out)]) == 0
     plan = load_plan(out / "plan.json")
-    mesh = dict(plan["mesh"])
-    placement = mesh.pop("placement")
-    assert mesh == {"world_size": 1024, "ranks_per_node": 8, "nodes": 128}
+    mesh = plan.mesh
+    assert (mesh.world_size, mesh.ranks_per_node, mesh.nodes) == (1024, 8, 128)
     # 128 nodes: the planner searched the rank placements and recorded why it kept this one
-    tried = plan["placement_search"]["tried"]
-    assert tried[0]["name"] == "block" and len(tried) == 8 and placement == plan["placement_search"]["chosen"]
-    assert plan["predicted"]["step_time_s"] == min(t["step_time_s"] for t in tried if t["solved"])
+    tried = plan.placement_search["tried"]
+    assert tried[0]["name"] == "block" and len(tried) == 8 and mesh.placement_json == plan.placement_search["chosen"]
+    assert plan.predicted.step_time_s == min(t["step_time_s"] for t in tried if t["solved"])
 
 
 def test_memory_limit_too_low_is_a_named_error(tmp_path, root, prof_file, capsys):

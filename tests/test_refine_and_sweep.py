@@ -126,12 +126,53 @@ def test_scaling_sweep_has_three_series(tmp_path, root, profile):
     assert plot(res, tmp_path / "s.png").is_file()
 
 
+def _op(name, inp, kind="conv"):
+    return {"name": name, "kind": kind, "target": "aten.relu.default", "args": [{"v": inp}], "kwargs": {},
+            "out_shape": [4, 8], "dtype": "float32", "inputs": [inp], "in_shapes": [[4, 8]], "params": {},
+            "param_names": {}}
+
+
+def _plan_file_json(plan):
+    """A loadable (schema-2, checked) plan around the synthetic ``plan`` of ``_plan_and_run``:
+    a chain of replicated layers whose predictions and exact keys are the synthetic ones."""
+    from autopar.artifacts import PLAN_SCHEMA
+    w = plan["world_size"]
+    layers, glayers = [], []
+    for i, l in enumerate(plan["layers"]):
+        inp = "x" if i == 0 else f"v{i - 1}"
+        glayers.append({"index": i, "name": f"v{i}", "module": f"m{i}", "inputs": [inp], "output": f"v{i}",
+                        "ops": [_op(f"v{i}", inp, l["kinds"][0])]})
+        layers.append({**l, "name": f"v{i}", "module": f"m{i}", "out_shape": [4, 8],
+                       "decomposition": {"kind": "replicate"}, "choice": "replicate",
+                       "in_layouts": {inp: []}, "out_layout": [], "source": "fit"})
+    return {**plan, "schema": PLAN_SCHEMA, "layers": layers,
+            "model": {"path": "m.py", "sha256": "0" * 64, "name": "m", "batch_size": 4},
+            "mesh": {"world_size": w, "ranks_per_node": w, "nodes": 1},
+            "calibration": {}, "solver": {"solver": "highs", "status": "Optimal"},
+            "graph": {"model_name": "m", "batch_size": 4, "output": f"v{len(layers) - 1}",
+                      "inputs": [{"name": "x", "shape": [4, 8], "dtype": "float32"}], "layers": glayers},
+            "generated": "x.py"}
+
+
+def _run_file_json(run, plan):
+    from autopar.artifacts import RUN_SCHEMA
+    per_layer = [{**m, "module": f"m{m['layer']}", "choice": "replicate", "measured_fwd_s": m["measured_s"] / 3,
+                  "measured_bwd_s": 2 * m["measured_s"] / 3, "predicted_s": 0.0} for m in run["measured"]["per_layer"]]
+    return {**run, "schema": RUN_SCHEMA, "model": "m", "world_size": plan["world_size"], "backend": "gloo",
+            "batch_size": 4, "decompositions": ["replicate"],
+            "validation": {"passed": True, "dtype": "float64", "rtol": 1e-9, "atol": 1e-12, "rule": "", "checked": 0,
+                           "checks": []},
+            "measured": {**run["measured"], "per_layer": per_layer, "step_times_s": [run["measured"]["step_time_s"]],
+                         "grad_sync_bytes_per_step": 0},
+            "predicted": plan["predicted"], "prediction_error": 0.0, "baseline": {}, "ratio_to_ddp": None,
+            "wall_s": 1.0}
+
+
 def test_cli_refine_from_run_files(tmp_path, profile, monkeypatch, capsys):
     import json
 
     from autopar.calibrate.profile import load_profile, save_profile
     from autopar.cli import main
-    from autopar.codegen.plan import PLAN_SCHEMA
     from autopar.io import sha256_file
     monkeypatch.chdir(tmp_path)
     pf = tmp_path / "p.json"
@@ -140,14 +181,12 @@ def test_cli_refine_from_run_files(tmp_path, profile, monkeypatch, capsys):
     paths = []
     for i, w in enumerate((2, 4, 2, 4)):
         plan, run = _plan_and_run(w, truth, 2.0, 0.7)
-        plan.update({"schema": PLAN_SCHEMA, "model": {}, "mesh": {}, "calibration": {}, "solver": {},
-                     "graph": {}, "generated": "x.py"})
         d = tmp_path / f"r{i}"
         d.mkdir()
-        (d / "plan.json").write_text(json.dumps(plan))
+        (d / "plan.json").write_text(json.dumps(_plan_file_json(plan)))
         run["plan"] = f"r{i}/plan.json"
         run["plan_sha256"] = sha256_file(d / "plan.json")
-        (d / "run.json").write_text(json.dumps(run))
+        (d / "run.json").write_text(json.dumps(_run_file_json(run, plan)))
         paths.append(str(d))
     assert main(["refine", str(pf), *paths, "-o", "ref.json", "--no-report"]) == 0
     out = capsys.readouterr().out
@@ -161,3 +200,7 @@ def test_cli_refine_from_run_files(tmp_path, profile, monkeypatch, capsys):
     (tmp_path / "r0/plan.json").write_text((tmp_path / "r0/plan.json").read_text() + " ")
     assert main(["refine", str(pf), *paths, "-o", "ref2.json", "--no-report"]) == 2
     assert "changed since run" in capsys.readouterr().err
+    # a run file that is not a run is refused, by name
+    (tmp_path / "r1/run.json").write_text(json.dumps({"plan": "r1/plan.json"}))
+    assert main(["refine", str(pf), *paths[1:], "-o", "ref3.json", "--no-report"]) == 2
+    assert "RunFileError" in capsys.readouterr().err

@@ -4,11 +4,11 @@ measured; predictions are labelled as such."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
-from typing import Any
 
-from ..io import atomic_write_json, atomic_write_text
+from ..artifacts import RunResult, write_run
+from ..io import atomic_write_text
 
 
 def _pct(x: float | None) -> str:
@@ -19,21 +19,21 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 1e3:.2f} ms"
 
 
-def plot_run(run: dict[str, Any], out: Path) -> list[Path]:
+def plot_run(run: RunResult, out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    pl = run["measured"]["per_layer"]
+    pl = run.measured.per_layer
     fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(pl) + 2), 4))
     xs = list(range(len(pl)))
-    ax.bar([x - 0.2 for x in xs], [p["predicted_s"] * 1e3 for p in pl], width=0.4, label="predicted")
-    ax.bar([x + 0.2 for x in xs], [p["measured_s"] * 1e3 for p in pl], width=0.4, label="measured")
+    ax.bar([x - 0.2 for x in xs], [p.predicted_s * 1e3 for p in pl], width=0.4, label="predicted")
+    ax.bar([x + 0.2 for x in xs], [p.measured_s * 1e3 for p in pl], width=0.4, label="measured")
     ax.set_xticks(xs)
-    ax.set_xticklabels([f"{p['layer']}:{p['module'][-14:]}" for p in pl], rotation=80, fontsize=6)
+    ax.set_xticklabels([f"{p.layer}:{p.module[-14:]}" for p in pl], rotation=80, fontsize=6)
     ax.set_ylabel("forward + backward time per layer (ms)")
-    ax.set_title(f"{run['model']} at world {run['world_size']}: per-layer predicted vs measured")
+    ax.set_title(f"{run.model} at world {run.world_size}: per-layer predicted vs measured")
     ax.legend()
     fig.tight_layout()
     p = out / "per_layer.png"
@@ -43,10 +43,10 @@ def plot_run(run: dict[str, Any], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     names = ["predicted (plan)", "measured (plan)"]
-    vals = [run["predicted"]["step_time_s"] * 1e3, run["measured"]["step_time_s"] * 1e3]
-    if run.get("baseline"):
+    vals = [run.predicted.step_time_s * 1e3, run.measured.step_time_s * 1e3]
+    if run.baseline:
         names.append("measured (torch DDP)")
-        vals.append(run["baseline"]["ddp_step_time_s"] * 1e3)
+        vals.append(run.baseline.ddp_step_time_s * 1e3)
     ax.bar(names, vals, color=["#8fb3de", "#1f77b4", "#ff7f0e"][: len(vals)])
     ax.set_ylabel("step time (ms)")
     ax.set_title("plan vs DDP")
@@ -60,67 +60,66 @@ def plot_run(run: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def run_markdown(run: dict[str, Any], plots: list[Path]) -> str:
-    v = run["validation"]
-    m = run["measured"]
-    b = run.get("baseline") or {}
-    lines = [f"# autopar run: {run['model']} at world size {run['world_size']} ({run['backend']})", "",
-             f"- plan: `{run['plan']}`; decompositions used: {', '.join(run['decompositions'])}",
-             f"- validation: **{'PASSED' if v['passed'] else 'FAILED'}** ({v['checked']} tensors: output, loss, "
+def run_markdown(run: RunResult, plots: list[Path]) -> str:
+    v = run.validation
+    m = run.measured
+    b = run.baseline
+    lines = [f"# autopar run: {run.model} at world size {run.world_size} ({run.backend})", "",
+             f"- plan: `{run.plan}`; decompositions used: {', '.join(run.decompositions)}",
+             f"- validation: **{'PASSED' if v.passed else 'FAILED'}** ({v.checked} tensors: output, loss, "
              f"input gradients, every parameter gradient, parameters after one SGD step, replicated buffers; "
-             f"rule {v['rule']}, rtol {v['rtol']:g}, atol {v['atol']:g})",
-             f"- step time: measured {_ms(m['step_time_s'])} (median of {len(m['step_times_s'])} steps, "
-             f"slowest rank), predicted {_ms(run['predicted']['step_time_s'])}, "
-             f"prediction error {_pct(run['prediction_error'])} (predicted - measured) / measured",
+             f"rule {v.rule}, rtol {v.rtol:g}, atol {v.atol:g})",
+             f"- step time: measured {_ms(m.step_time_s)} (median of {len(m.step_times_s)} steps, "
+             f"slowest rank), predicted {_ms(run.predicted.step_time_s)}, "
+             f"prediction error {_pct(run.prediction_error)} (predicted - measured) / measured",
              ]
     if b:
-        lines.append(f"- torch DDP on the same model and batch: {_ms(b['ddp_step_time_s'])}; plan / DDP = "
-                     f"{run['ratio_to_ddp']:.3f}x ({b['note']})")
-    gb = m["grad_sync_bytes_per_step"]
+        lines.append(f"- torch DDP on the same model and batch: {_ms(b.ddp_step_time_s)}; plan / DDP = "
+                     f"{run.ratio_to_ddp:.3f}x ({b.note})")
+    gb = m.grad_sync_bytes_per_step
     line = f"- gradient bytes all-reduced per step per rank: {gb / 2**20:.2f} MiB"
-    if b.get("ddp_allreduce_bytes_per_step"):
-        db = b["ddp_allreduce_bytes_per_step"]
+    if b and b.ddp_allreduce_bytes_per_step:
+        db = b.ddp_allreduce_bytes_per_step
         line += (f" (pure sample parallelism / DDP: {db / 2**20:.2f} MiB; "
                  f"{db / gb if gb else float('inf'):.2f}x less allreduce volume)")
     lines.append(line)
-    ph = m["phases"]
+    ph = m.phases
     lines.append(f"- instrumented step: forward {_ms(ph['fwd_s'])}, backward {_ms(ph['bwd_s'])}, waiting for "
                  f"gradient sync {_ms(ph['grad_sync_wait_s'])}, optimizer {_ms(ph['optimizer_s'])}")
     lines += ["", "## Per layer (forward + backward, instrumented step)", "",
               "| # | module | decomposition | predicted | measured | error | priced by |", "|---|---|---|---|---|---|---|"]
-    for p in m["per_layer"]:
-        err = (p["predicted_s"] - p["measured_s"]) / p["measured_s"] if p["measured_s"] > 0 else None
-        lines.append(f"| {p['layer']} | {p['module']} | {p['choice']} | {_ms(p['predicted_s'])} | "
-                     f"{_ms(p['measured_s'])} | {_pct(err)} | {p['source']} |")
-    if not v["passed"]:
+    for p in m.per_layer:
+        err = (p.predicted_s - p.measured_s) / p.measured_s if p.measured_s > 0 else None
+        lines.append(f"| {p.layer} | {p.module} | {p.choice} | {_ms(p.predicted_s)} | "
+                     f"{_ms(p.measured_s)} | {_pct(err)} | {p.source} |")
+    if not v.passed:
         lines += ["", "## Validation failures", ""]
-        for c in v["failures"]:
-            lines.append(f"- `{c['tensor']}`: max |diff| {c['max_abs_diff']:.3g}, max |ref| {c['max_abs_ref']:.3g}")
+        for c in v.failures:
+            lines.append(f"- `{c.tensor}`: max |diff| {c.max_abs_diff:.3g}, max |ref| {c.max_abs_ref:.3g}")
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
 
 
-def write_run_report(run: dict[str, Any], out: Path) -> None:
+def write_run_report(run: RunResult, out: Path) -> RunResult:
+    """Plots, run.json (atomically) and report.md into ``out``; returns the run as written
+    (with a note if the plots failed)."""
     out.mkdir(parents=True, exist_ok=True)
     try:
         plots = plot_run(run, out)
     except Exception as e:  # plots are a convenience; the figures are in run.json
         plots = []
-        run.setdefault("notes", []).append(f"plots failed: {e}")
-    atomic_write_json(out / "run.json", run)
+        run = dataclasses.replace(run, notes=tuple(run.notes) + (f"plots failed: {e}",))
+    write_run(run, out / "run.json")
     atomic_write_text(out / "report.md", run_markdown(run, plots))
-
-
-def _placement(obj) -> str:
-    """"block" or "stride(s)" (``decomp.placement``); plans and runs without one are block."""
-    if not isinstance(obj, dict) or int(obj.get("local_stride", 1)) == 1:
-        return "block"
-    return f"stride({int(obj['local_stride'])})"
+    return run
 
 
 def summarize(paths: list[str | Path]) -> str:
-    """A side-by-side table of runs (run.json or a folder holding one) and plans (plan.json)."""
+    """A side-by-side table of runs (run.json or a folder holding one) and plans (plan.json),
+    each read and checked by ``autopar.artifacts``."""
+    from ..artifacts import Plan, RunFileError, RunResult
     from ..errors import AutoparError
+    from ..io import read_json
     rows = ["| artifact | model | world | placement | kind | predicted | measured | error | validation | plan/DDP |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
@@ -128,21 +127,26 @@ def summarize(paths: list[str | Path]) -> str:
         f = p / "run.json" if (p / "run.json").is_file() else (p / "plan.json" if (p / "plan.json").is_file() else p)
         if not f.is_file():
             raise AutoparError(f"no run.json or plan.json at {p}", "give run folders, run.json or plan.json files")
-        try:
-            d = json.loads(f.read_text())
-        except json.JSONDecodeError:
-            raise AutoparError(f"{f} is corrupt or truncated", "re-run or re-plan") from None
-        if str(d.get("schema", "")).startswith("autopar.run/"):
-            ratio = d.get("ratio_to_ddp")
-            rows.append(f"| {f} | {d['model']} | {d['world_size']} | {_placement(d.get('placement'))} | run | "
-                        f"{_ms(d['predicted']['step_time_s'])} | "
-                        f"{_ms(d['measured']['step_time_s'])} | {_pct(d['prediction_error'])} | "
-                        f"{'passed' if d['validation']['passed'] else 'FAILED'} | "
+        d = read_json(f, AutoparError, "artifact")
+        schema = str(d.get("schema", "")) if isinstance(d, dict) else ""
+        if schema.startswith("autopar.run/"):
+            r = RunResult.from_json(d, str(f))
+            ratio = r.ratio_to_ddp
+            rows.append(f"| {f} | {r.model} | {r.world_size} | {_placement(r.placement)} | run | "
+                        f"{_ms(r.predicted.step_time_s)} | {_ms(r.measured.step_time_s)} | "
+                        f"{_pct(r.prediction_error)} | {'passed' if r.validation.passed else 'FAILED'} | "
                         f"{'n/a' if ratio is None else f'{ratio:.3f}x'} |")
-        elif str(d.get("schema", "")).startswith("autopar.plan/"):
-            rows.append(f"| {f} | {d['model']['name']} | {d['world_size']} | "
-                        f"{_placement((d.get('mesh') or {}).get('placement'))} | plan | {_ms(d['predicted']['step_time_s'])} | "
-                        f"n/a | n/a | not run | n/a |")
+        elif schema.startswith("autopar.plan/"):
+            pl = Plan.from_json(d, str(f))
+            rows.append(f"| {f} | {pl.model.name} | {pl.world_size} | {pl.placement()} | plan | "
+                        f"{_ms(pl.predicted.step_time_s)} | n/a | n/a | not run | n/a |")
         else:
-            raise AutoparError(f"{f} is neither an autopar run nor a plan", "give run.json or plan.json files")
+            raise RunFileError(f"{f} is neither an autopar run nor a plan", "give run.json or plan.json files")
     return "\n".join(rows)
+
+
+def _placement(obj) -> str:
+    """"block" or "stride(s)" (``decomp.placement``); runs without one are block."""
+    if not isinstance(obj, dict) or int(obj.get("local_stride", 1)) == 1:
+        return "block"
+    return f"stride({int(obj['local_stride'])})"

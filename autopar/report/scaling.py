@@ -29,6 +29,7 @@ FAMILIES = {
 def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
           memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
           families: dict | None = None, placement: str | int = "search") -> dict[str, Any]:
+    from ..artifacts import PlanHooks, PlanOptions
     from ..errors import AutoparError
     from ..pipeline import load_calibration, make_plan
     from ..modelfile import load_model_file
@@ -42,13 +43,14 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
         pts = []
         for w in worlds:
             try:
-                r = make_plan(model, w, batch_size=batch, profile=profile, calibration=calibration,
-                              kinds=kinds, memory_limit_bytes=memory_limit_bytes, write=False,
-                              ranks_per_node=ranks_per_node, graph=graph, choice_filter=keep,
-                              placement=placement)
-                pts.append({"world": w, "step_time_s": r.plan["predicted"]["step_time_s"],
-                            "memory_per_rank_bytes": r.plan["predicted"]["memory_per_rank_bytes"],
-                            "decompositions": sorted({l["choice"] for l in r.plan["layers"]})})
+                r = make_plan(model, PlanOptions(world_size=w, batch_size=batch, calibration=calibration,
+                                                 kinds=kinds, memory_limit_bytes=memory_limit_bytes,
+                                                 write=False, ranks_per_node=ranks_per_node,
+                                                 placement=placement),
+                              PlanHooks(profile=profile, graph=graph, choice_filter=keep))
+                pts.append({"world": w, "step_time_s": r.plan.predicted.step_time_s,
+                            "memory_per_rank_bytes": r.plan.predicted.memory_per_rank_bytes,
+                            "decompositions": r.plan.decompositions()})
             except AutoparError as e:
                 out["skipped"].append({"series": name, "world": w, "reason": str(e)})
         out["series"][name] = pts

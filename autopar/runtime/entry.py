@@ -7,34 +7,33 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
-
 import torch
 
+from ..artifacts import Plan, load_plan
 from ..decomp.placement import Placement
 from ..modelfile import load_model_file
 from .comm import Comm
 
 
-def read_plan(plan_file: str | Path) -> dict[str, Any]:
-    from ..codegen.plan import load_plan
+def read_plan(plan_file: str | Path) -> Plan:
+    """The typed plan (``autopar.artifacts``), checked before any collective starts."""
     return load_plan(plan_file)
 
 
-def plan_placement(plan: dict[str, Any]) -> Placement:
-    """The plan's rank placement (``mesh.placement``); plans made before placements existed
-    have none, which means the identity (block placement)."""
-    return Placement.from_json(plan["mesh"].get("placement"), int(plan["world_size"]))
+def plan_placement(plan: Plan) -> Placement:
+    """The plan's rank placement (``mesh.placement``; plans made before placements existed
+    load as the identity, block placement)."""
+    return plan.placement()
 
 
-def model_path(plan: dict[str, Any], plan_file: str | Path) -> Path:
-    p = Path(plan["model"]["path"])
+def model_path(plan: Plan, plan_file: str | Path) -> Path:
+    p = Path(plan.model.path)
     if not p.is_absolute():
         p = (Path(plan_file).resolve().parent / p).resolve()
     return p
 
 
-def build_user_model(plan: dict[str, Any], plan_file: str | Path, seed: int):
+def build_user_model(plan: Plan, plan_file: str | Path, seed: int):
     mf = load_model_file(model_path(plan, plan_file))
     torch.manual_seed(seed)
     return mf, mf.build_model()
@@ -70,7 +69,7 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     mf, model = build_user_model(plan, plan_file, args.seed)
     dm = cls(plan, model, Comm.from_env())
     opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)
-    xs, ys = synthetic_batch(mf, int(plan["model"]["batch_size"]), args.seed + 1)
+    xs, ys = synthetic_batch(mf, plan.model.batch_size, args.seed + 1)
     local = dm.shard_inputs(xs)
     loss_fn = mf.loss_fn()
     times = []
@@ -93,6 +92,6 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     if rank == 0:
         steady = sorted(times[1:] or times)
         print(json.dumps({"median_step_time_s": steady[len(steady) // 2],
-                          "predicted_step_time_s": plan["predicted"]["step_time_s"]}), flush=True)
+                          "predicted_step_time_s": plan.predicted.step_time_s}), flush=True)
     dist.destroy_process_group()
     return 0

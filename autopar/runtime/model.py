@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..decomp import decomposition_from_json
+from ..artifacts import Plan, plan_from_decisions
 from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.layout import Layout, loss_layout_for
@@ -112,18 +112,21 @@ def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
 
 
 class DistModel(nn.Module):
-    def __init__(self, plan: dict[str, Any], model: nn.Module, comm: Comm | None = None,
+    def __init__(self, plan: Plan | dict[str, Any], model: nn.Module, comm: Comm | None = None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
         super().__init__()
         self.comm = comm or Comm.from_env()
         world = self.comm.world
-        if int(plan["world_size"]) != world:
+        if not isinstance(plan, Plan):   # a plan file's dict (older generated modules) or an in-memory
+            # plan of decisions only (calibrate.overhead): both checked like a plan file
+            plan = (Plan.from_json(plan, "the plan given to DistModel") if "schema" in plan
+                    else plan_from_decisions(plan, "the plan given to DistModel"))
+        if plan.world_size != world:
             from ..errors import PlanFileError
-            raise PlanFileError(f"plan was made for world size {plan['world_size']}, running at {world}",
+            raise PlanFileError(f"plan was made for world size {plan.world_size}, running at {world}",
                                 f"re-plan with --world-size {world}")
-        self.graph = LayerGraphData.from_json(plan["graph"])
-        self.decisions: dict[int, Decomposition] = {
-            int(d["layer"]): decomposition_from_json(d["decomposition"]) for d in plan["layers"]}
+        self.graph = plan.graph()
+        self.decisions: dict[int, Decomposition] = {d.layer: d.decomposition() for d in plan.layers}
         self.layer_of: dict[str, int] = {}
         self.spec: dict[str, OpSpec] = {}
         for lay in self.graph.layers:
@@ -132,7 +135,7 @@ class DistModel(nn.Module):
                 self.spec[op.name] = op
         self.first_op = {lay.ops[0].name: lay.index for lay in self.graph.layers}
         self.last_op = {lay.ops[-1].name: lay.index for lay in self.graph.layers}
-        self.buffer_updates = [OpSpec.from_json(o) for o in plan["graph"].get("buffer_updates", [])]
+        self.buffer_updates = list(self.graph.buffer_updates)
         self.timer: LayerTimer | None = None
 
         # ---- parameters: this rank's shard of each ----------------------------------------

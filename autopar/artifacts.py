@@ -1,0 +1,918 @@
+"""Typed artifacts: the plan, the run result, the multi-plan run file and the planning options,
+as frozen values, and the ONE module that reads and writes them as JSON.
+
+Pure: no torch, no solver, no tracer (the runtime imports this module). ``autopar.decomp`` (the
+registry, ``Layout``, ``Placement``, the layer graph types) is imported lazily, only to check a
+plan on load and to build what a caller asks for (``Plan.graph()``, ``LayerDecision.decomposition()``).
+
+Schemas
+-------
+``autopar.plan/2`` (``Plan``), top-level keys::
+
+    schema, created, autopar_version, plan_file
+    model        {path, sha256, name, batch_size, tracer}                     ModelRef
+    world_size   int (== mesh.world_size)
+    mesh         {world_size, ranks_per_node, nodes, placement, ranks}         MeshInfo
+                 placement {kind: "stride", local_stride: S}: which physical slot runs each
+                 logical rank (``autopar.decomp.placement``); ranks: the global ranks the plan
+                 runs on, in logical order (a plan file alone: 0..W-1; a run set places a plan on
+                 other ranks of a larger world, see ``RunSet``)
+    placement_search  every placement priced (``autopar.solve.placement``), or absent
+    calibration  {path, fingerprint, provenance}
+    solver       {solver, status, sol_status, time_s, gap, objective_s, variables, constraints,
+                  notes, memory_limit_bytes, candidates, max_candidates_per_layer}  SolverInfo
+    predicted    {step_time_s, fwd_s, bwd_s, grad_sync_s, exposed_comm_s, optimizer_s,
+                  memory_per_rank_bytes, grad_sync_bytes}                   Prediction
+    layers       [{layer, name, module, kinds, out_shape, decomposition, choice, in_layouts,
+                   out_layout, predicted (LayerCost JSON), source, exact_keys, alternatives,
+                   illegal}]                                                 LayerDecision
+    transitions  [{src, dst, value, src_layout, dst_layout, fwd_s, bwd_s}]   TransitionDecision
+    graph        the layer graph, ``LayerGraphData`` JSON kept as is       Plan.graph_json
+    generated    file name of the generated module beside plan.json
+    timings_s    seconds per planning stage
+
+Schema 1 -> 2: schema 2 only adds ``mesh.ranks`` (and makes ``mesh.placement`` explicit). A
+schema-1 plan is therefore **migrated on load** (ranks 0..W-1, a missing placement = block):
+lossless, announced by a ``PlanMigrated`` warning naming the file, never written back. Any other
+schema is refused with ``PlanFileError`` saying to re-plan.
+
+``autopar.run/1`` (``RunResult``): run.json of ``autopar execute``, unchanged in content.
+
+``autopar.runset/1`` (``RunSet``): several plans run at once on disjoint sub-meshes of one world::
+
+    {"schema": "autopar.runset/1", "world_size": W,
+     "plans": [{"plan": "path/plan.json", "ranks": [0, 1]}, ...]}
+
+Checks on load (``PlanFileError`` naming the unit and the field, before any process starts):
+mesh ranks out of the world or repeated; sub-meshes of a run set that overlap (both plans and
+the shared ranks named); a layer whose ``in_layouts`` miss an input value, name a dim the
+tensor lacks, split a dim more ways than its extent, or whose blocks do not divide the world
+(likewise ``out_layout``); layouts that disagree with the layer's decomposition; an unknown
+decomposition kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .errors import AutoparError, PlanFileError
+from .io import atomic_write_json, read_json
+
+PLAN_SCHEMA = "autopar.plan/2"
+#: older plan schemas this autopar migrates on load (losslessly)
+MIGRATED_PLAN_SCHEMAS = ("autopar.plan/1",)
+RUN_SCHEMA = "autopar.run/1"
+RUNSET_SCHEMA = "autopar.runset/1"
+REPLAN = "re-plan (autopar plan) instead of editing plan.json by hand"
+
+
+class PlanMigrated(UserWarning):
+    """A plan of an older schema was migrated on load (losslessly); re-plan to silence it."""
+
+
+class RunFileError(AutoparError):
+    """A run file (run.json) is missing, truncated or of another schema."""
+
+
+def _bad(src: str, unit: str, fld: str, what: str, hint: str = REPLAN) -> PlanFileError:
+    return PlanFileError(f"{src}: {unit}, field {fld}: {what}", hint)
+
+
+# ---- flat records: known fields typed, unknown keys kept (``extra``) for forward compatibility --
+
+class _Record:
+    """A frozen JSON object: every dataclass field but ``extra`` is a key; unknown keys are kept
+    in ``extra`` and written back, so a field added by another stage survives a round trip."""
+
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        out.update(getattr(self, "extra", {}) or {})
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]):
+        names = {f.name for f in fields(cls)} - {"extra"}  # type: ignore[arg-type]
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in names}
+        extra = {k: v for k, v in obj.items() if k not in names}
+        if "extra" in {f.name for f in fields(cls)}:  # type: ignore[arg-type]
+            kw["extra"] = extra
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class ModelRef(_Record):
+    """The model file a plan was made from (``path`` relative to the plan's folder)."""
+    path: str
+    sha256: str
+    name: str
+    batch_size: int
+    tracer: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prediction(_Record):
+    """Predicted step (seconds, bytes per rank); the cost model's figures, never measured."""
+    step_time_s: float
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    grad_sync_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    optimizer_s: float = 0.0
+    memory_per_rank_bytes: float = 0.0
+    grad_sync_bytes: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SolverInfo(_Record):
+    """How the ILP was solved (``autopar.solve.ilp.Solution`` plus what the planner added)."""
+    solver: str
+    status: str
+    sol_status: int | None = None
+    time_s: float = 0.0
+    gap: float | None = None
+    objective_s: float | None = None
+    variables: int = 0
+    constraints: int = 0
+    notes: tuple[str, ...] = ()
+    memory_limit_bytes: float | None = None
+    candidates: Mapping[str, int] = field(default_factory=dict)
+    max_candidates_per_layer: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TransitionDecision(_Record):
+    """A redistribution of value ``value`` between layer ``src`` and layer ``dst``."""
+    src: int
+    dst: int
+    value: str
+    src_layout: str
+    dst_layout: str
+    fwd_s: float
+    bwd_s: float
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _layout_tuple(obj) -> tuple[tuple[int, int], ...]:
+    return tuple((int(d), int(p)) for d, p in obj)
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """One layer's decomposition and what the cost model predicted for it.
+
+    ``in_layouts`` / ``out_layout``: ``((dim, parts), ...)`` per value (``autopar.decomp.layout``);
+    ``decomposition_json`` is the decomposition's JSON (key ``decomposition`` in the file)."""
+    layer: int
+    name: str
+    module: str
+    kinds: tuple[str, ...]
+    out_shape: tuple[int, ...]
+    decomposition_json: Mapping[str, Any]
+    choice: str
+    in_layouts: Mapping[str, tuple[tuple[int, int], ...]]
+    out_layout: tuple[tuple[int, int], ...]
+    predicted: Mapping[str, Any]          # LayerCost JSON (``autopar.decomp.base.LayerCost``)
+    source: str = ""
+    exact_keys: tuple[str, ...] = ()
+    alternatives: tuple[Mapping[str, Any], ...] = ()
+    illegal: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    _KEYS = ("layer", "name", "module", "kinds", "out_shape", "decomposition", "choice",
+             "in_layouts", "out_layout", "predicted", "source", "exact_keys", "alternatives",
+             "illegal")
+
+    @property
+    def kind(self) -> str:
+        return str(self.decomposition_json.get("kind", ""))
+
+    def decomposition(self):
+        """The ``Decomposition`` value (``autopar.decomp``), built on each call."""
+        from .decomp import decomposition_from_json
+        return decomposition_from_json(dict(self.decomposition_json))
+
+    # predicted seconds of this layer (the cost model's, see ``predicted``)
+    @property
+    def fwd_s(self) -> float:
+        p = self.predicted
+        return float(p.get("fwd_compute_s", 0.0)) + float(p.get("fwd_comm_s", 0.0))
+
+    @property
+    def bwd_s(self) -> float:
+        p = self.predicted
+        return float(p.get("bwd_compute_s", 0.0)) + float(p.get("bwd_comm_s", 0.0))
+
+    @property
+    def grad_sync_s(self) -> float:
+        return float(self.predicted.get("grad_sync_s", 0.0))
+
+    @property
+    def memory_bytes(self) -> float:
+        return float(self.predicted.get("memory_bytes", 0.0))
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"layer": self.layer, "name": self.name, "module": self.module,
+               "kinds": list(self.kinds), "out_shape": list(self.out_shape),
+               "decomposition": dict(self.decomposition_json), "choice": self.choice,
+               "in_layouts": {v: [list(s) for s in lay] for v, lay in self.in_layouts.items()},
+               "out_layout": [list(s) for s in self.out_layout],
+               "predicted": dict(self.predicted), "source": self.source,
+               "exact_keys": list(self.exact_keys), "alternatives": [dict(a) for a in self.alternatives],
+               "illegal": dict(self.illegal)}
+        out.update(self.extra)
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> "LayerDecision":
+        return LayerDecision(
+            layer=int(obj["layer"]), name=str(obj.get("name", "")), module=str(obj.get("module") or ""),
+            kinds=tuple(obj.get("kinds", ())), out_shape=tuple(int(x) for x in obj.get("out_shape", ())),
+            decomposition_json=dict(obj["decomposition"]), choice=str(obj.get("choice", "")),
+            in_layouts={str(v): _layout_tuple(lay) for v, lay in (obj.get("in_layouts") or {}).items()},
+            out_layout=_layout_tuple(obj.get("out_layout") or ()),
+            predicted=dict(obj.get("predicted") or {}), source=str(obj.get("source", "")),
+            exact_keys=tuple(obj.get("exact_keys") or ()),
+            alternatives=tuple(dict(a) for a in obj.get("alternatives") or ()),
+            illegal=dict(obj.get("illegal") or {}),
+            extra={k: v for k, v in obj.items() if k not in LayerDecision._KEYS})
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The ranks a plan runs on: ``world_size`` ranks, ``ranks_per_node`` per node, ``nodes``
+    nodes, the rank placement (local stride, 1 = block) and ``ranks``: the global ranks in
+    logical order (default ``0..world_size-1``)."""
+    world_size: int
+    ranks_per_node: int
+    nodes: int
+    local_stride: int = 1
+    ranks: tuple[int, ...] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "world_size", int(self.world_size))
+        if self.ranks is None:
+            object.__setattr__(self, "ranks", tuple(range(self.world_size)))
+        else:
+            object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+
+    def placement(self):
+        """The ``Placement`` (``autopar.decomp.placement``) the runtime applies at init."""
+        from .decomp.placement import Placement
+        return Placement(self.world_size, self.local_stride)
+
+    @property
+    def placement_json(self) -> dict[str, Any]:
+        return {"kind": "stride", "local_stride": self.local_stride}
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
+               "placement": self.placement_json, "ranks": list(self.ranks or ())}
+        out.update(self.extra)
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any], src: str = "plan") -> "MeshInfo":
+        pl = obj.get("placement")
+        if pl is None:
+            stride = 1
+        elif isinstance(pl, Mapping) and pl.get("kind") == "stride" and isinstance(pl.get("local_stride"), int):
+            stride = int(pl["local_stride"])
+        else:
+            raise _bad(src, "mesh", "mesh.placement", f"unknown placement {pl!r} "
+                       '(expected {"kind": "stride", "local_stride": S})')
+        known = {"world_size", "ranks_per_node", "nodes", "placement", "ranks"}
+        try:
+            return MeshInfo(world_size=int(obj["world_size"]), ranks_per_node=int(obj["ranks_per_node"]),
+                            nodes=int(obj["nodes"]), local_stride=stride,
+                            ranks=None if obj.get("ranks") is None else tuple(obj["ranks"]),
+                            extra={k: v for k, v in obj.items() if k not in known})
+        except KeyError as e:
+            raise _bad(src, "mesh", f"mesh.{e.args[0]}", "missing") from None
+        except (TypeError, ValueError) as e:
+            raise _bad(src, "mesh", "mesh", f"not integers ({e})") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan: one decision per layer of ``graph_json``, the transitions between them, what the
+    cost model predicts, and where it came from. Loadable without a process group."""
+    model: ModelRef
+    mesh: MeshInfo
+    calibration: Mapping[str, Any]
+    solver: SolverInfo
+    predicted: Prediction
+    layers: tuple[LayerDecision, ...]
+    transitions: tuple[TransitionDecision, ...]
+    graph_json: Mapping[str, Any]        # ``LayerGraphData`` JSON, kept as is
+    generated: str
+    created: str = ""
+    autopar_version: str = ""
+    plan_file: str = "plan.json"
+    placement_search: Mapping[str, Any] | None = None
+    timings_s: Mapping[str, float] = field(default_factory=dict)
+    schema: str = PLAN_SCHEMA
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
+             "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
+             "graph", "generated", "timings_s")
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def graph(self):
+        """The layer graph (``autopar.decomp.ir.LayerGraphData``), built anew on each call from
+        ``graph_json`` (so no caller can change another's copy)."""
+        from .decomp.ir import LayerGraphData
+        return LayerGraphData.from_json(self.graph_json)
+
+    def placement(self):
+        return self.mesh.placement()
+
+    def layer(self, index: int) -> LayerDecision:
+        for d in self.layers:
+            if d.layer == index:
+                return d
+        raise KeyError(index)
+
+    def decompositions(self) -> list[str]:
+        """The distinct decompositions used, sorted (``choice`` strings)."""
+        return sorted({d.choice for d in self.layers})
+
+    def with_ranks(self, ranks: Sequence[int]) -> "Plan":
+        """The same plan placed on the global ranks ``ranks`` (a run set's sub-mesh)."""
+        return dataclasses.replace(self, mesh=dataclasses.replace(self.mesh, ranks=tuple(ranks)))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": self.schema, "created": self.created, "autopar_version": self.autopar_version,
+            "plan_file": self.plan_file, "model": self.model.to_json(), "world_size": self.world_size,
+            "mesh": self.mesh.to_json()}
+        if self.placement_search is not None:
+            out["placement_search"] = dict(self.placement_search)
+        out.update({
+            "calibration": dict(self.calibration), "solver": self.solver.to_json(),
+            "predicted": self.predicted.to_json(), "layers": [d.to_json() for d in self.layers],
+            "transitions": [t.to_json() for t in self.transitions], "graph": dict(self.graph_json),
+            "generated": self.generated, "timings_s": dict(self.timings_s)})
+        out.update(self.extra)
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any], src: str = "plan", world_size: int | None = None) -> "Plan":
+        """Parse and check a plan (any schema this autopar reads; schema 1 is migrated, with a
+        ``PlanMigrated`` warning naming ``src``). ``PlanFileError`` names the unit and field."""
+        if not isinstance(obj, Mapping) or "schema" not in obj:
+            raise PlanFileError(f"{src} is not an autopar plan (no schema field)", "run `autopar plan` to make one")
+        obj = _migrate(dict(obj), src)
+        missing = [k for k in ("model", "world_size", "mesh", "calibration", "solver", "predicted",
+                               "layers", "graph", "generated") if k not in obj]
+        if missing:
+            raise PlanFileError(f"{src} is incomplete: missing {', '.join(missing)}", "re-plan")
+        try:
+            model = ModelRef.from_json(obj["model"])
+        except TypeError as e:
+            raise _bad(src, "model", "model", f"malformed ({e})") from None
+        mesh = MeshInfo.from_json(obj["mesh"], src)
+        try:
+            solver = SolverInfo.from_json(obj["solver"])
+            predicted = Prediction.from_json(obj["predicted"])
+        except TypeError as e:
+            raise _bad(src, "plan", "solver/predicted", f"malformed ({e})") from None
+        layers = []
+        for i, d in enumerate(obj["layers"]):
+            try:
+                layers.append(LayerDecision.from_json(d))
+            except (KeyError, TypeError, ValueError) as e:
+                raise _bad(src, f"layers[{i}]", f"layers[{i}]", f"malformed ({e.__class__.__name__}: {e})") from None
+        trans = []
+        for i, t in enumerate(obj.get("transitions") or ()):
+            try:
+                trans.append(TransitionDecision.from_json(t))
+            except TypeError as e:
+                raise _bad(src, f"transitions[{i}]", f"transitions[{i}]", f"malformed ({e})") from None
+        plan = Plan(model=model, mesh=mesh, calibration=dict(obj["calibration"] or {}), solver=solver,
+                    predicted=predicted, layers=tuple(layers), transitions=tuple(trans),
+                    graph_json=obj["graph"], generated=str(obj["generated"]),
+                    created=str(obj.get("created", "")), autopar_version=str(obj.get("autopar_version", "")),
+                    plan_file=str(obj.get("plan_file", "plan.json")),
+                    placement_search=obj.get("placement_search"), timings_s=dict(obj.get("timings_s") or {}),
+                    schema=PLAN_SCHEMA, extra={k: v for k, v in obj.items() if k not in Plan._KEYS})
+        if int(obj["world_size"]) != mesh.world_size:
+            raise _bad(src, "mesh", "world_size", f"{obj['world_size']} but mesh.world_size is {mesh.world_size}")
+        check_plan(plan, src)
+        if world_size is not None and plan.world_size != int(world_size):
+            raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",
+                                f"re-plan with --world-size {world_size}")
+        return plan
+
+
+def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> Plan:
+    """A plan built in memory from only ``{"world_size", "graph", "layers": [{"layer",
+    "decomposition"}]}`` (e.g. ``calibrate.overhead``'s synthetic chain): the layouts are the
+    decompositions' own, every prediction is empty; checked like a plan file."""
+    from .decomp import decomposition_from_json
+    from .decomp.ir import Layer
+    try:
+        world = int(obj["world_size"])
+        glayers = {int(g["index"]): g for g in obj["graph"]["layers"]}
+        decisions = []
+        for d in obj["layers"]:
+            gl = glayers[int(d["layer"])]
+            dec = decomposition_from_json(dict(d["decomposition"]))
+            lay = Layer.from_json(gl)
+            decisions.append(LayerDecision(
+                layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
+                out_shape=tuple(lay.out_shape), decomposition_json=dec.to_json(), choice=str(dec),
+                in_layouts={v: _layout_tuple(dec.in_layout(lay, v).to_json()) for v in lay.inputs},
+                out_layout=_layout_tuple(dec.out_layout(lay).to_json()), predicted={}))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanFileError(f"{src} needs world_size, graph and layers [{{layer, decomposition}}] "
+                            f"({e.__class__.__name__}: {e})", "make the plan with `autopar plan`") from None
+    plan = Plan(model=ModelRef(path="", sha256="", name=str(obj["graph"].get("model_name", "")),
+                               batch_size=int(obj["graph"].get("batch_size", 0))),
+                mesh=MeshInfo(world_size=world, ranks_per_node=world, nodes=1), calibration={},
+                solver=SolverInfo(solver="", status="not solved"), predicted=Prediction(step_time_s=0.0),
+                layers=tuple(decisions), transitions=(), graph_json=obj["graph"], generated="")
+    check_plan(plan, src)
+    return plan
+
+
+def _migrate(obj: dict[str, Any], src: str) -> dict[str, Any]:
+    schema = obj.get("schema")
+    if schema == PLAN_SCHEMA:
+        return obj
+    if schema in MIGRATED_PLAN_SCHEMAS:
+        mesh = dict(obj.get("mesh") or {})
+        world = mesh.get("world_size", obj.get("world_size"))
+        if mesh.get("placement") is None:
+            mesh["placement"] = {"kind": "stride", "local_stride": 1}   # older plans: block
+        if world is not None and "ranks" not in mesh:
+            mesh["ranks"] = list(range(int(world)))
+        obj["mesh"] = mesh
+        obj["schema"] = PLAN_SCHEMA
+        warnings.warn(f"{src}: plan of schema {schema} migrated to {PLAN_SCHEMA} on load (lossless: "
+                      f"mesh.ranks = 0..{int(world) - 1 if world is not None else 'W-1'} added); re-plan to "
+                      f"write the new schema", PlanMigrated, stacklevel=3)
+        return obj
+    raise PlanFileError(f"{src} has schema {schema!r}; this autopar reads {PLAN_SCHEMA!r} "
+                        f"(and migrates {', '.join(MIGRATED_PLAN_SCHEMAS)})",
+                        "re-plan with this version of autopar")
+
+
+# ---- checks on load -------------------------------------------------------------------------
+
+def check_ranks(ranks: Sequence[int], world: int, src: str, unit: str, fld: str) -> None:
+    """Every rank in ``0..world-1`` and none twice."""
+    bad = [r for r in ranks if not 0 <= int(r) < world]
+    if bad:
+        raise _bad(src, unit, fld, f"ranks {bad} are outside the world of {world} ranks (0..{world - 1})")
+    seen, dup = set(), []
+    for r in ranks:
+        if r in seen:
+            dup.append(r)
+        seen.add(r)
+    if dup:
+        raise _bad(src, unit, fld, f"ranks {sorted(set(dup))} appear more than once")
+
+
+def check_layout(layout: Sequence[Sequence[int]], shape: Sequence[int], world: int, src: str,
+                 unit: str, fld: str) -> None:
+    """A layout covers its tensor: dims the tensor has, each split into at most its extent,
+    each dim split once, and a number of blocks that divides the world."""
+    dims = []
+    for d, p in layout:
+        if not 0 <= d < len(shape):
+            raise _bad(src, unit, fld, f"splits dim {d}, but the tensor {list(shape)} has {len(shape)} dims")
+        if p < 1:
+            raise _bad(src, unit, fld, f"splits dim {d} into {p} parts (must be >= 1)")
+        if p > shape[d]:
+            raise _bad(src, unit, fld, f"splits dim {d} of extent {shape[d]} into {p} parts "
+                       f"(more parts than elements: some ranks would hold nothing)")
+        if d in dims:
+            raise _bad(src, unit, fld, f"splits dim {d} twice")
+        dims.append(d)
+    blocks = math.prod(p for _, p in layout)
+    if world % blocks:
+        raise _bad(src, unit, fld, f"{blocks} blocks do not divide the world of {world} ranks")
+
+
+def check_plan(plan: Plan, src: str = "plan") -> None:
+    """Everything a plan must satisfy before any process starts (see the module docstring)."""
+    from .decomp import REGISTRY
+    from .decomp.ir import Layer
+    from .decomp.layout import Layout
+
+    world = plan.world_size
+    mesh = plan.mesh
+    if world < 1:
+        raise _bad(src, "mesh", "mesh.world_size", f"{world} (must be >= 1)")
+    if mesh.ranks_per_node < 1 or mesh.nodes < 1 or mesh.ranks_per_node * mesh.nodes < world:
+        raise _bad(src, "mesh", "mesh.ranks_per_node/nodes", f"{mesh.nodes} nodes x {mesh.ranks_per_node} "
+                   f"ranks per node do not hold {world} ranks")
+    if mesh.local_stride < 1 or world % mesh.local_stride:
+        raise _bad(src, "mesh", "mesh.placement", f"local stride {mesh.local_stride} does not divide "
+                   f"the world size {world}")
+    if len(mesh.ranks) != world:
+        raise _bad(src, "mesh", "mesh.ranks", f"{len(mesh.ranks)} ranks for a world of {world}")
+    check_ranks(mesh.ranks, world, src, "mesh", "mesh.ranks")
+
+    g = plan.graph_json
+    try:
+        glayers = {int(gl["index"]): gl for gl in g["layers"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise _bad(src, "graph", "graph.layers", f"malformed ({e.__class__.__name__}: {e})") from None
+    decided = [d.layer for d in plan.layers]
+    missing = sorted(set(glayers) - set(decided))
+    if missing:
+        raise _bad(src, f"layers {missing[:8]}", "layers", "the graph has these layers but the plan decides nothing for them")
+    dup = sorted({i for i in decided if decided.count(i) > 1})
+    if dup:
+        raise _bad(src, f"layers {dup[:8]}", "layers", "decided more than once")
+    for i, d in enumerate(plan.layers):
+        unit = f"layer {d.layer} ({d.module or d.name})"
+        if d.layer not in glayers:
+            raise _bad(src, unit, f"layers[{i}].layer", "no such layer in the plan's graph")
+        if d.kind not in REGISTRY:
+            raise _bad(src, unit, f"layers[{i}].decomposition.kind",
+                       f"unknown decomposition kind {d.kind!r}; known: {sorted(REGISTRY)}")
+        gl = glayers[d.layer]
+        ops = gl.get("ops") or []
+        shapes: dict[str, list[int]] = {}
+        for op in ops:
+            for v, s in zip(op.get("inputs", []), op.get("in_shapes", [])):
+                shapes.setdefault(v, s)
+        for v in gl.get("inputs", []):
+            if v not in d.in_layouts:
+                raise _bad(src, unit, f"layers[{i}].in_layouts",
+                           f"misses input value {v!r} of the layer (inputs {list(gl.get('inputs', []))})")
+        for v, lay in d.in_layouts.items():
+            if v not in gl.get("inputs", []):
+                raise _bad(src, unit, f"layers[{i}].in_layouts[{v!r}]", "is not an input value of the layer")
+            check_layout(lay, shapes.get(v, []), world, src, unit, f"layers[{i}].in_layouts[{v!r}]")
+        out_shape = ops[-1]["out_shape"] if ops else list(d.out_shape)
+        check_layout(d.out_layout, out_shape, world, src, unit, f"layers[{i}].out_layout")
+        # the runtime computes layouts from the decomposition: the stated ones must be its own
+        try:
+            dec = d.decomposition()
+            layer = Layer.from_json(gl)
+            want_in = {v: dec.in_layout(layer, v) for v in gl.get("inputs", [])}
+            want_out = dec.out_layout(layer)
+        except Exception as e:  # a hand-edited decomposition the registry cannot build
+            raise _bad(src, unit, f"layers[{i}].decomposition",
+                       f"{dict(d.decomposition_json)} cannot be built for this layer ({e.__class__.__name__}: {e})") from None
+        for v, want in want_in.items():
+            if Layout.from_json(d.in_layouts[v]) != want:
+                raise _bad(src, unit, f"layers[{i}].in_layouts[{v!r}]",
+                           f"is {[list(s) for s in d.in_layouts[v]]} but decomposition {dec} reads the "
+                           f"tensor as {want.to_json()}")
+        if Layout.from_json(d.out_layout) != want_out:
+            raise _bad(src, unit, f"layers[{i}].out_layout",
+                       f"is {[list(s) for s in d.out_layout]} but decomposition {dec} writes {want_out.to_json()}")
+    for i, t in enumerate(plan.transitions):
+        for end in ("src", "dst"):
+            if getattr(t, end) not in glayers:
+                raise _bad(src, f"transition {i} ({t.value})", f"transitions[{i}].{end}",
+                           f"layer {getattr(t, end)} is not in the plan's graph")
+
+
+# ---- plan files -----------------------------------------------------------------------------
+
+def load_plan(path: str | Path, world_size: int | None = None) -> Plan:
+    """Read and check a plan file; ``PlanFileError`` (named, says what to do) otherwise."""
+    obj = read_json(path, PlanFileError, "plan file")
+    return Plan.from_json(obj, str(path), world_size=world_size)
+
+
+def write_plan(plan: Plan, path: str | Path) -> Path:
+    """Write ``plan`` atomically (a crash leaves the old file or the new one)."""
+    atomic_write_json(path, plan.to_json())
+    return Path(path)
+
+
+# ---- run results ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Check(_Record):
+    """One tensor of the validation step against the single-process run."""
+    tensor: str
+    passed: bool
+    max_abs_diff: float
+    max_abs_ref: float
+    rel: float
+    note: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if out.get("note") is None:
+            out.pop("note", None)
+        return out
+
+
+@dataclass(frozen=True)
+class Validation:
+    passed: bool
+    dtype: str
+    rtol: float
+    atol: float
+    rule: str
+    checked: int
+    checks: tuple[Check, ...]
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passed": self.passed, "dtype": self.dtype, "rtol": self.rtol, "atol": self.atol,
+                "rule": self.rule, "checked": self.checked,
+                "failures": [c.to_json() for c in self.failures], "checks": [c.to_json() for c in self.checks]}
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> "Validation":
+        return Validation(passed=bool(obj["passed"]), dtype=str(obj["dtype"]), rtol=float(obj["rtol"]),
+                          atol=float(obj["atol"]), rule=str(obj.get("rule", "")), checked=int(obj["checked"]),
+                          checks=tuple(Check.from_json(c) for c in obj.get("checks", ())))
+
+
+@dataclass(frozen=True)
+class LayerTiming(_Record):
+    """One layer's measured (instrumented steps, slowest rank, median) and predicted seconds."""
+    layer: int
+    module: str
+    choice: str
+    measured_s: float
+    measured_fwd_s: float
+    measured_bwd_s: float
+    predicted_s: float
+    source: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Measured:
+    step_time_s: float
+    step_times_s: tuple[float, ...]
+    phases: Mapping[str, float]
+    per_layer: tuple[LayerTiming, ...]
+    grad_sync_bytes_per_step: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "step_times_s": list(self.step_times_s),
+                "phases": dict(self.phases), "per_layer": [p.to_json() for p in self.per_layer],
+                "grad_sync_bytes_per_step": self.grad_sync_bytes_per_step}
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> "Measured":
+        return Measured(step_time_s=float(obj["step_time_s"]), step_times_s=tuple(obj.get("step_times_s", ())),
+                        phases=dict(obj.get("phases") or {}),
+                        per_layer=tuple(LayerTiming.from_json(p) for p in obj.get("per_layer", ())),
+                        grad_sync_bytes_per_step=obj.get("grad_sync_bytes_per_step", 0))
+
+
+@dataclass(frozen=True)
+class Baseline(_Record):
+    """torch DDP on the same model and batch, timed the same way."""
+    ddp_step_times_s: tuple[float, ...]
+    ddp_step_time_s: float
+    ddp_allreduce_bytes_per_step: float
+    equivalent: bool
+    note: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What ``autopar execute`` measured (run.json)."""
+    plan: str
+    plan_sha256: str
+    model: str
+    world_size: int
+    backend: str
+    placement: Mapping[str, Any]
+    batch_size: int
+    options: Mapping[str, Any]
+    decompositions: tuple[str, ...]
+    validation: Validation
+    measured: Measured
+    predicted: Prediction
+    prediction_error: float | None
+    baseline: Baseline | None
+    ratio_to_ddp: float | None
+    wall_s: float
+    created: str = ""
+    notes: tuple[str, ...] = ()
+    schema: str = RUN_SCHEMA
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    _KEYS = ("schema", "created", "plan", "plan_sha256", "model", "world_size", "backend", "placement",
+             "batch_size", "options", "decompositions", "validation", "measured", "predicted",
+             "prediction_error", "baseline", "ratio_to_ddp", "wall_s", "notes")
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"schema": self.schema, "created": self.created, "plan": self.plan, "plan_sha256": self.plan_sha256,
+               "model": self.model, "world_size": self.world_size, "backend": self.backend,
+               "placement": dict(self.placement), "batch_size": self.batch_size, "options": dict(self.options),
+               "decompositions": list(self.decompositions), "validation": self.validation.to_json(),
+               "measured": self.measured.to_json(), "predicted": self.predicted.to_json(),
+               "prediction_error": self.prediction_error,
+               "baseline": self.baseline.to_json() if self.baseline else {},
+               "ratio_to_ddp": self.ratio_to_ddp, "wall_s": self.wall_s}
+        if self.notes:
+            out["notes"] = list(self.notes)
+        out.update(self.extra)
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any], src: str = "run") -> "RunResult":
+        if not isinstance(obj, Mapping) or obj.get("schema") != RUN_SCHEMA:
+            got = obj.get("schema") if isinstance(obj, Mapping) else None
+            raise RunFileError(f"{src} has schema {got!r}; this autopar reads {RUN_SCHEMA!r}",
+                               "execute the plan again (autopar execute)")
+        try:
+            return RunResult(
+                plan=str(obj["plan"]), plan_sha256=str(obj.get("plan_sha256", "")), model=str(obj["model"]),
+                world_size=int(obj["world_size"]), backend=str(obj.get("backend", "")),
+                placement=dict(obj.get("placement") or {}), batch_size=int(obj.get("batch_size") or 0),
+                options=dict(obj.get("options") or {}), decompositions=tuple(obj.get("decompositions", ())),
+                validation=Validation.from_json(obj["validation"]), measured=Measured.from_json(obj["measured"]),
+                predicted=Prediction.from_json(obj["predicted"]), prediction_error=obj.get("prediction_error"),
+                baseline=Baseline.from_json(obj["baseline"]) if obj.get("baseline") else None,
+                ratio_to_ddp=obj.get("ratio_to_ddp"), wall_s=float(obj.get("wall_s", 0.0)),
+                created=str(obj.get("created", "")), notes=tuple(obj.get("notes", ())), schema=RUN_SCHEMA,
+                extra={k: v for k, v in obj.items() if k not in RunResult._KEYS})
+        except (KeyError, TypeError, ValueError) as e:
+            raise RunFileError(f"{src} is incomplete or malformed ({e.__class__.__name__}: {e})",
+                               "execute the plan again (autopar execute)") from None
+
+
+def load_run(path: str | Path) -> RunResult:
+    """Read run.json (or the run folder holding it)."""
+    p = Path(path)
+    p = p / "run.json" if p.is_dir() else p
+    return RunResult.from_json(read_json(p, RunFileError, "run file"), str(p))
+
+
+def write_run(run: RunResult, path: str | Path) -> Path:
+    atomic_write_json(path, run.to_json())
+    return Path(path)
+
+
+# ---- run sets: several plans on disjoint sub-meshes of one world ---------------------------
+
+@dataclass(frozen=True)
+class RunSetEntry:
+    plan_path: Path
+    ranks: tuple[int, ...]
+    plan: Plan            # with ``mesh.ranks`` set to ``ranks``
+
+
+@dataclass(frozen=True)
+class RunSet:
+    world_size: int
+    entries: tuple[RunSetEntry, ...]
+
+    def to_json(self, base: str | Path | None = None) -> dict[str, Any]:
+        def rel(p: Path) -> str:
+            if base is None:
+                return str(p)
+            import os
+            return os.path.relpath(Path(p).resolve(), Path(base).resolve())
+        return {"schema": RUNSET_SCHEMA, "world_size": self.world_size,
+                "plans": [{"plan": rel(e.plan_path), "ranks": list(e.ranks)} for e in self.entries]}
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any], src: str = "runset", base: str | Path = ".") -> "RunSet":
+        if not isinstance(obj, Mapping) or obj.get("schema") != RUNSET_SCHEMA:
+            got = obj.get("schema") if isinstance(obj, Mapping) else None
+            raise PlanFileError(f"{src} has schema {got!r}; this autopar reads {RUNSET_SCHEMA!r}",
+                                'write {"schema": "autopar.runset/1", "world_size": W, "plans": '
+                                '[{"plan": "path/plan.json", "ranks": [0, 1]}, ...]}')
+        try:
+            world = int(obj["world_size"])
+            items = list(obj["plans"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise _bad(src, "run set", "world_size/plans", f"missing or malformed ({e})",
+                       "give world_size and a list of plans") from None
+        if world < 1:
+            raise _bad(src, "run set", "world_size", f"{world} (must be >= 1)", "give a positive number of ranks")
+        entries: list[RunSetEntry] = []
+        for i, it in enumerate(items):
+            try:
+                ppath = Path(it["plan"])
+                ranks = tuple(int(r) for r in it["ranks"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise _bad(src, f"plans[{i}]", f"plans[{i}]", f"needs plan (a path) and ranks (integers): {e}",
+                           "fix the run set file") from None
+            if not ppath.is_absolute():
+                ppath = Path(base) / ppath
+            unit = f"plans[{i}] ({ppath})"
+            check_ranks(ranks, world, src, unit, f"plans[{i}].ranks")
+            plan = load_plan(ppath)
+            if plan.world_size != len(ranks):
+                raise _bad(src, unit, f"plans[{i}].ranks", f"{len(ranks)} ranks for a plan made for world size "
+                           f"{plan.world_size}", "give as many ranks as the plan's world size, or re-plan")
+            for e in entries:
+                shared = sorted(set(e.ranks) & set(ranks))
+                if shared:
+                    j = entries.index(e)
+                    raise _bad(src, f"plans[{j}] ({e.plan_path}) and plans[{i}] ({ppath})", f"plans[{i}].ranks",
+                               f"sub-meshes overlap on ranks {shared}", "give each plan its own ranks")
+            entries.append(RunSetEntry(ppath, ranks, plan.with_ranks(ranks)))
+        return RunSet(world, tuple(entries))
+
+
+def load_runset(path: str | Path) -> RunSet:
+    """Read and check a run set file; plan paths are relative to its folder."""
+    obj = read_json(path, PlanFileError, "run set file")
+    return RunSet.from_json(obj, str(path), Path(path).parent)
+
+
+def write_runset(runset: RunSet, path: str | Path) -> Path:
+    atomic_write_json(path, runset.to_json(Path(path).parent))
+    return Path(path)
+
+
+# ---- planning options -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Every user knob of ``autopar.pipeline.make_plan`` (the CLI's ``autopar plan`` flags).
+
+    ``placement``: "search" (plan under block placement and each candidate local stride, keep the
+    fastest), "block", or an integer local stride. ``trace_cache``: reuse the traced graph of an
+    unchanged model file. ``write``: write plan.json and the generated module to ``out_dir``
+    (default ``strategies/plans/<model>-w<N>``)."""
+    world_size: int
+    batch_size: int | None = None
+    calibration: str | None = None
+    out_dir: str | None = None
+    memory_limit_bytes: float | None = None
+    ranks_per_node: int | None = None
+    nodes: int | None = None
+    kinds: tuple[str, ...] | None = None
+    time_limit_s: float = 60.0
+    solver: str = "highs"
+    max_candidates: int = 8
+    optimizer_state_per_param: float = 1.0
+    placement: str | int = "search"
+    trace_cache: bool = True
+    write: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise AutoparError(f"world size must be an integer >= 1, got {self.world_size!r}",
+                               "give a positive number of ranks")
+        if self.kinds is not None:
+            object.__setattr__(self, "kinds", tuple(self.kinds))
+        for name in ("calibration", "out_dir"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                object.__setattr__(self, name, str(v))
+        if self.max_candidates < 1:
+            raise AutoparError(f"max candidates must be >= 1, got {self.max_candidates}", "keep at least one per layer")
+        if self.time_limit_s <= 0:
+            raise AutoparError(f"solver time limit must be > 0 s, got {self.time_limit_s}", "give a positive --time-limit")
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.kinds is not None:
+            out["kinds"] = list(self.kinds)
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> "PlanOptions":
+        names = {f.name for f in fields(PlanOptions)}
+        unknown = sorted(set(obj) - names)
+        if unknown:
+            raise AutoparError(f"unknown planning options {unknown}", f"choose from {sorted(names)}")
+        return PlanOptions(**dict(obj))
+
+
+@dataclass(frozen=True)
+class PlanHooks:
+    """Test and benchmark hooks of ``make_plan``, kept apart from the user's options:
+    ``force`` pins layer index -> decomposition (str or kind); ``choice_filter`` keeps only the
+    candidates it accepts; ``profile`` / ``graph`` skip loading the profile / tracing (a sweep
+    traces once); ``progress`` receives one line per stage."""
+    force: Mapping[int, str] | None = None
+    choice_filter: Callable[[Any], bool] | None = None
+    profile: Any = None
+    graph: Any = None
+    progress: Callable[[str], None] | None = None
