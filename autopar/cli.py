@@ -170,10 +170,21 @@ def _add_exact_shapes(args) -> None:
 
 
 def cmd_execute(args) -> int:
-    from .execute.runner import ExecuteOptions, execute
+    from .errors import AutoparError
+    from .execute.runner import ExecuteOptions, execute, execute_runset
+    from .io import read_json
     opts = ExecuteOptions(steps=args.steps, warmup=args.warmup, seed=args.seed,
                           timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
                           rtol=args.rtol, validate_dtype=args.validate_dtype)
+    head = read_json(args.plan, AutoparError, "plan or run set file")
+    if isinstance(head, dict) and str(head.get("schema", "")).startswith("autopar.runset/"):
+        runs, out = execute_runset(args.plan, opts, out_dir=args.out, progress=_p)
+        for run in runs:
+            _p(f"{run.plan}: validation PASSED ({run.validation.checked} tensors), step "
+               f"{run.measured.step_time_s * 1e3:.2f} ms measured, {run.predicted.step_time_s * 1e3:.2f} ms "
+               f"predicted" + (f", plan/DDP {run.ratio_to_ddp:.3f}x" if run.ratio_to_ddp else ""))
+        _p(f"run set results in {out / 'runset.json'}")
+        return 0
     run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     _p(f"validation PASSED ({run.validation.checked} tensors in {opts.validate_dtype} within rtol "
@@ -272,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("execute", help="run a plan, validate it against one process, time it against DDP")
-    e.add_argument("plan", help="plan.json")
+    e.add_argument("plan", help="plan.json, or a run set (autopar.runset/1: several plans at once on "
+                                "disjoint sub-meshes of one world)")
     e.add_argument("--steps", type=int, default=5)
     e.add_argument("--warmup", type=int, default=2)
     e.add_argument("--seed", type=int, default=0)

@@ -29,8 +29,7 @@ import json, sys
 from autopar.pipeline import make_plan
 from autopar.artifacts import PlanOptions
 make_plan({str(ROOT / 'strategies/examples/cnn3d_large.py')!r},
-          PlanOptions(world_size=4, calibration={str(PROFILE)!r}, out_dir=sys.argv[-1] if False else None),
-          write=False)
+          PlanOptions(world_size=4, calibration={str(PROFILE)!r}, write=False))
 print(json.dumps(sorted(m for m in sys.modules if m.startswith('autopar.runtime'))))
 """
 

@@ -29,71 +29,43 @@ def _plans(root, tmp_path, profile):
     from autopar.pipeline import make_plan
     model = root / "strategies/examples/resnet2d.py"
     out = []
-    for name, kinds in (("sample", ["sample"]), ("spatial", ["spatial"])):
+    for name, kinds in (("sample", ["sample", "replicate"]), ("spatial", ["spatial", "replicate"])):
         r = make_plan(model, PlanOptions(world_size=2, batch_size=4, kinds=kinds,
                                          out_dir=tmp_path / name), PlanHooks(profile=profile))
         out.append(str(r.plan_path))
     return out
 
 
-def _rank_main(rank, world, plan_paths):
-    import torch
-
-    from autopar.artifacts import load_plan
-    from autopar.decomp import decomposition_from_json
-    from autopar.runtime.comm import Comm, assemble, create_groups
-    from autopar.runtime.entry import build_user_model, synthetic_batch
-    from autopar.runtime.model import plan_partitions
-
-    meshes = [(0, 1), (2, 3)]
-    plans = [load_plan(p) for p in plan_paths]
-    # every process creates every group of every plan, in one order (collective)
-    groups = []
-    for plan, ranks in zip(plans, meshes):
-        graph = plan.graph()
-        decisions = {d.layer: decomposition_from_json(d.decomposition) for d in plan.layers}
-        parts = plan_partitions(graph, decisions, len(ranks))
-        groups += [tuple(ranks[r] for r in g) for part in parts for g in part if 1 < len(g) < len(ranks)]
-        groups.append(ranks)
-    create_groups(groups)
-
-    mine = 0 if rank < 2 else 1
-    plan, path = plans[mine], plan_paths[mine]
-    comm = Comm.from_env(ranks=meshes[mine])
-    spec = importlib.util.spec_from_file_location(f"gen{mine}", plan.module_path(path))
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    mf, model = build_user_model(plan, path, seed=0)
-    model.double()
-    dm = gen.PlannedModel(plan, model, comm)
-    xs, ys = synthetic_batch(mf, plan.batch_size, seed=1)
-    xs = [x.double() for x in xs]
-    out = dm(*dm.shard_inputs(xs))
-    loss = dm.local_loss(out, ys, mf.loss_fn())
-    loss.backward()
-    dm.finish_grads()
-    full_out = assemble(out.detach(), dm.loss_layout(), dm.graph.value_shape(dm.graph.output), comm, "value")
-    loss_t = comm.all_reduce_(loss.detach().clone().reshape(1))
-    grads = dm.full_grads()
-    # this half's own single-process reference
-    torch.manual_seed(0)
-    ref = mf.build_model().double()
-    rout = ref(*xs)
-    rloss = mf.loss_fn()(rout, ys)
-    rloss.backward()
-    worst = float((full_out - rout).abs().max() / rout.abs().max())
-    worst = max(worst, float((loss_t[0] - rloss).abs() / rloss.abs()))
-    for name, p in ref.named_parameters():
-        worst = max(worst, float((grads[name] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)))
-    kinds = sorted({d.decomposition["kind"] for d in plan.layers})
-    return {"mesh": meshes[mine], "kinds": kinds, "worst_rel": worst}
-
-
 def test_two_plans_on_two_halves_each_equal_to_its_reference(root, tmp_path, profile):
-    from autopar.runtime.launch import run_ranks
+    """``autopar execute RUNSET``: a data-parallel and a spatial plan at once on ranks {0, 1}
+    and {2, 3} of a world of 4; each is validated (float64, every tensor) against its own
+    single-process reference and timed on its own half."""
+    import json
+
+    from autopar.execute.runner import ExecuteOptions, execute_runset
+
     paths = _plans(root, tmp_path, profile)
-    res = run_ranks(_rank_main, 4, args=(paths,), timeout_s=180)
-    assert res[0]["kinds"] != res[2]["kinds"], res       # two different plans
-    assert "spatial" in res[2]["kinds"] and "sample" in res[0]["kinds"]
-    for r in res:
-        assert r["worst_rel"] <= 1e-9, r
+    rs = tmp_path / "runset.json"
+    rs.write_text(json.dumps({"schema": "autopar.runset/1", "world_size": 4,
+                              "plans": [{"plan": paths[0], "ranks": [0, 1]},
+                                        {"plan": paths[1], "ranks": [2, 3]}]}))
+    runs, out = execute_runset(rs, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1, timeout_s=180),
+                               out_dir=tmp_path / "run", progress=lambda s: None)
+    assert len(runs) == 2
+    kinds = [sorted({str(d).split("(")[0] for d in r.decompositions}) for r in runs]
+    assert "sample" in kinds[0] and "spatial" in kinds[1], kinds
+    for r in runs:
+        assert r.validation.passed, r.validation.failures
+        assert r.validation.checked > 10 and r.world_size == 2
+        assert r.measured.step_time_s > 0 and r.baseline is not None
+    summary = json.loads((out / "runset.json").read_text())
+    assert [p["ranks"] for p in summary["plans"]] == [[0, 1], [2, 3]]
+    assert all(p["validation_passed"] for p in summary["plans"])
+
+
+def test_plan_groups_cover_the_sub_mesh(root, tmp_path, profile):
+    from autopar.artifacts import load_plan
+    from autopar.runtime.model import plan_groups
+    paths = _plans(root, tmp_path, profile)
+    groups = plan_groups(load_plan(paths[1]), (2, 3))
+    assert (2, 3) in groups and all(set(g) <= {2, 3} for g in groups)

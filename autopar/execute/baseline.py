@@ -1,5 +1,5 @@
 """The torch DDP baseline of ``autopar execute``: the same model and batch, samples split over
-the world, timed like the plan (``execute.timing``) in the same processes."""
+the plan's mesh, timed like the plan (``execute.timing``) in the same processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..artifacts import Baseline
 from .timing import timed_steps
 
 
-def ddp_baseline(mf, xs, ys, loss_fn, comm, world: int, seed: int, lr: float, momentum: float,
+def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
                  warmup: int, steps: int, sync: Callable[[], None],
                  barrier: Callable[[], None]) -> Baseline:
     """Time torch DDP on the full batch ``xs``/``ys`` (float32), each rank its sample block.
@@ -25,14 +25,15 @@ def ddp_baseline(mf, xs, ys, loss_fn, comm, world: int, seed: int, lr: float, mo
     torch.manual_seed(seed)
     base = mf.build_model().to(device)
     base.train()
-    ddp = DDP(base, device_ids=[device.index] if device.type == "cuda" else None)
-    lay = Layout(((0, world),))
+    ddp = DDP(base, device_ids=[device.index] if device.type == "cuda" else None,
+              process_group=comm.mesh_group)
+    lay = Layout(((0, comm.world),))
     bx = [local_slice(x, lay, comm) for x in xs]
     by = local_slice(ys, lay, comm) if ys is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
-    timed_steps(ddp, opt, bx, loss_of, lambda: None, warmup, world, device, sync, barrier)
-    times = timed_steps(ddp, opt, bx, loss_of, lambda: None, steps, world, device, sync, barrier)
+    timed_steps(ddp, opt, bx, loss_of, lambda: None, warmup, comm, sync, barrier)
+    times = timed_steps(ddp, opt, bx, loss_of, lambda: None, steps, comm, sync, barrier)
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
     return Baseline(
         ddp_step_times_s=tuple(times), ddp_step_time_s=statistics.median(times),

@@ -61,26 +61,45 @@ def _import_generated(path: Path):
 
 
 def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: ExecuteOptions) -> dict[str, Any]:
-    """One rank: validate, time, baseline (each step collective, in this order everywhere)."""
-    import torch
-    import torch.distributed as dist
-
+    """One rank of a single plan on the whole world."""
     from ..runtime.comm import Comm
+    return _mesh_main(load_plan(plan_path, world), plan_path, module_path, Comm.from_env(), opts)
+
+
+def _runset_rank_main(rank: int, world: int, runset_path: str, module_paths: list[str],
+                      opts: ExecuteOptions) -> dict[str, Any]:
+    """One rank of a run set: every process creates every group of every plan (collective, one
+    order), then runs the plan whose sub-mesh holds it, on a ``Comm`` of that sub-mesh."""
+    from ..artifacts import load_runset
+    from ..runtime.comm import Comm, create_groups
+    from ..runtime.model import plan_groups
+
+    rs = load_runset(runset_path)
+    create_groups([g for e in rs.entries for g in plan_groups(e.plan, e.ranks)])
+    i = next(k for k, e in enumerate(rs.entries) if rank in e.ranks)
+    e = rs.entries[i]
+    out = _mesh_main(e.plan, str(e.plan_path), module_paths[i], Comm.from_env(ranks=e.ranks), opts)
+    out["entry"] = i
+    return out
+
+
+def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: ExecuteOptions) -> dict[str, Any]:
+    """Validate, time, baseline on ``comm``'s mesh (each step collective over the mesh, in this
+    order on every rank of it)."""
+    import torch
+
     from ..runtime.entry import build_user_model, synthetic_batch
     from .baseline import ddp_baseline
     from .timing import instrumented_steps, timed_steps
 
-    plan = load_plan(plan_path, world)
     gen = _import_generated(Path(module_path))
-    comm = Comm.from_env()
+    rank, world = comm.rank, comm.world
     device = comm.device
     vdt = getattr(torch, opts.validate_dtype)
     rtol, atol = opts.tolerances()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    def barrier():
-        if world > 1:
-            dist.barrier()
+    barrier = comm.barrier
 
     def make(dtype):
         mf_, model_ = build_user_model(plan, plan_path, opts.seed)
@@ -99,7 +118,7 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
     ys_v = ys.to(vdt) if ys is not None and ys.is_floating_point() else ys
 
     # 1. validation step
-    checks = validation_step(rank, world, dm, mf, cast(xs32, vdt), ys_v, loss_fn, comm, vdt, opts.seed,
+    checks = validation_step(dm, mf, cast(xs32, vdt), ys_v, loss_fn, comm, vdt, opts.seed,
                              opts.lr, opts.momentum, rtol, atol)
     barrier()
 
@@ -111,15 +130,15 @@ def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: Ex
     opt = torch.optim.SGD(dm.parameters(), lr=opts.lr, momentum=opts.momentum)
     local = dm.shard_inputs(xs)
     plan_loss = lambda o: dm.local_loss(o, ys_t, loss_fn)  # noqa: E731
-    timed_steps(dm, opt, local, plan_loss, dm.finish_grads, opts.warmup, world, device, sync, barrier)
-    plan_times = timed_steps(dm, opt, local, plan_loss, dm.finish_grads, opts.steps, world, device, sync, barrier)
-    per_layer, phases = instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, world,
-                                           device, sync, barrier)
+    timed_steps(dm, opt, local, plan_loss, dm.finish_grads, opts.warmup, comm, sync, barrier)
+    plan_times = timed_steps(dm, opt, local, plan_loss, dm.finish_grads, opts.steps, comm, sync, barrier)
+    per_layer, phases = instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, comm,
+                                           sync, barrier)
 
     # 3. DDP baseline
     baseline = None
     if opts.ddp and world > 1 and plan.model.batch_size >= world:
-        baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, world, opts.seed, opts.lr, opts.momentum,
+        baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
                                 opts.warmup, opts.steps, sync, barrier)
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
@@ -206,6 +225,59 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
             f"(rel {w.rel:.3g} > rtol {v.rtol:g}, {v.dtype}); details in {out / 'run.json'}",
             "the plan does not compute the single-process function: report it with the plan file")
     return run, out
+
+
+def execute_runset(runset_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,
+                   progress=print) -> tuple[list[RunResult], Path]:
+    """Run the plans of a run set (``autopar.runset/1``) at once, each on its own sub-mesh of
+    one world, each validated against its own single-process reference and timed on its own
+    mesh (its DDP baseline too). Writes ``OUT/<i>-<model>-w<n>/run.json`` per plan and
+    ``OUT/runset.json`` (every plan's validation and step time); raises ``ValidationFailed``
+    naming the plan when any fails. Plans in a run set use block placement."""
+    from ..artifacts import load_runset
+    from ..io import atomic_write_json
+    from ..runtime.launch import run_ranks
+
+    runset_path = Path(runset_path)
+    rs = load_runset(runset_path)
+    modules = []
+    for e in rs.entries:
+        if not e.plan.placement().is_identity:
+            raise PlanFileError(f"{e.plan_path} has rank placement {e.plan.placement()}; plans in a "
+                                f"run set run on the sub-mesh the run set gives them",
+                                "re-plan it with --placement block")
+        modules.append(str(check_plan_files(e.plan_path, e.plan)))
+    progress(f"executing run set {runset_path}: {len(rs.entries)} plans at once on {rs.world_size} "
+             f"processes ({', '.join(f'{e.plan.model.name} on ranks {list(e.ranks)}' for e in rs.entries)})")
+    t0 = time.perf_counter()
+    results = run_ranks(_runset_rank_main, rs.world_size, args=(str(runset_path), modules, opts),
+                        backend=opts.backend, timeout_s=opts.timeout_s)
+    wall = time.perf_counter() - t0
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = Path(out_dir) if out_dir is not None else Path("reports") / f"runset-{stamp}"
+    runs: list[RunResult] = []
+    summary = []
+    from ..report.report import write_run_report
+    for i, e in enumerate(rs.entries):
+        r0 = results[e.ranks[0]]
+        run = run_result(e.plan, e.plan_path, opts, r0, e.plan.placement(), wall)
+        out = _choose_out_dir(e.plan, root / f"{i}-{e.plan.model.name}-w{len(e.ranks)}", run.validation.passed)
+        run = write_run_report(run, out)
+        runs.append(run)
+        summary.append({"plan": str(e.plan_path), "ranks": list(e.ranks), "run": str(out / "run.json"),
+                        "validation_passed": run.validation.passed,
+                        "step_time_s": run.measured.step_time_s,
+                        "predicted_step_time_s": run.predicted.step_time_s})
+    atomic_write_json(root / "runset.json", {"schema": "autopar.runset-result/1", "runset": str(runset_path),
+                                             "world_size": rs.world_size, "wall_s": wall, "plans": summary})
+    bad = [(s["plan"], r) for s, r in zip(summary, runs) if not r.validation.passed]
+    if bad:
+        plan, r = bad[0]
+        w = worst(list(r.validation.failures))
+        raise ValidationFailed(f"validation failed for {plan} in the run set: worst {w.tensor} "
+                               f"(rel {w.rel:.3g}); details in {root / 'runset.json'}",
+                               "the plan does not compute the single-process function: report it")
+    return runs, root
 
 
 def _choose_out_dir(plan: Plan, out_dir: str | Path | None, passed: bool) -> Path:

@@ -21,9 +21,9 @@ def step_once(model, optim, inputs, loss_of: Callable, finish: Callable[[], None
     optim.step()
 
 
-def timed_steps(model, optim, inputs, loss_of, finish, n: int, world: int, device,
+def timed_steps(model, optim, inputs, loss_of, finish, n: int, comm,
                 sync: Callable[[], None], barrier: Callable[[], None]) -> list[float]:
-    """``n`` training steps; each one's wall time on the slowest rank (seconds)."""
+    """``n`` training steps; each one's wall time on the slowest rank of ``comm``'s mesh (s)."""
     import torch
     import torch.distributed as dist
     ts = []
@@ -33,14 +33,13 @@ def timed_steps(model, optim, inputs, loss_of, finish, n: int, world: int, devic
         t0 = time.perf_counter()
         step_once(model, optim, inputs, loss_of, finish)
         sync()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        if world > 1:
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=comm.device)
+        comm.all_reduce_(dt, dist.ReduceOp.MAX)
         ts.append(float(dt))
     return ts
 
 
-def instrumented_steps(dm, optim, inputs, loss_of, n: int, world: int, device,
+def instrumented_steps(dm, optim, inputs, loss_of, n: int, comm,
                        sync: Callable[[], None], barrier: Callable[[], None]
                        ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """``max(1, n)`` instrumented steps of the planned model ``dm``: per-layer forward and
@@ -76,10 +75,8 @@ def instrumented_steps(dm, optim, inputs, loss_of, n: int, world: int, device,
         arr[-3] = t_bwd_end - t_fwd_end
         arr[-2] = t_sync_end - t_bwd_end
         arr[-1] = t_end - t_sync_end
-        if world > 1:
-            arr = arr.to(device)
-            dist.all_reduce(arr, op=dist.ReduceOp.MAX)
-            arr = arr.cpu()
+        if comm.world > 1:
+            arr = comm.all_reduce_(arr.to(comm.device), dist.ReduceOp.MAX).cpu()
         samples.append(arr)
     arr = torch.stack(samples).median(dim=0).values
     per_layer = [{"layer": li, "fwd_s": float(arr[2 * li]), "bwd_s": float(arr[2 * li + 1])}

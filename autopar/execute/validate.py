@@ -36,14 +36,13 @@ def compare(name: str, got, ref, rtol: float, atol: float) -> Check:
                  rel=diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
 
 
-def validation_step(rank: int, world: int, dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
+def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
                     lr: float, momentum: float, rtol: float, atol: float) -> list[Check]:
     """Run one step of ``dm`` (already in the validation ``dtype``) on the full batch ``xs``/``ys``
-    and, on rank 0, compare every tensor with the single-process model (built with ``seed``,
+    and, on the mesh's rank 0, compare every tensor with the single-process model (built with ``seed``,
     converted to ``dtype``).
     Collective: every rank calls it. Returns the checks (empty on ranks other than 0)."""
     import torch
-    import torch.distributed as dist
 
     from ..runtime.comm import assemble
 
@@ -57,8 +56,7 @@ def validation_step(rank: int, world: int, dm, mf, xs, ys, loss_fn, comm, dtype,
     out_shape = dm.graph.value_shape(dm.graph.output)
     out_full = assemble(out.detach(), dm.loss_layout(), out_shape, comm, "value")
     loss_t = loss_r.detach().clone().reshape(1).to(device)
-    if world > 1:
-        dist.all_reduce(loss_t)
+    comm.all_reduce_(loss_t)
     in_grads = {}
     for gi, leaf in zip(dm.graph.inputs, leaves):
         if leaf.grad is not None:
@@ -69,7 +67,7 @@ def validation_step(rank: int, world: int, dm, mf, xs, ys, loss_fn, comm, dtype,
     after = dm.full_params()
     full_bufs = dm.full_buffers()
     checks: list[Check] = []
-    if rank != 0:
+    if comm.rank != 0:
         return checks
     torch.manual_seed(seed)
     ref = mf.build_model().to(device=device, dtype=dtype)

@@ -111,6 +111,20 @@ def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
     return parts
 
 
+def plan_groups(plan: Any, ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """Global rank tuples of every process group ``plan`` needs when it runs on the mesh of
+    global ``ranks`` (mesh rank i = ``ranks[i]``): its partitions (``plan_partitions``) and the
+    whole mesh. What ``create_groups`` must make, on every process, before plans run on
+    sub-meshes."""
+    graph = plan.graph()
+    decisions = {d.layer: d.decomposition() for d in plan.layers}
+    ranks = tuple(int(r) for r in ranks)
+    out = {tuple(sorted(ranks[r] for r in g)) for part in plan_partitions(graph, decisions, len(ranks))
+           for g in part if 1 < len(g) < len(ranks)}
+    out.add(tuple(sorted(ranks)))
+    return sorted(out)
+
+
 class DistModel(nn.Module):
     def __init__(self, plan: Plan | dict[str, Any], model: nn.Module, comm: Comm | None = None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
