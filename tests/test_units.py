@@ -121,11 +121,8 @@ def test_unit_plan_executes_equal_to_one_process(kind, tmp_path, profile):
     unit = next(lay.index for lay in graph.layers if lay.module == "block")
     r = make_plan(model, PlanOptions(world_size=2, batch_size=4, out_dir=tmp_path / "plan"),
                   PlanHooks(profile=profile, force={unit: kind}))
-    chosen = {d["layer"]: d["decomposition"]["kind"] for d in r.plan["layers"]} \
-        if isinstance(r.plan, dict) else {d.layer: d.decomposition["kind"] for d in r.plan.layers}
-    assert chosen[unit] == kind
+    assert r.plan.layer(unit).decomposition().kind == kind
     run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1,
                                                  timeout_s=180, ddp=False),
                      out_dir=tmp_path / "run", progress=lambda s: None)
-    v = run["validation"] if isinstance(run, dict) else run.validation
-    assert v["passed"], v["failures"]
+    assert run.validation.passed, run.validation.failures
