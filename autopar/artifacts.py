@@ -54,7 +54,6 @@ decomposition kind.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -165,15 +164,23 @@ class TransitionDecision(_Record):
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _layout_tuple(obj) -> tuple[tuple[int, int], ...]:
-    return tuple((int(d), int(p)) for d, p in obj)
+def _layout(obj, layer: Any, fld: str):
+    """A ``Layout`` from its JSON (``[[dim, parts], ...]`` or ``{"splits": ..., "partial": p}``);
+    a malformed one is a ``PlanFileError`` naming the layer and the field."""
+    from .decomp.layout import Layout
+    try:
+        return obj if isinstance(obj, Layout) else Layout.from_json(obj)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise PlanFileError(f"layer {layer}, field {fld}: malformed layout {obj!r} ({e})",
+                            "re-plan (`autopar plan`) instead of editing layouts by hand") from None
 
 
 @dataclass(frozen=True)
 class LayerDecision:
     """One layer's decomposition and what the cost model predicted for it.
 
-    ``in_layouts`` / ``out_layout``: ``((dim, parts), ...)`` per value (``autopar.decomp.layout``);
+    ``in_layouts`` / ``out_layout``: a ``Layout`` per value (``autopar.decomp.layout``; JSON
+    ``[[dim, parts], ...]``, or ``{"splits": ..., "partial": p}`` for a partial sum);
     ``decomposition_json`` is the decomposition's JSON (key ``decomposition`` in the file)."""
     layer: int
     name: str
@@ -182,8 +189,8 @@ class LayerDecision:
     out_shape: tuple[int, ...]
     decomposition_json: Mapping[str, Any]
     choice: str
-    in_layouts: Mapping[str, tuple[tuple[int, int], ...]]
-    out_layout: tuple[tuple[int, int], ...]
+    in_layouts: Mapping[str, Any]         # value -> Layout
+    out_layout: Any                       # Layout
     predicted: Mapping[str, Any]          # LayerCost JSON (``autopar.decomp.base.LayerCost``)
     source: str = ""
     exact_keys: tuple[str, ...] = ()
@@ -227,8 +234,8 @@ class LayerDecision:
         out = {"layer": self.layer, "name": self.name, "module": self.module,
                "kinds": list(self.kinds), "out_shape": list(self.out_shape),
                "decomposition": dict(self.decomposition_json), "choice": self.choice,
-               "in_layouts": {v: [list(s) for s in lay] for v, lay in self.in_layouts.items()},
-               "out_layout": [list(s) for s in self.out_layout],
+               "in_layouts": {v: lay.to_json() for v, lay in self.in_layouts.items()},
+               "out_layout": self.out_layout.to_json(),
                "predicted": dict(self.predicted), "source": self.source,
                "exact_keys": list(self.exact_keys), "alternatives": [dict(a) for a in self.alternatives],
                "illegal": dict(self.illegal)}
@@ -241,8 +248,9 @@ class LayerDecision:
             layer=int(obj["layer"]), name=str(obj.get("name", "")), module=str(obj.get("module") or ""),
             kinds=tuple(obj.get("kinds", ())), out_shape=tuple(int(x) for x in obj.get("out_shape", ())),
             decomposition_json=dict(obj["decomposition"]), choice=str(obj.get("choice", "")),
-            in_layouts={str(v): _layout_tuple(lay) for v, lay in (obj.get("in_layouts") or {}).items()},
-            out_layout=_layout_tuple(obj.get("out_layout") or ()),
+            in_layouts={str(v): _layout(lay, obj["layer"], f"in_layouts[{v!r}]")
+                        for v, lay in (obj.get("in_layouts") or {}).items()},
+            out_layout=_layout(obj.get("out_layout") or [], obj["layer"], "out_layout"),
             predicted=dict(obj.get("predicted") or {}), source=str(obj.get("source", "")),
             exact_keys=tuple(obj.get("exact_keys") or ()),
             alternatives=tuple(dict(a) for a in obj.get("alternatives") or ()),
@@ -439,8 +447,8 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
             decisions.append(LayerDecision(
                 layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
                 out_shape=tuple(lay.out_shape), decomposition_json=dec.to_json(), choice=str(dec),
-                in_layouts={v: _layout_tuple(dec.in_layout(lay, v).to_json()) for v in lay.inputs},
-                out_layout=_layout_tuple(dec.out_layout(lay).to_json()), predicted={}))
+                in_layouts={v: dec.in_layout(lay, v) for v in lay.inputs},
+                out_layout=dec.out_layout(lay), predicted={}))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{src} needs world_size, graph and layers [{{layer, decomposition}}] "
                             f"({e.__class__.__name__}: {e})", "make the plan with `autopar plan`") from None
@@ -491,12 +499,13 @@ def check_ranks(ranks: Sequence[int], world: int, src: str, unit: str, fld: str)
         raise _bad(src, unit, fld, f"ranks {sorted(set(dup))} appear more than once")
 
 
-def check_layout(layout: Sequence[Sequence[int]], shape: Sequence[int], world: int, src: str,
+def check_layout(layout: Any, shape: Sequence[int], world: int, src: str,
                  unit: str, fld: str) -> None:
     """A layout covers its tensor: dims the tensor has, each split into at most its extent,
-    each dim split once, and a number of blocks that divides the world."""
+    each dim split once, and a number of blocks (times the partial-sum parts) that divides the
+    world."""
     dims = []
-    for d, p in layout:
+    for d, p in layout.splits:
         if not 0 <= d < len(shape):
             raise _bad(src, unit, fld, f"splits dim {d}, but the tensor {list(shape)} has {len(shape)} dims")
         if p < 1:
@@ -507,16 +516,16 @@ def check_layout(layout: Sequence[Sequence[int]], shape: Sequence[int], world: i
         if d in dims:
             raise _bad(src, unit, fld, f"splits dim {d} twice")
         dims.append(d)
-    blocks = math.prod(p for _, p in layout)
+    blocks = layout.num_blocks * layout.partial
     if world % blocks:
-        raise _bad(src, unit, fld, f"{blocks} blocks do not divide the world of {world} ranks")
+        what = f"{layout.num_blocks} blocks x {layout.partial} partial sums" if layout.partial > 1 else f"{blocks} blocks"
+        raise _bad(src, unit, fld, f"{what} do not divide the world of {world} ranks")
 
 
 def check_plan(plan: Plan, src: str = "plan") -> None:
     """Everything a plan must satisfy before any process starts (see the module docstring)."""
     from .decomp import REGISTRY
     from .decomp.ir import Layer
-    from .decomp.layout import Layout
 
     world = plan.world_size
     mesh = plan.mesh
@@ -577,13 +586,13 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
             raise _bad(src, unit, f"layers[{i}].decomposition",
                        f"{dict(d.decomposition_json)} cannot be built for this layer ({e.__class__.__name__}: {e})") from None
         for v, want in want_in.items():
-            if Layout.from_json(d.in_layouts[v]) != want:
+            if d.in_layouts[v] != want:
                 raise _bad(src, unit, f"layers[{i}].in_layouts[{v!r}]",
-                           f"is {[list(s) for s in d.in_layouts[v]]} but decomposition {dec} reads the "
+                           f"is {d.in_layouts[v].to_json()} but decomposition {dec} reads the "
                            f"tensor as {want.to_json()}")
-        if Layout.from_json(d.out_layout) != want_out:
+        if d.out_layout != want_out:
             raise _bad(src, unit, f"layers[{i}].out_layout",
-                       f"is {[list(s) for s in d.out_layout]} but decomposition {dec} writes {want_out.to_json()}")
+                       f"is {d.out_layout.to_json()} but decomposition {dec} writes {want_out.to_json()}")
     for i, t in enumerate(plan.transitions):
         for end in ("src", "dst"):
             if getattr(t, end) not in glayers:

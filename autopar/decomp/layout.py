@@ -301,9 +301,9 @@ def overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> tuple
 
 
 def loss_layout_for(out: Layout, batch: int, world: int) -> Layout:
-    """The layout the loss is computed in: the output's if it splits only samples, else the
-    widest sample split that divides the world and the batch."""
-    if all(d == 0 for d, _ in out.splits):
+    """The layout the loss is computed in: the output's if it splits only samples (and holds no
+    partial sum), else the widest sample split that divides the world and the batch."""
+    if out.partial == 1 and all(d == 0 for d, _ in out.splits):
         return out
     p = max(d for d in range(1, world + 1) if world % d == 0 and d <= batch)
     return Layout(((0, p),))
