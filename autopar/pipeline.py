@@ -109,6 +109,9 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     timings["trace_s"] = time.perf_counter() - t
     say(f"traced {mf.name}: {len(graph.layers)} layers ({graph.tracer}"
         f"{', from the trace cache' if cached else ''}) in {timings['trace_s']:.2f} s")
+    if graph.unregistered:
+        from .ops import describe_unregistered
+        say(describe_unregistered(graph.unregistered))
 
     ctx = CostContext(profile=profile, world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
@@ -195,6 +198,8 @@ def _build_plan(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_nod
     """The typed plan of a solution; checked like a loaded one (``artifacts.check_plan``)."""
     from .artifacts import (LayerDecision, MeshInfo, ModelRef, Prediction, SolverInfo,
                             TransitionDecision, check_plan)
+    from .decomp.redistribute import steps_str
+    from .decomp.transition import plan_layouts
     graph = table.graph
     layers = []
     for lay, o, ci in zip(graph.layers, table.layers, sol.choice):
@@ -206,6 +211,9 @@ def _build_plan(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_nod
             "decomposition": dec.to_json(), "choice": str(dec),
             "in_layouts": {v: dec.in_layout(lay, v).to_json() for v in lay.inputs},
             "out_layout": dec.out_layout(lay).to_json(),
+            # the same in DTensor's vocabulary, one placement per mesh axis (outermost first)
+            "placements": {"in": {v: dec.in_layout(lay, v).placements_str(world) for v in lay.inputs},
+                           "out": {v: dec.out_layout(lay, v).placements_str(world) for v in lay.outputs}},
             "predicted": c.to_json(), "source": c.source,
             "exact_keys": o.exact_keys[ci] if o.exact_keys else [],
             "alternatives": [{"choice": str(d), "time_s": k.fwd_s + k.bwd_s + k.grad_sync_s,
@@ -218,8 +226,12 @@ def _build_plan(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_nod
         src = table.layers[e.src].choices[i].out_layout(graph.layers[e.src], e.value)
         dst = table.layers[e.dst].choices[j].in_layout(graph.layers[e.dst], e.value)
         if src != dst:
-            transitions.append(TransitionDecision(src=e.src, dst=e.dst, value=e.value, src_layout=str(src),
-                                                  dst_layout=str(dst), fwd_s=e.fwd_s[i][j], bwd_s=e.bwd_s[i][j]))
+            steps = plan_layouts(src, dst, tuple(int(n) for n in graph.value_shape(e.value)), world)
+            transitions.append(TransitionDecision(
+                src=e.src, dst=e.dst, value=e.value, src_layout=str(src), dst_layout=str(dst),
+                fwd_s=e.fwd_s[i][j], bwd_s=e.bwd_s[i][j],
+                extra={"src_placements": src.placements_str(world), "dst_placements": dst.placements_str(world),
+                       "steps": steps_str(steps)}))
     solver = sol.to_json()
     solver.update({"memory_limit_bytes": memory_limit_bytes, "candidates": table.size(),
                    "max_candidates_per_layer": table.ctx.max_candidates})

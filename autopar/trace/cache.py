@@ -20,7 +20,14 @@ from pathlib import Path
 from ..decomp.ir import LayerGraphData
 
 _SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "cache.py", "graph.py")] + \
-    [Path(__file__).parent.parent / "decomp" / "ir.py"]
+    [Path(__file__).parent.parent / "decomp" / "ir.py"] + \
+    sorted((Path(__file__).parent.parent / "ops").glob("*.py"))   # the op registry classifies
+
+
+def _families() -> list[str]:
+    from ..ops import FAMILIES
+    return sorted(f"{k}:{type(f).__module__ if not isinstance(f, type) else f.__module__}"
+                  for k, f in FAMILIES.items())
 
 
 def cache_dir() -> Path:
@@ -45,6 +52,8 @@ def trace_key(model_path: Path, batch_size: int) -> str:
         "torch": torch.__version__,
         "autopar": __version__,
         "tracer": [_sha(p) for p in _SOURCES if p.is_file()],
+        # families registered at run time (a model file's or a test's own) change the trace too
+        "families": _families(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
