@@ -59,7 +59,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .errors import AutoparError, PlanFileError
+from .errors import AutoparError, PlanFileError, RunFileError  # noqa: F401  (RunFileError re-exported)
 from .io import atomic_write_json, read_json
 
 PLAN_SCHEMA = "autopar.plan/2"
@@ -72,10 +72,6 @@ REPLAN = "re-plan (autopar plan) instead of editing plan.json by hand"
 
 class PlanMigrated(UserWarning):
     """A plan of an older schema was migrated on load (losslessly); re-plan to silence it."""
-
-
-class RunFileError(AutoparError):
-    """A run file (run.json) is missing, truncated or of another schema."""
 
 
 def _bad(src: str, unit: str, fld: str, what: str, hint: str = REPLAN) -> PlanFileError:

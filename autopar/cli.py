@@ -136,7 +136,7 @@ def cmd_plan(args) -> int:
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
     if sweep:
-        from .report.scaling import scaling_sweep
+        from .sweep import scaling_sweep
         png, rows = scaling_sweep(args, sweep, res.plan_path.parent)
         for r in rows:
             _p(r)

@@ -29,6 +29,10 @@ class PlanFileError(AutoparError):
     """A plan file is truncated, of another schema version, or made for another world size."""
 
 
+class RunFileError(AutoparError):
+    """A run file (run.json) is missing, truncated or of another schema."""
+
+
 class CalibrationError(AutoparError):
     """A calibration profile is corrupt, truncated, or of another schema version."""
 

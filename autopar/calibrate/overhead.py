@@ -39,12 +39,13 @@ def measure_runtime_overhead_s(repeats: int = 30, profile=None) -> float:
     beyond the fitted elementwise kernel model of ``profile`` when given (autograd-engine and
     dispatch work that kernel benchmarks miss), else beyond a plain torch chain."""
     import torch
+    from ..artifacts import plan_from_decisions
     from ..runtime.comm import Comm
     from ..runtime.model import DistModel
 
     shape = [2, 8]
     plan = _plan_for_chain(N_OPS, shape)
-    dm = DistModel(plan, torch.nn.Module(), Comm(0, 1))
+    dm = DistModel(plan_from_decisions(plan), torch.nn.Module(), Comm(0, 1))
     names = [f"relu_{i}" for i in range(N_OPS)]
 
     def run_dist():

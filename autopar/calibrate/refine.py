@@ -98,33 +98,34 @@ class Corrections:
         return (float(np.median(fs)) if fs else 1.0) * self.drift_of(world)
 
 
-def run_rows(run: dict[str, Any], plan: dict[str, Any]) -> RunRows:
+def run_rows(run: dict[str, Any], plan) -> RunRows:
+    """The rows of one run (run.json dict) against its typed plan (``autopar.artifacts.Plan``)."""
     trans_into: dict[int, float] = {}
-    for t in plan.get("transitions", []):
-        trans_into[t["dst"]] = trans_into.get(t["dst"], 0.0) + t["fwd_s"] + t["bwd_s"]
-    by_layer = {l["layer"]: l for l in plan["layers"]}
+    for t in plan.transitions:
+        trans_into[t.dst] = trans_into.get(t.dst, 0.0) + t.fwd_s + t.bwd_s
+    by_layer = {lay.layer: lay for lay in plan.layers}
     # per-layer and phase times come from instrumented steps (timestamps, hooks), which run
     # slower than the timed steps: scale them to the median timed step
     ph = run["measured"].get("phases") or {}
     instrumented = sum(ph.values()) if ph else 0.0
     step = float(run["measured"]["step_time_s"])
     norm = step / instrumented if instrumented > 0 else 1.0
-    world = int(plan["world_size"])
-    on_node = min(world, int((plan.get("mesh") or {}).get("ranks_per_node") or world))
+    world = plan.world_size
+    on_node = min(world, int(plan.mesh.ranks_per_node or world))
     layers = []
     for m in run["measured"]["per_layer"]:
         lay = by_layer[m["layer"]]
-        p = lay["predicted"]
+        p = lay.predicted
         layers.append(LayerRow(compute_s=p["fwd_compute_s"] + p["bwd_compute_s"],
                                comm_s=p["fwd_comm_s"] + p["bwd_comm_s"] + trans_into.get(m["layer"], 0.0),
-                               keys=tuple(lay.get("exact_keys") or ()),
+                               keys=tuple(lay.exact_keys),
                                measured_s=float(m["measured_s"]) * norm, world=on_node))
-    pred = plan["predicted"]
+    pred = plan.predicted
     return RunRows(label=str(run.get("plan", "")), world=on_node, layers=tuple(layers),
-                   exposed_s=float(pred.get("exposed_comm_s", 0.0)),
+                   exposed_s=float(pred.exposed_comm_s),
                    grad_wait_s=float(ph.get("grad_sync_wait_s", 0.0)) * norm,
-                   optimizer_s=float(pred.get("optimizer_s", 0.0)),
-                   step_measured_s=step, step_predicted_s=float(pred["step_time_s"]))
+                   optimizer_s=float(pred.optimizer_s),
+                   step_measured_s=step, step_predicted_s=float(pred.step_time_s))
 
 
 def _clip(x: float) -> float:
@@ -224,7 +225,7 @@ def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: st
                    out: str | Path | None = None, plans: list | None = None) -> Path:
     """Refine ``profile_path`` from one or several runs (run.json dicts); write the copy to
     ``out`` (default ``<profile>-refined.json``) and return its path."""
-    from ..codegen.plan import load_plan
+    from ..artifacts import load_plan
     from ..io import atomic_write_json
     from .profile import load_profile
 

@@ -217,6 +217,12 @@ class Decomposition:
     #: Kept by the cost table's pruner whatever its price (the data-parallel baselines, so
     #: that the plan space of every run contains pure data parallelism and pure replication).
     always_kept: ClassVar[bool] = False
+    #: Name of this class's single-method series in the strong-scaling sweep (``autopar.sweep``;
+    #: "" for none), and which of its candidates belong to it.
+    scaling_series: ClassVar[str] = ""
+
+    def in_scaling_series(self) -> bool:
+        return True
 
     # ---- layouts -------------------------------------------------------------------------
     def in_layout(self, layer: Layer, value: str) -> Layout:

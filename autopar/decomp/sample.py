@@ -23,6 +23,7 @@ class Sample(Decomposition):
     parts: int = 1
     kind = "sample"
     always_kept = True
+    scaling_series = "sample-only"
     # no fixed op list: every registered op family says whether it runs on blocks of samples
     # (``check`` -> ``batch_dim_ok``: dim 0 in ``independent_dims`` or ``synced_dims``)
     supported_ops = REGISTERED

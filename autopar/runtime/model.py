@@ -129,12 +129,13 @@ class DistModel(nn.Module):
     def __init__(self, plan: Plan | dict[str, Any], model: nn.Module, comm: Comm | None = None,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
         super().__init__()
-        self.comm = comm or Comm.from_env()
-        world = self.comm.world
         if not isinstance(plan, Plan):   # a plan file's dict (older generated modules) or an in-memory
             # plan of decisions only (calibrate.overhead): both checked like a plan file
             plan = (Plan.from_json(plan, "the plan given to DistModel") if "schema" in plan
                     else plan_from_decisions(plan, "the plan given to DistModel"))
+        # by default the plan runs on the ranks its mesh names (the whole world, or a sub-mesh)
+        self.comm = comm or Comm.from_env(ranks=plan.mesh.ranks)
+        world = self.comm.world
         if plan.world_size != world:
             from ..errors import PlanFileError
             raise PlanFileError(f"plan was made for world size {plan.world_size}, running at {world}",

@@ -101,7 +101,12 @@ class Spatial(Decomposition):
     sample: int = 1
     spatial: tuple[int, ...] = (1,)
     kind = "spatial"
+    scaling_series = "spatial-only"
     supported_ops = frozenset({CONV, POOL, BATCH_NORM, UNARY, BINARY, DROPOUT, ADAPTIVE_POOL, MEAN})
+
+    def in_scaling_series(self) -> bool:
+        """The spatial-only series splits space alone (no sample axis)."""
+        return self.sample == 1
 
     # ---- layouts ---------------------------------------------------------------------------
     @property

@@ -1,45 +1,51 @@
-"""The strong-scaling picture: predicted step time against ranks for sample-only,
-spatial-only and the ILP's hybrid plans of one model at a fixed batch (Dryden et al. 2019).
+"""The strong-scaling picture (``autopar plan --sweep``): predicted step time against ranks
+for single-method plans and the ILP's hybrid plans of one model at a fixed batch (Dryden et al.
+2019). A planning product: it re-plans, so it sits beside ``pipeline``, not in ``report``.
 
 Every point is a plan (no processes): ``make_plan`` with the decomposition kinds restricted.
-A point that cannot be planned (no legal decomposition, or out of memory) is left out and
-listed with its reason.
+A single-method series exists for every decomposition class that names one
+(``Decomposition.scaling_series``, e.g. "sample-only"): that class's kind plus the
+``always_kept`` ones (replicate), its candidates filtered by ``in_scaling_series``. A point
+that cannot be planned (no legal decomposition, or out of memory) is left out and listed with
+its reason.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_write_json
-
-def _pure_spatial(dec) -> bool:
-    return dec.kind != "spatial" or getattr(dec, "sample", 1) == 1
+from .io import atomic_write_json
 
 
-# name -> (decomposition kinds, candidate filter)
-FAMILIES = {
-    "sample-only": (["sample", "replicate"], None),
-    "spatial-only": (["spatial", "replicate"], _pure_spatial),
-    "hybrid (ILP, all kinds)": (None, None),
-}
+def series() -> dict[str, tuple[list[str] | None, Any]]:
+    """name -> (decomposition kinds, candidate filter): one series per class that names one,
+    then the ILP's hybrid over every kind."""
+    from .decomp import REGISTRY
+    kept = [k for k, cls in REGISTRY.items() if cls.always_kept]
+    out: dict[str, tuple[list[str] | None, Any]] = {}
+    for kind, cls in REGISTRY.items():
+        if cls.scaling_series:
+            out[cls.scaling_series] = ([kind] + [k for k in kept if k != kind],
+                                       lambda dec, cls=cls: not isinstance(dec, cls) or dec.in_scaling_series())
+    out["hybrid (ILP, all kinds)"] = (None, None)
+    return out
 
 
 def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
           memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
           families: dict | None = None, placement: str | int = "search") -> dict[str, Any]:
-    from ..artifacts import PlanHooks, PlanOptions
-    from ..errors import AutoparError
-    from ..pipeline import load_calibration, make_plan
-    from ..modelfile import load_model_file
-    from ..trace.tracer import trace_model
+    from .artifacts import PlanHooks, PlanOptions
+    from .errors import AutoparError
+    from .modelfile import load_model_file
+    from .pipeline import load_calibration, make_plan
+    from .trace.tracer import trace_model
     _, profile = load_calibration(calibration)
     mf = load_model_file(model)
     batch = batch_size or mf.default_batch_size() or 8
     graph = trace_model(mf, batch)   # traced once, planned many times
     out: dict[str, Any] = {"model": str(model), "batch_size": batch, "worlds": worlds, "series": {}, "skipped": []}
-    for name, (kinds, keep) in (families or FAMILIES).items():
+    for name, (kinds, keep) in (families or series()).items():
         pts = []
         for w in worlds:
             try:
@@ -81,7 +87,7 @@ def plot(result: dict[str, Any], png: Path) -> Path:
 
 def scaling_sweep(args, worlds: list[int], out_dir: Path) -> tuple[Path, list[str]]:
     """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir."""
-    from ..pipeline import parse_bytes
+    from .pipeline import parse_bytes
     res = sweep(args.model, worlds, args.batch_size, args.calibration,
                 parse_bytes(args.memory_limit), args.ranks_per_node,
                 placement=getattr(args, "placement", "search"))
