@@ -30,8 +30,18 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .layout import block_extent, block_start
 from .mesh import Mesh
+
+
+def block_extent(n: int, parts: int, index: int) -> int:
+    """Extent of block ``index`` when ``n`` elements are split into ``parts`` blocks (the rule
+    of ``torch.tensor_split``: the first ``n % parts`` blocks get one more)."""
+    return n // parts + (1 if index < n % parts else 0)
+
+
+def block_start(n: int, parts: int, index: int) -> int:
+    """First element of block ``index`` when ``n`` elements are split into ``parts`` blocks."""
+    return index * (n // parts) + min(index, n % parts)
 
 
 # ---- placements ---------------------------------------------------------------------------

@@ -29,21 +29,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-if TYPE_CHECKING:
-    from .distspec import DistSpec
-    from .mesh import Mesh
-
-
-def block_extent(n: int, parts: int, index: int) -> int:
-    """Extent of block ``index`` when ``n`` elements are split into ``parts`` blocks."""
-    return n // parts + (1 if index < n % parts else 0)
-
-
-def block_start(n: int, parts: int, index: int) -> int:
-    """First element of block ``index`` when ``n`` elements are split into ``parts`` blocks."""
-    return index * (n // parts) + min(index, n % parts)
+# the block rule lives with the placements; re-exported here, where most callers look for it
+from .distspec import DistSpec, Partial, Replicate, Shard, block_extent, block_start  # noqa: F401
+from .mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -245,7 +235,6 @@ class Layout:
 
     def placements(self, world: int, ndim: int | None = None) -> tuple:
         """One DTensor-style placement per mesh axis of ``mesh_axes``."""
-        from .distspec import Partial, Replicate, Shard
         out = [Shard(d) for d, _ in self.splits]
         if self.partial > 1:
             out.append(Partial())
@@ -256,8 +245,6 @@ class Layout:
     def to_spec(self, shape: Sequence[int], world_or_mesh: "int | Mesh") -> "DistSpec":
         """This layout as a ``DistSpec``: the world (ranks 0..P-1) or the given mesh's ranks,
         in order, reshaped to ``mesh_axes``."""
-        from .distspec import DistSpec
-        from .mesh import Mesh
         ranks = tuple(range(world_or_mesh)) if isinstance(world_or_mesh, int) else world_or_mesh.ranks
         axes = self.mesh_axes(len(ranks), len(shape))
         mesh = Mesh(ranks, tuple(s for _, s in axes), tuple(n for n, _ in axes))
