@@ -249,6 +249,10 @@ class Decomposition:
         bad = [op.kind for op in layer.ops if op.kind not in self.supported_ops]
         if bad:
             return f"{self.kind} cannot execute op kind(s) {sorted(set(bad))}"
+        const = [op.name for op in layer.ops if op.attrs.get("constant")]
+        if const:
+            return (f"{const[0]} is made from constants or parameters only: it is computed whole "
+                    f"on every rank (replicate)")
         return None
 
     # ---- cost ----------------------------------------------------------------------------

@@ -254,8 +254,8 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
                 else:
                     bnames[role] = buffer_of[a.name]
         module, mtype = _module(node)
-        if not act_inputs:
-            kind = BUFFER_UPDATE if (name.endswith("_.Tensor") or name.split(".")[0].endswith("_")) and bnames else OTHER
+        if not act_inputs and (name.endswith("_.Tensor") or name.split(".")[0].endswith("_")) and bnames:
+            kind = BUFFER_UPDATE
         else:
             kind = _classify(name, len(act_inputs), node)
         in_shapes = [act[v] for v in act_inputs]
@@ -270,9 +270,10 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
             buffer_updates.append(spec)
             continue
         if not act_inputs:
-            raise TraceError(f"operation {target} computes a tensor from parameters or constants only"
-                             f"{' at ' + spec.source if spec.source else ''}",
-                             "autopar plans ops on activations; move parameter-only computation out of forward")
+            # made from constants or parameters only (position ids from arange, a causal mask):
+            # an ordinary op with no activation input, computed whole on every rank (only
+            # ``replicate`` can take it; the consumer's layout slices it locally, no traffic)
+            spec.attrs = {**spec.attrs, "constant": True}
         ops.append(spec)
         act[node.name] = list(val.shape)
     if output_name is None or output_name not in act:
