@@ -33,6 +33,7 @@ assembled on every rank, and the reverse (each rank keeps its shard).
 from __future__ import annotations
 
 import contextlib
+import pickle
 import uuid
 import warnings
 from pathlib import Path
@@ -116,7 +117,7 @@ def _state_dict(dmodel, optimizer=None, extra=None) -> dict[str, Any]:
         for g in optimizer.param_groups:
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": [quals[id(p)] for p in g["params"]]})
-        sd["optim.param_groups"] = groups
+        sd["optim.param_groups"] = _blob(groups)
         for g in optimizer.param_groups:
             for p in g["params"]:
                 qual = quals[id(p)]
@@ -125,11 +126,17 @@ def _state_dict(dmodel, optimizer=None, extra=None) -> dict[str, Any]:
                     if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
                         sd[key] = _sharded(dmodel, qual, v.detach(), shapes[qual])
                     else:
-                        sd[key] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-    sd["extra"] = dict(extra or {})
-    sd["autopar"] = {"format": FORMAT, "model": dmodel.plan.model.name, "world_size": dmodel.comm.world,
-                     "decisions": [d.choice for d in dmodel.plan.layers]}
+                        sd[key] = v.detach().clone() if isinstance(v, torch.Tensor) else _blob(v)
+    sd["extra"] = _blob(dict(extra or {}))
+    sd["autopar"] = _blob({"format": FORMAT, "model": dmodel.plan.model.name, "world_size": dmodel.comm.world,
+                           "decisions": [d.choice for d in dmodel.plan.layers]})
     return sd
+
+
+def _blob(obj: Any) -> bytes:
+    """One opaque DCP entry for a nested object (DCP would flatten dicts and lists into one
+    entry per leaf, and then load only into the same nesting)."""
+    return pickle.dumps(obj)
 
 
 def _optimizer_quals(dmodel, optimizer) -> dict[int, str]:
@@ -240,7 +247,7 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
         if "optim.param_groups" not in md:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state", "load without the optimizer")
         quals = _optimizer_quals(dmodel, optimizer)
-        dest["optim.param_groups"] = None
+        dest["optim.param_groups"] = b""
         for key, m in md.items():
             if not key.startswith("optim.state."):
                 continue
@@ -256,13 +263,13 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
                 else:
                     dest[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
             else:
-                dest[key] = None
+                dest[key] = b""
     for key, t in local.items():
         qual = key[len("model."):] if key.startswith("model.") else opt_state[key][0]
         dest[key] = _sharded(dmodel, qual, t, shapes[qual])
     for q, b in dmodel.bufs.items():
         dest[f"model.{q}"] = torch.empty_like(b)
-    dest["extra"] = None
+    dest["extra"] = b""
     with _quiet():
         dcp.load(dest, checkpoint_id=str(d))
     for key, t in local.items():
@@ -276,7 +283,7 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
             b.copy_(dest[f"model.{q}"])
     if optimizer is not None:
         by_qual = {q: p for q, p in params.items()}
-        saved_groups = dest["optim.param_groups"]
+        saved_groups = pickle.loads(dest["optim.param_groups"])
         if len(saved_groups) != len(optimizer.param_groups):
             raise CheckpointError(f"checkpoint {path} has {len(saved_groups)} optimizer parameter "
                                   f"group(s), the optimizer {len(optimizer.param_groups)}",
@@ -290,8 +297,10 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
         optimizer.state.clear()
         for key, (qual, k, _) in opt_state.items():
             v = local[key] if key in local else dest[key]
+            if not isinstance(v, torch.Tensor):
+                v = pickle.loads(v)
             optimizer.state[by_qual[qual]][k] = v
-    return dest["extra"] or {}
+    return pickle.loads(dest["extra"]) if dest["extra"] else {}
 
 
 # ---------------------------------------------------------------------------------------------
