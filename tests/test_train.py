@@ -203,7 +203,7 @@ def _train(rank, world, plan, mfile, ckpt_in, ckpt_out):
                 norms[step] = float(train.clip_grad_norm_(dm, MAX_NORM))
                 opt.step()
                 sched.step()
-                losses[step] = float(loss)
+                losses[step] = loss.item()
             step += 1
             if step == SAVE_AT and ckpt_out is not None:
                 autopar.save(ckpt_out, dm, opt, extra={"scheduler": sched.state_dict(), "step": step})

@@ -279,7 +279,7 @@ def check_model_file(plan: Plan, plan_path: Path) -> None:
 
 def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_states: bool = True,
                 loss_fn: Callable[..., torch.Tensor] | None = None,
-                bucket_cap_bytes: int | None = None) -> nn.Module:
+                bucket_cap_bytes: int | None = None, module_class: type | None = None) -> nn.Module:
     """This rank's part of ``model`` under the plan in ``plan`` (a plan.json path).
 
     Collective: every rank of the process group calls it. ``model`` is the single-process
@@ -288,7 +288,9 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
     module (a ``ParallelModule`` subclass of the plan's generated class) holds only this
     rank's shards; ``model`` can be dropped. Errors say what to do: no process group, a plan
     for another world size, a model file changed since planning, or a model whose parameter
-    names or shapes are not the plan's.
+    names or shapes are not the plan's. ``module_class``: the plan's generated class when the
+    caller has it (the generated module's own ``main``); else it is imported from the file
+    beside the plan.
     """
     import torch.distributed as dist
 
@@ -316,7 +318,7 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=comm.global_rank(0), group=comm.mesh_group)
-    cls = _load_generated_class(p, plan_path)
+    cls = module_class or _load_generated_class(p, plan_path)
     train_cls = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {"__module__": __name__})
     kw = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
     dm = train_cls(p, model, comm, **kw)
