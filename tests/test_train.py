@@ -514,3 +514,27 @@ def test_train_package_is_runtime_side():
     assert out.returncode == 0, out.stderr[-2000:]
     torch_loaded, planning = json.loads(out.stdout.strip().splitlines()[-1])
     assert not torch_loaded and planning == []
+
+
+@pytest.mark.dist
+def test_example_script_trains_under_torchrun(root, tmp_path, profile):
+    """strategies/examples/train_resnet2d.py, as the README runs it (one short epoch)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.pipeline import make_plan
+    r = make_plan(root / "strategies/examples/resnet2d.py",
+                  PlanOptions(world_size=2, out_dir=str(tmp_path / "plan")), PlanHooks(profile=profile))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2",
+           str(root / "strategies/examples/train_resnet2d.py"), "--plan", str(r.plan_path), "--epochs", "1",
+           "--train-samples", "48", "--eval-samples", "16", "--ckpt", str(tmp_path / "ckpt")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(s) for s in out.stdout.splitlines() if s.startswith("{")]
+    assert lines[0]["world"] == 2 and lines[-1]["epoch"] == 0 and 0 <= lines[-1]["eval_accuracy"] <= 1
+    assert (tmp_path / "ckpt" / "LATEST").is_file()
