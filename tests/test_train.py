@@ -171,9 +171,11 @@ def _reference(rank, world, mfile):
     with torch.no_grad():
         out = model(x[:BATCH])
         ev = (F.cross_entropy(out, y[:BATCH]), (out.argmax(1) == y[:BATCH]).sum())
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt_state = {names[id(p)]: {k: v.tolist() for k, v in st.items()} for p, st in opt.state.items()}
     state = {k: v.detach().tolist() for k, v in model.state_dict().items()}   # lists: tensors do not
     # survive the queue once the process has exited
-    return {"losses": losses, "norms": norms, "state": state, **_eval_metrics(ev)}
+    return {"losses": losses, "norms": norms, "state": state, "opt_state": opt_state, **_eval_metrics(ev)}
 
 
 def _train(rank, world, plan, mfile, ckpt_in, ckpt_out):
@@ -215,10 +217,12 @@ def _train(rank, world, plan, mfile, ckpt_in, ckpt_out):
         loss = dm.reduce_loss(torch.nn.functional.cross_entropy(out, t))
         correct = dm.reduce_sum((out.argmax(1) == t).sum())
     state = {k: v.tolist() for k, v in autopar.full_state_dict(dm).items()}
+    opt_state = {q: {k: v.tolist() for k, v in st.items()}
+                 for q, st in train.full_optimizer_state_dict(dm, opt)["state"].items()}
     if rank != 0:
         return None
     return {"losses": [losses[s] for s in sorted(losses)], "norms": [norms[s] for s in sorted(norms)],
-            "state": state, **_eval_metrics((loss, correct))}
+            "state": state, "opt_state": opt_state, **_eval_metrics((loss, correct))}
 
 
 def _close(a, b):
@@ -234,6 +238,11 @@ def _assert_matches(got, ref, first_step=0):
     assert max(ref["norms"][first_step:]) > MAX_NORM, "clipping never clipped: the test tests nothing"
     bad = [k for k in ref["state"] if not _close(got["state"][k], ref["state"][k])]
     assert set(got["state"]) == set(ref["state"]) and not bad, bad
+    # the optimizer state (AdamW's exp_avg, exp_avg_sq, step), sharded with the weights
+    assert set(got["opt_state"]) == set(ref["opt_state"])
+    bad = [(q, k) for q, st in ref["opt_state"].items() for k in st
+           if not _close(got["opt_state"][q][k], st[k])]
+    assert not bad, bad
     assert abs(got["eval_loss"] - ref["eval_loss"]) <= RTOL * abs(ref["eval_loss"])
     assert got["eval_correct"] == ref["eval_correct"]
 
@@ -290,7 +299,7 @@ def _crashing_save(rank, world, plan, mfile, ck):
 
     import autopar
     from autopar.train import checkpoint
-    dm = autopar.parallelize(_model(mfile), plan)
+    dm = autopar.parallelize(_model(mfile).float(), plan).double()    # .to() after parallelize
     opt = _optimizer(dm.parameters())
     xs, t = autopar.shard_batch(dm, _data()[0][:BATCH], _data()[1][:BATCH])
     dm.loss(xs, t).backward()
@@ -321,7 +330,14 @@ def _crashing_save(rank, world, plan, mfile, ck):
     stale = sorted(p.name for p in Path(ck).iterdir() if p.name.startswith("ckpt-"))
     autopar.save(ck, dm2, opt2, extra={"step": 3})           # a good save removes the stale data
     after = sorted(p.name for p in Path(ck).iterdir() if p.name.startswith("ckpt-"))
-    return {"outcomes": outcomes, "extra": extra, "same": same, "has_state": len(opt2.state) > 0,
+    # the single-process optimizer state dict round-trips into a fresh optimizer
+    from autopar import train
+    osd = train.full_optimizer_state_dict(dm2, opt2)
+    opt3 = _optimizer(dm2.parameters())
+    train.load_full_optimizer_state_dict(dm2, opt3, osd)
+    osd3 = train.full_optimizer_state_dict(dm2, opt3)
+    same_opt = all(torch.equal(osd3["state"][q][k], v) for q, st in osd["state"].items() for k, v in st.items())
+    return {"outcomes": outcomes, "extra": extra, "same": same and same_opt, "has_state": len(opt2.state) > 0,
             "stale": len(stale), "after": len(after), "checkpoint": checkpoint.LATEST}
 
 

@@ -98,6 +98,14 @@ class ParallelModule:
         self.spec = self._specs_train if mode else self._specs_eval
         return self
 
+    def _apply(self, fn, *args, **kwargs):
+        # ``.to()`` / ``.double()`` replace buffer tensors; the runtime reads them through
+        # ``self.bufs``, which must follow (parameters are converted in place)
+        out = super()._apply(fn, *args, **kwargs)
+        from ..runtime.model import _safe
+        self.bufs = {q: getattr(self, _safe(q)) for q in self.bufs}
+        return out
+
     # ---- forward and loss --------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor):
         out = super().forward(*inputs)

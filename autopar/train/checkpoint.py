@@ -27,7 +27,10 @@ directories of a crashed save are removed by the next save. ``load`` also reads 
 directory (one holding ``.metadata``).
 
 ``full_state_dict`` / ``load_full_state_dict``: the single-process ``model.state_dict()``
-assembled on every rank, and the reverse (each rank keeps its shard).
+assembled on every rank, and the reverse (each rank keeps its shard);
+``full_optimizer_state_dict`` / ``load_full_optimizer_state_dict`` likewise for the optimizer,
+keyed by parameter name (the form of ``torch.distributed.checkpoint.state_dict``'s
+``get_optimizer_state_dict`` with ``full_state_dict=True``).
 """
 
 from __future__ import annotations
@@ -173,6 +176,10 @@ def save(path: str | Path, dmodel, optimizer=None, extra: dict[str, Any] | None 
     atomically (module docstring). Collective: every rank calls it. Returns the data directory."""
     _need_default_group(dmodel)
     import torch.distributed.checkpoint as dcp
+
+    from .optim import check_optimizer
+    if optimizer is not None:
+        check_optimizer(optimizer)
     path = Path(path)
     comm = dmodel.comm
     name = [f"ckpt-{uuid.uuid4().hex[:12]}" if comm.rank == 0 else None]
@@ -331,3 +338,74 @@ def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
             p.copy_(full[tuple(slice(s, s + e) for s, e in b)])
         for q, b in dmodel.bufs.items():
             b.copy_(state_dict[q])
+
+
+def _assemble(dmodel, qual: str, local: torch.Tensor, global_shape) -> torch.Tensor:
+    """The full tensor of ``qual``'s layout from every rank's block (collective over the mesh;
+    each block added once, by its owner)."""
+    sh = dmodel.param_shard(qual)
+    comm = dmodel.comm
+    if not sh.dims or comm.world == 1:
+        return local.detach().clone()
+    full = torch.zeros(tuple(global_shape), dtype=local.dtype, device=local.device)
+    if dmodel.shard_owner(qual):
+        b = sh.local_bounds(global_shape, comm.rank, comm.world)
+        full[tuple(slice(s, s + e) for s, e in b)] = local.detach()
+    return comm.all_reduce_(full)
+
+
+def full_optimizer_state_dict(dmodel, optimizer) -> dict[str, Any]:
+    """The single-process optimizer state, on every rank: ``{"state": {qual: {key: value}},
+    "param_groups": [{..., "params": [qual, ...]}]}`` with every tensor shaped like its
+    parameter assembled in full. Collective."""
+    quals = _optimizer_quals(dmodel, optimizer)
+    shapes = dmodel.global_shapes()
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for g in optimizer.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": [quals[id(p)] for p in g["params"]]})
+        for p in g["params"]:
+            qual = quals[id(p)]
+            st = optimizer.state.get(p, {})
+            out = {}
+            for k in sorted(st):
+                v = st[k]
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
+                    out[k] = _assemble(dmodel, qual, v, shapes[qual])
+                else:
+                    out[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            if out:
+                state[qual] = out
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state_dict(dmodel, optimizer, osd: dict[str, Any]) -> None:
+    """Load ``full_optimizer_state_dict``'s form (every rank passes the same one): each rank
+    keeps its block of every parameter-shaped state tensor."""
+    quals = _optimizer_quals(dmodel, optimizer)
+    params = dmodel.local_params()
+    shapes = dmodel.global_shapes()
+    unknown = [q for q in osd.get("state", {}) if q not in params]
+    if unknown:
+        raise ModelMismatch(f"optimizer state for parameters the model lacks: {unknown[:FIRST_MISMATCHES]}",
+                            "load an optimizer state of this model")
+    if len(osd["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"{len(osd['param_groups'])} saved optimizer group(s), the optimizer has "
+                              f"{len(optimizer.param_groups)}", "build the optimizer with the same groups")
+    for g, sg in zip(optimizer.param_groups, osd["param_groups"]):
+        if sorted(quals[id(p)] for p in g["params"]) != sorted(sg["params"]):
+            raise CheckpointError("an optimizer group holds other parameters than the saved one",
+                                  "build the optimizer's groups as when saving")
+        g.update({k: v for k, v in sg.items() if k != "params"})
+    comm = dmodel.comm
+    optimizer.state.clear()
+    for qual, st in osd.get("state", {}).items():
+        p = params[qual]
+        out = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shapes[qual]) and v.dim() > 0:
+                b = dmodel.param_shard(qual).local_bounds(v.shape, comm.rank, comm.world)
+                v = v[tuple(slice(s, s + e) for s, e in b)]
+            out[k] = v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v
+        optimizer.state[p] = out
