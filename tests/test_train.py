@@ -16,7 +16,6 @@ parent does no torch compute before forking).
 
 from __future__ import annotations
 
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -626,3 +625,44 @@ def test_bf16_autocast_on_cuda(setup):
     r = run_ranks(_bf16_step, world, args=(str(setup["plans"][name]), str(setup["model"]), "cuda"),
                   backend="nccl", timeout_s=300)[0]
     _check_bf16(r)
+
+
+# ---------------------------------------------------------------------------------------------
+# dmodel.state_dict() with torch.distributed.checkpoint directly (the FSDP2 + DCP flow)
+# ---------------------------------------------------------------------------------------------
+def _dcp_flow(rank, world, plan, mfile, ck, mode):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+    dm = autopar.parallelize(_model(mfile), plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation notice
+        if mode == "save":
+            with torch.no_grad():                           # a state no fresh model has
+                for p in dm.parameters():
+                    p.mul_(-2.0).add_(0.25)
+            for b in dm.bufs.values():
+                if b.is_floating_point():
+                    b.add_(1.5)
+            dcp.save(dm.state_dict(), checkpoint_id=ck)
+        else:
+            sd = dm.state_dict()
+            dcp.load(sd, checkpoint_id=ck)
+            dm.load_state_dict(sd)
+    return {k: v.tolist() for k, v in autopar.full_state_dict(dm).items()}
+
+
+@pytest.mark.dist
+def test_state_dict_with_dcp_directly_moves_between_plans(setup):
+    from autopar.runtime.launch import run_ranks
+    ck = str(setup["base"] / "dcp-direct")
+    saved = run_ranks(_dcp_flow, 2, args=(str(setup["plans"]["chanfilt-w2"]), str(setup["model"]), ck, "save"),
+                      timeout_s=180)
+    for name in ("spatial-w4", "chanfilt-w4"):
+        got = run_ranks(_dcp_flow, 4, args=(str(setup["plans"][name]), str(setup["model"]), ck, "load"),
+                        timeout_s=180)
+        for r in range(4):
+            assert got[r] == saved[0], (name, r)

@@ -157,6 +157,20 @@ class ParallelModule:
         t = t / self.loss_layout().replicas(self.comm.world)
         return self.comm.all_reduce_(t)
 
+    # ---- state dicts (FSDP2's shape: single-process names, sharded values) --------------------
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """Single-process names -> this rank's part: ready for ``torch.distributed.checkpoint``
+        (``dcp.save(dmodel.state_dict(), ...)``; ``checkpoint.sharded_state_dict``)."""
+        from .checkpoint import sharded_state_dict
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """After ``dcp.load(sd, ...)`` into ``sd = dmodel.state_dict()``, or with a full
+        single-process state dict: every rank gets its part (collective)."""
+        from .checkpoint import load_sharded_state_dict
+        load_sharded_state_dict(self, state_dict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
     # ---- what checkpoints and clipping use ----------------------------------------------------
     @property
     def batch_size(self) -> int:

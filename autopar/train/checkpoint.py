@@ -107,13 +107,53 @@ def _buffers(dmodel) -> dict[str, torch.Tensor]:
     return {q: (full[q] if q in full else b.detach().clone()) for q, b in dmodel.bufs.items()}
 
 
-def _state_dict(dmodel, optimizer=None, extra=None) -> dict[str, Any]:
+def sharded_state_dict(dmodel) -> dict[str, Any]:
+    """The model's state dict in DCP form, keyed by single-process names (what
+    ``dmodel.state_dict()`` returns, as an FSDP2 module's does): a sharded parameter is a
+    ShardedTensor of its owners' blocks that *shares storage* with the parameters (so
+    ``dcp.load`` fills them in place), a whole parameter the parameter's tensor, a buffer its
+    full value. Collective (buffers are assembled)."""
     shapes = dmodel.global_shapes()
     sd: dict[str, Any] = {}
     for qual, p in dmodel.local_params().items():
-        sd[f"model.{qual}"] = _sharded(dmodel, qual, p.detach(), shapes[qual])
-    for q, b in _buffers(dmodel).items():
-        sd[f"model.{q}"] = b
+        sd[qual] = _sharded(dmodel, qual, p.detach(), shapes[qual])
+    sd.update(_buffers(dmodel))
+    return sd
+
+
+def load_sharded_state_dict(dmodel, sd: dict[str, Any]) -> None:
+    """Finish loading ``sd`` (``sharded_state_dict``'s dict after ``dcp.load``, or a full
+    single-process state dict): whole tensors and buffers copied, each shard's owner block
+    broadcast to the other ranks holding it. Collective."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    have = {k: tuple(v.size() if isinstance(v, ShardedTensor) else v.shape) for k, v in sd.items()}
+    bad = mismatches(expected_keys(dmodel), have)
+    if bad:
+        raise ModelMismatch("the state dict is of another model: " + "; ".join(bad[:FIRST_MISMATCHES])
+                            + (f"; and {len(bad) - FIRST_MISMATCHES} more" if len(bad) > FIRST_MISMATCHES else ""),
+                            "load a state dict of this model")
+    comm = dmodel.comm
+    with torch.no_grad():
+        for qual, p in dmodel.local_params().items():
+            v = sd[qual]
+            if isinstance(v, ShardedTensor):
+                mine = v.local_shards()
+                if mine and mine[0].tensor.data_ptr() != p.data_ptr():
+                    p.copy_(mine[0].tensor)
+                _broadcast_shard(dmodel, qual, p.data)
+            else:
+                b = dmodel.param_shard(qual).local_bounds(v.shape, comm.rank, comm.world)
+                blk = v[tuple(slice(s, s + e) for s, e in b)]
+                if blk.data_ptr() != p.data_ptr():
+                    p.copy_(blk)
+        for q, b in dmodel.bufs.items():
+            if sd[q] is not b:
+                b.copy_(sd[q])
+
+
+def _state_dict(dmodel, optimizer=None, extra=None) -> dict[str, Any]:
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in sharded_state_dict(dmodel).items()}
+    shapes = dmodel.global_shapes()
     if optimizer is not None:
         quals = _optimizer_quals(dmodel, optimizer)
         groups = []
