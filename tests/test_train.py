@@ -666,3 +666,35 @@ def test_state_dict_with_dcp_directly_moves_between_plans(setup):
                         timeout_s=180)
         for r in range(4):
             assert got[r] == saved[0], (name, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient accumulation (FSDP2's set_requires_gradient_sync)
+# ---------------------------------------------------------------------------------------------
+def _accumulate(rank, world, plan, mfile):
+    import torch.nn.functional as F
+
+    import autopar
+    x, y = _data()
+    batches = [(x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH]) for k in range(3)]
+    dm = autopar.parallelize(_model(mfile), plan)
+    for k, (xb, yb) in enumerate(batches):
+        dm.set_requires_gradient_sync(k == len(batches) - 1)
+        xs, t = autopar.shard_batch(dm, xb, yb)
+        (dm.loss(xs, t) / len(batches)).backward()
+    grads = {q: g.tolist() for q, g in dm.full_grads().items()}
+    if rank != 0:
+        return None
+    ref = _model(mfile)
+    for xb, yb in batches:
+        (F.cross_entropy(ref(xb), yb) / len(batches)).backward()
+    return grads, {q: p.grad.tolist() for q, p in ref.named_parameters()}
+
+
+@pytest.mark.dist
+def test_gradient_accumulation_without_sync_matches_one_process(setup):
+    from autopar.runtime.launch import run_ranks
+    grads, ref = run_ranks(_accumulate, 2, args=(str(setup["plans"]["chanfilt-w2"]), str(setup["model"])),
+                           timeout_s=180)[0]
+    bad = [q for q in ref if not _close(grads[q], ref[q])]
+    assert not bad, bad

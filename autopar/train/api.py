@@ -25,8 +25,10 @@ in one process, and ``loss.backward()`` back-propagates exactly the share.
 Gradient synchronisation. The runtime's ``GradSync`` all-reduces each gradient over the ranks
 holding the same shard, overlapped with backward; ``finish_grads`` (writing the sums back) is
 queued to run when backward ends (as DDP and FSDP2 do), so ``optimizer.step()`` sees summed
-gradients without any extra call. One backward per optimizer step: gradient accumulation over
-several backwards is not supported (each would be summed again).
+gradients without any extra call. Gradient accumulation over several backwards, as with
+FSDP2: ``dmodel.set_requires_gradient_sync(False)`` for all micro-batches but the last (their
+gradients stay local partial sums and add up), ``True`` for the last, whose backward sums the
+accumulated gradients once.
 
 Eval mode. ``dmodel.eval()`` runs batch norm on its running statistics and dropout as the
 identity, whatever mode the model was traced in: each op's ``training`` argument follows the
@@ -122,12 +124,24 @@ class ParallelModule:
 
     def finish_grads(self) -> None:
         """Wait for the gradient all-reduces and write the sums back (once per backward;
-        queued automatically by ``forward``, a no-op when called again)."""
-        if self.comm.world == 1:
+        queued automatically by ``forward``, a no-op when called again). With gradient sync
+        off, the all-reduces are discarded: the gradients stay this rank's partial sums."""
+        if self.comm.world == 1 or not self._grads_pending:
             return
-        if self._grads_pending:
-            self._grads_pending = False
+        self._grads_pending = False
+        if getattr(self, "_sync_grads", True):
             super().finish_grads()
+            return
+        for b in self.gradsync.buckets:      # GradSync launched them as gradients arrived
+            if b.work is not None:
+                b.work.wait()
+            b.work, b.flat, b.arrived = None, None, 0
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch for gradient accumulation (module docstring). The skipped
+        micro-batches still send their all-reduces (GradSync starts them during backward) and
+        their results are dropped: correct, not yet cheaper."""
+        self._sync_grads = bool(requires_gradient_sync)
 
     def reduce_loss(self, loss_local: torch.Tensor) -> torch.Tensor:
         """The single-process loss from this rank's per-sample mean loss over its output block:
