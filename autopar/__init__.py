@@ -10,3 +10,14 @@ code imports and stays free of solver and tracing imports.
 """
 
 __version__ = "0.1.0"
+
+#: names exported lazily from ``autopar.train`` (``import autopar`` stays free of torch)
+_TRAIN = ("parallelize", "init_distributed", "plan_loader", "shard_batch", "clip_grad_norm_",
+          "save", "load", "full_state_dict", "load_full_state_dict")
+
+
+def __getattr__(name: str):
+    if name in _TRAIN:
+        from . import train
+        return getattr(train, name)
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

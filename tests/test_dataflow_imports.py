@@ -40,13 +40,15 @@ def test_planning_loads_no_runtime_module():
 
 
 def test_runtime_loads_no_planning_module(tmp_path):
-    # a generated module of a shipped plan, imported as a user's torchrun script would
+    # a generated module of a shipped plan, imported as a user's torchrun script would, and the
+    # training library (autopar.train) a user's own loop imports
     gen = sorted((ROOT / "strategies" / "plans" / "cnn3d-w4").glob("*_dist.py"))[0]
     code = f"""
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("gen", {str(gen)!r})
 mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 import autopar.runtime
+import autopar.train
 bad = sorted(m for m in sys.modules
              if m.startswith(('autopar.cost', 'autopar.solve', 'autopar.trace', 'autopar.calibrate',
                               'autopar.pipeline', 'autopar.codegen', 'pulp', 'highspy')))

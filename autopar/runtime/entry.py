@@ -54,8 +54,11 @@ def synthetic_batch(mf, batch_size: int, seed: int):
 
 
 def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
-    """``torchrun --nproc-per-node N generated.py --steps S``: train S steps on synthetic data."""
+    """``torchrun --nproc-per-node N generated.py --steps S``: train S steps on synthetic data,
+    through the training library (``autopar.train.parallelize``), as a user's loop would."""
     import torch.distributed as dist
+    from ..train.api import parallelize
+    from ..train.data import shard_batch
     from .launch import init_from_env
 
     ap = argparse.ArgumentParser(description="autopar generated training loop (synthetic data)")
@@ -67,28 +70,23 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     plan = read_plan(plan_file)
     rank, world = init_from_env(placement=plan_placement(plan))   # relabels: ranks are logical
     mf, model = build_user_model(plan, plan_file, args.seed)
-    dm = cls(plan, model, Comm.from_env())
+    dm = parallelize(model, plan_file, loss_fn=mf.loss_fn(), module_class=cls)
     opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)
     xs, ys = synthetic_batch(mf, plan.model.batch_size, args.seed + 1)
-    local = dm.shard_inputs(xs)
-    loss_fn = mf.loss_fn()
+    local, target = shard_batch(dm, xs, ys)
     times = []
     for step in range(args.steps):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        out = dm(*local)
-        loss_r = dm.local_loss(out, ys, loss_fn)
-        loss_r.backward()
-        dm.finish_grads()
+        loss = dm.loss(local, target)       # the single-process loss; backward: this rank's share
+        loss.backward()                     # gradients summed over their groups when it ends
         opt.step()
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        total = loss_r.detach().clone()
-        dist.all_reduce(total)
         times.append(float(dt))
         if rank == 0:
-            print(json.dumps({"step": step, "loss": float(total), "step_time_s": float(dt)}), flush=True)
+            print(json.dumps({"step": step, "loss": loss.item(), "step_time_s": float(dt)}), flush=True)
     if rank == 0:
         steady = sorted(times[1:] or times)
         print(json.dumps({"median_step_time_s": steady[len(steady) // 2],

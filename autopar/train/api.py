@@ -1,0 +1,372 @@
+"""``autopar.parallelize(model, "plan.json")``: the planned model as a trainable module.
+
+The shape of ``torch.distributed.fsdp.fully_shard`` / ``parallelize_module``: the user builds
+the single-process model on every rank (same seed; rank 0's values are broadcast anyway, as DDP
+does), calls ``parallelize`` under an initialised process group and gets back a module that
+holds only this rank's shard of every parameter (``ParamShard``) and a copy of every buffer.
+Then, in the user's own loop::
+
+    dmodel = autopar.parallelize(model, "plan.json")
+    opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-3)      # any elementwise optimizer
+    for inputs, target in autopar.train.plan_loader(dataset, dmodel, seed=0):  # this rank's share
+        opt.zero_grad()
+        loss = dmodel.loss(inputs, target)       # or: dmodel.reduce_loss(my_loss(dmodel(*inputs), target))
+        loss.backward()                          # gradients are summed over replicas at its end
+        autopar.train.clip_grad_norm_(dmodel, 1.0)
+        opt.step()
+
+Loss convention. Each rank computes the user's per-sample *mean* loss on its block of samples
+of the output (the plan's loss layout, ``DistModel.loss_layout``); ``reduce_loss`` returns a
+tensor whose **value** is the single-process loss (the shares summed over the mesh) and whose
+**gradient** is this rank's share ``L_r = loss_r * n_r / N / replicas`` (the runtime's gradient
+convention: ``sum_r L_r = L``). ``loss.item()`` is therefore the same number on every rank and
+in one process, and ``loss.backward()`` back-propagates exactly the share.
+
+Gradient synchronisation. The runtime's ``GradSync`` all-reduces each gradient over the ranks
+holding the same shard, overlapped with backward; ``finish_grads`` (writing the sums back) is
+queued to run when backward ends (as DDP and FSDP2 do), so ``optimizer.step()`` sees summed
+gradients without any extra call. Gradient accumulation over several backwards, as with
+FSDP2: ``dmodel.set_requires_gradient_sync(False)`` for all micro-batches but the last (their
+gradients stay local partial sums and add up), ``True`` for the last, whose backward sums the
+accumulated gradients once.
+
+Eval mode. ``dmodel.eval()`` runs batch norm on its running statistics and dropout as the
+identity, whatever mode the model was traced in: each op's ``training`` argument follows the
+module's mode (``_mode_spec``).
+
+This module is part of the runtime side: it imports ``autopar.runtime``, ``autopar.artifacts``
+and ``autopar.decomp``, never the solver, tracer or cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..artifacts import Plan, load_plan
+from ..decomp.base import ParamShard
+from ..errors import AutoparError, PlanFileError
+
+#: how many mismatches a structural error lists
+FIRST_MISMATCHES = 5
+
+
+class ModelMismatch(AutoparError):
+    """A model or checkpoint whose parameter names or shapes differ from the plan's model."""
+
+
+class _GlobalLoss(torch.autograd.Function):
+    """forward: the sum of every rank's share over the mesh (the single-process loss);
+    backward: the incoming gradient unchanged, so that each rank back-propagates its own share
+    (the sum convention of ``autopar.decomp.base``)."""
+
+    @staticmethod
+    def forward(ctx, share, comm):
+        total = share.detach().clone()
+        comm.all_reduce_(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class ParallelModule:
+    """Mixin added to a plan's generated ``DistModel`` class by ``parallelize`` (like
+    ``fully_shard`` turns a module into an ``FSDPModule``). Everything the user's loop needs:
+    ``forward`` on this rank's inputs, ``loss`` / ``reduce_loss``, ``reduce_sum`` for metrics,
+    ``train``/``eval``, and what checkpoints and clipping use (``plan``, ``param_shard``,
+    ``local_params``)."""
+
+    plan: Plan
+    loss_fn_default: Callable[..., torch.Tensor]
+
+    def _setup_train(self, plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.plan = plan
+        self.loss_fn_default = loss_fn
+        self._grads_pending = False
+        self._specs_train = dict(self.spec)
+        self._specs_eval = {name: _mode_spec(op, False) for name, op in self.spec.items()}
+
+    # ---- modes -------------------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.spec = self._specs_train if mode else self._specs_eval
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # ``.to()`` / ``.double()`` replace buffer tensors; the runtime reads them through
+        # ``self.bufs``, which must follow (parameters are converted in place)
+        out = super()._apply(fn, *args, **kwargs)
+        from ..runtime.model import _safe
+        self.bufs = {q: getattr(self, _safe(q)) for q in self.bufs}
+        return out
+
+    # ---- forward and loss --------------------------------------------------------------------
+    def forward(self, *inputs: torch.Tensor):
+        out = super().forward(*inputs)
+        first = _first_tensor(out)
+        if torch.is_grad_enabled() and first is not None and first.requires_grad and self.comm.world > 1:
+            self._grads_pending = True
+            first.register_hook(self._queue_finish)
+        return out
+
+    def _queue_finish(self, grad):
+        # runs when backward reaches the output; the callback runs when that backward ends
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
+        return grad
+
+    def finish_grads(self) -> None:
+        """Wait for the gradient all-reduces and write the sums back (once per backward;
+        queued automatically by ``forward``, a no-op when called again). With gradient sync
+        off, the all-reduces are discarded: the gradients stay this rank's partial sums."""
+        if self.comm.world == 1 or not self._grads_pending:
+            return
+        self._grads_pending = False
+        if getattr(self, "_sync_grads", True):
+            super().finish_grads()
+            return
+        for b in self.gradsync.buckets:      # GradSync launched them as gradients arrived
+            if b.work is not None:
+                b.work.wait()
+            b.work, b.flat, b.arrived = None, None, 0
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch for gradient accumulation (module docstring). The skipped
+        micro-batches still send their all-reduces (GradSync starts them during backward) and
+        their results are dropped: correct, not yet cheaper."""
+        self._sync_grads = bool(requires_gradient_sync)
+
+    def reduce_loss(self, loss_local: torch.Tensor) -> torch.Tensor:
+        """The single-process loss from this rank's per-sample mean loss over its output block:
+        value summed over the mesh, gradient this rank's share (module docstring)."""
+        lay = self.loss_layout()
+        shape = self.graph.value_shape(self.graph.output)
+        n_local = lay.local_shape(shape, self.comm.rank, self.comm.world)[0]
+        share = loss_local * (n_local / shape[0] / lay.replicas(self.comm.world))
+        if self.comm.world == 1:
+            return share
+        return _GlobalLoss.apply(share, self.comm)
+
+    def loss(self, inputs: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor | None = None,
+             loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward on this rank's ``inputs`` (``shard_batch`` / ``plan_loader``) and the loss on
+        this rank's ``target`` block; ``loss_fn`` (default: the model file's ``loss_fn``, else
+        autopar's default loss) must be a per-sample mean."""
+        xs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        out = _first_tensor(self(*xs))
+        fn = loss_fn or self.loss_fn_default
+        return self.reduce_loss(fn(out, target) if target is not None else fn(out))
+
+    def reduce_sum(self, local: torch.Tensor | float) -> torch.Tensor:
+        """Sum of a per-rank metric computed on this rank's output block (e.g. the number of
+        correct predictions), each sample counted once: replicas of a block are divided out."""
+        t = torch.as_tensor(local, dtype=torch.float64, device=self.comm.device).clone()
+        t = t / self.loss_layout().replicas(self.comm.world)
+        return self.comm.all_reduce_(t)
+
+    # ---- state dicts (FSDP2's shape: single-process names, sharded values) --------------------
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """Single-process names -> this rank's part: ready for ``torch.distributed.checkpoint``
+        (``dcp.save(dmodel.state_dict(), ...)``; ``checkpoint.sharded_state_dict``)."""
+        from .checkpoint import sharded_state_dict
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """After ``dcp.load(sd, ...)`` into ``sd = dmodel.state_dict()``, or with a full
+        single-process state dict: every rank gets its part (collective)."""
+        from .checkpoint import load_sharded_state_dict
+        load_sharded_state_dict(self, state_dict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    # ---- what checkpoints and clipping use ----------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """The global batch the plan was made for (every step must use it)."""
+        return int(self.graph.value_shape(self.graph.inputs[0].name)[0]) if self.graph.inputs else \
+            int(self.plan.model.batch_size)
+
+    def local_params(self) -> dict[str, nn.Parameter]:
+        """This rank's parameter (shard) of every qualified name."""
+        return {self.qualname[s]: p for s, p in self.params.items()}
+
+    def param_shard(self, qual: str) -> ParamShard:
+        return self.shards.get(qual, ParamShard())
+
+    def global_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full (single-process) shape of every parameter."""
+        return {q: tuple(self._global_param_shape(q, p)) for q, p in self.local_params().items()}
+
+    def shard_owner(self, qual: str) -> bool:
+        """True on the one rank that speaks for this rank's shard of ``qual`` (the lowest of
+        the ranks holding the same shard): norms and checkpoints count each shard once."""
+        grp = self.param_shard(qual).grad_group(self.comm.rank, self.comm.world)
+        return self.comm.rank == min(grp)
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            t = _first_tensor(o)
+            if t is not None:
+                return t
+    if isinstance(out, dict):
+        for o in out.values():
+            t = _first_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def _mode_spec(op, training: bool):
+    """``op`` with its ``training`` argument set: batch norm (arg 5) uses running statistics,
+    dropout (arg 2) is the identity when ``training`` is False."""
+    if op.kind == "batch_norm" and len(op.args) > 5:
+        args = list(op.args)
+        args[5] = training
+        return dataclasses.replace(op, args=args, attrs={**op.attrs, "training": training})
+    if op.kind == "dropout" and len(op.args) > 2:
+        args = list(op.args)
+        args[2] = training
+        return dataclasses.replace(op, args=args, attrs={**op.attrs, "training": training})
+    return op
+
+
+# ---------------------------------------------------------------------------------------------
+# parallelize
+# ---------------------------------------------------------------------------------------------
+def _load_generated_class(plan: Plan, plan_path: Path):
+    gen = plan_path.parent / plan.generated
+    if not plan.generated or not gen.is_file():
+        raise PlanFileError(f"the generated module {gen} of plan {plan_path} is missing",
+                            "re-plan (autopar plan) to write it beside plan.json")
+    name = f"autopar_generated_{abs(hash(str(gen.resolve()))) % 10**8}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, gen)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    cls = getattr(mod, "PlannedModel", None)
+    if cls is None:
+        raise PlanFileError(f"{gen} defines no PlannedModel", "re-plan to regenerate it")
+    return cls
+
+
+def check_model(model: nn.Module, plan: Plan) -> None:
+    """The model's parameter names and shapes must be those the plan was traced with
+    (``ModelMismatch`` lists the first mismatches)."""
+    want: dict[str, tuple[int, ...]] = {}
+    for lay in plan.graph().layers:
+        for op in lay.ops:
+            for role, q in op.param_names.items():
+                want[q] = tuple(op.params[role])
+    have = {q: tuple(p.shape) for q, p in model.named_parameters()}
+    bad = mismatches(want, have)
+    if bad:
+        raise ModelMismatch(f"the model does not match the plan's ({plan.model.name}): "
+                            + "; ".join(bad[:FIRST_MISMATCHES])
+                            + (f"; and {len(bad) - FIRST_MISMATCHES} more" if len(bad) > FIRST_MISMATCHES else ""),
+                            "build the model the plan was made from, or re-plan for this one")
+
+
+def mismatches(want: dict[str, tuple], have: dict[str, tuple]) -> list[str]:
+    """Human-readable differences between two name -> shape maps (want: the plan's)."""
+    out = []
+    for q in want:
+        if q not in have:
+            out.append(f"{q} missing")
+        elif tuple(have[q]) != tuple(want[q]):
+            out.append(f"{q} has shape {tuple(have[q])}, expected {tuple(want[q])}")
+    out.extend(f"{q} unexpected" for q in have if q not in want)
+    return out
+
+
+def _model_file_loss(plan: Plan, plan_path: Path) -> Callable[..., torch.Tensor]:
+    from ..modelfile import default_loss, load_model_file
+    from ..runtime.entry import model_path
+    mp = model_path(plan, plan_path)
+    if mp.is_file():
+        try:
+            return load_model_file(mp).loss_fn()
+        except AutoparError:
+            pass
+    return default_loss
+
+
+def check_model_file(plan: Plan, plan_path: Path) -> None:
+    """The plan's model file, where it still exists, must be unchanged since planning."""
+    from ..io import sha256_file
+    from ..runtime.entry import model_path
+    mp = model_path(plan, plan_path)
+    if plan.model.sha256 and mp.is_file() and sha256_file(mp) != plan.model.sha256:
+        raise PlanFileError(f"the model file {mp} changed since plan {plan_path} was made "
+                            f"(sha256 differs)", "re-plan it: autopar plan "
+                            f"{mp} --world-size {plan.world_size}")
+
+
+def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_states: bool = True,
+                loss_fn: Callable[..., torch.Tensor] | None = None,
+                bucket_cap_bytes: int | None = None, module_class: type | None = None) -> nn.Module:
+    """This rank's part of ``model`` under the plan in ``plan`` (a plan.json path).
+
+    Collective: every rank of the process group calls it. ``model`` is the single-process
+    model built on every rank; with ``sync_module_states`` (default, as DDP) rank 0's
+    parameters and buffers are broadcast first, so ranks need not share a seed. The returned
+    module (a ``ParallelModule`` subclass of the plan's generated class) holds only this
+    rank's shards; ``model`` can be dropped. Errors say what to do: no process group, a plan
+    for another world size, a model file changed since planning, or a model whose parameter
+    names or shapes are not the plan's. ``module_class``: the plan's generated class when the
+    caller has it (the generated module's own ``main``); else it is imported from the file
+    beside the plan.
+    """
+    import torch.distributed as dist
+
+    from ..runtime.comm import Comm
+
+    plan_path = Path(plan)
+    p = load_plan(plan_path)
+    initialised = dist.is_available() and dist.is_initialized()
+    if comm is None:
+        if not initialised and p.world_size > 1:
+            raise AutoparError(f"autopar.parallelize needs a process group: plan {plan_path} runs on "
+                               f"{p.world_size} ranks and torch.distributed is not initialised",
+                               f"start the script with torchrun --nproc-per-node {p.world_size} and call "
+                               f"autopar.train.init_distributed({str(plan_path)!r}) (or "
+                               f"torch.distributed.init_process_group) before parallelize")
+        comm = Comm.from_env()
+    if comm.world != p.world_size:
+        raise PlanFileError(f"plan {plan_path} was made for world size {p.world_size}, this process "
+                            f"group has {comm.world} ranks",
+                            f"run with {p.world_size} processes, or re-plan: autopar plan MODEL.py "
+                            f"--world-size {comm.world}")
+    check_model_file(p, plan_path)
+    check_model(model, p)
+    if sync_module_states and comm.world > 1:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=comm.global_rank(0), group=comm.mesh_group)
+    cls = module_class or _load_generated_class(p, plan_path)
+    train_cls = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {"__module__": __name__})
+    kw = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
+    dm = train_cls(p, model, comm, **kw)
+    dm._setup_train(p, loss_fn or _model_file_loss(p, plan_path))
+    dm.train(model.training)
+    return dm
+
+
+def init_distributed(plan: str | Path, backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment with the plan's rank placement
+    (the process torchrun calls RANK p joins as the plan's logical rank); returns (rank, world).
+    A no-op returning the current (rank, world) when a group exists."""
+    from ..runtime.launch import init_from_env
+    p = load_plan(plan)
+    return init_from_env(backend=backend, timeout_s=timeout_s, placement=p.placement())
