@@ -458,3 +458,92 @@ class ChannelFilter(_WeightGrid):
                 if pc > 1 and pf > 1:
                     out.append(cls(ctx.world // m, pc, pf))
         return out
+
+
+@register
+@dataclass(frozen=True)
+class RowParallel(Channel):
+    """Megatron's row-parallel linear (or convolution): input and weight split by C over
+    ``parts`` ranks as in ``Channel``, but the partial products are *left* as a partial sum
+    (``Partial("sum")`` on the channel axis: layout ``N<s>xP<parts>``) instead of being
+    reduce-scattered inside the layer. The consumer resolves it where it needs to (the edge's
+    redistribution: an all-reduce to a replicated tensor, a reduce-scatter to a split one),
+    priced per step, so the ILP pays one collective per column -> row pair (``filter`` leaves
+    ``Shard(-1)``, which is exactly this layer's input). The bias is whole on every rank and
+    added by partial index 0 only; its gradient is summed over the world like any whole
+    parameter. Only a lone anchor: no op may run on a partial sum inside the layer.
+
+    Cost: compute as ``Channel`` (x_loc (N/s, .., C/p) x w_loc (F, C/p)); no forward or
+    backward communication inside the layer; gradients: the weight shard among its ``s``
+    replicas, the bias over the world.
+    """
+
+    kind = "row_parallel"
+
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+        return Layout(((0, self.sample),), partial=self.parts)
+
+    def param_shard(self, op: OpSpec, role: str) -> ParamShard:
+        if op.kind in ANCHORS and role == "weight":
+            return super().param_shard(op, role)
+        return ParamShard()
+
+    def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
+        """The weight shards' sample groups (gradients)."""
+        return [[list(g) for g in self.partition("s")]] if self.sample > 1 else []
+
+    def check(self, layer: Layer, ctx: CostContext) -> str | None:
+        why = super().check(layer, ctx)
+        if why:
+            return why
+        if len(layer.ops) != 1:
+            return (f"{layer.module or layer.name}: {len(layer.ops) - 1} op(s) after the anchor would "
+                    f"run on a partial sum")
+        return None
+
+    def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
+        from ...cost import primitives as prim  # plan-time half: the runtime never loads cost
+        item = layer.itemsize
+        sh = self.local_shapes(layer)
+        a = layer.anchor
+        fwd, bwd, src = prim.op_compute_s(a, [sh["x"]], sh["y_part"], ctx, w_shape=sh["w"], itemsize=item)
+        w_bytes = float(math.prod(sh["w"]) * item)
+        b_bytes = float(math.prod(a.params["bias"]) * item) if "bias" in a.params else 0.0
+        grad_s = synced = 0.0
+        latency: list = []
+        groups = self.partition("s")
+        if len(groups[0]) > 1:
+            level = _worst_level(ctx, groups)
+            grad_s += prim.grad_allreduce_s(ctx, w_bytes, len(groups[0]), level)
+            synced += w_bytes
+            sig = "world" if len(groups[0]) == ctx.world else f"allreduce {len(groups[0])} {level} {groups[0]}"
+            latency.append((sig, *prim.grad_latencies_s(ctx, len(groups[0]), level)))
+        if b_bytes and ctx.world > 1:
+            grad_s += prim.grad_sync_time_s(ctx, b_bytes, range(ctx.world))
+            synced += b_bytes
+            latency.extend(prim.grad_sync_latency(ctx, range(ctx.world), "world"))
+        pbytes = w_bytes + b_bytes
+        return LayerCost(fwd_compute_s=fwd, bwd_compute_s=bwd, grad_sync_s=grad_s,
+                         grad_sync_bytes=synced, grad_sync_latency=tuple(latency),
+                         param_bytes=pbytes, grad_bytes=pbytes,
+                         optim_bytes=prim.optimizer_bytes(ctx, pbytes),
+                         activation_bytes=prim.saved_bytes(a, [sh["x"]], sh["y_part"], item),
+                         source=src)
+
+    def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
+            buffers: dict[str, Any]):
+        from ...runtime.ops import resolve_target, substitute
+        values = dict(zip(op.inputs, inputs))
+        args = substitute(op.args, values, params, buffers)
+        kwargs = substitute(op.kwargs, values, params, buffers)
+        bias = None
+        if len(args) > 2:
+            bias, args[2] = args[2], None
+        elif "bias" in kwargs:
+            bias, kwargs["bias"] = kwargs["bias"], None
+        y = resolve_target(op.target)(*args, **kwargs)
+        if bias is not None and self.out_layout(layer).partial_index(comm.rank, comm.world) == 0:
+            shape = [1] * y.dim()
+            shape[_feature_dim(op)] = -1
+            y = y + bias.reshape(shape)
+        return y
