@@ -16,12 +16,27 @@ from autopar.artifacts import (PLAN_SCHEMA, RUN_SCHEMA, Baseline, Check, LayerDe
                                load_plan, load_run, load_runset, write_plan, write_run, write_runset)
 from autopar.errors import AutoparError, PlanFileError
 
-SHIPPED = "strategies/plans/cnn3d-w2/plan.json"   # schema 1, world 2: spatial + sample + replicate
+SHIPPED = "strategies/plans/cnn3d-w2/plan.json"   # world 2: spatial + sample + replicate
+
+
+def _as_schema_1(obj: dict) -> dict:
+    """A schema-2 plan written as the previous schema wrote it (no ``mesh.ranks``)."""
+    old = copy.deepcopy(obj)
+    old["schema"] = "autopar.plan/1"
+    old["mesh"].pop("ranks", None)
+    return old
 
 
 @pytest.fixture
-def shipped(root):
-    return root / SHIPPED
+def shipped(root, tmp_path):
+    """The shipped plan as a schema-1 file (the shipped plans are schema 2 since the core
+    redesign; schema-1 plans of users are migrated on load)."""
+    f = tmp_path / "schema1" / "plan.json"
+    f.parent.mkdir()
+    obj = _as_schema_1(json.loads((root / SHIPPED).read_text()))
+    obj["model"]["path"] = str((root / SHIPPED).parent.joinpath(obj["model"]["path"]).resolve())
+    f.write_text(json.dumps(obj))
+    return f
 
 
 @pytest.fixture
@@ -127,12 +142,13 @@ def test_plan_options_round_trip_and_hooks_are_apart():
 
 # ---- schema 1 -------------------------------------------------------------------------------
 
-def test_shipped_schema_1_plans_are_migrated_with_a_warning_naming_the_file(root):
+def test_schema_1_plans_are_migrated_with_a_warning_naming_the_file(root, tmp_path):
     files = sorted((root / "strategies/plans").glob("*/plan.json"))
     assert files
-    for f in files:
-        if json.loads(f.read_text())["schema"] != "autopar.plan/1":
-            continue
+    for i, shipped in enumerate(files):
+        f = tmp_path / f"p{i}" / "plan.json"
+        f.parent.mkdir()
+        f.write_text(json.dumps(_as_schema_1(json.loads(shipped.read_text()))))
         with pytest.warns(PlanMigrated, match=f"{f}.*autopar.plan/1 migrated to autopar.plan/2"):
             p = load_plan(f)
         assert p.schema == PLAN_SCHEMA and p.mesh.ranks == tuple(range(p.world_size))
