@@ -2,9 +2,10 @@
 
 Every tensor of the layer has layout ``N<parts>``; with world P, P/parts ranks replicate each
 block. Weights are whole on every rank and their gradients are summed over the world (the DDP
-allreduce, bucketed and overlapped with backward by the runtime). Batch norm aggregates its
-statistics over the ``parts`` ranks holding different samples, otherwise the function would
-change (torch DDP without SyncBatchNorm computes a different function).
+allreduce, bucketed and overlapped with backward by the runtime). Batch norm: under global
+statistics it aggregates over the ``parts`` ranks holding different samples (DDP +
+SyncBatchNorm); under local statistics (``decomp.bn``) each rank holds whole groups of samples
+and computes their statistics alone, as torch DDP does.
 """
 
 from __future__ import annotations
@@ -72,6 +73,6 @@ class Sample(Decomposition):
         lay = self.layout()
         if op.kind == BATCH_NORM:
             return run_batch_norm(op, inputs, params, buffers, comm,
-                                  lay.data_group(comm.rank, comm.world))
+                                  lay.data_group(comm.rank, comm.world), layout=lay)
         return call_local(op, inputs, params, buffers,
                           local_out_shape=lay.local_shape(op.out_shape, comm.rank, comm.world))
