@@ -10,6 +10,7 @@ and computes their statistics alone, as torch DDP does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, divisors, register
@@ -70,9 +71,20 @@ class Sample(Decomposition):
 
     def run(self, comm, layer, op, inputs, params, buffers):
         from ..runtime.ops import call_local, run_batch_norm
-        lay = self.layout()
+        lay = _layout(self.parts)
         if op.kind == BATCH_NORM:
             return run_batch_norm(op, inputs, params, buffers, comm,
                                   lay.data_group(comm.rank, comm.world), layout=lay)
         return call_local(op, inputs, params, buffers,
-                          local_out_shape=lay.local_shape(op.out_shape, comm.rank, comm.world))
+                          local_out_shape=_local_shape(self.parts, tuple(op.out_shape), comm.rank, comm.world))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(parts: int) -> Layout:
+    return Layout(((0, parts),))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_shape(parts: int, shape: tuple, rank: int, world: int) -> tuple:
+    """This rank's block of ``shape`` (cached: the runtime asks for it on every op of every step)."""
+    return _layout(parts).local_shape(shape, rank, world)

@@ -30,6 +30,7 @@ from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.layout import Layout, loss_layout_for
 from .comm import Comm, local_slice
+from .ops import _BN
 from .redistribute import redistribute
 from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
 
@@ -158,6 +159,7 @@ class DistModel(nn.Module):
         self.bn_runtime = (BatchNormRuntime(self.bn_stats, int(plan.model.batch_size or self.graph.batch_size))
                            if self.bn_stats.local else None)
         self.output_spec = output_structure(model, self.graph)
+        self._prepared: dict[str, tuple] = {}   # per op: (spec, layer index, decomposition, ...)
 
         # ---- parameters: this rank's shard of each ----------------------------------------
         full_params = dict(model.named_parameters())
@@ -200,20 +202,30 @@ class DistModel(nn.Module):
         return self.params[_safe(qual)]
 
     def op(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
-        spec = self.spec[name]
-        li = self.layer_of[name]
-        if self.timer is not None and name in self.first_op:
-            self.timer.mark_fwd(li)
-        dec = self.decisions[li]
-        params = {q: self.params[_safe(q)] for q in spec.param_names.values()}
-        buffers = {q: self.bufs[q] for q in spec.buffers.values()}
-        if self.bn_runtime is not None:
-            from .ops import batch_norm_stats
-            with batch_norm_stats(self.bn_runtime):
-                out = dec.run(self.comm, self.graph.layers[li], spec, list(inputs), params, buffers)
+        prep = self._prepared.get(name)
+        if prep is None:
+            spec = self.spec[name]
+            li = self.layer_of[name]
+            prep = self._prepared[name] = (spec, li, self.decisions[li], self.graph.layers[li],
+                                           [(q, _safe(q)) for q in spec.param_names.values()],
+                                           list(spec.buffers.values()))
+        spec, li, dec, layer, pnames, bnames = prep
+        timer = self.timer
+        if timer is not None and name in self.first_op:
+            timer.mark_fwd(li)
+        store = self.params._parameters     # the ParameterDict's own dict (no Module.__getattr__)
+        params = {q: store[sq] for q, sq in pnames}
+        buffers = {q: self.bufs[q] for q in bnames}
+        rt = self.bn_runtime
+        if rt is not None:                  # local batch-norm statistics for run_batch_norm
+            tok = _BN.set(rt)
+            try:
+                out = dec.run(self.comm, layer, spec, list(inputs), params, buffers)
+            finally:
+                _BN.reset(tok)
         else:
-            out = dec.run(self.comm, self.graph.layers[li], spec, list(inputs), params, buffers)
-        if self.timer is not None and name in self.last_op and out.requires_grad:
+            out = dec.run(self.comm, layer, spec, list(inputs), params, buffers)
+        if timer is not None and name in self.last_op and out.requires_grad:
             out.register_hook(lambda g, li=li: (self.timer.mark_bwd(li), None)[1])
         return out
 
@@ -286,6 +298,8 @@ class DistModel(nn.Module):
         """The traced output tensor (this rank's block) in the structure the user's model
         returns (e.g. a Hugging Face ``ModelOutput`` whose ``logits`` it is), so the user's loss
         runs unchanged; the tensor itself when the model returns a tensor."""
+        if self.bn_runtime is not None and self.training:
+            self.bn_runtime.start(self.comm)   # the running statistics' all-reduce overlaps backward
         return rebuild_output(self.output_spec, out_local)
 
     # ---- assembling full tensors (validation) -------------------------------------------------

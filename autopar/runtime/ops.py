@@ -193,17 +193,31 @@ class BatchNormRuntime:
         self.stats = stats
         self.stats_groups = stats.groups(batch) if stats.local else 1
         self.pending: list[tuple] = []   # (running_mean, running_var, momentum, sum_mean, sum_var, weight)
+        self.work = None                 # (async all-reduce, its buffer, the updates it carries)
 
-    def flush(self, comm: Comm) -> None:
-        """Apply the deferred updates: ONE all-reduce over the mesh of every batch norm's
-        (weighted) sums of group means and unbiased group variances, then on every rank
-        ``r <- (1 - m) r + m * sum / groups`` (so every rank holds the same running statistics).
-        Collective when anything is pending (every rank runs the same batch norms)."""
-        if not self.pending:
+    def start(self, comm: Comm) -> None:
+        """Start the all-reduce of the pending updates without waiting (the runtime calls it at
+        the end of forward, so it overlaps backward; every rank starts it at the same point)."""
+        if not self.pending or self.work is not None:
             return
         pend, self.pending = self.pending, []
         flat = torch.cat([torch.cat([sm, sv]) for _, _, _, sm, sv, _ in pend])
-        comm.all_reduce_(flat)
+        work = dist.all_reduce(flat, group=comm.mesh_group, async_op=True) if comm.world > 1 else None
+        self.work = (work, flat, pend)
+
+    def flush(self, comm: Comm) -> None:
+        """Apply the deferred updates: ONE all-reduce over the mesh of every batch norm's
+        (weighted) sums of group means and unbiased group variances (``start``ed at the end of
+        forward, or now), then on every rank ``r <- (1 - m) r + m * sum / groups`` (so every
+        rank holds the same running statistics). Collective when anything is pending (every
+        rank runs the same batch norms)."""
+        self.start(comm)
+        if self.work is None:
+            return
+        work, flat, pend = self.work
+        self.work = None
+        if work is not None:
+            work.wait()
         k = self.stats_groups
         off = 0
         with torch.no_grad():
@@ -323,6 +337,9 @@ def group_batch_norm(x, weight, bias, running_mean, running_var, momentum: float
     if x.shape[0] % g:
         raise RuntimeError(f"batch norm on {x.shape[0]} local samples cannot be split into groups of "
                            f"{g} (the plan's --bn-group); the planner must not allow this")
+    if len(ranks) <= 1:
+        return _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, g,
+                                        rt, channels, replicas)
     box: list = []
     y = _GroupBatchNorm.apply(x, weight, bias, eps, g, comm, tuple(sorted(ranks)), box)
     if running_mean is not None and running_var is not None:
@@ -333,5 +350,39 @@ def group_batch_norm(x, weight, bias, running_mean, running_var, momentum: float
         a, e = channels if channels is not None else (0, full_c)
         sm[a:a + e] = mean.sum(0).double() / replicas
         sv[a:a + e] = (var * (n / max(n - 1.0, 1.0))).sum(0).double() / replicas
+        rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
+    return y
+
+
+def _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, g: int,
+                             rt: BatchNormRuntime, channels, replicas: int):
+    """Local statistics when this rank holds its groups whole (nothing to combine): torch's own
+    batch-norm kernel and its backward. One group: ``batch_norm`` on the block. k > 1 groups:
+    the groups moved into the channel dim, (k, g, C, *) -> (g, k C, *), so that each (group,
+    channel) pair is one channel of one ``batch_norm`` (weight and bias repeated k times).
+    The group means and unbiased variances come out of the kernel through scratch running
+    buffers updated with momentum 1 (``r <- batch statistic``)."""
+    import torch.nn.functional as F
+    k = x.shape[0] // g
+    c = x.shape[1]
+    track = running_mean is not None and running_var is not None
+    mean_k = torch.zeros(k * c, dtype=x.dtype, device=x.device) if track else None
+    var_k = torch.ones(k * c, dtype=x.dtype, device=x.device) if track else None
+    if k == 1:
+        y = F.batch_norm(x, mean_k, var_k, weight, bias, True, 1.0, eps)
+    else:
+        rest = tuple(x.shape[2:])
+        xt = x.reshape((k, g, c) + rest).transpose(0, 1).reshape((g, k * c) + rest)
+        w = weight.repeat(k) if weight is not None else None
+        b = bias.repeat(k) if bias is not None else None
+        yt = F.batch_norm(xt, mean_k, var_k, w, b, True, 1.0, eps)
+        y = yt.reshape((g, k, c) + rest).transpose(0, 1).reshape(x.shape)
+    if track:
+        full_c = running_mean.numel()
+        sm = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+        sv = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+        a, e = channels if channels is not None else (0, full_c)
+        sm[a:a + e] = mean_k.reshape(k, c).sum(0).double() / replicas
+        sv[a:a + e] = var_k.reshape(k, c).sum(0).double() / replicas
         rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
     return y
