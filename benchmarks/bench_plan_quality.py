@@ -11,7 +11,8 @@ hits all alike), together with torch DDP on the same model:
                 choices, priced with ``cost.table.evaluate``; pinned and re-planned);
 * ``dp``        pure data parallelism (``sample(W)`` wherever legal);
 * ``replicate`` pure replicate;
-* ``only:<k>``  each decomposition kind forced: the ILP over that kind and ``replicate`` only.
+* ``only:<k>``  each other decomposition kind forced: every layer where it is legal pinned to
+                its cheapest choice of that kind, the rest left to the ILP.
 
 It prints per candidate the predicted and measured step time (median over the rounds), the
 ratio to DDP and the verdict: chosen / best measured, chosen / DDP, and the run-to-run noise
@@ -90,17 +91,19 @@ def plan_candidates(model: Path, world: int, out: Path, profile, top_k: int, say
     add("dp", plan("dp", PlanHooks(choice_filter=lambda d: str(d) == f"sample({world})" or d.kind == "replicate"),
                    max_candidates=64))
     add("replicate", plan("replicate", kinds=["replicate"]))
-    from autopar.decomp import REGISTRY
-    for kind in sorted(REGISTRY):
-        if kind in ("replicate",) or kind.startswith("test_"):
-            continue
+    # each kind forced: every layer where the kind is legal pinned to its cheapest choice of
+    # that kind (alone), the other layers left to the ILP
+    kinds = sorted({d.kind for o in table.layers for d in o.choices} - {"replicate", "sample"})
+    for kind in kinds:
+        force = {}
+        for li, o in enumerate(table.layers):
+            own = [(c.fwd_s + c.bwd_s + c.grad_sync_s, str(d)) for d, c in zip(o.choices, o.costs) if d.kind == kind]
+            if own:
+                force[li] = min(own)[1]
         try:
-            r = plan(f"only-{kind}", PlanHooks(choice_filter=lambda d, k=kind: d.kind in (k, "replicate")))
-        except Exception as e:     # noqa: BLE001  (a kind legal nowhere in this model)
+            add(f"only:{kind}", plan(f"only-{kind}", PlanHooks(force=force)))
+        except Exception as e:     # noqa: BLE001  (pinned choices that do not fit, e.g. memory)
             say(f"  only:{kind}: not planned ({e.__class__.__name__}: {str(e)[:80]})")
-            continue
-        if any(c.split("(")[0] == kind for c in _choices_of(r)):
-            add(f"only:{kind}", r)
     return cands
 
 

@@ -105,7 +105,7 @@ def test_statistics_equal_the_matching_reference(world, mix, mode, net, tmp_path
     assert v.passed and v.dtype == "float64", [c.tensor for c in v.failures]
     names = {c.tensor for c in v.checks}
     assert {"buffer:b2.running_mean", "buffer:b3.running_var", "buffer:b1.num_batches_tracked",
-            "replica:buffer:b2.running_var", "replica:param_after_step:c2.weight"} <= names
+            "replica:buffer:b2.running_var", "replica:param_after_step:c2.weight", "replica:output"} <= names
 
 
 def test_local_and_global_are_different_functions(net, tmp_path, profile):

@@ -84,7 +84,7 @@ def ghost_batch_norm(group: int | None):
         F.batch_norm = orig
 
 
-def replica_diffs(dm, grads, after, full_bufs, comm) -> dict[str, float]:
+def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=None) -> dict[str, float]:
     """Collective: per tensor, the largest ``max|local - assembled block|`` over every rank of
     the mesh (its own gradient, parameter after the step, and floating buffer blocks against
     the assembled ones, which come from the lowest rank of each group)."""
@@ -101,6 +101,13 @@ def replica_diffs(dm, grads, after, full_bufs, comm) -> dict[str, float]:
             return full
         z = full.detach().clone() if rank == 0 else torch.zeros_like(full)
         return comm.all_reduce_(z)
+
+    if out_local is not None:        # the output block of every replica, not only the one assembled
+        ref0 = of_rank0(ParamShard(), out_full)
+        b = dm.loss_layout().local_bounds(ref0.shape, rank, world)
+        sl = tuple(slice(s, s + e) for s, e in b)
+        names.append("replica:output")
+        diffs.append(float((out_local.double() - ref0[sl].double()).abs().max()) if out_local.numel() else 0.0)
 
     for safe, p in dm.params.items():
         qual = dm.qualname[safe]
@@ -164,7 +171,7 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     opt.step()
     after = dm.full_params()
     full_bufs = dm.full_buffers()
-    replicas = replica_diffs(dm, grads, after, full_bufs, comm)
+    replicas = replica_diffs(dm, grads, after, full_bufs, comm, output_tensor(out).detach(), out_full)
     checks: list[Check] = []
     if comm.rank != 0:
         return checks
@@ -200,8 +207,11 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
             checks.append(skipped(f"buffer:{name}", "the distributed model holds no such buffer"))
     for name, d in replicas.items():
         ref_name = name.split(":", 1)[1]
-        kind, qual = ref_name.split(":", 1)
-        full = {"grad": grads, "param_after_step": after, "buffer": full_bufs}[kind][qual]
+        if ref_name == "output":
+            full = out_full
+        else:
+            kind, qual = ref_name.split(":", 1)
+            full = {"grad": grads, "param_after_step": after, "buffer": full_bufs}[kind][qual]
         scale = float(full.detach().double().abs().max()) if full.numel() else 0.0
         checks.append(Check(tensor=name, passed=bool(d <= rtol * scale + atol), max_abs_diff=d,
                             max_abs_ref=scale, rel=d / scale if scale > 0 else (0.0 if d == 0 else math.inf),
