@@ -195,8 +195,10 @@ def _pin(table, force: dict[int, str]) -> None:
         o = table.layers[li]
         idx = [i for i, d in enumerate(o.choices) if str(d) == want or d.kind == want]
         if not idx:
-            raise AutoparError(f"layer {li}: {want} is not a legal (kept) choice; choices: "
-                               f"{[str(d) for d in o.choices]}", "pick one of the listed choices")
+            why = (o.illegal or {}).get(want)
+            raise AutoparError(f"layer {li}: {want} is not a legal (kept) choice"
+                               + (f" ({why})" if why else "") + f"; choices: {[str(d) for d in o.choices]}",
+                               "pick one of the listed choices")
         keep = idx[0]
         o.choices, o.costs = [o.choices[keep]], [o.costs[keep]]
         if o.exact_keys:
