@@ -194,9 +194,8 @@ def cmd_execute(args) -> int:
     _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
        f"{100 * run.prediction_error:+.1f}%")
     if run.baseline:
-        same = "same function" if run.baseline.equivalent else "NOT the same function: timing only"
         _p(f"torch DDP: {run.baseline.ddp_step_time_s * 1e3:.2f} ms; plan/DDP = {run.ratio_to_ddp:.3f}x "
-           f"({same}; {run.baseline.note})")
+           f"({run.baseline.note})")
     _p(f"report written to {out / 'report.md'}")
     if args.refine:
         from .calibrate.refine import refine_profile

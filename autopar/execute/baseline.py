@@ -57,16 +57,16 @@ def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: floa
 def same_function(has_bn: bool, bn_stats, batch: int, world: int, cuda: bool) -> tuple[bool, str, bool]:
     """(DDP computes the plan's function, the note the report prints, use SyncBatchNorm)."""
     if not has_bn:
-        return True, "torch DDP, samples split over the world (the same function: no batch norm)", False
+        return True, "same function: torch DDP, samples split over the world (no batch norm)", False
     if bn_stats is not None and bn_stats.local:
         if batch % world == 0 and bn_stats.group == batch // world:
-            return True, (f"torch DDP, samples split over the world: each rank's batch norm over its "
-                          f"{bn_stats.group} samples, the plan's local statistics (the same function; "
-                          f"DDP's running statistics are rank 0's, the plan's the mean over groups)"), False
-        return False, (f"torch DDP normalises over the {batch // world} samples of a rank, the plan over "
-                       f"groups of {bn_stats.group}: no same-function baseline; DDP is a timing baseline"), False
+            return True, (f"same function: torch DDP, samples split over the world, each rank's batch "
+                          f"norm over its {bn_stats.group} samples = the plan's local statistics (DDP's "
+                          f"running statistics are rank 0's, the plan's the mean over the groups)"), False
+        return False, (f"not the same function: torch DDP normalises over the {batch // world} samples "
+                       f"of a rank, the plan over groups of {bn_stats.group}; DDP is a timing baseline only"), False
     if cuda:
-        return True, "torch DDP + SyncBatchNorm (global batch-norm statistics: the same function)", True
-    return False, ("global batch-norm statistics: the same function is DDP + SyncBatchNorm, which has no "
-                   "CPU path; no same-function baseline exists here, plain DDP (local statistics) is a "
-                   "timing baseline only"), False
+        return True, "same function: torch DDP + SyncBatchNorm (global batch-norm statistics)", True
+    return False, ("not the same function: with global batch-norm statistics the same-function baseline "
+                   "is DDP + SyncBatchNorm, which has no CPU path, so none exists here; plain DDP (local "
+                   "statistics) is a timing baseline only"), False
