@@ -30,6 +30,9 @@ Schemas
     graph        the layer graph, ``LayerGraphData`` JSON kept as is       Plan.graph_json
     generated    file name of the generated module beside plan.json
     timings_s    seconds per planning stage
+    batch_norm   {mode: "local" | "global", group: G | null}: the batch-norm statistics every
+                 layer computes (``autopar.decomp.bn``); a plan without it is "global" (what
+                 plans made before the choice computed)
 
 Schema 1 -> 2: schema 2 only adds ``mesh.ranks`` (and makes ``mesh.placement`` explicit). A
 schema-1 plan is therefore **migrated on load** (ranks 0..W-1, a missing placement = block):
@@ -330,10 +333,11 @@ class Plan:
     timings_s: Mapping[str, float] = field(default_factory=dict)
     schema: str = PLAN_SCHEMA
     extra: Mapping[str, Any] = field(default_factory=dict)
+    batch_norm: Mapping[str, Any] = field(default_factory=lambda: {"mode": "global", "group": None})
 
     _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
-             "graph", "generated", "timings_s")
+             "graph", "generated", "timings_s", "batch_norm")
 
     @property
     def world_size(self) -> int:
@@ -347,6 +351,11 @@ class Plan:
 
     def placement(self):
         return self.mesh.placement()
+
+    def bn_stats(self):
+        """The batch-norm statistics (``autopar.decomp.bn.BatchNormStats``) the plan computes."""
+        from .decomp.bn import BatchNormStats
+        return BatchNormStats.from_json(self.batch_norm)
 
     def layer(self, index: int) -> LayerDecision:
         for d in self.layers:
@@ -373,7 +382,8 @@ class Plan:
             "calibration": dict(self.calibration), "solver": self.solver.to_json(),
             "predicted": self.predicted.to_json(), "layers": [d.to_json() for d in self.layers],
             "transitions": [t.to_json() for t in self.transitions], "graph": dict(self.graph_json),
-            "generated": self.generated, "timings_s": dict(self.timings_s)})
+            "generated": self.generated, "timings_s": dict(self.timings_s),
+            "batch_norm": dict(self.batch_norm)})
         out.update(self.extra)
         return out
 
@@ -416,7 +426,8 @@ class Plan:
                     created=str(obj.get("created", "")), autopar_version=str(obj.get("autopar_version", "")),
                     plan_file=str(obj.get("plan_file", "plan.json")),
                     placement_search=obj.get("placement_search"), timings_s=dict(obj.get("timings_s") or {}),
-                    schema=PLAN_SCHEMA, extra={k: v for k, v in obj.items() if k not in Plan._KEYS})
+                    schema=PLAN_SCHEMA, extra={k: v for k, v in obj.items() if k not in Plan._KEYS},
+                    batch_norm=dict(obj.get("batch_norm") or {"mode": "global", "group": None}))
         if int(obj["world_size"]) != mesh.world_size:
             raise _bad(src, "mesh", "world_size", f"{obj['world_size']} but mesh.world_size is {mesh.world_size}")
         check_plan(plan, src)
@@ -452,7 +463,8 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
                                batch_size=int(obj["graph"].get("batch_size", 0))),
                 mesh=MeshInfo(world_size=world, ranks_per_node=world, nodes=1), calibration={},
                 solver=SolverInfo(solver="", status="not solved"), predicted=Prediction(step_time_s=0.0),
-                layers=tuple(decisions), transitions=(), graph_json=obj["graph"], generated="")
+                layers=tuple(decisions), transitions=(), graph_json=obj["graph"], generated="",
+                batch_norm=dict(obj.get("batch_norm") or {"mode": "global", "group": None}))
     check_plan(plan, src)
     return plan
 
@@ -536,6 +548,14 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
     if len(mesh.ranks) != world:
         raise _bad(src, "mesh", "mesh.ranks", f"{len(mesh.ranks)} ranks for a world of {world}")
     check_ranks(mesh.ranks, world, src, "mesh", "mesh.ranks")
+    from .decomp.bn import MODES
+    bn = plan.batch_norm
+    if not isinstance(bn, Mapping) or bn.get("mode") not in MODES:
+        raise _bad(src, "plan", "batch_norm.mode", f"{bn!r}: the mode must be one of {MODES}")
+    if bn["mode"] == "local":
+        grp, batch = bn.get("group"), plan.model.batch_size
+        if not isinstance(grp, int) or grp < 1 or (batch and batch % grp):
+            raise _bad(src, "plan", "batch_norm.group", f"{grp!r} does not divide the batch of {batch} samples")
 
     g = plan.graph_json
     try:
@@ -879,6 +899,11 @@ class PlanOptions:
     placement: str | int = "search"
     trace_cache: bool = True
     write: bool = True
+    # batch-norm statistics (``autopar.decomp.bn``): "local" = per group of ``bn_group`` samples
+    # (default: the samples one rank holds under data parallelism, what torch DDP computes),
+    # "global" = over the whole batch (the single-process function, DDP + SyncBatchNorm)
+    batch_norm: str = "local"
+    bn_group: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -894,6 +919,12 @@ class PlanOptions:
             raise AutoparError(f"max candidates must be >= 1, got {self.max_candidates}", "keep at least one per layer")
         if self.time_limit_s <= 0:
             raise AutoparError(f"solver time limit must be > 0 s, got {self.time_limit_s}", "give a positive --time-limit")
+        if self.batch_norm not in ("local", "global"):
+            raise AutoparError(f"--batch-norm {self.batch_norm!r} is not local or global",
+                               "choose local (per group of samples, as DDP) or global (the whole batch)")
+        if self.bn_group is not None and (not isinstance(self.bn_group, int) or self.bn_group < 1):
+            raise AutoparError(f"--bn-group must be a positive integer, got {self.bn_group!r}",
+                               "give the number of samples per statistics group")
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -131,7 +131,8 @@ def cmd_plan(args) -> int:
                           ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
                           time_limit_s=args.time_limit, solver=args.solver,
                           max_candidates=args.max_candidates, placement=args.placement,
-                          trace_cache=not args.no_trace_cache)
+                          trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
+                          bn_group=args.bn_group)
     res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
@@ -175,7 +176,8 @@ def cmd_execute(args) -> int:
     from .io import read_json
     opts = ExecuteOptions(steps=args.steps, warmup=args.warmup, seed=args.seed,
                           timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
-                          rtol=args.rtol, validate_dtype=args.validate_dtype)
+                          rtol=args.rtol, validate_dtype=args.validate_dtype,
+                          batch_norm=args.batch_norm)
     head = read_json(args.plan, AutoparError, "plan or run set file")
     if isinstance(head, dict) and str(head.get("schema", "")).startswith("autopar.runset/"):
         runs, out = execute_runset(args.plan, opts, out_dir=args.out, progress=_p)
@@ -192,7 +194,8 @@ def cmd_execute(args) -> int:
     _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
        f"{100 * run.prediction_error:+.1f}%")
     if run.baseline:
-        _p(f"torch DDP: {run.baseline.ddp_step_time_s * 1e3:.2f} ms; plan/DDP = {run.ratio_to_ddp:.3f}x")
+        _p(f"torch DDP: {run.baseline.ddp_step_time_s * 1e3:.2f} ms; plan/DDP = {run.ratio_to_ddp:.3f}x "
+           f"({run.baseline.note})")
     _p(f"report written to {out / 'report.md'}")
     if args.refine:
         from .calibrate.refine import refine_profile
@@ -280,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank placement: search (default: plan under block and each candidate local "
                         "stride, keep the fastest; only block on one node), block (logical rank = "
                         "physical rank), or N (local stride N: logical ranks N apart share a node)")
+    p.add_argument("--batch-norm", choices=["local", "global"], default="local",
+                   help="batch-norm statistics: local (default; per group of --bn-group samples, what "
+                        "torch DDP computes) or global (over the whole batch, the single-process "
+                        "function: DDP + SyncBatchNorm)")
+    p.add_argument("--bn-group", type=int, default=None, metavar="G",
+                   help="samples per statistics group with --batch-norm local (default: the samples "
+                        "one rank holds under data parallelism, batch / world size)")
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("execute", help="run a plan, validate it against one process, time it against DDP")
@@ -297,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative tolerance of validation, of each tensor's max magnitude "
                         "(default 1e-9 in float64, 2e-5 in float32)")
     e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
+    e.add_argument("--batch-norm", choices=["local", "global"], default=None,
+                   help="refuse to run unless the plan was made with these batch-norm statistics")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
     e.set_defaults(fn=cmd_execute)
 

@@ -113,9 +113,15 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         from .ops import describe_unregistered
         say(describe_unregistered(graph.unregistered))
 
+    bn = batch_norm_stats(o, graph, batch_size, world_size)
+    if bn.local:
+        say(f"batch-norm statistics: local, per group of {bn.group} samples (what torch DDP computes)")
+    elif o.batch_norm == "local":
+        say(f"batch-norm statistics: global (batch {batch_size} does not split evenly over {world_size} "
+            f"ranks, so no per-rank group exists; --bn-group G chooses local groups)")
     ctx = CostContext(profile=profile, world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
-                      max_candidates=o.max_candidates)
+                      max_candidates=o.max_candidates, batch_norm=bn)
     tables_s = []
 
     def build(c):
@@ -148,7 +154,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     out_dir = Path(o.out_dir) if o.out_dir is not None else default_plan_dir(mf.name, world_size)
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
-    plan = dataclasses.replace(plan, timings_s=dict(timings))
+    plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json())
     plan_path = module_path = None
     if o.write:
         t = time.perf_counter()
@@ -162,6 +168,24 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     return PlanResult(plan, plan_path, module_path, table, sol, timings)
 
 
+def batch_norm_stats(o: PlanOptions, graph, batch_size: int, world_size: int):
+    """The plan's batch-norm statistics (``decomp.bn``) from ``--batch-norm`` / ``--bn-group``;
+    a named error (the first training batch norm) when the group does not divide the batch."""
+    from .decomp.bn import resolve
+    from .decomp.ir import BATCH_NORM
+    try:
+        return resolve(o.batch_norm, o.bn_group, batch_size, world_size)
+    except ValueError as e:
+        bns = [(lay, op) for lay in graph.layers for op in lay.ops
+               if op.kind == BATCH_NORM and op.attrs.get("training", True)]
+        if not bns:     # no batch norm: the choice changes nothing
+            from .decomp.bn import BatchNormStats
+            return BatchNormStats("global")
+        lay, op = bns[0]
+        raise AutoparError(f"batch norm {getattr(op, 'module', None) or lay.module or lay.name} ({op.name}): {e}",
+                           "give a --bn-group that divides the samples every rank holds, or --batch-norm global") from None
+
+
 def default_plan_dir(model_name: str, world: int) -> Path:
     return Path("strategies") / "plans" / f"{model_name}-w{world}"
 
@@ -171,8 +195,10 @@ def _pin(table, force: dict[int, str]) -> None:
         o = table.layers[li]
         idx = [i for i, d in enumerate(o.choices) if str(d) == want or d.kind == want]
         if not idx:
-            raise AutoparError(f"layer {li}: {want} is not a legal (kept) choice; choices: "
-                               f"{[str(d) for d in o.choices]}", "pick one of the listed choices")
+            why = (o.illegal or {}).get(want)
+            raise AutoparError(f"layer {li}: {want} is not a legal (kept) choice"
+                               + (f" ({why})" if why else "") + f"; choices: {[str(d) for d in o.choices]}",
+                               "pick one of the listed choices")
         keep = idx[0]
         o.choices, o.costs = [o.choices[keep]], [o.costs[keep]]
         if o.exact_keys:

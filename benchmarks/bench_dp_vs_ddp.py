@@ -2,7 +2,8 @@
 the same processes (gloo, CPU). Target: plan / DDP <= 1.05.
 
 The model has no batch norm, so DDP computes exactly the single-process function too (with
-batch norm, autopar synchronises the statistics, which DDP without SyncBatchNorm does not).
+batch norm, plans made with the default local statistics compute what DDP computes, and
+``bench_plan_quality.py`` compares them; global statistics are DDP + SyncBatchNorm's function).
 
     python benchmarks/bench_dp_vs_ddp.py [--world 2] [--steps 20] [--calibration PROFILE]
 """

@@ -81,7 +81,8 @@ def test_unseen_cnn_file_validates_with_default_loss(tmp_path, profile):
 
 
 # A deliberately wrong decomposition: sample parallelism with local batch-norm statistics
-# (what DDP without SyncBatchNorm computes). Validation must catch it and name the tensor.
+# (what DDP without SyncBatchNorm computes) in a plan made for global statistics. Validation
+# must catch it and name the tensor.
 from autopar.decomp import REGISTRY  # noqa: E402
 from autopar.decomp.sample import Sample  # noqa: E402
 
@@ -105,11 +106,12 @@ def wrong_decomposition():
 
 def test_wrong_decomposition_fails_validation_and_keeps_good_report(tmp_path, root, profile, wrong_decomposition):
     model = root / "strategies/examples/resnet2d.py"
-    good = _plan(model, 2, tmp_path, profile, batch_size=8, kinds=["sample", "replicate"])
+    good = _plan(model, 2, tmp_path, profile, batch_size=8, kinds=["sample", "replicate"],
+                 batch_norm="global")
     out = tmp_path / "run"
     execute(good.plan_path, QUICK, out_dir=out, progress=lambda s: None)
     bad = _plan(model, 2, tmp_path, profile, out_dir=tmp_path / "bad", batch_size=8,
-                kinds=["test_local_bn_sample"])
+                kinds=["test_local_bn_sample"], batch_norm="global")
     with pytest.raises(ValidationFailed) as e:
         execute(bad.plan_path, QUICK, out_dir=out, progress=lambda s: None)
     assert "worst" in str(e.value) and "rel" in str(e.value)

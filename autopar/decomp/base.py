@@ -138,6 +138,8 @@ class CostContext:
     spec_log: list | None = None      # when a list, every exact shape the pricing asked for
     key_log: list | None = None       # when a list, the exact measurements that priced ops
     placement: Placement | None = None
+    # plan-wide batch-norm statistics (``autopar.decomp.bn.BatchNormStats``); None = global
+    batch_norm: Any = None
     level_log: set | None = None      # when a set, every group of <= ranks_per_node ranks that
                                       # level() was asked about (sorted tuples; larger groups
                                       # cross nodes under every placement), and every partition
@@ -255,6 +257,12 @@ class Decomposition:
                     f"on every rank (replicate)")
         return None
 
+    def bn_layout(self, layer: Layer, op: OpSpec) -> Layout:
+        """Layout of the input of batch norm ``op`` (whose samples a rank holds); a layer input's
+        ``in_layout``, otherwise ``out_layout`` (transparent ops after an anchor)."""
+        v = op.inputs[0]
+        return self.in_layout(layer, v) if v in layer.inputs else self.out_layout(layer)
+
     # ---- cost ----------------------------------------------------------------------------
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
         raise NotImplementedError
@@ -291,6 +299,9 @@ def register(cls: type[Decomposition]) -> type[Decomposition]:
         raise TypeError(f"{cls.__name__} has no kind")
     if cls.kind in REGISTRY and REGISTRY[cls.kind] is not cls:
         raise TypeError(f"decomposition kind {cls.kind!r} registered twice")
+    chk = inspect.getattr_static(cls, "check")
+    if not getattr(chk, "_bn_checked", False):
+        cls.check = _with_bn_check(chk)
     for name in ("candidates", "check", "cost"):
         attr = inspect.getattr_static(cls, name)
         if isinstance(attr, classmethod):
@@ -300,6 +311,20 @@ def register(cls: type[Decomposition]) -> type[Decomposition]:
             setattr(cls, name, price_once(attr, name))
     REGISTRY[cls.kind] = cls
     return cls
+
+
+def _with_bn_check(fn):
+    """``check`` followed, when legal, by the plan's batch-norm statistics (``decomp.bn``):
+    under local statistics every rank must hold whole groups of samples at each batch norm."""
+    @functools.wraps(fn)
+    def check(obj, layer, ctx):
+        why = fn(obj, layer, ctx)
+        if why is None:
+            from .bn import layer_problem
+            why = layer_problem(layer, lambda op: obj.bn_layout(layer, op), getattr(ctx, "batch_norm", None))
+        return why
+    check._bn_checked = True
+    return check
 
 
 def price_once(fn, name: str):

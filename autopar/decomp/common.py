@@ -17,9 +17,9 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
     """Price a layer whose every tensor has ``layout`` and whose weights are whole on every rank.
 
     compute  = sum over ops of op_compute_s(local block-0 shapes)            (primitives)
-    bn stats = per batch norm (runtime ``_SyncBatchNorm``), over the G ranks whose blocks differ
-               (``layout.data_group``; G = ``bn_group_size``): forward one all-reduce of a
-               G x (2C+1) table, backward one all-reduce of 2C floats; zero when G = 1
+    bn stats = per training batch norm, ``bn_stats_comm_s`` (global statistics over the
+               ``bn_group_size`` ranks whose blocks differ, local statistics over the ranks
+               holding other spatial blocks of the same samples)
     grad     = allreduce(param bytes) over the world (replicated weights)    -> grad_sync_s
     memory   = params + grads + optimizer state (whole) + saved activations (local) + workspace
     """
@@ -39,12 +39,10 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
         bwd += b
         sources.add(src)
         saved += prim.saved_bytes(op, ins, out, item)
-        if op.kind == BATCH_NORM and bn_group_size > 1 and op.attrs.get("training", True):
-            c = op.out_shape[1]
-            group = layout.data_group(0, ctx.world) if layout.splits else list(range(bn_group_size))
-            g = len(group)
-            bn_fwd += prim.allreduce_s(ctx, g * (2 * c + 1) * 4, group)
-            bn_bwd += prim.allreduce_s(ctx, 2 * c * 4, group)
+        if op.kind == BATCH_NORM and op.attrs.get("training", True):
+            f, b = bn_stats_comm_s(op, layout, ctx, bn_group_size)
+            bn_fwd += f
+            bn_bwd += b
     pbytes = float(layer.param_numel * item)
     gsync = prim.grad_sync_time_s(ctx, pbytes, range(ctx.world)) if pbytes else 0.0
     src = sources.pop() if len(sources) == 1 else "mixed"
@@ -55,6 +53,38 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
                      param_bytes=pbytes, grad_bytes=pbytes,
                      optim_bytes=prim.optimizer_bytes(ctx, pbytes),
                      activation_bytes=saved, workspace_bytes=workspace_bytes, source=src)
+
+
+def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int) -> tuple[float, float]:
+    """Blocking communication of one training batch norm's statistics whose input has ``layout``
+    (runtime ``runtime.ops.run_batch_norm``), (forward s, backward s):
+
+    global (``ctx.batch_norm`` None or global): over the G = ``global_group_size`` ranks whose
+           blocks differ (``layout.data_group``): forward one all-reduce of a G x (2C+1) table,
+           backward one all-reduce of 2C floats; zero when G = 1
+    local  (groups of g samples): over the A ranks holding other spatial blocks of the same
+           samples (``layout.split_group`` of the spatial dims), k = n_local / g groups each:
+           forward one all-reduce of an A x k x (2C+1) table, backward one of k x 2C floats;
+           zero when A = 1 (sample, replicate, channel/filter: whole groups on one rank)
+    The running statistics' one all-reduce per step (local) is not priced: (2C floats per
+    batch norm, once per step, off the critical path of the layers).
+    """
+    from ..cost import primitives as prim
+    c = op.out_shape[1]
+    bn = getattr(ctx, "batch_norm", None)
+    if bn is not None and bn.local:
+        agg = layout.split_group([d for d, _ in layout.splits if d >= 2], 0, ctx.world)
+        a = len(agg)
+        if a <= 1:
+            return 0.0, 0.0
+        k = max(1, layout.max_local_shape(op.in_shapes[0])[0] // bn.group)
+        return (prim.allreduce_s(ctx, a * k * (2 * c + 1) * 4, agg),
+                prim.allreduce_s(ctx, k * 2 * c * 4, agg))
+    if global_group_size <= 1:
+        return 0.0, 0.0
+    group = layout.data_group(0, ctx.world) if layout.splits else list(range(global_group_size))
+    g = len(group)
+    return prim.allreduce_s(ctx, g * (2 * c + 1) * 4, group), prim.allreduce_s(ctx, 2 * c * 4, group)
 
 
 def batch_dim_ok(layer: Layer) -> str | None:

@@ -39,5 +39,8 @@ class Replicate(Decomposition):
         return price_replicated_weights(layer, Layout(), ctx)
 
     def run(self, comm, layer, op, inputs, params, buffers):
-        from ..runtime.ops import call_local
+        from ..runtime.ops import call_local, run_batch_norm
+        from .ir import BATCH_NORM
+        if op.kind == BATCH_NORM:   # local statistics: per group of the whole batch, on this rank
+            return run_batch_norm(op, inputs, params, buffers, comm, [comm.rank], layout=Layout())
         return call_local(op, inputs, params, buffers)

@@ -2,13 +2,15 @@
 
 Every tensor of the layer has layout ``N<parts>``; with world P, P/parts ranks replicate each
 block. Weights are whole on every rank and their gradients are summed over the world (the DDP
-allreduce, bucketed and overlapped with backward by the runtime). Batch norm aggregates its
-statistics over the ``parts`` ranks holding different samples, otherwise the function would
-change (torch DDP without SyncBatchNorm computes a different function).
+allreduce, bucketed and overlapped with backward by the runtime). Batch norm: under global
+statistics it aggregates over the ``parts`` ranks holding different samples (DDP +
+SyncBatchNorm); under local statistics (``decomp.bn``) each rank holds whole groups of samples
+and computes their statistics alone, as torch DDP does.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, divisors, register
@@ -70,9 +72,20 @@ class Sample(Decomposition):
 
     def run(self, comm, layer, op, inputs, params, buffers):
         from ..runtime.ops import call_local, run_batch_norm
-        lay = self.layout()
+        lay = _layout(self.parts)
         if op.kind == BATCH_NORM:
             return run_batch_norm(op, inputs, params, buffers, comm,
-                                  lay.data_group(comm.rank, comm.world))
+                                  lay.data_group(comm.rank, comm.world), layout=lay)
         return call_local(op, inputs, params, buffers,
-                          local_out_shape=lay.local_shape(op.out_shape, comm.rank, comm.world))
+                          local_out_shape=_local_shape(self.parts, tuple(op.out_shape), comm.rank, comm.world))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(parts: int) -> Layout:
+    return Layout(((0, parts),))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_shape(parts: int, shape: tuple, rank: int, world: int) -> tuple:
+    """This rank's block of ``shape`` (cached: the runtime asks for it on every op of every step)."""
+    return _layout(parts).local_shape(shape, rank, world)

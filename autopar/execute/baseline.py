@@ -1,5 +1,12 @@
 """The torch DDP baseline of ``autopar execute``: the same model and batch, samples split over
-the plan's mesh, timed like the plan (``execute.timing``) in the same processes."""
+the plan's mesh, timed like the plan (``execute.timing``) in the same processes.
+
+Same function or not (``Baseline.equivalent``, said in the report): with local batch-norm
+statistics over groups of G = N / world samples, plain DDP computes exactly the plan's function
+(each rank normalises its own N / world samples); with global statistics the same function is
+DDP + ``SyncBatchNorm``, used where the backend has it (CUDA); on CPU none exists, and the
+baseline says so. A model without batch norm: plain DDP is always the same function.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from .timing import timed_steps
 
 def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
                  warmup: int, steps: int, sync: Callable[[], None],
-                 barrier: Callable[[], None]) -> Baseline:
+                 barrier: Callable[[], None], bn_stats=None) -> Baseline:
     """Time torch DDP on the full batch ``xs``/``ys`` (float32), each rank its sample block.
     Collective: every rank calls it."""
     import torch
@@ -25,6 +32,11 @@ def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: floa
     torch.manual_seed(seed)
     base = mf.build_model().to(device)
     base.train()
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
+    equivalent, note, sync_bn = same_function(has_bn, bn_stats, int(xs[0].shape[0]), comm.world,
+                                              device.type == "cuda")
+    if sync_bn:
+        base = torch.nn.SyncBatchNorm.convert_sync_batchnorm(base, process_group=comm.mesh_group)
     ddp = DDP(base, device_ids=[device.index] if device.type == "cuda" else None,
               process_group=comm.mesh_group)
     lay = Layout(((0, comm.world),))
@@ -34,11 +46,27 @@ def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: floa
     loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
     timed_steps(ddp, opt, bx, loss_of, lambda: None, warmup, comm, sync, barrier)
     times = timed_steps(ddp, opt, bx, loss_of, lambda: None, steps, comm, sync, barrier)
-    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
     return Baseline(
         ddp_step_times_s=tuple(times), ddp_step_time_s=statistics.median(times),
         ddp_allreduce_bytes_per_step=sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad),
-        equivalent=not has_bn,
-        note=("torch DDP with local batch-norm statistics (SyncBatchNorm has no CPU path): a timing "
-              "baseline that computes a slightly different function")
-        if has_bn else "torch DDP, samples split over the world")
+        equivalent=equivalent, note=note,
+        extra={"batch_norm": bn_stats.to_json() if bn_stats is not None else None,
+               "sync_batch_norm": sync_bn})
+
+
+def same_function(has_bn: bool, bn_stats, batch: int, world: int, cuda: bool) -> tuple[bool, str, bool]:
+    """(DDP computes the plan's function, the note the report prints, use SyncBatchNorm)."""
+    if not has_bn:
+        return True, "same function: torch DDP, samples split over the world (no batch norm)", False
+    if bn_stats is not None and bn_stats.local:
+        if batch % world == 0 and bn_stats.group == batch // world:
+            return True, (f"same function: torch DDP, samples split over the world, each rank's batch "
+                          f"norm over its {bn_stats.group} samples = the plan's local statistics (DDP's "
+                          f"running statistics are rank 0's, the plan's the mean over the groups)"), False
+        return False, (f"not the same function: torch DDP normalises over the {batch // world} samples "
+                       f"of a rank, the plan over groups of {bn_stats.group}; DDP is a timing baseline only"), False
+    if cuda:
+        return True, "same function: torch DDP + SyncBatchNorm (global batch-norm statistics)", True
+    return False, ("not the same function: with global batch-norm statistics the same-function baseline "
+                   "is DDP + SyncBatchNorm, which has no CPU path, so none exists here; plain DDP (local "
+                   "statistics) is a timing baseline only"), False

@@ -47,6 +47,7 @@ class ExecuteOptions:
     instrumented_steps: int = 3
     ddp: bool = True
     backend: str = "gloo"
+    batch_norm: str | None = None  # when set, the plan's batch-norm statistics must be these
 
     def tolerances(self) -> tuple[float, float]:
         rt, at = DEFAULT_TOL[self.validate_dtype]
@@ -139,10 +140,19 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     baseline = None
     if opts.ddp and world > 1 and plan.model.batch_size >= world:
         baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
-                                opts.warmup, opts.steps, sync, barrier)
+                                opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats())
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
             "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step}
+
+
+def check_batch_norm(plan: Plan, plan_path, want: str | None) -> None:
+    """A plan made with one batch-norm choice is never executed with another."""
+    have = plan.bn_stats()
+    if want is not None and want != have.mode:
+        raise PlanFileError(f"{plan_path} was planned with --batch-norm {have.mode} ({have}), "
+                            f"executed with --batch-norm {want}: they compute different functions",
+                            f"re-plan with --batch-norm {want}, or execute without --batch-norm")
 
 
 def check_plan_files(plan_path: Path, plan: Plan) -> Path:
@@ -204,6 +214,7 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
 
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)        # checked before any process starts
+    check_batch_norm(plan, plan_path, opts.batch_norm)
     world = plan.world_size
     module_path = check_plan_files(plan_path, plan)
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "
@@ -246,6 +257,7 @@ def execute_runset(runset_path: str | Path, opts: ExecuteOptions, out_dir: str |
             raise PlanFileError(f"{e.plan_path} has rank placement {e.plan.placement()}; plans in a "
                                 f"run set run on the sub-mesh the run set gives them",
                                 "re-plan it with --placement block")
+        check_batch_norm(e.plan, e.plan_path, opts.batch_norm)
         modules.append(str(check_plan_files(e.plan_path, e.plan)))
     progress(f"executing run set {runset_path}: {len(rs.entries)} plans at once on {rs.world_size} "
              f"processes ({', '.join(f'{e.plan.model.name} on ranks {list(e.ranks)}' for e in rs.entries)})")

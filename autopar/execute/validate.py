@@ -6,13 +6,24 @@ share, backward, gradient sync; the output, the loss, the input gradients and ev
 gradient assembled, then one SGD-with-momentum step and every parameter (and floating buffer)
 after it. Rank 0 computes the same with the single-process model and compares each tensor:
 ``max|a-b| <= rtol * max|ref| + atol`` (``DEFAULT_TOL``).
+
+The reference computes the plan's batch-norm statistics (``decomp.bn``): global, the model as
+it is; local, the model with every training batch norm over groups of G consecutive samples
+("ghost" batch norm, ``ghost_batch_norm``, written independently of the distributed runtime).
+
+Every replica is validated, not only the rank whose block is assembled: each rank compares its
+own gradient, parameter (after the step) and buffer blocks with the assembled tensors
+(``replica:`` checks, the largest difference over the ranks). A tensor that is not compared is
+listed as a passed check whose note says ``skipped`` and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from ..artifacts import Check
+from ..runtime.model import output_tensor
 
 #: (rtol, atol) of each tensor's max magnitude. In float64 a decomposition must agree to
 #: rounding (it is the same function); in float32 a ReLU whose input sits within rounding of 0
@@ -36,6 +47,100 @@ def compare(name: str, got, ref, rtol: float, atol: float) -> Check:
                  rel=diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
 
 
+@contextlib.contextmanager
+def ghost_batch_norm(group: int | None):
+    """Within this block every training ``torch.nn.functional.batch_norm`` (what
+    ``nn.BatchNorm*`` calls) normalises each group of ``group`` consecutive samples with the
+    group's own statistics, and updates the running statistics once with the mean over the
+    groups of the group means and unbiased variances. ``group`` None: unchanged."""
+    import torch
+    import torch.nn.functional as F
+
+    if group is None:
+        yield
+        return
+    orig = F.batch_norm
+
+    def bn(input, running_mean, running_var, weight=None, bias=None, training=False,
+           momentum=0.1, eps=1e-5):
+        if not training or input.shape[0] <= group:
+            return orig(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        chunks = input.split(group, 0)
+        out = torch.cat([orig(c, None, None, weight, bias, True, 0.0, eps) for c in chunks])
+        if running_mean is not None and running_var is not None:
+            dims = [0] + list(range(2, input.dim()))
+            with torch.no_grad():
+                mean = torch.stack([c.mean(dims) for c in chunks]).mean(0)
+                var = torch.stack([c.var(dims, unbiased=True) for c in chunks]).mean(0)
+                m = 0.1 if momentum is None else momentum
+                running_mean.mul_(1 - m).add_(mean, alpha=m)
+                running_var.mul_(1 - m).add_(var, alpha=m)
+        return out
+
+    F.batch_norm = bn
+    try:
+        yield
+    finally:
+        F.batch_norm = orig
+
+
+def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=None) -> dict[str, float]:
+    """Collective: per tensor, the largest ``max|local - assembled block|`` over every rank of
+    the mesh (its own gradient, parameter after the step, and floating buffer blocks against
+    the assembled ones, which come from the lowest rank of each group)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..decomp.base import ParamShard
+    names, diffs = [], []
+    world, rank = comm.world, comm.rank
+
+    def of_rank0(sh, full):
+        """A whole tensor is assembled from each rank's own copy: compare with mesh rank 0's."""
+        if sh.dims:
+            return full
+        z = full.detach().clone() if rank == 0 else torch.zeros_like(full)
+        return comm.all_reduce_(z)
+
+    if out_local is not None:        # the output block of every replica, not only the one assembled
+        ref0 = of_rank0(ParamShard(), out_full)
+        b = dm.loss_layout().local_bounds(ref0.shape, rank, world)
+        sl = tuple(slice(s, s + e) for s, e in b)
+        names.append("replica:output")
+        diffs.append(float((out_local.double() - ref0[sl].double()).abs().max()) if out_local.numel() else 0.0)
+
+    for safe, p in dm.params.items():
+        qual = dm.qualname[safe]
+        sh = dm.shards.get(qual, ParamShard())
+        b = sh.local_bounds(after[qual].shape, rank, world)
+        sl = tuple(slice(s, s + e) for s, e in b)
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        for kind, mine, full in (("grad", g, grads[qual]), ("param_after_step", p.detach(), after[qual])):
+            full = of_rank0(sh, full)
+            names.append(f"replica:{kind}:{qual}")
+            diffs.append(float((mine.double() - full[sl].double()).abs().max()) if mine.numel() else 0.0)
+    owner = {}
+    for lay in dm.graph.layers:
+        dec = dm.decisions[lay.index]
+        for op in lay.ops:
+            if op.buffers and "weight" in op.param_names:
+                for q in op.buffers.values():
+                    owner[q] = dec.param_shard(op, "weight")
+    for q, buf in dm.bufs.items():
+        if q not in full_bufs:
+            continue
+        sh = owner.get(q, ParamShard())
+        b = sh.local_bounds(buf.shape, rank, world)
+        sl = tuple(slice(s, s + e) for s, e in b)
+        full = of_rank0(sh, full_bufs[q])
+        names.append(f"replica:buffer:{q}")
+        diffs.append(float((buf[sl].double() - full[sl].double()).abs().max()) if buf.numel() else 0.0)
+    t = torch.tensor(diffs, dtype=torch.float64, device=comm.device)
+    if world > 1 and t.numel():
+        comm.all_reduce_(t, dist.ReduceOp.MAX)
+    return dict(zip(names, t.tolist()))
+
+
 def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
                     lr: float, momentum: float, rtol: float, atol: float) -> list[Check]:
     """Run one step of ``dm`` (already in the validation ``dtype``) on the full batch ``xs``/``ys``
@@ -54,7 +159,7 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     loss_r.backward()
     dm.finish_grads()
     out_shape = dm.graph.value_shape(dm.graph.output)
-    out_full = assemble(out.detach(), dm.loss_layout(), out_shape, comm, "value")
+    out_full = assemble(output_tensor(out).detach(), dm.loss_layout(), out_shape, comm, "value")
     loss_t = loss_r.detach().clone().reshape(1).to(device)
     comm.all_reduce_(loss_t)
     in_grads = {}
@@ -66,6 +171,7 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     opt.step()
     after = dm.full_params()
     full_bufs = dm.full_buffers()
+    replicas = replica_diffs(dm, grads, after, full_bufs, comm, output_tensor(out).detach(), out_full)
     checks: list[Check] = []
     if comm.rank != 0:
         return checks
@@ -73,14 +179,18 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     ref = mf.build_model().to(device=device, dtype=dtype)
     ref.train()
     rx = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
-    rout = ref(*rx)
-    rloss = loss_fn(rout, ys) if ys is not None else loss_fn(rout)
+    stats = getattr(dm, "bn_stats", None)
+    with ghost_batch_norm(stats.group if stats is not None and stats.local else None):
+        rout = ref(*rx)
+        rloss = loss_fn(rout, ys) if ys is not None else loss_fn(rout)
     rloss.backward()
-    checks.append(compare("output", out_full, rout, rtol, atol))
+    checks.append(compare("output", out_full, output_tensor(rout), rtol, atol))
     checks.append(compare("loss", loss_t.reshape(()), rloss, rtol, atol))
     for gi, x in zip(dm.graph.inputs, rx):
         if x.grad is not None and gi.name in in_grads:
             checks.append(compare(f"input_grad:{gi.name}", in_grads[gi.name], x.grad, rtol, atol))
+        else:
+            checks.append(skipped(f"input_grad:{gi.name}", f"input of dtype {x.dtype} has no gradient"))
     for name, p in ref.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         checks.append(compare(f"grad:{name}", grads[name], g, rtol, atol))
@@ -91,7 +201,27 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     for name, b in ref.named_buffers():
         if b.is_floating_point() and name in full_bufs:
             checks.append(compare(f"buffer:{name}", full_bufs[name], b, rtol, atol))
+        elif name in dm.bufs:      # integer buffers (num_batches_tracked): exactly equal
+            checks.append(compare(f"buffer:{name}", dm.bufs[name], b, 0.0, 0.0))
+        else:
+            checks.append(skipped(f"buffer:{name}", "the distributed model holds no such buffer"))
+    for name, d in replicas.items():
+        ref_name = name.split(":", 1)[1]
+        if ref_name == "output":
+            full = out_full
+        else:
+            kind, qual = ref_name.split(":", 1)
+            full = {"grad": grads, "param_after_step": after, "buffer": full_bufs}[kind][qual]
+        scale = float(full.detach().double().abs().max()) if full.numel() else 0.0
+        checks.append(Check(tensor=name, passed=bool(d <= rtol * scale + atol), max_abs_diff=d,
+                            max_abs_ref=scale, rel=d / scale if scale > 0 else (0.0 if d == 0 else math.inf),
+                            note="every rank's block against the assembled tensor"))
     return checks
+
+
+def skipped(name: str, why: str) -> Check:
+    """A tensor not compared, listed so that the report says so."""
+    return Check(tensor=name, passed=True, max_abs_diff=0.0, max_abs_ref=0.0, rel=0.0, note=f"skipped: {why}")
 
 
 def worst(failures: list[Check]) -> Check:

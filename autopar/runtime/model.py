@@ -30,6 +30,7 @@ from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.layout import Layout, loss_layout_for
 from .comm import Comm, local_slice
+from .ops import _BN
 from .redistribute import redistribute
 from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
 
@@ -152,6 +153,14 @@ class DistModel(nn.Module):
         self.last_op = {lay.ops[-1].name: lay.index for lay in self.graph.layers}
         self.buffer_updates = list(self.graph.buffer_updates)
         self.timer: LayerTimer | None = None
+        # batch-norm statistics the plan was made for (``decomp.bn``); local ones defer the
+        # running statistics' update to ``flush_batch_norm`` (one all-reduce per step)
+        from .ops import BatchNormRuntime
+        self.bn_stats = plan.bn_stats()
+        self.bn_runtime = (BatchNormRuntime(self.bn_stats, int(plan.model.batch_size or self.graph.batch_size))
+                           if self.bn_stats.local else None)
+        self.output_spec = output_structure(model, self.graph)
+        self._prepared: dict[str, tuple] = {}   # per op: (spec, layer index, decomposition, ...)
 
         # ---- parameters: this rank's shard of each ----------------------------------------
         full_params = dict(model.named_parameters())
@@ -194,15 +203,30 @@ class DistModel(nn.Module):
         return self.params[_safe(qual)]
 
     def op(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
-        spec = self.spec[name]
-        li = self.layer_of[name]
-        if self.timer is not None and name in self.first_op:
-            self.timer.mark_fwd(li)
-        dec = self.decisions[li]
-        params = {q: self.params[_safe(q)] for q in spec.param_names.values()}
-        buffers = {q: self.bufs[q] for q in spec.buffers.values()}
-        out = dec.run(self.comm, self.graph.layers[li], spec, list(inputs), params, buffers)
-        if self.timer is not None and name in self.last_op and out.requires_grad:
+        prep = self._prepared.get(name)
+        if prep is None:
+            spec = self.spec[name]
+            li = self.layer_of[name]
+            prep = self._prepared[name] = (spec, li, self.decisions[li], self.graph.layers[li],
+                                           [(q, _safe(q)) for q in spec.param_names.values()],
+                                           list(spec.buffers.values()))
+        spec, li, dec, layer, pnames, bnames = prep
+        timer = self.timer
+        if timer is not None and name in self.first_op:
+            timer.mark_fwd(li)
+        store = self.params._parameters     # the ParameterDict's own dict (no Module.__getattr__)
+        params = {q: store[sq] for q, sq in pnames}
+        buffers = {q: self.bufs[q] for q in bnames}
+        rt = self.bn_runtime
+        if rt is not None:                  # local batch-norm statistics for run_batch_norm
+            tok = _BN.set(rt)
+            try:
+                out = dec.run(self.comm, layer, spec, list(inputs), params, buffers)
+            finally:
+                _BN.reset(tok)
+        else:
+            out = dec.run(self.comm, layer, spec, list(inputs), params, buffers)
+        if timer is not None and name in self.last_op and out.requires_grad:
             out.register_hook(lambda g, li=li: (self.timer.mark_bwd(li), None)[1])
         return out
 
@@ -215,8 +239,20 @@ class DistModel(nn.Module):
         return redistribute(x, Layout.from_json(src), Layout.from_json(dst),
                             self.graph.value_shape(value), self.comm)
 
+    def flush_batch_norm(self) -> None:
+        """Apply the deferred running-statistics updates of local batch-norm statistics
+        (collective over the mesh when any is pending; ``runtime.ops.BatchNormRuntime``)."""
+        if self.bn_runtime is not None:
+            self.bn_runtime.flush(self.comm)
+
+    def train(self, mode: bool = True):
+        if hasattr(self, "bn_runtime"):
+            self.flush_batch_norm()
+        return super().train(mode)
+
     def update_buffers(self) -> None:
         """Buffer-only ops of the traced program (e.g. BatchNorm's num_batches_tracked += 1)."""
+        self.flush_batch_norm()
         if not self.training:
             return
         from .ops import call_local
@@ -249,13 +285,23 @@ class DistModel(nn.Module):
         """This rank's share of the loss: loss(out_r, y_r) * n_r / N / replicas."""
         lay = self.loss_layout()
         n_global = self.graph.value_shape(self.graph.output)[0]
-        n_local = out_local.shape[0]
+        n_local = output_tensor(out_local).shape[0]
         t = local_slice(target_full, lay, self.comm) if target_full is not None else None
         loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
         return loss * (n_local / n_global / lay.replicas(self.comm.world))
 
     def finish_grads(self) -> None:
         self.gradsync.finish()
+        self.flush_batch_norm()
+
+    # ---- the model's output structure ----------------------------------------------------------
+    def structured(self, out_local: torch.Tensor):
+        """The traced output tensor (this rank's block) in the structure the user's model
+        returns (e.g. a Hugging Face ``ModelOutput`` whose ``logits`` it is), so the user's loss
+        runs unchanged; the tensor itself when the model returns a tensor."""
+        if self.bn_runtime is not None and self.training:
+            self.bn_runtime.start(self.comm)   # the running statistics' all-reduce overlaps backward
+        return rebuild_output(self.output_spec, out_local)
 
     # ---- assembling full tensors (validation) -------------------------------------------------
     def full_params(self) -> dict[str, torch.Tensor]:
@@ -269,6 +315,7 @@ class DistModel(nn.Module):
         """Every floating buffer rebuilt in full. A buffer used by an op whose weight is sharded
         (a channel-sharded batch norm's running stats) is valid only in each rank's slice: the
         slices are assembled like the weight's shards."""
+        self.flush_batch_norm()
         out = {}
         world, rank = self.comm.world, self.comm.rank
         owner: dict[str, ParamShard] = {}
@@ -319,3 +366,52 @@ class DistModel(nn.Module):
                     if q == qual:
                         return list(op.params[role])
         return list(p.shape)
+
+
+# ---- the model's output structure (a tensor, or e.g. a Hugging Face ModelOutput) -------------
+
+def output_structure(model: nn.Module, graph: LayerGraphData):
+    """(pytree spec, leaves, index of the traced output tensor among them) of what ``model``
+    returns, found by running it on meta tensors (nothing is allocated), or None when the model
+    returns a plain tensor (or its structure cannot be found: then the tensor is returned)."""
+    import torch.utils._pytree as pytree
+    from torch.func import functional_call
+
+    try:
+        meta = {k: torch.empty_like(v, device="meta") for k, v in
+                list(model.named_parameters()) + list(model.named_buffers())}
+        xs = [torch.empty(gi.shape, dtype=getattr(torch, gi.dtype, torch.float32), device="meta")
+              for gi in graph.inputs]
+        with torch.no_grad():
+            out = functional_call(model, meta, tuple(xs), strict=False)
+    except Exception:
+        return None
+    if isinstance(out, torch.Tensor):
+        return None
+    leaves, spec = pytree.tree_flatten(out)
+    idx = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if len(idx) != 1:
+        return None
+    return spec, [None if isinstance(v, torch.Tensor) else v for v in leaves], idx[0]
+
+
+def rebuild_output(structure, tensor: torch.Tensor):
+    if structure is None:
+        return tensor
+    import torch.utils._pytree as pytree
+    spec, leaves, i = structure
+    leaves = list(leaves)
+    leaves[i] = tensor
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def output_tensor(out):
+    """The one tensor of a model's output (itself for a tensor; the single tensor leaf of a
+    structure such as a Hugging Face ``ModelOutput``)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    import torch.utils._pytree as pytree
+    ts = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+    if len(ts) != 1:
+        raise ValueError(f"the model's output holds {len(ts)} tensors; autopar plans models with one")
+    return ts[0]

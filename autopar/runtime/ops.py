@@ -5,13 +5,22 @@
 local extents. Decompositions use it for every op whose mathematics is unchanged by their split
 (e.g. any elementwise op, or a convolution under sample parallelism).
 
-``sync_batch_norm`` computes the batch statistics over every rank of ``ranks`` (per-rank mean
-and centred sum of squares, combined exactly), so that a batch norm over split samples or split
-spatial extents computes the single-process function.
+``run_batch_norm`` is the one batch-norm runtime; it computes the plan's statistics
+(``autopar.decomp.bn``), which the running ``DistModel`` states through ``batch_norm_stats``:
+
+* global: ``sync_batch_norm`` over every rank of ``ranks`` (per-rank mean and centred sum of
+  squares, combined exactly), so that a batch norm over split samples or split spatial extents
+  computes the single-process function;
+* local: ``_GroupBatchNorm`` per group of G consecutive samples of this rank's block, combined
+  only over the ranks holding other spatial blocks of the same samples; the running statistics'
+  update (mean over all groups of the batch) is deferred to ``BatchNormRuntime.flush``, one
+  all-reduce over the mesh per step, so every rank holds the same values.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any, Sequence
 
@@ -149,16 +158,231 @@ def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
 
 def run_batch_norm(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, torch.Tensor],
                    buffers: dict[str, torch.Tensor], comm: Comm, ranks: Sequence[int],
-                   channels: tuple[int, int] | None = None) -> torch.Tensor:
+                   channels: tuple[int, int] | None = None, layout: Any = None) -> torch.Tensor:
     """A traced ``aten.batch_norm`` (x, weight, bias, running_mean, running_var, training,
-    momentum, eps) on this rank's block, its statistics over the mesh ranks ``ranks``: the one
-    batch-norm runtime every decomposition uses. ``channels`` = (start, extent) of this rank's
-    channel block when the channels are split: the running statistics are updated in that
-    slice (views of the whole buffers)."""
+    momentum, eps) on this rank's block: the one batch-norm runtime every decomposition uses.
+    Global statistics (the default): over the mesh ranks ``ranks``. Local statistics (inside
+    ``batch_norm_stats`` of a local ``BatchNormRuntime``): per group of samples, combined over
+    the ranks of ``layout`` (the input's layout; None = whole tensors) holding the other
+    spatial blocks of the same samples. ``channels`` = (start, extent) of this rank's channel
+    block when the channels are split: the running statistics are updated in that slice."""
     x, w, b, rm, rv, training, momentum, eps = substitute(
         op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
+    rt = _BN.get()
+    if rt is not None and rt.stats.local and training:
+        from ..decomp.layout import Layout
+        lay = layout if layout is not None else Layout()
+        # the ranks holding other spatial blocks of the same samples (and channels)
+        agg = lay.split_group([d for d, _ in lay.splits if d >= 2], comm.rank, comm.world)
+        replicas = comm.world // (lay.parts_of(0) * lay.parts_of(1))
+        return group_batch_norm(x, w, b, rm, rv, momentum, eps, comm, agg, rt, channels, replicas)
     if channels is not None:
         start, ext = channels
         rm = rm[start:start + ext] if rm is not None else None
         rv = rv[start:start + ext] if rv is not None else None
     return sync_batch_norm(x, w, b, rm, rv, training, momentum, eps, comm, ranks)
+
+
+# ---- local ("ghost") statistics: per group of G consecutive samples ---------------------------
+
+class BatchNormRuntime:
+    """The statistics a running plan computes (``decomp.bn.BatchNormStats``) and, under local
+    statistics, the running-statistics updates of this step not yet applied (``flush``)."""
+
+    def __init__(self, stats, batch: int) -> None:
+        self.stats = stats
+        self.stats_groups = stats.groups(batch) if stats.local else 1
+        self.pending: list[tuple] = []   # (running_mean, running_var, momentum, sum_mean, sum_var, weight)
+        self.work = None                 # (async all-reduce, its buffer, the updates it carries)
+
+    def start(self, comm: Comm) -> None:
+        """Start the all-reduce of the pending updates without waiting (the runtime calls it at
+        the end of forward, so it overlaps backward; every rank starts it at the same point)."""
+        if not self.pending or self.work is not None:
+            return
+        pend, self.pending = self.pending, []
+        flat = torch.cat([torch.cat([sm, sv]) for _, _, _, sm, sv, _ in pend])
+        work = dist.all_reduce(flat, group=comm.mesh_group, async_op=True) if comm.world > 1 else None
+        self.work = (work, flat, pend)
+
+    def flush(self, comm: Comm) -> None:
+        """Apply the deferred updates: ONE all-reduce over the mesh of every batch norm's
+        (weighted) sums of group means and unbiased group variances (``start``ed at the end of
+        forward, or now), then on every rank ``r <- (1 - m) r + m * sum / groups`` (so every
+        rank holds the same running statistics). Collective when anything is pending (every
+        rank runs the same batch norms)."""
+        self.start(comm)
+        if self.work is None:
+            return
+        work, flat, pend = self.work
+        self.work = None
+        if work is not None:
+            work.wait()
+        k = self.stats_groups
+        off = 0
+        with torch.no_grad():
+            for rm, rv, m, sm, _, _ in pend:
+                c = sm.numel()
+                mean, var = flat[off:off + c], flat[off + c:off + 2 * c]
+                off += 2 * c
+                rm.mul_(1 - m).add_(mean.to(rm.dtype) / k, alpha=m)
+                rv.mul_(1 - m).add_(var.to(rv.dtype) / k, alpha=m)
+
+
+_BN: contextvars.ContextVar[BatchNormRuntime | None] = contextvars.ContextVar("autopar_batch_norm", default=None)
+
+
+@contextlib.contextmanager
+def batch_norm_stats(rt: BatchNormRuntime | None):
+    """Within this block ``run_batch_norm`` computes ``rt``'s statistics (None: global)."""
+    tok = _BN.set(rt)
+    try:
+        yield
+    finally:
+        _BN.reset(tok)
+
+
+def _group_table(x: torch.Tensor, g: int):
+    """x (n, C, *) -> per group of g samples: (count, mean (k, C), M2 (k, C)), k = n / g."""
+    k = x.shape[0] // g
+    xg = x.reshape((k, g) + tuple(x.shape[1:]))
+    dims = [1] + list(range(3, xg.dim()))
+    count = float(xg.numel() // (k * x.shape[1])) if k else 0.0
+    mean = xg.mean(dims)
+    shape = [k, 1, -1] + [1] * (x.dim() - 2)
+    m2 = ((xg - mean.reshape(shape)) ** 2).sum(dims)
+    return count, mean, m2
+
+
+class _GroupBatchNorm(torch.autograd.Function):
+    """Batch norm per group of ``g`` consecutive local samples, each group's statistics combined
+    over ``ranks`` (the ranks holding the other spatial blocks of the same samples; one rank:
+    nothing is sent).
+
+    forward:  per group k and channel: (n_r, mean_rk, M2_rk) on each rank, gathered through one
+              all-reduce of a zero-padded (|ranks|, k, 2C+1) table and combined (Chan et al.):
+              n = sum n_r, mean_k = sum n_r mean_rk / n, M2_k = sum M2_rk + n_r (mean_rk -
+              mean_k)^2, var_k = M2_k / n; y = (x - mean_k) / sqrt(var_k + eps) * w + b.
+    backward: per group S1_k = sum dy, S2_k = sum dy * xhat (one all-reduce of k x 2C floats
+              over ``ranks``); dx = w / sqrt(var_k + eps) * (dy - S1_k / n - xhat S2_k / n);
+              dw, db the local sums (the gradient sync adds them over the ranks).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, g, comm, ranks, box):
+        c = x.shape[1]
+        k = x.shape[0] // g
+        n_r, mean_r, m2_r = _group_table(x, g)
+        if len(ranks) > 1:
+            mine = torch.cat([torch.full((k, 1), n_r, dtype=x.dtype, device=x.device), mean_r, m2_r], 1)
+            tab = torch.zeros((len(ranks),) + tuple(mine.shape), dtype=x.dtype, device=x.device)
+            tab[list(ranks).index(comm.rank)] = mine
+            dist.all_reduce(tab, group=comm.group(ranks))
+            n_g = tab[:, :, :1]                                  # (R, k, 1)
+            n = n_g.sum(0)                                       # (k, 1)
+            mean = (n_g * tab[:, :, 1:1 + c]).sum(0) / n
+            m2 = (tab[:, :, 1 + c:] + n_g * (tab[:, :, 1:1 + c] - mean) ** 2).sum(0)
+            n = float(n[0, 0]) if k else 0.0
+        else:
+            n, mean, m2 = n_r, mean_r, m2_r
+        var = m2 / n
+        invstd = torch.rsqrt(var + eps)
+        shape = [k, 1, -1] + [1] * (x.dim() - 2)
+        xg = x.reshape((k, g) + tuple(x.shape[1:]))
+        xhat = ((xg - mean.reshape(shape)) * invstd.reshape(shape)).reshape(x.shape)
+        wshape = [1, -1] + [1] * (x.dim() - 2)
+        y = xhat
+        if weight is not None:
+            y = y * weight.reshape(wshape)
+        if bias is not None:
+            y = y + bias.reshape(wshape)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.meta = (comm, ranks, n, g, weight is not None, bias is not None)
+        box.append((mean.detach(), var.detach(), n))   # for the running statistics
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, weight, invstd = ctx.saved_tensors
+        comm, ranks, n, g, has_w, has_b = ctx.meta
+        k = dy.shape[0] // g
+        gshape = (k, g) + tuple(dy.shape[1:])
+        dims = [1] + list(range(3, dy.dim() + 1))
+        dyg, xg = dy.reshape(gshape), xhat.reshape(gshape)
+        s1 = dyg.sum(dims)                                       # (k, C)
+        s2 = (dyg * xg).sum(dims)
+        if len(ranks) > 1:
+            both = torch.cat([s1, s2], 1)
+            dist.all_reduce(both, group=comm.group(ranks))
+            c = s1.shape[1]
+            s1, s2 = both[:, :c], both[:, c:]
+        shape = [k, 1, -1] + [1] * (dy.dim() - 2)
+        scale = invstd if weight is None else invstd * weight
+        dx = scale.reshape(shape) * (dyg - (s1 / n).reshape(shape) - xg * (s2 / n).reshape(shape))
+        # dw, db: this rank's sums (over its own samples only, before the all-reduce)
+        dims_local = [0] + list(range(2, dy.dim()))
+        dw = (dy * xhat).sum(dims_local) if has_w else None
+        db = dy.sum(dims_local) if has_b else None
+        return dx.reshape(dy.shape), dw, db, None, None, None, None, None
+
+
+def group_batch_norm(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                     comm: Comm, ranks: Sequence[int], rt: BatchNormRuntime, channels=None,
+                     replicas: int = 1):
+    """Training batch norm with local statistics (``_GroupBatchNorm``); the running statistics'
+    contribution of this rank's groups (sum over its groups of the group mean and unbiased
+    variance), divided by ``replicas`` (the ranks holding the same samples and channels, which
+    compute the same groups), is queued on ``rt`` (``BatchNormRuntime.flush``)."""
+    g = int(rt.stats.group)
+    if x.shape[0] % g:
+        raise RuntimeError(f"batch norm on {x.shape[0]} local samples cannot be split into groups of "
+                           f"{g} (the plan's --bn-group); the planner must not allow this")
+    if len(ranks) <= 1:
+        return _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, g,
+                                        rt, channels, replicas)
+    box: list = []
+    y = _GroupBatchNorm.apply(x, weight, bias, eps, g, comm, tuple(sorted(ranks)), box)
+    if running_mean is not None and running_var is not None:
+        mean, var, n = box[0]
+        full_c = running_mean.numel()
+        sm = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+        sv = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+        a, e = channels if channels is not None else (0, full_c)
+        sm[a:a + e] = mean.sum(0).double() / replicas
+        sv[a:a + e] = (var * (n / max(n - 1.0, 1.0))).sum(0).double() / replicas
+        rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
+    return y
+
+
+def _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps, g: int,
+                             rt: BatchNormRuntime, channels, replicas: int):
+    """Local statistics when this rank holds its groups whole (nothing to combine): torch's own
+    batch-norm kernel and its backward. One group: ``batch_norm`` on the block. k > 1 groups:
+    the groups moved into the channel dim, (k, g, C, *) -> (g, k C, *), so that each (group,
+    channel) pair is one channel of one ``batch_norm`` (weight and bias repeated k times).
+    The group means and unbiased variances come out of the kernel through scratch running
+    buffers updated with momentum 1 (``r <- batch statistic``)."""
+    import torch.nn.functional as F
+    k = x.shape[0] // g
+    c = x.shape[1]
+    track = running_mean is not None and running_var is not None
+    mean_k = torch.zeros(k * c, dtype=x.dtype, device=x.device) if track else None
+    var_k = torch.ones(k * c, dtype=x.dtype, device=x.device) if track else None
+    if k == 1:
+        y = F.batch_norm(x, mean_k, var_k, weight, bias, True, 1.0, eps)
+    else:
+        rest = tuple(x.shape[2:])
+        xt = x.reshape((k, g, c) + rest).transpose(0, 1).reshape((g, k * c) + rest)
+        w = weight.repeat(k) if weight is not None else None
+        b = bias.repeat(k) if bias is not None else None
+        yt = F.batch_norm(xt, mean_k, var_k, w, b, True, 1.0, eps)
+        y = yt.reshape((g, k, c) + rest).transpose(0, 1).reshape(x.shape)
+    if track:
+        full_c = running_mean.numel()
+        sm = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+        sv = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+        a, e = channels if channels is not None else (0, full_c)
+        sm[a:a + e] = mean_k.reshape(k, c).sum(0).double() / replicas
+        sv[a:a + e] = var_k.reshape(k, c).sum(0).double() / replicas
+        rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
+    return y

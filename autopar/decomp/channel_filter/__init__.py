@@ -238,7 +238,8 @@ class _WeightGrid(Decomposition):
         bn       = per training batch norm (runtime ``run_batch_norm``) over the G ranks holding
                    the same F shard (s, or s*pc for channel+filter): forward T_allreduce(G,
                    4 G (2 F_loc + 1)) (a table of per-rank count, mean, M2), backward
-                   T_allreduce(G, 4 * 2 F_loc); zero when G = 1
+                   T_allreduce(G, 4 * 2 F_loc); zero when G = 1, and zero under local statistics
+                   (every rank holds whole sample groups of its channels)
         grad     = sum over this rank's gradient groups of T_allreduce(|group|, local shard bytes):
                    the weight's |W|/(pc*pf) among its s replicas; bias and BN parameters
                    (|b|/F_parts) among the ranks with the same F shard. The P_model groups of
@@ -259,6 +260,8 @@ class _WeightGrid(Decomposition):
         y_loc = sh["y"]
         bn_groups = self.partition("s" + ("c" if self.rs_along_batch else ""))
         bn_size, bn_level = len(bn_groups[0]), _worst_level(ctx, bn_groups)
+        if getattr(ctx, "batch_norm", None) is not None and ctx.batch_norm.local:
+            bn_size = 1   # local statistics: each rank holds whole groups of its channels
         bn_fwd = bn_bwd = 0.0
         for op in layer.ops[1:]:
             f, b, src = prim.op_compute_s(op, [y_loc], y_loc, ctx, itemsize=item)
@@ -326,7 +329,8 @@ class _WeightGrid(Decomposition):
         if op.kind == BATCH_NORM:
             return run_batch_norm(op, inputs, params, buffers, comm,
                                   out_lay.split_group([0], comm.rank, comm.world),
-                                  channels=out_lay.local_bounds(op.out_shape, comm.rank, comm.world)[1])
+                                  channels=out_lay.local_bounds(op.out_shape, comm.rank, comm.world)[1],
+                                  layout=out_lay)
         return call_local(op, inputs, params, buffers,
                           local_out_shape=out_lay.local_shape(op.out_shape, comm.rank, comm.world))
 

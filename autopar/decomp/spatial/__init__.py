@@ -23,7 +23,9 @@ conv           halo exchange (plan: ``.geometry``, run: ``.exchange``) to the in
 pool max/avg   window along every spatial dim (fill -inf / 0), pool with padding 0, no ceil;
                average = window sum / count of counted positions (count_include_pad, ceil_mode
                and divisor_override reproduced exactly)
-batch_norm     statistics over every rank holding a different block (``Layout.data_group``)
+batch_norm     global statistics: over every rank holding a different block (``Layout.data_group``);
+               local: per group of samples, over the ranks holding the same samples' other
+               spatial blocks
 unary, binary  local (operands: same-layout tensors, reduced (N, C, 1.., 1) tensors, scalars,
                parameters without spatial extent)
 dropout        local, only when p == 0 or not training (random masks would differ)
@@ -152,7 +154,8 @@ class Spatial(Decomposition):
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         """Batch norm: groups of ranks holding different blocks of its input (the world for a
-        spatial input, the sample group for a reduced one); global pooling: spatial groups."""
+        spatial input, the sample group for a reduced one: global statistics) and the spatial
+        groups of its input (local statistics); global pooling: spatial groups."""
         lays = self.value_layouts(layer)
         out: list[list[list[int]]] = []
 
@@ -163,10 +166,17 @@ class Spatial(Decomposition):
             if op.kind == BATCH_NORM:
                 lay = lays[op.inputs[0]]
                 out.append(part(lambda r, lay=lay: lay.data_group(r, world)))
+                # local statistics: the ranks holding the other spatial blocks of the same samples
+                spatial = [d for d, _ in lay.splits if d >= 2]
+                if spatial:
+                    out.append(part(lambda r, lay=lay, sp=tuple(spatial): lay.split_group(list(sp), r, world)))
             elif op.kind in (ADAPTIVE_POOL, MEAN) and lays[op.inputs[0]] == self.layout():
                 full = self.layout()
                 out.append(part(lambda r: full.split_group(self.spatial_dims, r, world)))
         return out
+
+    def bn_layout(self, layer: Layer, op: OpSpec) -> Layout:
+        return self.value_layouts(layer)[op.inputs[0]]
 
     # ---- legality --------------------------------------------------------------------------
     @staticmethod
@@ -493,7 +503,7 @@ class Spatial(Decomposition):
         if op.kind == BATCH_NORM:
             lay = lays[op.inputs[0]]
             return run_batch_norm(op, inputs, params, buffers, comm,
-                                  lay.data_group(comm.rank, comm.world))
+                                  lay.data_group(comm.rank, comm.world), layout=lay)
         if op.kind in (ADAPTIVE_POOL, MEAN) and x_sp:
             keep = True if op.kind == ADAPTIVE_POOL else bool(op.attrs.get("keepdim", False))
             dims = self.spatial_dims
