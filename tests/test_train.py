@@ -23,6 +23,7 @@ import pytest
 
 RTOL, ATOL = 1e-9, 1e-12
 N_DATA, BATCH, STEPS, SAVE_AT, SEED = 40, 8, 20, 10, 7
+BN_GROUP = 2          # samples per batch-norm group: whole on a rank at world 2 and 4
 MAX_NORM = 0.5
 
 MODEL = """
@@ -80,7 +81,10 @@ def setup(tmp_path_factory):
     mfile.write_text(textwrap.dedent(MODEL.format(width=8)))
     plans = {}
     for name, (world, kinds, force) in PLANS.items():
-        r = make_plan(mfile, PlanOptions(world_size=world, batch_size=BATCH, out_dir=str(base / name), kinds=kinds),
+        # local batch-norm statistics over groups of BN_GROUP samples: the same function under
+        # every plan and world size (a resumed run continues the same function)
+        r = make_plan(mfile, PlanOptions(world_size=world, batch_size=BATCH, out_dir=str(base / name), kinds=kinds,
+                                         batch_norm="local", bn_group=BN_GROUP),
                       PlanHooks(profile=synthetic_profile(), force=force))
         plans[name] = r.plan_path
     return {"base": base, "model": mfile, "plans": plans, "profile": synthetic_profile()}
@@ -145,7 +149,14 @@ def _eval_metrics(loss_and_correct):
 
 
 def _reference(rank, world, mfile):
-    """One process, plain torch: the run every distributed run must reproduce."""
+    """One process, plain torch with batch norm over groups of BN_GROUP samples ("ghost" batch
+    norm, the plans' statistics): the run every distributed run must reproduce."""
+    from autopar.execute.validate import ghost_batch_norm
+    with ghost_batch_norm(BN_GROUP):
+        return _reference_steps(mfile)
+
+
+def _reference_steps(mfile):
     import torch
     import torch.nn.functional as F
     model = _model(mfile)
@@ -586,9 +597,11 @@ def _bf16_step(rank, world, plan, mfile, device):
     grads = {k: v.cpu().tolist() for k, v in dm.full_grads().items()}
     if rank != 0:
         return None
+    from autopar.execute.validate import ghost_batch_norm
     torch.manual_seed(0)
     ref = load_model_file(mfile).build_model().to(dev)
-    ref_loss = F.cross_entropy(ref(x.to(dev)), y.to(dev))
+    with ghost_batch_norm(BN_GROUP):          # the plans' batch-norm statistics
+        ref_loss = F.cross_entropy(ref(x.to(dev)), y.to(dev))
     ref_loss.backward()
     ref_loss = ref_loss.item()
     return {"loss": loss.item(), "grads": grads, "ref_loss": ref_loss,
@@ -685,9 +698,11 @@ def _accumulate(rank, world, plan, mfile):
     grads = {q: g.tolist() for q, g in dm.full_grads().items()}
     if rank != 0:
         return None
+    from autopar.execute.validate import ghost_batch_norm
     ref = _model(mfile)
-    for xb, yb in batches:
-        (F.cross_entropy(ref(xb), yb) / len(batches)).backward()
+    with ghost_batch_norm(BN_GROUP):          # the plans' batch-norm statistics
+        for xb, yb in batches:
+            (F.cross_entropy(ref(xb), yb) / len(batches)).backward()
     return grads, {q: p.grad.tolist() for q, p in ref.named_parameters()}
 
 

@@ -248,6 +248,8 @@ class DistModel(nn.Module):
     def train(self, mode: bool = True):
         if hasattr(self, "bn_runtime"):
             self.flush_batch_norm()
+        if hasattr(self, "_prepared"):
+            self._prepared.clear()   # a mode may run other op specs (batch norm in eval mode)
         return super().train(mode)
 
     def update_buffers(self) -> None:

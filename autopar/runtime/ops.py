@@ -366,8 +366,11 @@ def _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentu
     k = x.shape[0] // g
     c = x.shape[1]
     track = running_mean is not None and running_var is not None
-    mean_k = torch.zeros(k * c, dtype=x.dtype, device=x.device) if track else None
-    var_k = torch.ones(k * c, dtype=x.dtype, device=x.device) if track else None
+    # the scratch statistics take the parameters' dtype: under autocast the input may be bf16
+    # while weight and running statistics stay float32 (torch's mixed-dtype batch norm)
+    sdt = weight.dtype if weight is not None else (running_mean.dtype if track else x.dtype)
+    mean_k = torch.zeros(k * c, dtype=sdt, device=x.device) if track else None
+    var_k = torch.ones(k * c, dtype=sdt, device=x.device) if track else None
     if k == 1:
         y = F.batch_norm(x, mean_k, var_k, weight, bias, True, 1.0, eps)
     else:
