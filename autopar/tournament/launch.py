@@ -1,0 +1,122 @@
+"""The launcher of tournament runs: start every rank, keep the surviving trainers when one dies.
+
+Unlike ``autopar.runtime.launch.run_ranks`` (any failure stops every rank), a rank that raises
+or dies here stops only its own trainer: the launcher kills that trainer's other ranks (they
+would wait on it in their mesh's collectives), writes the trainer's death marker on the board
+if its rank could not (a silent death), and lets the others run to the end; the survivors
+learn of it from the board (``autopar.tournament.runtime``), never through a collective. No
+wait is unbounded: the whole run has ``timeout_s``, after which the trainers still running are
+stopped and reported as hung. A child leaves without the world barrier of ``run_ranks`` (a dead
+rank would never reach it) and without destroying its process group.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+from ..errors import RankFailure
+from ..runtime.launch import free_port
+
+
+def _child(fn, rank, world, args, port, threads, timeout_s, q):  # pragma: no cover - in child
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        out = fn(rank, world, *args)
+        q.put((rank, "ok", out))
+    except BaseException as e:
+        q.put((rank, "error", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+        q.close()
+        q.join_thread()
+        os._exit(1)
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, args: tuple, board,
+                 timeout_s: float, threads: int = 1) -> tuple[dict[int, Any], dict[int, dict[str, Any]]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` forked ranks, trainer t = ranks
+    ``[t*n, (t+1)*n)``. Returns (results by rank of the trainers that finished, {trainer:
+    {rank, reason, after_s}} of those that stopped). Raises RankFailure only when every trainer
+    stopped."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    n = ranks_per_trainer
+    T = world // n
+    procs = [ctx.Process(target=_child, args=(fn, r, world, args, port, threads, timeout_s, q), daemon=True)
+             for r in range(world)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    stopped: dict[int, dict[str, Any]] = {}
+
+    def stop(t: int, rank: int, reason: str) -> None:
+        if t in stopped:
+            return
+        stopped[t] = {"trainer": t, "rank": rank, "reason": reason, "after_s": time.monotonic() - t0}
+        board.mark_dead(t, {"trainer": t, "rank": rank, "reason": reason.splitlines()[0][:300],
+                            "seen_by": "the launcher", "time": time.time()})
+        for r in range(t * n, (t + 1) * n):
+            if procs[r].is_alive():
+                procs[r].kill()
+
+    def settled() -> bool:
+        return all(r in results or (r // n) in stopped for r in range(world))
+
+    deadline = t0 + timeout_s
+    try:
+        while not settled():
+            try:
+                rank, status, payload = q.get(timeout=0.1)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    stop(rank // n, rank, payload)
+                continue
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in results and (r // n) not in stopped and p.exitcode not in (None, 0):
+                    try:   # a late report first
+                        while True:
+                            rank, status, payload = q.get(timeout=0.3)
+                            if status == "ok":
+                                results[rank] = payload
+                            else:
+                                stop(rank // n, rank, payload)
+                    except queue_mod.Empty:
+                        pass
+                    if r not in results:
+                        stop(r // n, r, f"rank {r} died with exit code {p.exitcode} without reporting")
+            if time.monotonic() > deadline:
+                for r in range(world):
+                    if r not in results and (r // n) not in stopped:
+                        stop(r // n, r, f"did not finish within the run's time-out ({timeout_s:.0f} s): hung")
+        for t in stopped:   # a stopped trainer's partial results are not results
+            for r in range(t * n, (t + 1) * n):
+                results.pop(r, None)
+        if len(stopped) == T:
+            first = min(stopped.values(), key=lambda s: s["after_s"])
+            raise RankFailure(f"every trainer stopped; first: trainer {first['trainer']} (rank {first['rank']}): "
+                              f"{first['reason'].splitlines()[0]}", "rerun with --debug for the traceback")
+        return results, stopped
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+        q.close()
