@@ -91,6 +91,12 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
         ranks = list(level.trainer_ranks(t))
         st = stopped.get(t)
         info = board.dead(t) if st is not None else None
+        if st is not None and (info or {}).get("round") is None:
+            # a silent death: the board still says which rounds it reached
+            ready = [k for k in range(opts.rounds) if board._read(f"round-{k}-{t}") == "ready"]
+            k = (max(ready) + 1) if ready else 0
+            info = dict(info or {}, round=k, step=k * level.interval_steps,
+                        reason=(info or {}).get("reason") or st["reason"])
         mine = [results[r] for r in ranks if r in results]
         trainers.append({
             "trainer": t, "ranks": ranks, "status": "stopped" if st else "finished",
