@@ -19,6 +19,7 @@ run.json::
 from __future__ import annotations
 
 import dataclasses
+import math
 import datetime as _dt
 import statistics
 import tempfile
@@ -32,6 +33,13 @@ from ..io import atomic_write_json, atomic_write_text
 from .runtime import Board, TournamentRunOptions, trainer_rank_main
 
 TOURNAMENT_RUN_SCHEMA = "autopar.tournament-run/1"
+
+
+def _json_num(x):
+    """JSON has no NaN or infinity: a non-finite metric is written as the string "nan"/"inf"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
 
 
 def _median(xs):
@@ -82,7 +90,7 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
         any_rec = next(iter(recs.values()))
         rounds_log.append({"round": k, "step": any_rec["step"], "alive": any_rec["alive"],
                            "pairs": [list(p) for p in any_rec["pairs"]],
-                           "results": [{key: rec.get(key) for key in ("trainer", "partner", "metric_own", "metric_partner",
+                           "results": [{key: _json_num(rec.get(key)) for key in ("trainer", "partner", "metric_own", "metric_partner",
                                                                         "winner", "kept", "notes", "exchange_s", "eval_s",
                                                                         "wait_s", "exchange_error")}
                                        for _, rec in sorted(recs.items())]})
@@ -106,7 +114,7 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
                 "seen_by": (info or {}).get("seen_by", "the launcher"), "after_s": st["after_s"],
                 "launcher_saw": st["reason"].splitlines()[0][:300]},
             "metric_over_time": [[lg["step"], res["metric_own"]] for lg in rounds_log for res in lg["results"]
-                                 if res["trainer"] == t],
+                                 if res["trainer"] == t and not isinstance(res["metric_own"], str)],
             "step_s": _median([max(x["step_s"][i] for x in mine) for i in range(len(mine[0]["step_s"]))]) if mine else None})
     fin = [res for res in results.values()]
     samples = sum(res["samples"] for res in fin if res["mesh_rank"] == 0)
@@ -180,6 +188,10 @@ def _f(x, scale=1.0, fmt="{:.3f}"):
     return "n/a" if x is None else fmt.format(x * scale)
 
 
+def _g(x):
+    return x if isinstance(x, str) else f"{x:.6g}"
+
+
 def report_md(run: dict[str, Any]) -> str:
     m, p = run["measured"], run["predicted"]
     lines = [f"# Tournament run: {run['model']}, {run['trainers']} trainers x {run['ranks_per_trainer']} ranks",
@@ -200,7 +212,7 @@ def report_md(run: dict[str, Any]) -> str:
         for x in lg["results"]:
             mp = x["metric_partner"]
             lines.append(f"| {lg['round']} | {lg['step']} | {lg['alive']} | {lg['pairs']} | {x['trainer']} | "
-                         f"{x['partner']} | {x['metric_own']:.6g} | {'-' if mp is None else f'{mp:.6g}'} | "
+                         f"{x['partner']} | {_g(x['metric_own'])} | {'-' if mp is None else _g(mp)} | "
                          f"{x['kept']} | {'; '.join(x['notes'] or [])} |")
     lines += ["", "## Trainers", ""]
     for tr in run["trainers_detail"]:

@@ -404,7 +404,9 @@ def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, A
             mine = pack(own_ts)
             theirs = torch.empty_like(mine)
             me_g, other_g = rank, partner * n + comm.rank
-            grp = _GROUPS[tuple(sorted((me_g, other_g)))]
+            # the pair's own group; when the pair is the whole world (two trainers of one rank),
+            # the default group (create_groups makes no group of the whole world)
+            grp = _GROUPS.get(tuple(sorted((me_g, other_g))))
             ok = 1.0
             try:
                 reqs = [dist.isend(mine, dst=other_g, group=grp), dist.irecv(theirs, src=other_g, group=grp)]
