@@ -161,7 +161,18 @@ def test_a_killed_trainer_leaves_the_others_finishing_with_a_named_report(root, 
     later = [lg for lg in run["rounds_log"] if lg["round"] >= 1]
     assert later and all(1 not in lg["alive"] and len(lg["results"]) == 3 for lg in later)
     assert "skipped" in run["validation"]
-    assert "STOPPED" not in (out / "report.md").read_text() and "trainer 1" in (out / "report.md").read_text()
+    assert "trainer 1 (ranks [1]): stopped at round 1" in (out / "report.md").read_text()
+
+
+@pytest.mark.dist
+def test_a_trainer_of_two_ranks_losing_one_stops_whole_and_the_other_finishes(root, tmp_path, profile):
+    """T = 2 x 2 ranks: trainer 1's mesh rank 0 dies; its rank 1 (waiting on it) is stopped by
+    the launcher, and trainer 0 plays itself from then on."""
+    res = _plan(root, tmp_path, profile, force={2: "filter"})
+    run, _ = _run(res.plan_path, tmp_path, "kill2", kill=(1, 1), timeout_s=60)
+    assert run["stopped"] == [1]
+    assert all(lg["pairs"] == [[0, 0]] for lg in run["rounds_log"] if lg["round"] >= 1)
+    assert run["trainers_detail"][0]["status"] == "finished"
 
 
 @pytest.mark.dist

@@ -7,13 +7,14 @@ if its rank could not (a silent death), and lets the others run to the end; the 
 learn of it from the board (``autopar.tournament.runtime``), never through a collective. No
 wait is unbounded: the whole run has ``timeout_s``, after which the trainers still running are
 stopped and reported as hung. A child leaves without the world barrier of ``run_ranks`` (a dead
-rank would never reach it) and without destroying its process group.
+rank would never reach it) and without destroying its process group. Each child reports on a
+pipe of its own, not on one shared queue: a rank killed while writing to a shared queue would
+leave its lock held and silence every survivor.
 """
 
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import time
 import traceback
 from datetime import timedelta
@@ -23,7 +24,7 @@ from ..errors import RankFailure
 from ..runtime.launch import free_port
 
 
-def _child(fn, rank, world, args, port, threads, timeout_s, q):  # pragma: no cover - in child
+def _child(fn, rank, world, args, port, threads, timeout_s, conn):  # pragma: no cover - in child
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
@@ -31,14 +32,13 @@ def _child(fn, rank, world, args, port, threads, timeout_s, q):  # pragma: no co
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world, *args)
-        q.put((rank, "ok", out))
+        conn.send(("ok", out))
     except BaseException as e:
-        q.put((rank, "error", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}"))
-        q.close()
-        q.join_thread()
-        os._exit(1)
-    q.close()
-    q.join_thread()
+        try:
+            conn.send(("error", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}"))
+        finally:
+            os._exit(1)
+    conn.close()
     os._exit(0)
 
 
@@ -49,16 +49,21 @@ def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, arg
     {rank, reason, after_s}} of those that stopped). Raises RankFailure only when every trainer
     stopped."""
     import multiprocessing as mp
+    from multiprocessing.connection import wait as wait_conns
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
     port = free_port()
     n = ranks_per_trainer
     T = world // n
-    procs = [ctx.Process(target=_child, args=(fn, r, world, args, port, threads, timeout_s, q), daemon=True)
-             for r in range(world)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, args, port, threads, timeout_s, pipes[r][1]),
+                         daemon=True) for r in range(world)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
+    for _, w in pipes:
+        w.close()              # the parent keeps only the read ends: EOF means the child is gone
+    reader_rank = {id(pipes[r][0]): r for r in range(world)}
+    open_readers = [pipes[r][0] for r in range(world)]
     results: dict[int, Any] = {}
     stopped: dict[int, dict[str, Any]] = {}
 
@@ -78,28 +83,34 @@ def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, arg
     deadline = t0 + timeout_s
     try:
         while not settled():
-            try:
-                rank, status, payload = q.get(timeout=0.1)
-                if status == "ok":
-                    results[rank] = payload
-                else:
-                    stop(rank // n, rank, payload)
-                continue
-            except queue_mod.Empty:
-                pass
-            for r, p in enumerate(procs):
-                if r not in results and (r // n) not in stopped and p.exitcode not in (None, 0):
-                    try:   # a late report first
-                        while True:
-                            rank, status, payload = q.get(timeout=0.3)
-                            if status == "ok":
-                                results[rank] = payload
-                            else:
-                                stop(rank // n, rank, payload)
-                    except queue_mod.Empty:
-                        pass
+            for conn in wait_conns(open_readers, timeout=0.1):
+                r = reader_rank[id(conn)]
+                try:
+                    status, payload = conn.recv()
+                except Exception:    # EOF, or half a message from a rank killed while sending
+                    open_readers.remove(conn)
                     if r not in results:
-                        stop(r // n, r, f"rank {r} died with exit code {p.exitcode} without reporting")
+                        procs[r].join(timeout=1.0)
+                        stop(r // n, r, f"rank {r} died with exit code {procs[r].exitcode} without reporting")
+                    continue
+                if status == "ok":
+                    results[r] = payload
+                else:
+                    stop(r // n, r, payload)
+            for r, p in enumerate(procs):   # a death (siblings hold copies of the pipe: no EOF)
+                if r not in results and (r // n) not in stopped and p.exitcode not in (None, 0):
+                    conn = pipes[r][0]
+                    if conn in open_readers and conn.poll(0.3):
+                        try:
+                            status, payload = conn.recv()
+                            if status == "ok":
+                                results[r] = payload
+                                continue
+                            stop(r // n, r, payload)
+                            continue
+                        except Exception:
+                            pass
+                    stop(r // n, r, f"rank {r} died with exit code {p.exitcode} without reporting")
             if time.monotonic() > deadline:
                 for r in range(world):
                     if r not in results and (r // n) not in stopped:
@@ -119,4 +130,5 @@ def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, arg
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2.0)
-        q.close()
+        for r, _ in pipes:
+            r.close()

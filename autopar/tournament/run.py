@@ -236,8 +236,9 @@ def plot_metric(run: dict[str, Any], path: Path) -> None:
                     label=f"trainer {tr['trainer']}" + (" (stopped)" if tr["status"] == "stopped" else ""))
     ax.set_xlabel("step")
     ax.set_ylabel(f"tournament metric ({run['metric']}, own model before the round)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
     ax.set_title(f"{run['model']}: {run['trainers']} trainers")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
