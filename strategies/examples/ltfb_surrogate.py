@@ -12,15 +12,18 @@ training also ``make_dataset(n_samples, seed)`` (the whole data set) and the def
 """
 
 import math
+import os
 
 import torch
 from torch import nn
 
 N_PARAMS = 5
 N_SCALARS = 15
-IMAGE = 8
+# sizes: small by default (2 CPU cores); AUTOPAR_SURROGATE_HIDDEN / _IMAGE scale it up for
+# planning a cluster (benchmarks/ltfb_a100_simulation.py)
+IMAGE = int(os.environ.get("AUTOPAR_SURROGATE_IMAGE", 8))
 N_OUT = N_SCALARS + IMAGE * IMAGE
-HIDDEN = 32
+HIDDEN = int(os.environ.get("AUTOPAR_SURROGATE_HIDDEN", 32))
 DEFAULT_BATCH_SIZE = 8
 
 
