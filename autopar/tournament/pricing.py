@@ -4,7 +4,9 @@ A trainer is one plan (the per-layer ILP, any decomposition) on n = N/T ranks; T
 at once on disjoint sub-meshes. Per trainer, in seconds (every term a cost-model figure, never
 measured; B = the plan's batch, I = the tournament interval in steps)::
 
-    step_s        the trainer plan's predicted step (``plan.predicted.step_time_s``)
+    step_s        the trainer plan's predicted step (``plan.predicted.step_time_s``), its compute
+                  (fwd + bwd) scaled by the profile's slowdown of min(T*n, R) ranks on a node
+                  over min(n, R) (the plan was priced alone on the node; R ranks per node)
     ingest_s      data ingestion per step: 0 when the trainer's shard fits in its ranks' memory
                   (an in-memory data store, filled once before training); otherwise the batch
                   read from storage,  B*sample_bytes / rate + B*latency_s / n,  with
@@ -16,7 +18,8 @@ measured; B = the plan's batch, I = the tournament interval in steps)::
                   the partner trainer and receives the partner's, both at once on a full-duplex
                   link:  p2p(state_bytes_per_rank)  on the link between partners (inter-node as
                   soon as the world spans nodes: partners are paired at random)
-    eval_s        2 models x (tournament_samples / B) forwards of the plan (``predicted.fwd_s``)
+    eval_s        2 models x (tournament_samples / B) forwards of the plan (``predicted.fwd_s``,
+                  scaled by the same slowdown); one model when T = 1
     round_s       I * max(step_s, ingest_s) + exchange_s + eval_s
     samples/s     T * I * B / round_s                   (the whole job)
 
@@ -139,12 +142,17 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
     tour = opts.tournament_samples or 2 * B
     train = opts.train_samples_per_trainer or 8 * B
     data_total = opts.dataset_samples or T * (train + tour)
-    step_s = plan.predicted.step_time_s
+    # trainers sharing a node slow each other's kernels: the plan was priced with min(n, R)
+    # ranks on a node, the job runs min(T*n, R) there (the profile's measured slowdown)
+    world0 = T * n
+    colocation = profile.slowdown(min(world0, ranks_per_node)) / profile.slowdown(min(n, ranks_per_node))
+    pr = plan.predicted
+    step_s = pr.step_time_s + (pr.fwd_s + pr.bwd_s) * (colocation - 1.0)
     state = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param)
     world = T * n
     level = "inter" if (world > ranks_per_node and T > 1) else "intra"
     exchange_s = profile.collective_time_s("p2p", 2, state, level) if T > 1 else 0.0
-    eval_s = (2 if T > 1 else 1) * math.ceil(tour / B) * plan.predicted.fwd_s
+    eval_s = (2 if T > 1 else 1) * math.ceil(tour / B) * plan.predicted.fwd_s * colocation
     shard_bytes = data_total / T * sample_bytes
     store_per_rank = shard_bytes / n
     store_limit = opts.data_store_bytes_per_rank if opts.data_store_bytes_per_rank is not None else memory_limit_bytes
@@ -162,7 +170,7 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
     fits = memory_limit_bytes is None or mem <= memory_limit_bytes
     return {
         "trainers": T, "ranks_per_trainer": n, "world_size": world, "batch_per_trainer": B,
-        "interval_steps": I, "step_s": step_s, "ingest_s": ingest_s, "data_in_memory": in_memory,
+        "interval_steps": I, "step_s": step_s, "plan_step_s": pr.step_time_s, "colocation_slowdown": colocation, "ingest_s": ingest_s, "data_in_memory": in_memory,
         "shard_bytes": shard_bytes, "data_store_bytes_per_rank": store_per_rank,
         "storage_read_bytes_per_s": rate, "ingestion_source": None if in_memory else ing.source,
         "exchange_s": exchange_s, "exchange_bytes_per_rank": state if T > 1 else 0.0, "exchange_link": level,
