@@ -193,3 +193,32 @@ def test_cli_names_a_bad_trainer_count(root, tmp_path, capsys):
     rc = main(["plan", str(root / "strategies/examples/ltfb_surrogate.py"), "--world-size", "4",
                "--trainers", "3", "-o", str(tmp_path / "x")])
     assert rc == 2 and "TrainersError" in capsys.readouterr().err
+
+
+def test_tournament_halves_keep_the_data_flow_imports(root, tmp_path, profile):
+    """Planning a tournament loads no runtime module; the run-time half loads no solver,
+    tracer, cost model, calibration or planner."""
+    import json as _json
+    import os
+    import subprocess
+    import sys
+    code_plan = (
+        "import json, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from fakes import synthetic_profile\n"
+        "from autopar.artifacts import PlanHooks, PlanOptions\n"
+        "from autopar.tournament.pricing import TournamentOptions, make_tournament_plan\n"
+        f"make_tournament_plan('strategies/examples/ltfb_surrogate.py', PlanOptions(world_size=4, write=False), "
+        "TournamentOptions(trainers='auto'), PlanHooks(profile=synthetic_profile()))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('autopar.runtime'))))\n")
+    code_run = (
+        "import json, sys\n"
+        "import autopar.tournament.runtime, autopar.tournament.launch, autopar.runtime.model\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('autopar.cost', 'autopar.solve', "
+        "'autopar.trace', 'autopar.calibrate', 'autopar.pipeline', 'autopar.codegen', 'autopar.tournament.pricing', "
+        "'pulp', 'highspy')))))\n")
+    for code in (code_plan, code_run):
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "ignore"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert _json.loads(out.stdout.strip().splitlines()[-1]) == []

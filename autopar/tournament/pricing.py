@@ -109,15 +109,15 @@ class TournamentOptions:
 def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_per_param: float = 1.0) -> float:
     """Bytes one rank sends in an exchange: its shard of every parameter (the largest over the
     mesh's ranks), times (1 + optimizer state per parameter) with "weights+optimizer"."""
-    from ..runtime.model import param_shards
-    graph = plan.graph()
+    graph = plan.graph()          # (planning loads no runtime module: the shards from the decisions)
     decisions = {d.layer: d.decomposition() for d in plan.layers}
-    shards = param_shards(graph, decisions)
+    shards = {}
     shapes: dict[str, tuple[tuple[int, ...], int]] = {}
     for lay in graph.layers:
         for op in lay.ops:
             for role, q in op.param_names.items():
                 shapes[q] = (tuple(op.params[role]), lay.itemsize)
+                shards[q] = decisions[lay.index].param_shard(op, role)
     n = plan.world_size
     per_rank = []
     for r in range(n):
@@ -191,8 +191,9 @@ def sample_bytes_of(mf, batch_size: int) -> float:
     sb = getattr(mf.module, "SAMPLE_BYTES", None)
     if sb is not None:
         return float(sb)
-    from ..runtime.entry import synthetic_batch
-    xs, ys = synthetic_batch(mf, batch_size, 0)
+    import torch
+    torch.manual_seed(0)
+    xs, ys = mf.example_inputs(batch_size), mf.example_targets(batch_size)
     tot = sum(x.numel() * x.element_size() for x in xs) + (ys.numel() * ys.element_size() if ys is not None else 0)
     return tot / batch_size
 
