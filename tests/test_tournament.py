@@ -222,3 +222,25 @@ def test_tournament_halves_keep_the_data_flow_imports(root, tmp_path, profile):
                              env={**os.environ, "PYTHONPATH": str(root), "PYTHONWARNINGS": "ignore"})
         assert out.returncode == 0, out.stderr[-2000:]
         assert _json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.dist
+def test_cli_execute_runs_a_tournament_plan_and_reports_a_killed_trainer(root, tmp_path, profile):
+    """``autopar execute PLAN`` of a plan with a trainer level dispatches to the tournament
+    runner (a subprocess, as a user runs it); ``--kill-trainer`` drills a fault."""
+    import os
+    import subprocess
+    import sys
+    res = _plan(root, tmp_path, profile, trainers=4)
+    out = tmp_path / "cli-run"
+    p = subprocess.run([sys.executable, "-m", "autopar.cli", "execute", str(res.plan_path), "--rounds", "2",
+                        "--kill-trainer", "2:1", "--timeout", "60", "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "trainer 2 STOPPED at round 1 (step 2)" in p.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["schema"] == "autopar.tournament-run/1" and run["stopped"] == [2]
+    chk = subprocess.run([sys.executable, "-m", "autopar.cli", "check", str(out / "run.json")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert chk.returncode == 0 and "stopped: [2]" in chk.stdout
