@@ -5,7 +5,6 @@ finish with a named report, a non-finite metric reported, never fatal."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -120,10 +119,11 @@ def _run(plan_path, tmp_path, name, **kw):
 
 @pytest.mark.dist
 def test_two_trainers_of_two_ranks_equal_the_single_process_simulation(root, tmp_path, profile):
-    """T = 2 at world 4, two ranks per trainer, a filter-parallel output layer: after K = 3
+    """T = 2 at world 4, two ranks per trainer, filter / channel / filter parallel layers: after K = 3
     rounds every trainer's parameters equal the simulation's (float64) and so does every winner."""
-    res = _plan(root, tmp_path, profile, force={2: "filter"})
-    assert any(c.startswith("filter") for c in res.plan.decompositions())
+    res = _plan(root, tmp_path, profile, force={0: "filter", 1: "channel", 2: "filter"})
+    kinds = {c.split("(")[0] for c in res.plan.decompositions()}
+    assert {"filter", "channel"} <= kinds, kinds
     run, out = _run(res.plan_path, tmp_path, "t2")
     v = run["validation"]
     assert v["passed"] and v["winners_equal"] and v["checked"] == 2 * 6, v
@@ -208,7 +208,7 @@ def test_tournament_halves_keep_the_data_flow_imports(root, tmp_path, profile):
         "from fakes import synthetic_profile\n"
         "from autopar.artifacts import PlanHooks, PlanOptions\n"
         "from autopar.tournament.pricing import TournamentOptions, make_tournament_plan\n"
-        f"make_tournament_plan('strategies/examples/ltfb_surrogate.py', PlanOptions(world_size=4, write=False), "
+        "make_tournament_plan('strategies/examples/ltfb_surrogate.py', PlanOptions(world_size=4, write=False), "
         "TournamentOptions(trainers='auto'), PlanHooks(profile=synthetic_profile()))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('autopar.runtime'))))\n")
     code_run = (

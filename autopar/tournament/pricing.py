@@ -271,6 +271,9 @@ def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: To
 
     for T in candidates:
         rows.append(plan_for(T))
+        r = rows[-1]
+        say(f"T = {T}: " + (r["error"] if r.get("error") else
+                            f"{r['samples_per_s']:.1f} samples/s predicted ({r['ranks_per_trainer']} ranks per trainer)"))
     ok = [r for r in rows if not r.get("error") and r["fits_memory"]]
     if not ok:
         # name the feasible trainer counts (the smaller ones: more ranks per trainer)

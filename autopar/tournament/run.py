@@ -141,7 +141,7 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
         "ranks_per_trainer": n, "world_size": world, "interval_steps": level.interval_steps,
         "rounds": opts.rounds, "exchange": level.exchange, "metric": level.metric, "dtype": opts.dtype,
         "batch_per_trainer": plan.model.batch_size,
-        "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "extra"},
+        "options": dataclasses.asdict(opts),
         "wall_s": wall, "rounds_log": rounds_log, "trainers_detail": trainers,
         "stopped": [tr["trainer"] for tr in trainers if tr["status"] == "stopped"],
         "measured": measured, "predicted": dict(level.predicted), "validation": validation}

@@ -41,7 +41,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -309,7 +309,6 @@ class TournamentRunOptions:
     kill: tuple[int, int] | None = None     # (trainer, round): a fault injected for tests/demos
     kill_mode: str = "exit"                  # "exit": the process dies silently; "raise": an error
     return_params: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 class TrainerStopped(RuntimeError):
