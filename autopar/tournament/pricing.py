@@ -17,9 +17,11 @@ measured; B = the plan's batch, I = the tournament interval in steps)::
                   and with "weights+optimizer" the optimizer state) to the corresponding rank of
                   the partner trainer and receives the partner's, both at once on a full-duplex
                   link:  p2p(state_bytes_per_rank)  on the link between partners (inter-node as
-                  soon as the world spans nodes: partners are paired at random)
-    eval_s        2 models x (tournament_samples / B) forwards of the plan (``predicted.fwd_s``,
-                  scaled by the same slowdown); one model when T = 1
+                  soon as the world spans nodes: partners are paired at random), its latency
+                  raised to the profile's in-situ p2p latency with the job's ranks on the node
+    eval_s        2 models x ((tournament_samples / B) forwards of the plan (``predicted.fwd_s``,
+                  scaled by the same slowdown) + one in-situ all-reduce latency over the trainer's
+                  n ranks for the metric); one model when T = 1
     round_s       I * max(step_s, ingest_s) + exchange_s + eval_s
     samples/s     T * I * B / round_s                   (the whole job)
 
@@ -151,8 +153,16 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
     state = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param)
     world = T * n
     level = "inter" if (world > ranks_per_node and T > 1) else "intra"
-    exchange_s = profile.collective_time_s("p2p", 2, state, level) if T > 1 else 0.0
-    eval_s = (2 if T > 1 else 1) * math.ceil(tour / B) * plan.predicted.fwd_s * colocation
+    from ..cost.primitives import insitu_latency_s
+    on_node = min(world0, ranks_per_node)
+    exchange_s = 0.0
+    if T > 1:   # the fitted p2p, its latency raised to the in-situ one (as cost.primitives.blocking_s)
+        exchange_s = profile.collective_time_s("p2p", 2, state, level) + max(
+            0.0, insitu_latency_s(profile, 2, on_node, "p2p") - profile.collective_time_s("p2p", 2, 0.0, level))
+    models = 2 if T > 1 else 1
+    # per model: the forwards, then one blocking all-reduce of the metric over the trainer's mesh
+    eval_s = models * (math.ceil(tour / B) * plan.predicted.fwd_s * colocation
+                       + (insitu_latency_s(profile, n, on_node, "allreduce") if n > 1 else 0.0))
     shard_bytes = data_total / T * sample_bytes
     store_per_rank = shard_bytes / n
     store_limit = opts.data_store_bytes_per_rank if opts.data_store_bytes_per_rank is not None else memory_limit_bytes
