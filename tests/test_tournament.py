@@ -244,3 +244,18 @@ def test_cli_execute_runs_a_tournament_plan_and_reports_a_killed_trainer(root, t
     chk = subprocess.run([sys.executable, "-m", "autopar.cli", "check", str(out / "run.json")], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert chk.returncode == 0 and "stopped: [2]" in chk.stdout
+
+
+@pytest.mark.dist
+def test_a_hung_trainer_is_stopped_at_the_time_out_and_the_others_finish(root, tmp_path, profile):
+    """Trainer 3 hangs (sleeps) at round 1: the launcher's progress watchdog stops it once it
+    has posted nothing for the time-out, its death marker lets the others' round go on, and
+    they finish; the run names it as hung."""
+    res = _plan(root, tmp_path, profile, trainers=4)
+    t0 = time.monotonic()
+    run, _ = _run(res.plan_path, tmp_path, "hang", kill=(3, 1), kill_mode="hang", timeout_s=10)
+    assert time.monotonic() - t0 < 40
+    assert run["stopped"] == [3]
+    s = run["trainers_detail"][3]["stopped"]
+    assert "hung" in s["reason"] and s["round"] == 1
+    assert [d["status"] for d in run["trainers_detail"][:3]] == ["finished"] * 3

@@ -6,7 +6,9 @@ would wait on it in their mesh's collectives), writes the trainer's death marker
 if its rank could not (a silent death), and lets the others run to the end; the survivors
 learn of it from the board (``autopar.tournament.runtime``), never through a collective. No
 wait is unbounded: the whole run has ``timeout_s``, after which the trainers still running are
-stopped and reported as hung. A child leaves without the world barrier of ``run_ranks`` (a dead
+stopped and reported as hung. The time-out also bounds each trainer's progress: a trainer that
+posts no round on the board for ``timeout_s`` (after its start or its last round) is stopped
+as hung, so a hung trainer is not waited on past the time-out while the others go on. A child leaves without the world barrier of ``run_ranks`` (a dead
 rank would never reach it) and without destroying its process group. Each child reports on a
 pipe of its own, not on one shared queue: a rank killed while writing to a shared queue would
 leave its lock held and silence every survivor.
@@ -43,11 +45,12 @@ def _child(fn, rank, world, args, port, threads, timeout_s, conn):  # pragma: no
 
 
 def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, args: tuple, board,
-                 timeout_s: float, threads: int = 1) -> tuple[dict[int, Any], dict[int, dict[str, Any]]]:
+                 timeout_s: float, threads: int = 1, max_wall_s: float | None = None) -> tuple[dict[int, Any], dict[int, dict[str, Any]]]:
     """Run ``fn(rank, world, *args)`` on ``world`` forked ranks, trainer t = ranks
     ``[t*n, (t+1)*n)``. Returns (results by rank of the trainers that finished, {trainer:
-    {rank, reason, after_s}} of those that stopped). Raises RankFailure only when every trainer
-    stopped."""
+    {rank, reason, after_s}} of those that stopped). ``timeout_s`` bounds each trainer's
+    progress (the watchdog), ``max_wall_s`` (default 10 x ``timeout_s``) the whole run. Raises
+    RankFailure only when every trainer stopped."""
     import multiprocessing as mp
     from multiprocessing.connection import wait as wait_conns
     ctx = mp.get_context("fork")
@@ -80,7 +83,8 @@ def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, arg
     def settled() -> bool:
         return all(r in results or (r // n) in stopped for r in range(world))
 
-    deadline = t0 + timeout_s
+    wall0 = last_watch = time.time()
+    deadline = t0 + (max_wall_s if max_wall_s is not None else 10 * timeout_s)
     try:
         while not settled():
             for conn in wait_conns(open_readers, timeout=0.1):
@@ -111,10 +115,20 @@ def run_trainers(fn: Callable[..., Any], world: int, ranks_per_trainer: int, arg
                         except Exception:
                             pass
                     stop(r // n, r, f"rank {r} died with exit code {p.exitcode} without reporting")
+            now = time.time()
+            if now - last_watch >= 0.5:     # progress watchdog (module docstring)
+                last_watch = now
+                for t in range(T):
+                    if t in stopped or all(r in results for r in range(t * n, (t + 1) * n)):
+                        continue
+                    last = board.last_progress(t) or wall0
+                    if now - last > timeout_s:
+                        stop(t, t * n, f"hung: no progress on the board for {now - last:.0f} s "
+                                       f"(the run's time-out is {timeout_s:.0f} s)")
             if time.monotonic() > deadline:
                 for r in range(world):
                     if r not in results and (r // n) not in stopped:
-                        stop(r // n, r, f"did not finish within the run's time-out ({timeout_s:.0f} s): hung")
+                        stop(r // n, r, f"did not finish within the run's wall limit ({deadline - t0:.0f} s): hung")
         for t in stopped:   # a stopped trainer's partial results are not results
             for r in range(t * n, (t + 1) * n):
                 results.pop(r, None)

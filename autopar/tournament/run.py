@@ -68,7 +68,8 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
     board = Board(board_dir)
     t0 = time.perf_counter()
     results, stopped = run_trainers(trainer_rank_main, world, level.ranks_per_trainer,
-                                    (str(plan_path), str(module_path), board_dir, opts), board, opts.timeout_s)
+                                    (str(plan_path), str(module_path), board_dir, opts), board, opts.timeout_s,
+                                    max_wall_s=opts.timeout_s * (opts.rounds + 2))
     wall = time.perf_counter() - t0
     n = level.ranks_per_trainer
     # ---- per round, per trainer: the slowest rank's times

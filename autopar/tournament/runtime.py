@@ -180,6 +180,11 @@ class Board:
         except FileNotFoundError:
             return None
 
+    def last_progress(self, t: int) -> float | None:
+        """Wall time of trainer t's latest round post (None before its first)."""
+        ts = [f.stat().st_mtime for f in self.root.glob(f"round-*-{t}")]
+        return max(ts) if ts else None
+
     def mark_dead(self, t: int, info: dict[str, Any]) -> None:
         self._create(f"dead-{t}.json", json.dumps(info))
 
@@ -307,7 +312,7 @@ class TournamentRunOptions:
     dtype: str = "float64"
     timeout_s: float = 600.0
     kill: tuple[int, int] | None = None     # (trainer, round): a fault injected for tests/demos
-    kill_mode: str = "exit"                  # "exit": the process dies silently; "raise": an error
+    kill_mode: str = "exit"                  # "exit": dies silently; "raise": an error; "hang": sleeps
     return_params: bool = True
 
 
@@ -366,6 +371,8 @@ def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, A
         if opts.kill is not None and tuple(opts.kill) == (t, k) and comm.rank == 0:
             if opts.kill_mode == "exit":
                 os._exit(9)
+            if opts.kill_mode == "hang":
+                time.sleep(10 * opts.timeout_s + 3600)
             raise RuntimeError(f"fault injected into trainer {t} at round {k}")
         # -- interval steps
         comm.barrier()
