@@ -236,7 +236,7 @@ def plot_metric(run: dict[str, Any], path: Path) -> None:
             ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o",
                     label=f"trainer {tr['trainer']}" + (" (stopped)" if tr["status"] == "stopped" else ""))
     ax.set_xlabel("step")
-    ax.set_ylabel(f"tournament metric ({run['metric']}, own model before the round)")
+    ax.set_ylabel(f"metric ({run['metric']}), own model")
     if ax.get_legend_handles_labels()[0]:
         ax.set_yscale("log")
         ax.legend(fontsize=8)
