@@ -33,6 +33,9 @@ Schemas
     batch_norm   {mode: "local" | "global", group: G | null}: the batch-norm statistics every
                  layer computes (``autopar.decomp.bn``); a plan without it is "global" (what
                  plans made before the choice computed)
+    trainers     (tournament training only) the trainer level: T trainers of ``world_size``
+                 ranks each, interval, pairing seed, what is exchanged, the metric, the data
+                 split and the predicted figures (``TrainerLevel``); absent: one trainer
 
 Schema 1 -> 2: schema 2 only adds ``mesh.ranks`` (and makes ``mesh.placement`` explicit). A
 schema-1 plan is therefore **migrated on load** (ranks 0..W-1, a missing placement = block):
@@ -313,6 +316,66 @@ class MeshInfo:
             raise _bad(src, "mesh", "mesh", f"not integers ({e})") from None
 
 
+TOURNAMENT_EXCHANGES = ("weights", "weights+optimizer")
+TOURNAMENT_METRICS = ("loss", "model_file")
+
+
+@dataclass(frozen=True)
+class TrainerLevel(_Record):
+    """The trainer level of tournament training (LTFB, ``autopar.tournament``): ``trainers``
+    trainers, each running the plan on its own ``ranks_per_trainer`` ranks (trainer t on global
+    ranks ``[t*n, (t+1)*n)``), a tournament every ``interval_steps`` steps paired with
+    ``pairing_seed``, exchanging ``exchange`` ("weights" or "weights+optimizer"), judged by
+    ``metric`` ("loss": the loss on the trainer's held-out tournament set; "model_file": the
+    model file's ``tournament_metric``; lower wins). Each trainer trains on
+    ``train_samples_per_trainer`` samples of its shard and holds out ``tournament_samples``.
+    ``predicted``: the cost model's figures (``autopar.tournament.pricing``); ``candidates``:
+    every trainer count priced (``--trainers auto``)."""
+    trainers: int
+    ranks_per_trainer: int
+    interval_steps: int = 10
+    pairing_seed: int = 0
+    exchange: str = "weights"
+    metric: str = "loss"
+    train_samples_per_trainer: int = 0
+    tournament_samples: int = 0
+    data_seed: int = 0
+    predicted: Mapping[str, Any] = field(default_factory=dict)
+    candidates: tuple = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.trainers * self.ranks_per_trainer
+
+    def trainer_ranks(self, t: int) -> tuple[int, ...]:
+        """Global ranks of trainer ``t`` (its sub-mesh, in mesh order)."""
+        n = self.ranks_per_trainer
+        return tuple(range(t * n, (t + 1) * n))
+
+
+def check_trainer_level(tl: TrainerLevel, plan_world: int, batch_size: int, src: str) -> None:
+    """A trainer level that the runtime can run (named field otherwise)."""
+    def bad(fld, what):
+        return _bad(src, "trainers", f"trainers.{fld}", what)
+    for fld in ("trainers", "ranks_per_trainer", "interval_steps"):
+        v = getattr(tl, fld)
+        if not isinstance(v, int) or v < 1:
+            raise bad(fld, f"{v!r} (must be an integer >= 1)")
+    if tl.ranks_per_trainer != plan_world:
+        raise bad("ranks_per_trainer", f"{tl.ranks_per_trainer} but the trainer's plan is for "
+                  f"{plan_world} ranks (world_size)")
+    if tl.exchange not in TOURNAMENT_EXCHANGES:
+        raise bad("exchange", f"{tl.exchange!r} (one of {', '.join(TOURNAMENT_EXCHANGES)})")
+    if tl.metric not in TOURNAMENT_METRICS:
+        raise bad("metric", f"{tl.metric!r} (one of {', '.join(TOURNAMENT_METRICS)})")
+    b = max(1, int(batch_size))
+    for fld in ("train_samples_per_trainer", "tournament_samples"):
+        v = getattr(tl, fld)
+        if not isinstance(v, int) or v < b or v % b:
+            raise bad(fld, f"{v!r} (must be a positive multiple of the batch size {b})")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A plan: one decision per layer of ``graph_json``, the transitions between them, what the
@@ -334,10 +397,11 @@ class Plan:
     schema: str = PLAN_SCHEMA
     extra: Mapping[str, Any] = field(default_factory=dict)
     batch_norm: Mapping[str, Any] = field(default_factory=lambda: {"mode": "global", "group": None})
+    trainers: TrainerLevel | None = None   # tournament training (LTFB); None: one trainer
 
     _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
-             "graph", "generated", "timings_s", "batch_norm")
+             "graph", "generated", "timings_s", "batch_norm", "trainers")
 
     @property
     def world_size(self) -> int:
@@ -384,6 +448,8 @@ class Plan:
             "transitions": [t.to_json() for t in self.transitions], "graph": dict(self.graph_json),
             "generated": self.generated, "timings_s": dict(self.timings_s),
             "batch_norm": dict(self.batch_norm)})
+        if self.trainers is not None:
+            out["trainers"] = self.trainers.to_json()
         out.update(self.extra)
         return out
 
@@ -430,6 +496,13 @@ class Plan:
                     batch_norm=dict(obj.get("batch_norm") or {"mode": "global", "group": None}))
         if int(obj["world_size"]) != mesh.world_size:
             raise _bad(src, "mesh", "world_size", f"{obj['world_size']} but mesh.world_size is {mesh.world_size}")
+        if obj.get("trainers") is not None:
+            try:
+                tl = TrainerLevel.from_json(obj["trainers"])
+            except TypeError as e:
+                raise _bad(src, "trainers", "trainers", f"malformed ({e})") from None
+            check_trainer_level(tl, mesh.world_size, model.batch_size, src)
+            plan = dataclasses.replace(plan, trainers=tl)
         check_plan(plan, src)
         if world_size is not None and plan.world_size != int(world_size):
             raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",

@@ -133,6 +133,8 @@ def cmd_plan(args) -> int:
                           max_candidates=args.max_candidates, placement=args.placement,
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group)
+    if args.trainers is not None:
+        return _plan_trainers(args, options)
     res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
@@ -143,6 +145,40 @@ def cmd_plan(args) -> int:
             _p(r)
         _p(f"scaling picture written to {png}")
     return 0
+
+
+def _plan_trainers(args, options) -> int:
+    """``autopar plan --trainers T|auto``: one trainer of N/T ranks planned by the ILP, the
+    trainer level priced (``autopar.tournament.pricing``) and written into plan.json."""
+    from .pipeline import format_plan_table, parse_bytes
+    from .tournament.pricing import IngestionModel, TournamentOptions, format_table, make_tournament_plan
+    from .artifacts import PlanHooks
+    trainers = args.trainers if args.trainers == "auto" else _int_arg("--trainers", args.trainers)
+    ing = None
+    if args.storage_rate:
+        ing = IngestionModel(node_read_bytes_per_s=parse_bytes(args.storage_rate), source="--storage-rate")
+    topts = TournamentOptions(
+        trainers=trainers, interval_steps=args.interval, pairing_seed=args.pairing_seed,
+        exchange=args.exchange, metric=args.metric, tournament_samples=args.tournament_samples,
+        train_samples_per_trainer=args.train_samples, dataset_samples=args.dataset_samples,
+        sample_bytes=parse_bytes(args.sample_bytes), data_store_bytes_per_rank=parse_bytes(args.data_store_memory),
+        ingestion=ing)
+    res = make_tournament_plan(args.model, options, topts, PlanHooks(progress=_p), say=_p)
+    _p(format_plan_table(res.plan))
+    _p(f"trainer level: {len(res.rows)} trainer count(s) priced at world {options.world_size}")
+    _p(format_table(res.rows, res.chosen))
+    tl = res.plan.trainers
+    _p(f"{tl.trainers} trainers x {tl.ranks_per_trainer} ranks, a tournament every {tl.interval_steps} steps "
+       f"(exchange {tl.exchange}, metric {tl.metric}); plan written to {res.plan_path}")
+    return 0
+
+
+def _int_arg(flag: str, text: str) -> int:
+    from .errors import AutoparError
+    try:
+        return int(text)
+    except ValueError:
+        raise AutoparError(f"{flag} must be an integer or 'auto', got {text!r}", f"give e.g. {flag} 2") from None
 
 
 def _read_cluster(args) -> None:
@@ -177,7 +213,8 @@ def cmd_execute(args) -> int:
     opts = ExecuteOptions(steps=args.steps, warmup=args.warmup, seed=args.seed,
                           timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
                           rtol=args.rtol, validate_dtype=args.validate_dtype,
-                          batch_norm=args.batch_norm)
+                          batch_norm=args.batch_norm, rounds=args.rounds,
+                          validate=not args.no_validate, kill_trainer=_kill_arg(args.kill_trainer))
     head = read_json(args.plan, AutoparError, "plan or run set file")
     if isinstance(head, dict) and str(head.get("schema", "")).startswith("autopar.runset/"):
         runs, out = execute_runset(args.plan, opts, out_dir=args.out, progress=_p)
@@ -188,6 +225,8 @@ def cmd_execute(args) -> int:
         _p(f"run set results in {out / 'runset.json'}")
         return 0
     run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
+    if isinstance(run, dict):     # a tournament (the plan has a trainer level)
+        return _print_tournament(run, out)
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     _p(f"validation PASSED ({run.validation.checked} tensors in {opts.validate_dtype} within rtol "
        f"{opts.tolerances()[0]:g} of one process)")
@@ -204,6 +243,38 @@ def cmd_execute(args) -> int:
     return 0
 
 
+def _kill_arg(text):
+    if not text:
+        return None
+    from .errors import AutoparError
+    try:
+        t, k = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise AutoparError(f"--kill-trainer takes TRAINER:ROUND, got {text!r}", "give e.g. --kill-trainer 1:2") from None
+    return (t, k)
+
+
+def _print_tournament(run, out) -> int:
+    v = run["validation"]
+    _p("validation: " + (f"skipped ({v['skipped']})" if "skipped" in v else
+       f"{'PASSED' if v['passed'] else 'FAILED'} ({v['checked']} tensors and every round's winners against "
+       f"the single-process simulation, max rel diff {v['max_rel_diff']:.2g})"))
+    for lg in run["rounds_log"]:
+        _p(f"round {lg['round']} (step {lg['step']}): pairs {lg['pairs']}; " + ", ".join(
+            f"t{x['trainer']} kept {x['kept']}" for x in lg["results"]))
+    for tr in run["trainers_detail"]:
+        if tr["stopped"]:
+            s = tr["stopped"]
+            _p(f"trainer {tr['trainer']} STOPPED at round {s['round']} (step {s['step']}): {s['reason']}")
+    m, p = run["measured"], run["predicted"]
+    fmt = lambda x, f=1e3: "n/a" if x is None else f"{x * f:.3f}"  # noqa: E731
+    _p(f"measured: step {fmt(m['step_s'])} ms, exchange {fmt(m['exchange_s'])} ms, evaluation "
+       f"{fmt(m['eval_s'])} ms, {fmt(m['samples_per_s'], 1)} samples/s; predicted: step "
+       f"{fmt(p.get('step_s'))} ms, exchange {fmt(p.get('exchange_s'))} ms, evaluation {fmt(p.get('eval_s'))} ms")
+    _p(f"report written to {out / 'report.md'}")
+    return 0
+
+
 def cmd_check(args) -> int:
     """Load and check plans, runs and run sets (``autopar.artifacts``) without starting anything."""
     from .artifacts import load_plan, load_run, load_runset
@@ -216,6 +287,10 @@ def cmd_check(args) -> int:
             rs = load_runset(p)
             _p(f"{p}: run set of {len(rs.entries)} plans on {rs.world_size} ranks: " + "; ".join(
                 f"{e.plan_path} on ranks {list(e.ranks)}" for e in rs.entries))
+        elif schema.startswith("autopar.tournament-run/"):
+            r = read_json(p, AutoparError, "tournament run")
+            _p(f"{p}: tournament of {r['model']}: {r['trainers']} trainers x {r['ranks_per_trainer']} ranks, "
+               f"{r['rounds']} rounds, stopped: {r['stopped'] or 'none'}")
         elif schema.startswith("autopar.run/"):
             r = load_run(p)
             _p(f"{p}: run of {r.model} at world {r.world_size}, validation "
@@ -290,6 +365,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bn-group", type=int, default=None, metavar="G",
                    help="samples per statistics group with --batch-norm local (default: the samples "
                         "one rank holds under data parallelism, batch / world size)")
+    t = p.add_argument_group("tournament training (LTFB)")
+    t.add_argument("--trainers", help="T trainers of world/T ranks each (tournament training), or 'auto': "
+                   "price every divisor of the world and keep the most samples per second")
+    t.add_argument("--interval", type=int, default=10, help="training steps between tournaments")
+    t.add_argument("--pairing-seed", type=int, default=0, help="seed of the random pairing")
+    t.add_argument("--exchange", choices=["weights", "weights+optimizer"], default="weights")
+    t.add_argument("--metric", choices=["loss", "model_file"], default=None,
+                   help="tournament metric (default: the model file's tournament_metric if defined, "
+                   "else the loss on the held-out tournament set)")
+    t.add_argument("--tournament-samples", type=int, help="held-out samples per trainer (default 2 batches)")
+    t.add_argument("--train-samples", type=int, help="training samples per trainer (default 8 batches)")
+    t.add_argument("--dataset-samples", type=int, help="samples of the whole data set, for the ingestion model")
+    t.add_argument("--sample-bytes", help="bytes of one sample in storage (default: the model file's SAMPLE_BYTES)")
+    t.add_argument("--data-store-memory", help="per-rank memory for the in-memory data store (default --memory-limit)")
+    t.add_argument("--storage-rate", help="read rate from storage per node, e.g. 2GB (default: profile or 1 GB/s)")
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("execute", help="run a plan, validate it against one process, time it against DDP")
@@ -310,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-norm", choices=["local", "global"], default=None,
                    help="refuse to run unless the plan was made with these batch-norm statistics")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
+    e.add_argument("--rounds", type=int, default=3, help="tournament plans: rounds to run")
+    e.add_argument("--no-validate", action="store_true",
+                   help="tournament plans: skip the check against the single-process simulation")
+    e.add_argument("--kill-trainer", metavar="TRAINER:ROUND",
+                   help="tournament plans: kill that trainer at that round (a fault drill)")
     e.set_defaults(fn=cmd_execute)
 
     k = sub.add_parser("check", help="check plans, runs and run sets (names the unit and field at fault)")

@@ -48,6 +48,11 @@ class ExecuteOptions:
     ddp: bool = True
     backend: str = "gloo"
     batch_norm: str | None = None  # when set, the plan's batch-norm statistics must be these
+    # tournament plans (a trainer level): rounds to run, validate against the simulation,
+    # and a fault to inject (trainer, round) for tests and demos
+    rounds: int = 3
+    validate: bool = True
+    kill_trainer: tuple[int, int] | None = None
 
     def tolerances(self) -> tuple[float, float]:
         rt, at = DEFAULT_TOL[self.validate_dtype]
@@ -209,12 +214,20 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
 
 def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,
             progress=print) -> tuple[RunResult, Path]:
-    """Run, validate, time; write run.json + report; return (the run, the folder written)."""
+    """Run, validate, time; write run.json + report; return (the run, the folder written).
+    A plan with a trainer level (``autopar plan --trainers``) runs as a tournament instead
+    (``autopar.tournament.run.execute_tournament``), which returns its run.json as a dict."""
     from ..runtime.launch import run_ranks
 
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)        # checked before any process starts
     check_batch_norm(plan, plan_path, opts.batch_norm)
+    if plan.trainers is not None:      # tournament training (LTFB): T trainers on sub-meshes
+        from ..tournament.run import execute_tournament
+        from ..tournament.runtime import TournamentRunOptions
+        return execute_tournament(plan_path, TournamentRunOptions(
+            rounds=opts.rounds, seed=opts.seed, lr=opts.lr, momentum=opts.momentum, dtype=opts.validate_dtype,
+            timeout_s=opts.timeout_s, kill=opts.kill_trainer), out_dir, progress, validate=opts.validate)
     world = plan.world_size
     module_path = check_plan_files(plan_path, plan)
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "

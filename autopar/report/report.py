@@ -140,6 +140,12 @@ def summarize(paths: list[str | Path]) -> str:
             pl = Plan.from_json(d, str(f))
             rows.append(f"| {f} | {pl.model.name} | {pl.world_size} | {pl.placement()} | plan | "
                         f"{_ms(pl.predicted.step_time_s)} | n/a | n/a | not run | n/a |")
+        elif schema.startswith("autopar.tournament-run/"):   # tournament training (autopar.tournament)
+            m, pr, v = d["measured"], d["predicted"], d["validation"]
+            err = ((pr.get("step_s") - m["step_s"]) / m["step_s"]) if (m.get("step_s") and pr.get("step_s")) else None
+            rows.append(f"| {f} | {d['model']} | {d['world_size']} | {d['trainers']} trainers | tournament | "
+                        f"{_ms(pr.get('step_s'))} | {_ms(m.get('step_s'))} | {_pct(err)} | "
+                        f"{'skipped' if 'skipped' in v else ('passed' if v['passed'] else 'FAILED')} | n/a |")
         else:
             raise RunFileError(f"{f} is neither an autopar run nor a plan", "give run.json or plan.json files")
     return "\n".join(rows)

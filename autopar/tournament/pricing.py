@@ -1,0 +1,334 @@
+"""Plan time of tournament training (LTFB): price T trainers of N/T ranks each, pick T.
+
+A trainer is one plan (the per-layer ILP, any decomposition) on n = N/T ranks; T of them run
+at once on disjoint sub-meshes. Per trainer, in seconds (every term a cost-model figure, never
+measured; B = the plan's batch, I = the tournament interval in steps)::
+
+    step_s        the trainer plan's predicted step (``plan.predicted.step_time_s``), its compute
+                  (fwd + bwd) scaled by the profile's slowdown of min(T*n, R) ranks on a node
+                  over min(n, R) (the plan was priced alone on the node; R ranks per node)
+    ingest_s      data ingestion per step: 0 when the trainer's shard fits in its ranks' memory
+                  (an in-memory data store, filled once before training); otherwise the batch
+                  read from storage,  B*sample_bytes / rate + B*latency_s / n,  with
+                  rate = min(nodes_of_trainer * node_read_bytes_per_s, aggregate_bytes_per_s / T)
+                  (every trainer reads at once). Prefetched in the background: a step takes
+                  max(step_s, ingest_s).
+    exchange_s    one tournament's exchange: every rank sends its shard of the model (weights,
+                  and with "weights+optimizer" the optimizer state) to the corresponding rank of
+                  the partner trainer and receives the partner's, both at once on a full-duplex
+                  link:  p2p(state_bytes_per_rank)  on the link between partners (inter-node as
+                  soon as the world spans nodes: partners are paired at random), its latency
+                  raised to the profile's in-situ p2p latency with the job's ranks on the node
+    eval_s        2 models x ((tournament_samples / B) forwards of the plan (``predicted.fwd_s``,
+                  scaled by the same slowdown) + one in-situ all-reduce latency over the trainer's
+                  n ranks for the metric); one model when T = 1
+    round_s       I * max(step_s, ingest_s) + exchange_s + eval_s
+    samples/s     T * I * B / round_s                   (the whole job)
+
+Memory per rank: the plan's predicted memory + one received copy of the partner's state (the
+exchange buffer) must fit ``memory_limit_bytes`` (else the T is infeasible: "a trainer too
+small for its plan's memory"); the data store is host memory (``data_store_bytes_per_rank``,
+default: the same limit).
+
+What the model leaves out: the one-off filling of the data store, the random pairing's
+partner landing on the same node (priced as inter-node), congestion of the storage system
+beyond its aggregate rate, the metric's own reductions, and statistical efficiency (how many
+samples a tournament population needs to reach an accuracy: it prices throughput only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..artifacts import TOURNAMENT_EXCHANGES, Plan, PlanHooks, PlanOptions, TrainerLevel
+from ..errors import AutoparError
+
+
+class TrainersError(AutoparError):
+    """--trainers that cannot run: not a divisor of the world, or trainers too small."""
+
+
+@dataclass(frozen=True)
+class IngestionModel:
+    """How fast a trainer reads its data when its shard does not fit in memory. Per node client
+    read rate, aggregate storage rate (shared by all trainers), per-sample latency; ``source``
+    says where the numbers came from (a profile's ``storage`` section, a flag, or assumed)."""
+    node_read_bytes_per_s: float = 1.0e9
+    aggregate_bytes_per_s: float = 1.0e12
+    per_sample_latency_s: float = 0.0
+    source: str = "assumed default (1 GB/s per node, 1 TB/s aggregate): not calibrated"
+
+    @staticmethod
+    def from_profile(profile, override_bytes_per_s: float | None = None) -> "IngestionModel":
+        st = dict(getattr(profile, "extra", {}) or {}).get("storage") if profile is not None else None
+        if st is None and profile is not None:
+            st = (getattr(profile, "provenance", {}) or {}).get("storage")
+        m = IngestionModel()
+        if st:
+            m = IngestionModel(float(st.get("node_read_bytes_per_s", m.node_read_bytes_per_s)),
+                               float(st.get("aggregate_bytes_per_s", m.aggregate_bytes_per_s)),
+                               float(st.get("per_sample_latency_s", 0.0)),
+                               str(st.get("source", "the profile's storage section")))
+        if override_bytes_per_s is not None:
+            m = dataclasses.replace(m, node_read_bytes_per_s=float(override_bytes_per_s),
+                                    source="--storage-rate")
+        return m
+
+
+@dataclass(frozen=True)
+class TournamentOptions:
+    """The trainer-level knobs of ``autopar plan --trainers`` (the rest is ``PlanOptions``)."""
+    trainers: int | str = 1                 # an integer or "auto"
+    interval_steps: int = 10
+    pairing_seed: int = 0
+    exchange: str = "weights"
+    metric: str | None = None               # None: "model_file" if it defines tournament_metric
+    tournament_samples: int | None = None   # per trainer; default 2 batches
+    train_samples_per_trainer: int | None = None   # default 8 batches
+    data_seed: int = 0
+    dataset_samples: int | None = None      # the whole data set (pricing); default T*(train+tour)
+    sample_bytes: float | None = None       # per sample in storage; default from the model file
+    data_store_bytes_per_rank: float | None = None
+    ingestion: IngestionModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.trainers != "auto" and (not isinstance(self.trainers, int) or self.trainers < 1):
+            raise TrainersError(f"--trainers must be a positive integer or 'auto', got {self.trainers!r}",
+                                "give e.g. --trainers 2 or --trainers auto")
+        if self.interval_steps < 1:
+            raise TrainersError(f"--interval must be >= 1 step, got {self.interval_steps}",
+                                "give the number of training steps between tournaments")
+        if self.exchange not in TOURNAMENT_EXCHANGES:
+            raise TrainersError(f"unknown exchange {self.exchange!r}", f"choose {', '.join(TOURNAMENT_EXCHANGES)}")
+
+
+# ---- per-rank state ---------------------------------------------------------------------------
+
+def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_per_param: float = 1.0) -> float:
+    """Bytes one rank sends in an exchange: its shard of every parameter (the largest over the
+    mesh's ranks), times (1 + optimizer state per parameter) with "weights+optimizer"."""
+    graph = plan.graph()          # (planning loads no runtime module: the shards from the decisions)
+    decisions = {d.layer: d.decomposition() for d in plan.layers}
+    shards = {}
+    shapes: dict[str, tuple[tuple[int, ...], int]] = {}
+    for lay in graph.layers:
+        for op in lay.ops:
+            for role, q in op.param_names.items():
+                shapes[q] = (tuple(op.params[role]), lay.itemsize)
+                shards[q] = decisions[lay.index].param_shard(op, role)
+    n = plan.world_size
+    per_rank = []
+    for r in range(n):
+        tot = 0.0
+        for q, (shape, item) in shapes.items():
+            sh = shards.get(q)
+            local = sh.local_shape(shape, r, n) if sh is not None else shape
+            tot += math.prod(local) * item
+        per_rank.append(tot)
+    mult = 1.0 + (optimizer_state_per_param if exchange == "weights+optimizer" else 0.0)
+    return max(per_rank or [0.0]) * mult
+
+
+def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, ranks_per_node: int,
+                   memory_limit_bytes: float | None, sample_bytes: float,
+                   optimizer_state_per_param: float = 1.0) -> dict[str, Any]:
+    """Every term of the module docstring for ``trainers`` trainers running ``plan``."""
+    n = plan.world_size
+    T = int(trainers)
+    B = plan.model.batch_size
+    I = opts.interval_steps
+    tour = opts.tournament_samples or 2 * B
+    train = opts.train_samples_per_trainer or 8 * B
+    data_total = opts.dataset_samples or T * (train + tour)
+    # trainers sharing a node slow each other's kernels: the plan was priced with min(n, R)
+    # ranks on a node, the job runs min(T*n, R) there (the profile's measured slowdown)
+    world0 = T * n
+    colocation = profile.slowdown(min(world0, ranks_per_node)) / profile.slowdown(min(n, ranks_per_node))
+    pr = plan.predicted
+    step_s = pr.step_time_s + (pr.fwd_s + pr.bwd_s) * (colocation - 1.0)
+    state = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param)
+    world = T * n
+    level = "inter" if (world > ranks_per_node and T > 1) else "intra"
+    from ..cost.primitives import insitu_latency_s
+    on_node = min(world0, ranks_per_node)
+    exchange_s = 0.0
+    if T > 1:   # the fitted p2p, its latency raised to the in-situ one (as cost.primitives.blocking_s)
+        exchange_s = profile.collective_time_s("p2p", 2, state, level) + max(
+            0.0, insitu_latency_s(profile, 2, on_node, "p2p") - profile.collective_time_s("p2p", 2, 0.0, level))
+    models = 2 if T > 1 else 1
+    # per model: the forwards, then one blocking all-reduce of the metric over the trainer's mesh
+    eval_s = models * (math.ceil(tour / B) * plan.predicted.fwd_s * colocation
+                       + (insitu_latency_s(profile, n, on_node, "allreduce") if n > 1 else 0.0))
+    shard_bytes = data_total / T * sample_bytes
+    store_per_rank = shard_bytes / n
+    store_limit = opts.data_store_bytes_per_rank if opts.data_store_bytes_per_rank is not None else memory_limit_bytes
+    in_memory = store_limit is None or store_per_rank <= store_limit
+    ing = opts.ingestion or IngestionModel()
+    if in_memory:
+        ingest_s = 0.0
+        rate = None
+    else:
+        nodes_of_trainer = max(1, math.ceil(n / ranks_per_node))
+        rate = min(nodes_of_trainer * ing.node_read_bytes_per_s, ing.aggregate_bytes_per_s / T)
+        ingest_s = B * sample_bytes / rate + B * ing.per_sample_latency_s / n
+    round_s = I * max(step_s, ingest_s) + exchange_s + eval_s
+    mem = plan.predicted.memory_per_rank_bytes + (state if T > 1 else 0.0)
+    fits = memory_limit_bytes is None or mem <= memory_limit_bytes
+    return {
+        "trainers": T, "ranks_per_trainer": n, "world_size": world, "batch_per_trainer": B,
+        "interval_steps": I, "step_s": step_s, "plan_step_s": pr.step_time_s, "colocation_slowdown": colocation, "ingest_s": ingest_s, "data_in_memory": in_memory,
+        "shard_bytes": shard_bytes, "data_store_bytes_per_rank": store_per_rank,
+        "storage_read_bytes_per_s": rate, "ingestion_source": None if in_memory else ing.source,
+        "exchange_s": exchange_s, "exchange_bytes_per_rank": state if T > 1 else 0.0, "exchange_link": level,
+        "eval_s": eval_s, "tournament_s": exchange_s + eval_s, "round_s": round_s,
+        "tournament_overhead": (exchange_s + eval_s) / round_s if round_s > 0 else 0.0,
+        "samples_per_s": T * I * B / round_s if round_s > 0 else math.inf,
+        "memory_per_rank_bytes": mem, "memory_limit_bytes": memory_limit_bytes, "fits_memory": fits,
+    }
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def sample_bytes_of(mf, batch_size: int) -> float:
+    """Bytes of one sample in storage: the model file's ``SAMPLE_BYTES``, else its example
+    batch's inputs and targets divided by the batch."""
+    sb = getattr(mf.module, "SAMPLE_BYTES", None)
+    if sb is not None:
+        return float(sb)
+    import torch
+    torch.manual_seed(0)
+    xs, ys = mf.example_inputs(batch_size), mf.example_targets(batch_size)
+    tot = sum(x.numel() * x.element_size() for x in xs) + (ys.numel() * ys.element_size() if ys is not None else 0)
+    return tot / batch_size
+
+
+def format_table(rows: list[dict[str, Any]], chosen: int | None = None) -> str:
+    head = (f"{'T':>4} {'ranks/T':>7} {'step ms':>9} {'ingest ms':>9} {'exch ms':>8} {'eval ms':>8} "
+            f"{'overhead':>8} {'data':>8} {'mem MiB':>8} {'samples/s':>11}  note")
+    out = [head]
+    for r in rows:
+        if r.get("error"):
+            out.append(f"{r['trainers']:>4} {r['ranks_per_trainer']:>7} {'':>9} {'':>9} {'':>8} {'':>8} "
+                       f"{'':>8} {'':>8} {'':>8} {'infeasible':>11}  {r['error']}")
+            continue
+        note = "<- chosen" if chosen == r["trainers"] else ("" if r["fits_memory"] else "over the memory limit")
+        out.append(f"{r['trainers']:>4} {r['ranks_per_trainer']:>7} {r['step_s'] * 1e3:9.3f} "
+                   f"{r['ingest_s'] * 1e3:9.3f} {r['exchange_s'] * 1e3:8.3f} {r['eval_s'] * 1e3:8.3f} "
+                   f"{100 * r['tournament_overhead']:7.1f}% {'memory' if r['data_in_memory'] else 'storage':>8} "
+                   f"{r['memory_per_rank_bytes'] / 2**20:8.2f} {r['samples_per_s']:11.1f}  {note}")
+    return "\n".join(out)
+
+
+# ---- planning -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TournamentPlanResult:
+    plan: Plan
+    plan_path: Path | None
+    module_path: Path | None
+    rows: list[dict[str, Any]]
+    chosen: int
+
+
+def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: TournamentOptions,
+                         hooks: PlanHooks | None = None,
+                         say: Callable[[str], None] = lambda s: None) -> TournamentPlanResult:
+    """Plan one trainer of ``world_size / T`` ranks (the ordinary per-layer ILP) for the given
+    T, or for every divisor T of the world (``trainers="auto"``), price each (module
+    docstring), keep the fastest that fits and write its plan with the trainer level."""
+    from ..codegen.generate import generate_module
+    from ..io import atomic_write_text
+    from ..modelfile import load_model_file
+    from ..artifacts import write_plan
+    from ..pipeline import default_plan_dir, load_calibration, make_plan
+
+    hooks = hooks or PlanHooks()
+    N = options.world_size
+    auto = topts.trainers == "auto"
+    if not auto and N % int(topts.trainers):
+        raise TrainersError(f"--trainers {topts.trainers} does not divide the world size {N}",
+                            f"choose T among the divisors {divisors(N)} (smallest feasible T: 1), or --trainers auto")
+    mf = load_model_file(model_file)
+    profile = hooks.profile
+    if profile is None:
+        _, profile = load_calibration(options.calibration)
+    rpn = int(options.ranks_per_node or profile.topology.get("ranks_per_node", N))
+    candidates = divisors(N) if auto else [int(topts.trainers)]
+    metric = topts.metric or ("model_file" if hasattr(mf.module, "tournament_metric") else "loss")
+    ing = topts.ingestion or IngestionModel.from_profile(profile)
+    topts = dataclasses.replace(topts, ingestion=ing)
+    rows: list[dict[str, Any]] = []
+    plans: dict[int, Plan] = {}
+
+    def plan_for(T: int) -> dict[str, Any]:
+        n = N // T
+        o = dataclasses.replace(options, world_size=n, write=False, nodes=None, ranks_per_node=rpn)
+        try:
+            res = make_plan(model_file, o, dataclasses.replace(hooks, progress=None, profile=profile))
+        except AutoparError as e:
+            return {"trainers": T, "ranks_per_trainer": n, "error": str(e).splitlines()[0][:120]}
+        B = res.plan.model.batch_size
+        row = price_trainers(res.plan, T, profile, topts, rpn, options.memory_limit_bytes,
+                             topts.sample_bytes or sample_bytes_of(mf, B), options.optimizer_state_per_param)
+        plans[T] = res.plan
+        return row
+
+    for T in candidates:
+        rows.append(plan_for(T))
+        r = rows[-1]
+        say(f"T = {T}: " + (r["error"] if r.get("error") else
+                            f"{r['samples_per_s']:.1f} samples/s predicted ({r['ranks_per_trainer']} ranks per trainer)"))
+    ok = [r for r in rows if not r.get("error") and r["fits_memory"]]
+    if not ok:
+        # name the feasible trainer counts (the smaller ones: more ranks per trainer)
+        feas = []
+        for T in divisors(N):
+            if T in candidates:
+                continue
+            r = plan_for(T)
+            if not r.get("error") and r["fits_memory"]:
+                feas.append(T)
+        r = rows[0]
+        why = r.get("error") or (f"needs {r['memory_per_rank_bytes'] / 2**20:.1f} MiB per rank (plan + the "
+                                 f"partner's model received in the exchange) over the limit "
+                                 f"{options.memory_limit_bytes / 2**20:.1f} MiB")
+        raise TrainersError(
+            f"--trainers {topts.trainers} leaves trainers of {N // int(rows[0]['trainers'])} ranks too small "
+            f"for the plan's memory: {why}",
+            (f"use --trainers {max(feas)} or fewer (smallest feasible T: {min(feas)}; feasible: {feas})"
+             if feas else "no trainer count fits: raise --memory-limit"))
+    best = max(ok, key=lambda r: (r["samples_per_s"], -r["trainers"]))
+    T = best["trainers"]
+    plan = plans[T]
+    B = plan.model.batch_size
+    tour = topts.tournament_samples or 2 * B
+    train = topts.train_samples_per_trainer or 8 * B
+    level = TrainerLevel(
+        trainers=T, ranks_per_trainer=N // T, interval_steps=topts.interval_steps,
+        pairing_seed=topts.pairing_seed, exchange=topts.exchange, metric=metric,
+        train_samples_per_trainer=int(train), tournament_samples=int(tour), data_seed=topts.data_seed,
+        predicted={k: v for k, v in best.items() if not isinstance(v, (list, dict))},
+        candidates=tuple(rows) if auto else (),
+        extra={"world_size": N, "ingestion_model": dataclasses.asdict(ing),
+               "pricing": "autopar.tournament.pricing (formulas in its docstring)"})
+    from ..artifacts import check_trainer_level
+    check_trainer_level(level, plan.world_size, B, "the tournament plan")
+    out_dir = Path(options.out_dir) if options.out_dir is not None else Path(
+        str(default_plan_dir(mf.name, N)) + f"-t{T}")
+    plan = dataclasses.replace(plan, trainers=level)
+    plan_path = module_path = None
+    if options.write:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        # the model path is relative to the plan's folder
+        from ..pipeline import _rel
+        plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, path=_rel(Path(model_file), out_dir)))
+        module_path = out_dir / plan.generated
+        atomic_write_text(module_path, generate_module(plan))
+        plan_path = write_plan(plan, out_dir / "plan.json")
+    return TournamentPlanResult(plan, plan_path, module_path, rows, T)
