@@ -416,6 +416,11 @@ class Plan:
     def placement(self):
         return self.mesh.placement()
 
+    def model_file(self, plan_file: str | Path) -> Path:
+        """The model file, its stored path read relative to the plan file's folder."""
+        p = Path(self.model.path)
+        return p if p.is_absolute() else (Path(plan_file).resolve().parent / p).resolve()
+
     def bn_stats(self):
         """The batch-norm statistics (``autopar.decomp.bn.BatchNormStats``) the plan computes."""
         from .decomp.bn import BatchNormStats

@@ -52,7 +52,7 @@ def read_json(path: str | os.PathLike, error_cls: type[Exception], what: str) ->
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error_cls(f"{what} {path} is corrupt or truncated ({e.__class__.__name__}: {e})",
-                        f"regenerate it") from None
+                        "regenerate it") from None
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -30,6 +30,7 @@ from ..artifacts import (RUN_SCHEMA, LayerTiming, Measured, Plan, RunResult, Val
                          load_run)
 from ..errors import AutoparError, PlanFileError, ValidationFailed
 from ..io import sha256_file
+from .files import check_plan_files
 from .validate import DEFAULT_TOL, RULE, validation_step, worst
 
 
@@ -158,24 +159,6 @@ def check_batch_norm(plan: Plan, plan_path, want: str | None) -> None:
         raise PlanFileError(f"{plan_path} was planned with --batch-norm {have.mode} ({have}), "
                             f"executed with --batch-norm {want}: they compute different functions",
                             f"re-plan with --batch-norm {want}, or execute without --batch-norm")
-
-
-def check_plan_files(plan_path: Path, plan: Plan) -> Path:
-    """Before any process starts: the generated module beside the plan (written again if
-    missing) and the model file, unchanged since planning. Returns the module's path."""
-    from ..runtime.entry import model_path
-    module_path = plan_path.parent / plan.generated
-    if not module_path.is_file():
-        from ..codegen.generate import generate_module
-        from ..io import atomic_write_text
-        atomic_write_text(module_path, generate_module(plan))
-    mpath = model_path(plan, plan_path)
-    if not mpath.is_file():
-        raise PlanFileError(f"the plan's model file {mpath} is missing", "re-plan from the model file")
-    if sha256_file(mpath) != plan.model.sha256:
-        raise PlanFileError(f"the model file {mpath} changed since the plan was made",
-                            "re-plan it (autopar plan) so that the plan matches the model")
-    return module_path
 
 
 def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, Any], placement,

@@ -26,15 +26,8 @@ def plan_placement(plan: Plan) -> Placement:
     return plan.placement()
 
 
-def model_path(plan: Plan, plan_file: str | Path) -> Path:
-    p = Path(plan.model.path)
-    if not p.is_absolute():
-        p = (Path(plan_file).resolve().parent / p).resolve()
-    return p
-
-
 def build_user_model(plan: Plan, plan_file: str | Path, seed: int):
-    mf = load_model_file(model_path(plan, plan_file))
+    mf = load_model_file(plan.model_file(plan_file))
     torch.manual_seed(seed)
     return mf, mf.build_model()
 

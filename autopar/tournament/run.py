@@ -49,7 +49,7 @@ def _median(xs):
 
 def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_dir: str | Path | None = None,
                        progress=print, validate: bool = True, rtol: float = 1e-9) -> tuple[dict[str, Any], Path]:
-    from ..execute.runner import check_plan_files
+    from ..execute.files import check_plan_files
     from .launch import run_trainers
 
     plan_path = Path(plan_path)

@@ -347,7 +347,6 @@ def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, A
     from ..runtime.comm import _GROUPS, Comm, create_groups
     from ..runtime.entry import build_user_model
     from ..modelfile import load_model_file
-    from ..runtime.entry import model_path
 
     plan = load_plan(plan_path)
     level = plan.trainers
@@ -362,7 +361,7 @@ def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, A
     dm.train()
     opt = torch.optim.SGD(dm.parameters(), lr=opts.lr, momentum=opts.momentum)
     loss_fn = mf.loss_fn()
-    data = trainer_data(load_model_file(model_path(plan, plan_path)), level, t)
+    data = trainer_data(load_model_file(plan.model_file(plan_path)), level, t)
     metric = level.metric
     records, step_s = [], []
     t_start = time.time()

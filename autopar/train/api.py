@@ -52,14 +52,7 @@ from torch import nn
 from ..artifacts import Plan, load_plan
 from ..decomp.base import ParamShard
 from ..errors import AutoparError, PlanFileError
-
-#: how many mismatches a structural error lists
-FIRST_MISMATCHES = 5
-
-
-class ModelMismatch(AutoparError):
-    """A model or checkpoint whose parameter names or shapes differ from the plan's model."""
-
+from .mismatch import ModelMismatch, first_of, mismatches  # noqa: F401  (ModelMismatch re-exported)
 
 class _GlobalLoss(torch.autograd.Function):
     """forward: the sum of every rank's share over the mesh (the single-process loss);
@@ -273,27 +266,13 @@ def check_model(model: nn.Module, plan: Plan) -> None:
     bad = mismatches(want, have)
     if bad:
         raise ModelMismatch(f"the model does not match the plan's ({plan.model.name}): "
-                            + "; ".join(bad[:FIRST_MISMATCHES])
-                            + (f"; and {len(bad) - FIRST_MISMATCHES} more" if len(bad) > FIRST_MISMATCHES else ""),
+                            + first_of(bad),
                             "build the model the plan was made from, or re-plan for this one")
-
-
-def mismatches(want: dict[str, tuple], have: dict[str, tuple]) -> list[str]:
-    """Human-readable differences between two name -> shape maps (want: the plan's)."""
-    out = []
-    for q in want:
-        if q not in have:
-            out.append(f"{q} missing")
-        elif tuple(have[q]) != tuple(want[q]):
-            out.append(f"{q} has shape {tuple(have[q])}, expected {tuple(want[q])}")
-    out.extend(f"{q} unexpected" for q in have if q not in want)
-    return out
 
 
 def _model_file_loss(plan: Plan, plan_path: Path) -> Callable[..., torch.Tensor]:
     from ..modelfile import default_loss, load_model_file
-    from ..runtime.entry import model_path
-    mp = model_path(plan, plan_path)
+    mp = plan.model_file(plan_path)
     if mp.is_file():
         try:
             return load_model_file(mp).loss_fn()
@@ -305,8 +284,7 @@ def _model_file_loss(plan: Plan, plan_path: Path) -> Callable[..., torch.Tensor]
 def check_model_file(plan: Plan, plan_path: Path) -> None:
     """The plan's model file, where it still exists, must be unchanged since planning."""
     from ..io import sha256_file
-    from ..runtime.entry import model_path
-    mp = model_path(plan, plan_path)
+    mp = plan.model_file(plan_path)
     if plan.model.sha256 and mp.is_file() and sha256_file(mp) != plan.model.sha256:
         raise PlanFileError(f"the model file {mp} changed since plan {plan_path} was made "
                             f"(sha256 differs)", "re-plan it: autopar plan "

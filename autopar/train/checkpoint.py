@@ -36,7 +36,7 @@ keyed by parameter name (the form of ``torch.distributed.checkpoint.state_dict``
 from __future__ import annotations
 
 import contextlib
-import pickle
+import json
 import uuid
 import warnings
 from pathlib import Path
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import AutoparError
-from .api import FIRST_MISMATCHES, ModelMismatch, mismatches
+from .mismatch import FIRST_MISMATCHES, ModelMismatch, first_of, mismatches
 
 FORMAT = "autopar.checkpoint/1"
 LATEST = "LATEST"
@@ -129,8 +129,7 @@ def load_sharded_state_dict(dmodel, sd: dict[str, Any]) -> None:
     have = {k: tuple(v.size() if isinstance(v, ShardedTensor) else v.shape) for k, v in sd.items()}
     bad = mismatches(expected_keys(dmodel), have)
     if bad:
-        raise ModelMismatch("the state dict is of another model: " + "; ".join(bad[:FIRST_MISMATCHES])
-                            + (f"; and {len(bad) - FIRST_MISMATCHES} more" if len(bad) > FIRST_MISMATCHES else ""),
+        raise ModelMismatch("the state dict is of another model: " + first_of(bad),
                             "load a state dict of this model")
     comm = dmodel.comm
     with torch.no_grad():
@@ -178,8 +177,19 @@ def _state_dict(dmodel, optimizer=None, extra=None) -> dict[str, Any]:
 
 def _blob(obj: Any) -> bytes:
     """One opaque DCP entry for a nested object (DCP would flatten dicts and lists into one
-    entry per leaf, and then load only into the same nesting)."""
-    return pickle.dumps(obj)
+    entry per leaf, and then load only into the same nesting), written as JSON: a checkpoint
+    holds data, never code (tuples come back as lists; optimizers and schedulers accept both)."""
+    try:
+        return json.dumps(obj, allow_nan=True).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot save {type(obj).__name__} in a checkpoint: {e}",
+                              "pass plain data (numbers, strings, lists, dicts) in extra=...") from None
+
+
+def _unblob(data: Any) -> Any:
+    """The object ``_blob`` wrote."""
+    raw = bytes(data.tolist()) if isinstance(data, torch.Tensor) else data
+    return json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
 
 
 def _optimizer_quals(dmodel, optimizer) -> dict[int, str]:
@@ -268,8 +278,7 @@ def check_checkpoint(path: str | Path, dmodel) -> dict[str, Any]:
     bad = mismatches(expected_keys(dmodel), have)
     if bad:
         raise ModelMismatch(f"checkpoint {path} is of another model: "
-                            + "; ".join(bad[:FIRST_MISMATCHES])
-                            + (f"; and {len(bad) - FIRST_MISMATCHES} more" if len(bad) > FIRST_MISMATCHES else ""),
+                            + first_of(bad),
                             "load a checkpoint saved from this model (same parameter names and shapes)")
     return md
 
@@ -330,7 +339,7 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
             b.copy_(dest[f"model.{q}"])
     if optimizer is not None:
         by_qual = {q: p for q, p in params.items()}
-        saved_groups = pickle.loads(dest["optim.param_groups"])
+        saved_groups = _unblob(dest["optim.param_groups"])
         if len(saved_groups) != len(optimizer.param_groups):
             raise CheckpointError(f"checkpoint {path} has {len(saved_groups)} optimizer parameter "
                                   f"group(s), the optimizer {len(optimizer.param_groups)}",
@@ -345,9 +354,9 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
         for key, (qual, k, _) in opt_state.items():
             v = local[key] if key in local else dest[key]
             if not isinstance(v, torch.Tensor):
-                v = pickle.loads(v)
+                v = _unblob(v)
             optimizer.state[by_qual[qual]][k] = v
-    return pickle.loads(dest["extra"]) if dest["extra"] else {}
+    return _unblob(dest["extra"]) if dest["extra"] else {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +376,7 @@ def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
     have = {k: tuple(v.shape) for k, v in state_dict.items()}
     bad = mismatches(expected_keys(dmodel), have)
     if bad:
-        raise ModelMismatch("the state dict is of another model: " + "; ".join(bad[:FIRST_MISMATCHES])
-                            + (f"; and {len(bad) - FIRST_MISMATCHES} more" if len(bad) > FIRST_MISMATCHES else ""),
+        raise ModelMismatch("the state dict is of another model: " + first_of(bad),
                             "load a state dict of this model")
     comm = dmodel.comm
     with torch.no_grad():
