@@ -29,7 +29,7 @@ from ..decomp import REGISTRY
 from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.buckets import layer_buckets
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
-from ..decomp.transition import transition_s
+from ..decomp.transition import EXACT_WORLD, transition_s
 
 
 @dataclass
@@ -185,17 +185,22 @@ def _copy_options(rep: LayerOptions, layer: Layer, ctx: CostContext) -> LayerOpt
 
 
 def _edge_prices(src: tuple, dst: tuple, shape, item: int, ctx: CostContext,
-                 pair_cache: dict) -> tuple[list[list[float]], list[list[float]]]:
-    """(fwd, bwd) matrices of an edge: each distinct layout pair priced once per table."""
+                 pair_cache: dict, local: dict) -> tuple[list[list[float]], list[list[float]]]:
+    """(fwd, bwd) matrices of an edge: each distinct layout pair priced once per table
+    (``local``), or once per search (``pair_cache``, placement-independent pairs)."""
     shape = tuple(int(n) for n in shape)
     fwd, bwd = [], []
     for s in src:
         rf, rb = [], []
         for d in dst:
             key = (s, d, shape, item)
-            fb = pair_cache.get(key)
+            fb = pair_cache.get(key) or local.get(key)
             if fb is None:
-                fb = pair_cache[key] = transition_s(s, d, shape, item, ctx)
+                fb = transition_s(s, d, shape, item, ctx)
+                if s.partial == 1 and d.partial == 1:   # placement-independent (build_cost_table)
+                    pair_cache[key] = fb
+                else:
+                    local[key] = fb
             rf.append(fb[0])
             rb.append(fb[1])
         fwd.append(rf)
@@ -210,8 +215,14 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
     from ..errors import IllegalDecomposition
     opts = []
     by_sig: dict[str, LayerOptions] = {}
+    memo = ctx.cost_memo   # the placement search's (decomp.base.price_once), shared by its tables
     for lay in graph.layers:
-        sig = layer_signature(lay)
+        if memo is not None:
+            sig = memo.get(("signature", id(lay)))
+            if sig is None:
+                sig = memo[("signature", id(lay))] = layer_signature(lay)
+        else:
+            sig = layer_signature(lay)
         rep = by_sig.get(sig)
         if rep is None:
             rep = by_sig[sig] = layer_options(lay, ctx, kinds, prune, choice_filter)
@@ -228,7 +239,12 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
     edges = []
     shapes = {op.name: op.out_shape for lay in graph.layers for op in lay.ops}
     pair_cache: dict = {}
+    if memo is not None and ctx.world > max(EXACT_WORLD, ctx.ranks_per_node):
+        # transitions between partial-free layouts are then one all-to-all over the world,
+        # inter-node under every placement: one price for all the search's tables
+        pair_cache = memo.setdefault(("unplanned pairs", ctx.world, ctx.ranks_per_node), {})
     edge_cache: dict = {}
+    local_pairs: dict = {}
     for u, v, value in graph.edges():
         lu, lv = graph.layers[u], graph.layers[v]
         shape = shapes[value] if value in shapes else graph.value_shape(value)
@@ -237,7 +253,7 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
         dst = tuple(dv.in_layout(lv, value) for dv in opts[v].choices)
         key = (src, dst, tuple(shape), item)
         if key not in edge_cache:
-            edge_cache[key] = _edge_prices(src, dst, shape, item, ctx, pair_cache)
+            edge_cache[key] = _edge_prices(src, dst, shape, item, ctx, pair_cache, local_pairs)
         fwd, bwd = edge_cache[key]
         edges.append(EdgeOptions(u, v, value, [list(r) for r in fwd], [list(r) for r in bwd]))
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
