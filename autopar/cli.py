@@ -12,6 +12,9 @@ import warnings
 from pathlib import Path
 
 
+_T_START = __import__("time").perf_counter()
+
+
 def _p(*a, **k) -> None:
     print(*a, **k, flush=True)
 
@@ -108,7 +111,9 @@ def _exact_specs_for(args) -> list:
 
 
 def cmd_plan(args) -> int:
-    from .pipeline import format_plan_table, make_plan, parse_bytes
+    import time as _time
+    t_cmd = _time.perf_counter()
+    from .pipeline import format_plan_table, format_timings, make_plan, parse_bytes
     if args.world_size < 1:
         from .errors import AutoparError
         raise AutoparError(f"--world-size must be >= 1, got {args.world_size}", "give a positive number of ranks")
@@ -135,6 +140,9 @@ def cmd_plan(args) -> int:
     res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
+    if args.verbose:
+        _p(format_timings(res.timings_s) + f"; {_time.perf_counter() - t_cmd:.2f} s in the plan "
+           f"command, {_time.perf_counter() - _T_START:.2f} s since autopar.cli was imported")
     if sweep:
         from .report.scaling import scaling_sweep
         png, rows = scaling_sweep(args, sweep, res.plan_path.parent)
@@ -274,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
+    p.add_argument("--verbose", action="store_true",
+                   help="print where planning time went (also in plan.json, timings_s)")
     p.add_argument("--no-trace-cache", action="store_true",
                    help="trace the model again even if an unchanged copy was traced before")
     p.add_argument("--placement", default="search", metavar="{search,block,N}",

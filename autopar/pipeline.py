@@ -134,10 +134,18 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         solves.append((time.perf_counter() - t, s))
         return s
 
+    t = time.perf_counter()
     placed = search_placement(ctx, placement, build, solve_table, evaluate)
+    search_s = time.perf_counter() - t
     table, sol, pred = placed.table, placed.solution, placed.prediction
     timings["cost_s"] = sum(tables_s)
     timings["solve_s"] = sum(t for t, _ in solves)
+    # where the time went (``--verbose``, plan.json): the first table, the other placements
+    # (their tables and bounds), the ILP solves
+    timings["price_s"] = tables_s[0]
+    timings["placements_s"] = max(0.0, search_s - tables_s[0] - timings["solve_s"])
+    timings["placements_priced"] = float(len(tables_s))
+    timings["placements_solved"] = float(len(solves))
     say(f"priced {table.size()['choices']} layer choices and {table.size()['pairs']} transitions "
         f"in {tables_s[0]:.2f} s" + (f" (+{sum(tables_s[1:]):.2f} s for {len(tables_s) - 1} more "
                                       f"placements)" if len(tables_s) > 1 else ""))
@@ -157,9 +165,22 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         atomic_write_text(module_path, generate_module(plan))
         plan_path = out_dir / "plan.json"
         timings["write_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - t0
         plan = dataclasses.replace(plan, timings_s=dict(timings))
         write_plan(plan, plan_path)
+    else:
+        timings["total_s"] = time.perf_counter() - t0
+
     return PlanResult(plan, plan_path, module_path, table, sol, timings)
+
+
+def format_timings(t: dict[str, float]) -> str:
+    """One line: where planning time went (``autopar plan --verbose``)."""
+    return (f"timings: load {t.get('load_s', 0):.2f} s, trace {t.get('trace_s', 0):.2f} s, pricing "
+            f"{t.get('price_s', 0):.2f} s, placements {t.get('placements_s', 0):.2f} s "
+            f"({int(t.get('placements_priced', 1))} priced, {int(t.get('placements_solved', 1))} "
+            f"solved), ILP {t.get('solve_s', 0):.2f} s, write {t.get('write_s', 0):.2f} s; total "
+            f"{t.get('total_s', 0):.2f} s in make_plan")
 
 
 def default_plan_dir(model_name: str, world: int) -> Path:
