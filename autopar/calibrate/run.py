@@ -175,7 +175,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     device = _check_backend(backend, world_size)
     out = Path(out) if out is not None else default_output_path(backend)
     sw = sweep or (QUICK if quick else FULL)
-    method = start_method or ("spawn" if device == "cuda" else "fork")
+    from ..runtime.launch import start_method_for
+    method = "spawn" if device == "cuda" else start_method_for(backend, start_method)
     import torch  # noqa: F401  (imported before forking, so that children start fast)
     import torch.distributed  # noqa: F401
 
@@ -334,7 +335,7 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     progress(f"exact shapes: measuring {len(todo)} new shape(s) ({len(specs) - len(todo)} known)")
     exact, samples = run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
                                timeout_s=timeout_s,
-                               start_method="spawn" if device == "cuda" else "fork")[0]
+                               start_method="spawn" if device == "cuda" else None)[0]
     prof.exact.update(exact)
     prof.samples.setdefault("exact", {}).update(samples)
     prof.provenance.setdefault("exact_added", []).append(
