@@ -102,3 +102,66 @@ def fit_collective(kind: str, group_size: int, nbytes: Sequence[float], times_s:
     r = fit_with_heldout(X, times_s, seed)
     alpha, beta = r.pop("coef")
     return {"alpha_s": alpha, "beta_s_per_byte": beta, **r}
+
+
+def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = HELDOUT_SEED) -> dict:
+    """Fit the shape-aware convolution model (``kernels.conv_shape_features``, all constants
+    >= 0) with its held-out error, like every other fit."""
+    from .kernels import CONV_SHAPE_FORM, conv_shape_features
+    X = np.array([conv_shape_features(s) for s in specs], dtype=float)
+    r = fit_with_heldout(X, times_s, seed)
+    return {"form": CONV_SHAPE_FORM, **r}
+
+
+def conv_spec_from_key(key: str) -> dict | None:
+    """The conv shape spec of an exact-shape key (``kernels.shape_key``), or None."""
+    import re
+    m = re.fullmatch(r"conv(\d)d x=(\S+) w=(\S+) s=(\S+) p=(\S+) d=(\S+) g=(\d+)", key)
+    if not m:
+        return None
+    try:
+        dims = lambda t: [int(a) for a in t.split("x")]            # noqa: E731
+        ints = lambda t: [int(a) for a in t.split(",")]            # noqa: E731
+        pad = m[5] if m[5] in ("same", "valid") else ints(m[5])
+        return {"op": "conv", "x": dims(m[2]), "w": dims(m[3]), "stride": ints(m[4]),
+                "padding": pad, "dilation": ints(m[6]), "groups": int(m[7])}
+    except ValueError:
+        return None
+
+
+def conv_shape_rows(profile, op_class: str) -> tuple[list[dict], list[float]]:
+    """(specs, times) of ``op_class`` in a profile's raw samples: the sweep's convolutions and
+    the exact shapes measured on this machine (real layers, when a model was calibrated)."""
+    phase = {"conv_fwd": "fwd", "conv_bwd_data": "bwd_data", "conv_bwd_filter": "bwd_filter"}[op_class]
+    specs, times = [], []
+    for r in (profile.samples.get("kernels") or {}).get(op_class, []):
+        cfg = r.get("config")
+        if isinstance(cfg, dict) and cfg.get("op") == "conv" and r.get("median_s", 0) > 0:
+            specs.append(cfg)
+            times.append(float(r["median_s"]))
+    for key, e in (profile.exact or {}).items():
+        spec = conv_spec_from_key(key)
+        t = e.get(phase) if isinstance(e, dict) else None
+        if isinstance(spec, dict) and spec.get("op") == "conv" and t and t > 0:
+            specs.append(spec)
+            times.append(float(t))
+    return specs, times
+
+
+def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
+    """Fit ``kernels[cls]["shape_model"]`` for each conv class from the profile's own samples
+    where it is missing; returns the classes fitted."""
+    done = []
+    for cls in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
+        k = profile.kernels.get(cls)
+        if not isinstance(k, dict) or k.get("shape_model"):
+            continue
+        specs, times = conv_shape_rows(profile, cls)
+        if len(times) < min_samples:
+            continue
+        try:
+            k["shape_model"] = fit_conv_shape(specs, times)
+        except (ValueError, KeyError, TypeError):
+            continue
+        done.append(cls)
+    return done

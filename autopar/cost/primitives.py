@@ -87,7 +87,7 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
             for phase, pcls in zip(PHASES, (cls, *fam.bwd_classes)):
                 t = prof.exact_time_s(key, phase) if key else None
                 if t is None:
-                    t, src = prof.kernel_time_s(pcls, fl, by), "fit"
+                    t, src = prof.kernel_time_s(pcls, fl, by, spec=spec), "fit"
                 else:
                     src = "exact"
                 times.append(t)
