@@ -136,7 +136,8 @@ def cmd_plan(args) -> int:
                           ranks_per_node=args.ranks_per_node, nodes=args.nodes, kinds=kinds,
                           time_limit_s=args.time_limit, solver=args.solver,
                           max_candidates=args.max_candidates, placement=args.placement,
-                          trace_cache=not args.no_trace_cache)
+                          trace_cache=not args.no_trace_cache,
+                          measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget)
     res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
@@ -282,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
+    p.add_argument("--no-measure", action="store_true",
+                   help="do not measure the competitive local shapes the profile lacks (they "
+                        "are measured only with a profile made on this machine)")
+    p.add_argument("--measure-budget", type=float, default=30.0, metavar="SEC",
+                   help="at most this long measuring shapes on demand (default 30)")
     p.add_argument("--verbose", action="store_true",
                    help="print where planning time went (also in plan.json, timings_s)")
     p.add_argument("--no-trace-cache", action="store_true",

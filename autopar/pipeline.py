@@ -100,6 +100,11 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
                            "raise --nodes or --ranks-per-node")
     profile = profile.with_topology(rpn, n_nodes)
     placements_for(placement, world_size, rpn)   # a bad --placement fails before tracing
+    ondemand = None
+    if o.measure_shapes and hooks.profile is None and cal_path is not None:
+        from .calibrate.ondemand import OnDemand
+        ondemand = OnDemand(cal_path, profile, world_size, say, o.measure_budget_s)
+        profile = ondemand.profile            # with the shapes measured on demand before
     timings["load_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -137,6 +142,22 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     t = time.perf_counter()
     placed = search_placement(ctx, placement, build, solve_table, evaluate)
     search_s = time.perf_counter() - t
+    if ondemand is not None:
+        if ondemand.reason is not None:
+            say(f"exact shapes: not measured on demand: {ondemand.reason}")
+        # the re-planned optimum may have competitive shapes of its own: up to 3 rounds
+        for _ in range(3):
+            t = time.perf_counter()
+            if not ondemand.measure_for(placed.table, placed.solution.choice):
+                break
+            timings["measure_s"] = timings.get("measure_s", 0.0) + time.perf_counter() - t
+            say("re-planning with the shapes just measured")
+            tables_s.clear()
+            solves.clear()
+            ctx = dataclasses.replace(ctx, profile=ondemand.profile, cost_memo=None)
+            t = time.perf_counter()
+            placed = search_placement(ctx, placement, build, solve_table, evaluate)
+            search_s = time.perf_counter() - t
     table, sol, pred = placed.table, placed.solution, placed.prediction
     timings["cost_s"] = sum(tables_s)
     timings["solve_s"] = sum(t for t, _ in solves)
@@ -157,6 +178,9 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
     plan = dataclasses.replace(plan, timings_s=dict(timings))
+    if ondemand is not None:
+        plan = dataclasses.replace(plan, calibration={**plan.calibration,
+                                                      "shapes_on_demand": ondemand.to_json()})
     plan_path = module_path = None
     if o.write:
         t = time.perf_counter()
