@@ -148,6 +148,50 @@ def conv_shape_rows(profile, op_class: str) -> tuple[list[dict], list[float]]:
     return specs, times
 
 
+#: the cache-aware kernel model: ``t = t0 + flops a + bytes b + bytes [bytes > 1 MiB] c +
+#: bytes [bytes > 8 MiB] d`` (c, d >= 0: the per-byte price rises once operands leave the
+#: caches; the thresholds are typical L2 / L3 sizes, the fit decides how much each matters)
+CACHE_FORM = "cache/1"
+CACHE_BYTES = (1 << 20, 8 << 20)
+
+
+def cache_features(flops: float, nbytes: float) -> list[float]:
+    return [1.0, float(flops), float(nbytes)] + [float(nbytes) if nbytes > b else 0.0 for b in CACHE_BYTES]
+
+
+def fit_kernel_cache(flops: Sequence[float], bytes_moved: Sequence[float], times_s: Sequence[float],
+                     seed: int = HELDOUT_SEED) -> dict:
+    """Fit the cache-aware model (``cache_features``) with its held-out error."""
+    X = np.array([cache_features(f, b) for f, b in zip(flops, bytes_moved)], dtype=float)
+    return {"form": CACHE_FORM, **fit_with_heldout(X, times_s, seed)}
+
+
+def add_shape_models(profile, min_samples: int = 12) -> list[str]:
+    """The shape-aware conv model (``add_conv_shape_models``) and, for every other kernel
+    class whose raw samples are in the profile, the cache-aware model
+    (``kernels[cls]["cache_model"]``), kept only where its held-out median error is at least
+    one point below the flat fit's (shipped CPU profile: elementwise 54 % -> 10 %)."""
+    done = add_conv_shape_models(profile, min_samples)
+    for cls, rows in (profile.samples.get("kernels") or {}).items():
+        k = profile.kernels.get(cls)
+        if cls.startswith("conv") or not isinstance(k, dict) or "cache_model" in k:
+            continue
+        rows = [r for r in rows if isinstance(r, dict) and r.get("median_s", 0) > 0]
+        if len(rows) < min_samples:
+            continue
+        try:
+            m = fit_kernel_cache([r["flops"] for r in rows], [r["bytes"] for r in rows],
+                                 [r["median_s"] for r in rows])
+        except (ValueError, KeyError, TypeError):
+            continue
+        flat = k.get("heldout_median_rel_err")
+        if m["heldout_median_rel_err"] is not None and flat is not None and \
+                m["heldout_median_rel_err"] < flat - 0.01:
+            k["cache_model"] = m
+            done.append(cls)
+    return done
+
+
 def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
     """Fit ``kernels[cls]["shape_model"]`` for each conv class from the profile's own samples
     where it is missing; returns the classes fitted."""

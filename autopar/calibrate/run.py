@@ -290,10 +290,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
-    fitted = fit.add_conv_shape_models(prof)
+    fitted = fit.add_shape_models(prof)
     if fitted:
-        progress(f"{stamp()} shape-aware convolution model, held-out median error: " + ", ".join(
-            f"{c} {100 * (prof.kernels[c]['shape_model']['heldout_median_rel_err'] or 0):.0f} % "
+        progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
+            f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "
             f"(flat {100 * (prof.kernels[c].get('heldout_median_rel_err') or 0):.0f} %)" for c in fitted))
     from .insitu import describe_step_costs, measure_step_costs
     steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch)
