@@ -203,7 +203,9 @@ def format_timings(t: dict[str, float]) -> str:
     return (f"timings: load {t.get('load_s', 0):.2f} s, trace {t.get('trace_s', 0):.2f} s, pricing "
             f"{t.get('price_s', 0):.2f} s, placements {t.get('placements_s', 0):.2f} s "
             f"({int(t.get('placements_priced', 1))} priced, {int(t.get('placements_solved', 1))} "
-            f"solved), ILP {t.get('solve_s', 0):.2f} s, write {t.get('write_s', 0):.2f} s; total "
+            f"solved), ILP {t.get('solve_s', 0):.2f} s, "
+            + (f"measuring shapes {t['measure_s']:.2f} s, " if t.get("measure_s") else "")
+            + f"write {t.get('write_s', 0):.2f} s; total "
             f"{t.get('total_s', 0):.2f} s in make_plan")
 
 
