@@ -86,7 +86,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     model_file = Path(model_file)
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file, lazy=True)   # imported (with torch) only if traced
     if batch_size is None:
         batch_size = mf.default_batch_size() or max(8, world_size)
     if profile is None:

@@ -82,3 +82,37 @@ def test_conv_shape_and_cache_models_fit_and_price():
     prof.kernels["conv_fwd"]["shape_model"] = m
     assert prof.kernel_time_s("conv_fwd", 1e8, 1e6, spec=specs[0]) == pytest.approx(t[0], rel=1e-3)
     assert prof.kernel_time_s("conv_fwd", 1e8, 1e6) == pytest.approx(flat)   # no spec: flat
+
+
+def test_replanning_from_the_trace_cache_imports_no_torch(tmp_path, root):
+    """A user changing a flag re-plans without importing torch (the model file is read, not
+    run, when the trace cache has its graph)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "autopar", "plan", str(root / "strategies/examples/resnet2d.py"),
+           "--world-size", "2", "-o", str(tmp_path / "plan"), "--no-measure"]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=root)     # traces
+    probe = ("import runpy, sys; sys.argv = " + repr(["autopar"] + cmd[3:]) + "\n"
+             "try:\n    runpy.run_module('autopar', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True,
+                         text=True, cwd=root)
+    assert "TORCH False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_deferred_model_file(tmp_path):
+    from autopar.modelfile import load_model_file
+    f = tmp_path / "m.py"
+    f.write_text("import torch\nDEFAULT_BATCH_SIZE = 12\nPLANNING_UNITS = ['a.*']\nN = len('abc')\n"
+                 "def build_model():\n    return torch.nn.Linear(2, 2)\n"
+                 "def example_inputs(b):\n    return (torch.randn(b, 2),)\n")
+    mf = load_model_file(f, lazy=True)
+    assert mf.default_batch_size() == 12 and mf.planning_units() == ["a.*"] and not mf.has_loss
+    assert type(mf.module).__name__ == "_DeferredModule"
+    assert mf.module.N == 3                     # not a literal: the file is imported
+    bad = tmp_path / "bad.py"
+    bad.write_text("def build_model(:\n")
+    with pytest.raises(Exception, match="does not import"):
+        load_model_file(bad, lazy=True)

@@ -189,6 +189,8 @@ def add_shape_models(profile, min_samples: int = 12) -> list[str]:
                 m["heldout_median_rel_err"] < flat - 0.01:
             k["cache_model"] = m
             done.append(cls)
+        else:
+            k["cache_model"] = None     # fitted, not better: not fitted again at every load
     return done
 
 
