@@ -113,6 +113,13 @@ def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = 
     return {"form": CONV_SHAPE_FORM, **r}
 
 
+def _flat_heldout(specs: Sequence[dict], times: Sequence[float]) -> float | None:
+    """Held-out median error of the flat roofline on the same rows and split."""
+    from .kernels import conv_shape_features
+    X = np.array([conv_shape_features(s)[:3] for s in specs], dtype=float)
+    return fit_with_heldout(X, times)["heldout_median_rel_err"]
+
+
 def conv_spec_from_key(key: str) -> dict | None:
     """The conv shape spec of an exact-shape key (``kernels.shape_key``), or None."""
     import re
@@ -200,14 +207,23 @@ def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
     done = []
     for cls in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
         k = profile.kernels.get(cls)
-        if not isinstance(k, dict) or k.get("shape_model"):
+        if not isinstance(k, dict) or "shape_model" in k:
             continue
         specs, times = conv_shape_rows(profile, cls)
         if len(times) < min_samples:
             continue
         try:
-            k["shape_model"] = fit_conv_shape(specs, times)
+            m = fit_conv_shape(specs, times)
         except (ValueError, KeyError, TypeError):
             continue
-        done.append(cls)
+        # kept only where it generalises better than the flat roofline on the same split
+        # (the flat fit judged again on the sweep and exact shapes together)
+        flat = _flat_heldout(specs, times)
+        if m["heldout_median_rel_err"] is not None and flat is not None and \
+                m["heldout_median_rel_err"] < flat - 0.01:
+            m["flat_heldout_median_rel_err"] = flat
+            k["shape_model"] = m
+            done.append(cls)
+        else:
+            k["shape_model"] = None     # fitted, not better: not fitted again at every load
     return done

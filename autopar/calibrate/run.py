@@ -52,16 +52,18 @@ class Sweep:
     exact_repeats: int = 11
     op_classes: tuple = OP_CLASSES
     kinds: tuple = COLLECTIVES
+    conv_configs: int | None = None     # sizes per conv class (default kernel_configs): the
+                                        # shape-aware conv model has 9 constants to fit
 
 
-FULL = Sweep()
+FULL = Sweep(conv_configs=96)
 QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_flops=2e8,
               kernel_max_numel=1 << 21, kernel_budget_s=0.06,
               # fewer sizes, but up to 16 MiB: on an oversubscribed node everything below
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
-              exact_repeats=5)
+              exact_repeats=5, conv_configs=64)
 TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
@@ -198,7 +200,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     kernel_samples: dict[str, list] = {}
     for op in sw.op_classes:
         t0 = time.perf_counter()
-        configs = kernels.sweep_configs(op, sw.kernel_configs, sw.kernel_max_flops,
+        n_cfg = (sw.conv_configs or sw.kernel_configs) if op.startswith("conv") else sw.kernel_configs
+        configs = kernels.sweep_configs(op, n_cfg, sw.kernel_max_flops,
                                         sw.kernel_max_numel, conv_min_flops=sw.conv_min_flops)
         kernel_samples[op] = launch(_kernel_rank, 1, (op, configs, sw, device))[0]
         progress(f"{stamp()} kernels {op}: {len(configs)} sizes in {time.perf_counter() - t0:.1f} s")
