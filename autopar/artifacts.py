@@ -961,7 +961,8 @@ class PlanOptions:
     ``placement``: "search" (plan under block placement and each candidate local stride, keep the
     fastest), "block", or an integer local stride. ``trace_cache``: reuse the traced graph of an
     unchanged model file. ``write``: write plan.json and the generated module to ``out_dir``
-    (default ``strategies/plans/<model>-w<N>``)."""
+    (default ``strategies/plans/<model>-w<N>``). ``measure_shapes``: measure the competitive
+    local shapes the profile lacks on this machine and re-plan (``calibrate.ondemand``)."""
     world_size: int
     batch_size: int | None = None
     calibration: str | None = None
@@ -982,6 +983,10 @@ class PlanOptions:
     # "global" = over the whole batch (the single-process function, DDP + SyncBatchNorm)
     batch_norm: str = "local"
     bn_group: int | None = None
+    # measure competitive local shapes the profile lacks (``calibrate.ondemand``; the CLI's
+    # default, ``--no-measure`` off), within this many seconds
+    measure_shapes: bool = False
+    measure_budget_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:

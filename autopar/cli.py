@@ -12,6 +12,9 @@ import warnings
 from pathlib import Path
 
 
+_T_START = __import__("time").perf_counter()
+
+
 def _p(*a, **k) -> None:
     print(*a, **k, flush=True)
 
@@ -108,7 +111,9 @@ def _exact_specs_for(args) -> list:
 
 
 def cmd_plan(args) -> int:
-    from .pipeline import format_plan_table, make_plan, parse_bytes
+    import time as _time
+    t_cmd = _time.perf_counter()
+    from .pipeline import format_plan_table, format_timings, make_plan, parse_bytes
     if args.world_size < 1:
         from .errors import AutoparError
         raise AutoparError(f"--world-size must be >= 1, got {args.world_size}", "give a positive number of ranks")
@@ -132,12 +137,16 @@ def cmd_plan(args) -> int:
                           time_limit_s=args.time_limit, solver=args.solver,
                           max_candidates=args.max_candidates, placement=args.placement,
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
-                          bn_group=args.bn_group)
+                          bn_group=args.bn_group,
+                          measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget)
     if args.trainers is not None:
         return _plan_trainers(args, options)
     res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
+    if args.verbose:
+        _p(format_timings(res.timings_s) + f"; {_time.perf_counter() - t_cmd:.2f} s in the plan "
+           f"command, {_time.perf_counter() - _T_START:.2f} s since autopar.cli was imported")
     if sweep:
         from .sweep import scaling_sweep
         png, rows = scaling_sweep(args, sweep, res.plan_path.parent)
@@ -352,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
+    p.add_argument("--no-measure", action="store_true",
+                   help="do not measure the competitive local shapes the profile lacks (they "
+                        "are measured only with a profile made on this machine)")
+    p.add_argument("--measure-budget", type=float, default=30.0, metavar="SEC",
+                   help="at most this long measuring shapes on demand (default 30)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print where planning time went (also in plan.json, timings_s)")
     p.add_argument("--no-trace-cache", action="store_true",
                    help="trace the model again even if an unchanged copy was traced before")
     p.add_argument("--placement", default="search", metavar="{search,block,N}",

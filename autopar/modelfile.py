@@ -70,12 +70,78 @@ def default_loss(output, target=None):
     return F.mse_loss(output, target)
 
 
-def load_model_file(path: str | Path) -> ModelFile:
-    """Import ``path`` as a module and check its entry points (ModelFileError otherwise)."""
+class _DeferredModule:
+    """A model file not imported yet (``load_model_file(..., lazy=True)``): top-level names
+    assigned a literal (``DEFAULT_BATCH_SIZE = 64``, ``PLANNING_UNITS = [...]``) are read from
+    the source; a name the file never assigns is absent; anything else imports the file (and
+    so torch) on first use. Re-planning from the trace cache then never imports torch."""
+
+    def __init__(self, path: Path, literals: dict[str, Any], assigned: set[str]) -> None:
+        self._path, self._literals, self._assigned, self._real = path, literals, assigned, None
+
+    def _load(self) -> ModuleType:
+        if self._real is None:
+            self._real = load_model_file(self._path).module
+        return self._real
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._real is None:
+            if name in self._literals:
+                return self._literals[name]
+            if name not in self._assigned:
+                raise AttributeError(name)
+        return getattr(self._load(), name)
+
+
+def _peek(path: Path) -> _DeferredModule | None:
+    """The deferred module of ``path``, or None when its source cannot be read statically
+    (star imports, syntax errors: the file is then imported as usual)."""
+    import ast
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    literals: dict[str, Any] = {}
+    assigned: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
+            assigned.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            assigned.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    assigned.add(t.id)
+                    try:
+                        literals[t.id] = ast.literal_eval(node.value) if node.value is not None else None
+                    except ValueError:
+                        literals.pop(t.id, None)
+                else:
+                    return None
+        elif not isinstance(node, (ast.Expr, ast.Pass)):
+            return None              # if/for/try at top level: names not known statically
+    if not {"build_model", "example_inputs"} <= assigned:
+        return None                  # the import path names what is missing
+    return _DeferredModule(path, literals, assigned)
+
+
+def load_model_file(path: str | Path, lazy: bool = False) -> ModelFile:
+    """Import ``path`` as a module and check its entry points (ModelFileError otherwise).
+    ``lazy``: defer the import until something beyond literal top-level names is needed
+    (``_DeferredModule``; the planner re-planning from the trace cache needs none)."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}",
                              "give the path of a .py file that defines build_model() and example_inputs(batch_size)")
+    if lazy:
+        deferred = _peek(path)
+        if deferred is not None:
+            return ModelFile(path, deferred)  # type: ignore[arg-type]
     name = f"autopar_user_model_{abs(hash(str(path.resolve()))) % 10**8}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:

@@ -86,7 +86,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     model_file = Path(model_file)
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file, lazy=True)   # imported (with torch) only if traced
     if batch_size is None:
         batch_size = mf.default_batch_size() or max(8, world_size)
     if profile is None:
@@ -100,6 +100,11 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
                            "raise --nodes or --ranks-per-node")
     profile = profile.with_topology(rpn, n_nodes)
     placements_for(placement, world_size, rpn)   # a bad --placement fails before tracing
+    ondemand = None
+    if o.measure_shapes and hooks.profile is None and cal_path is not None:
+        from .calibrate.ondemand import OnDemand
+        ondemand = OnDemand(cal_path, profile, world_size, say, o.measure_budget_s)
+        profile = ondemand.profile            # with the shapes measured on demand before
     timings["load_s"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -140,10 +145,34 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         solves.append((time.perf_counter() - t, s))
         return s
 
+    t = time.perf_counter()
     placed = search_placement(ctx, placement, build, solve_table, evaluate)
+    search_s = time.perf_counter() - t
+    if ondemand is not None:
+        if ondemand.reason is not None:
+            say(f"exact shapes: not measured on demand: {ondemand.reason}")
+        # the re-planned optimum may have competitive shapes of its own: up to 3 rounds
+        for _ in range(3):
+            t = time.perf_counter()
+            if not ondemand.measure_for(placed.table, placed.solution.choice):
+                break
+            timings["measure_s"] = timings.get("measure_s", 0.0) + time.perf_counter() - t
+            say("re-planning with the shapes just measured")
+            tables_s.clear()
+            solves.clear()
+            ctx = dataclasses.replace(ctx, profile=ondemand.profile, cost_memo=None)
+            t = time.perf_counter()
+            placed = search_placement(ctx, placement, build, solve_table, evaluate)
+            search_s = time.perf_counter() - t
     table, sol, pred = placed.table, placed.solution, placed.prediction
     timings["cost_s"] = sum(tables_s)
     timings["solve_s"] = sum(t for t, _ in solves)
+    # where the time went (``--verbose``, plan.json): the first table, the other placements
+    # (their tables and bounds), the ILP solves
+    timings["price_s"] = tables_s[0]
+    timings["placements_s"] = max(0.0, search_s - tables_s[0] - timings["solve_s"])
+    timings["placements_priced"] = float(len(tables_s))
+    timings["placements_solved"] = float(len(solves))
     say(f"priced {table.size()['choices']} layer choices and {table.size()['pairs']} transitions "
         f"in {tables_s[0]:.2f} s" + (f" (+{sum(tables_s[1:]):.2f} s for {len(tables_s) - 1} more "
                                       f"placements)" if len(tables_s) > 1 else ""))
@@ -155,6 +184,9 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
     plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json())
+    if ondemand is not None:
+        plan = dataclasses.replace(plan, calibration={**plan.calibration,
+                                                      "shapes_on_demand": ondemand.to_json()})
     plan_path = module_path = None
     if o.write:
         t = time.perf_counter()
@@ -163,8 +195,12 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         atomic_write_text(module_path, generate_module(plan))
         plan_path = out_dir / "plan.json"
         timings["write_s"] = time.perf_counter() - t
+        timings["total_s"] = time.perf_counter() - t0
         plan = dataclasses.replace(plan, timings_s=dict(timings))
         write_plan(plan, plan_path)
+    else:
+        timings["total_s"] = time.perf_counter() - t0
+
     return PlanResult(plan, plan_path, module_path, table, sol, timings)
 
 
@@ -184,6 +220,17 @@ def batch_norm_stats(o: PlanOptions, graph, batch_size: int, world_size: int):
         lay, op = bns[0]
         raise AutoparError(f"batch norm {getattr(op, 'module', None) or lay.module or lay.name} ({op.name}): {e}",
                            "give a --bn-group that divides the samples every rank holds, or --batch-norm global") from None
+
+
+def format_timings(t: dict[str, float]) -> str:
+    """One line: where planning time went (``autopar plan --verbose``)."""
+    return (f"timings: load {t.get('load_s', 0):.2f} s, trace {t.get('trace_s', 0):.2f} s, pricing "
+            f"{t.get('price_s', 0):.2f} s, placements {t.get('placements_s', 0):.2f} s "
+            f"({int(t.get('placements_priced', 1))} priced, {int(t.get('placements_solved', 1))} "
+            f"solved), ILP {t.get('solve_s', 0):.2f} s, "
+            + (f"measuring shapes {t['measure_s']:.2f} s, " if t.get("measure_s") else "")
+            + f"write {t.get('write_s', 0):.2f} s; total "
+            f"{t.get('total_s', 0):.2f} s in make_plan")
 
 
 def default_plan_dir(model_name: str, world: int) -> Path:

@@ -152,13 +152,26 @@ class Profile:
     samples: dict = field(default_factory=dict)
 
     # ---- kernels ------------------------------------------------------------------------
-    def kernel_time_s(self, op_class: str, flops: float, bytes_moved: float) -> float:
-        """``t0 + flops*s_per_flop + bytes*s_per_byte`` (flop/byte conventions: kernels.py)."""
+    def kernel_time_s(self, op_class: str, flops: float, bytes_moved: float,
+                      spec: dict | None = None) -> float:
+        """``t0 + flops*s_per_flop + bytes*s_per_byte`` (flop/byte conventions: kernels.py);
+        for a convolution whose shape ``spec`` is given and whose class has a fitted
+        ``shape_model``, that model (``kernels.conv_shape_features``) instead; for a class with
+        a ``cache_model``, that one (``fit.cache_features``)."""
         k = self.kernels.get(op_class)
         if k is None:
             raise CalibrationError(
                 f"profile has no kernel model for op class {op_class!r} "
                 f"(has: {', '.join(sorted(self.kernels)) or 'none'})", _REDO)
+        sm = k.get("shape_model") if spec is not None else None
+        if sm and spec.get("op") == "conv":
+            from .kernels import CONV_SHAPE_FORM, conv_shape_features
+            if sm.get("form") == CONV_SHAPE_FORM:
+                return float(sum(c * f for c, f in zip(sm["coef"], conv_shape_features(spec))))
+        cm = k.get("cache_model")
+        if cm and cm.get("form") == "cache/1":
+            from .fit import cache_features
+            return float(sum(c * f for c, f in zip(cm["coef"], cache_features(flops, bytes_moved))))
         return k["t0_s"] + float(flops) * k["s_per_flop"] + float(bytes_moved) * k["s_per_byte"]
 
     def exact_time_s(self, shape_key: str, phase: str) -> float | None:
@@ -366,6 +379,8 @@ def load_profile(path, check_machine: bool = True) -> Profile:
         raise CalibrationError(f"calibration profile {path}: {e.message}", e.hint) from None
     if check_machine:
         check_fingerprint(prof, path)
+    from .fit import add_shape_models
+    add_shape_models(prof)      # a profile made before the shape-aware models: from its samples
     sim = simulated_entries(prof)
     if sim:
         warnings.warn(f"calibration profile {path}: {len(sim)} collective entries (e.g. {sim[0]}) "

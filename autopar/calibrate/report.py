@@ -43,6 +43,34 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
         lines.append(f"| {op} | {k['t0_s'] * 1e6:.1f} us | {'-' if not fl else f'{fl / 1e9:.3g}'} | "
                      f"{'-' if not by else f'{by / 1e9:.3g}'} | {_pct(k.get('heldout_median_rel_err'))} | "
                      f"{_pct(k.get('heldout_max_rel_err'))} | {k.get('n_samples', '-')} | {k.get('measured')} |")
+    shaped = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("shape_model")]
+    if shaped:
+        lines += ["", "Shape-aware convolution model (``kernels.conv_shape_features``: roofline plus "
+                  "efficiency terms in channels, filters and image size, 1x1 apart), which prices "
+                  "convolutions whose exact shape was not measured; held-out error per op class "
+                  "(70/30 split of the sweep and the exact shapes measured here), against the flat "
+                  "roofline on the same split; kept only where it is the better of the two:", "",
+                  "| op class | held-out median | held-out max | flat held-out median | samples |",
+                  "|---|---|---|---|---|"]
+        for op in shaped:
+            k = profile.kernels[op]
+            sm = k["shape_model"]
+            flat = sm.get("flat_heldout_median_rel_err", k.get("heldout_median_rel_err"))
+            lines.append(f"| {op} | {_pct(sm.get('heldout_median_rel_err'))} | "
+                         f"{_pct(sm.get('heldout_max_rel_err'))} | {_pct(flat)} | "
+                         f"{sm.get('n_samples', '-')} |")
+    cached = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("cache_model")]
+    if cached:
+        lines += ["", "Cache-aware model (``fit.cache_features``: the per-byte price rises past 1 MiB "
+                  "and 8 MiB of operands), used where its held-out error is lower than the flat fit's:", "",
+                  "| op class | held-out median | held-out max | flat held-out median | samples |",
+                  "|---|---|---|---|---|"]
+        for op in cached:
+            k = profile.kernels[op]
+            cm = k["cache_model"]
+            lines.append(f"| {op} | {_pct(cm.get('heldout_median_rel_err'))} | "
+                         f"{_pct(cm.get('heldout_max_rel_err'))} | {_pct(k.get('heldout_median_rel_err'))} | "
+                         f"{cm.get('n_samples', '-')} |")
     if "runtime_op" in profile.kernels:
         lines += ["", f"Runtime per-op cost beyond the kernels: "
                   f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]

@@ -52,16 +52,18 @@ class Sweep:
     exact_repeats: int = 11
     op_classes: tuple = OP_CLASSES
     kinds: tuple = COLLECTIVES
+    conv_configs: int | None = None     # sizes per conv class (default kernel_configs): the
+                                        # shape-aware conv model has 9 constants to fit
 
 
-FULL = Sweep()
+FULL = Sweep(conv_configs=96)
 QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_flops=2e8,
               kernel_max_numel=1 << 21, kernel_budget_s=0.06,
               # fewer sizes, but up to 16 MiB: on an oversubscribed node everything below
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
-              exact_repeats=5)
+              exact_repeats=5, conv_configs=64)
 TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
@@ -175,7 +177,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     device = _check_backend(backend, world_size)
     out = Path(out) if out is not None else default_output_path(backend)
     sw = sweep or (QUICK if quick else FULL)
-    method = start_method or ("spawn" if device == "cuda" else "fork")
+    from ..runtime.launch import start_method_for
+    method = "spawn" if device == "cuda" else start_method_for(backend, start_method)
     import torch  # noqa: F401  (imported before forking, so that children start fast)
     import torch.distributed  # noqa: F401
 
@@ -197,7 +200,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     kernel_samples: dict[str, list] = {}
     for op in sw.op_classes:
         t0 = time.perf_counter()
-        configs = kernels.sweep_configs(op, sw.kernel_configs, sw.kernel_max_flops,
+        n_cfg = (sw.conv_configs or sw.kernel_configs) if op.startswith("conv") else sw.kernel_configs
+        configs = kernels.sweep_configs(op, n_cfg, sw.kernel_max_flops,
                                         sw.kernel_max_numel, conv_min_flops=sw.conv_min_flops)
         kernel_samples[op] = launch(_kernel_rank, 1, (op, configs, sw, device))[0]
         progress(f"{stamp()} kernels {op}: {len(configs)} sizes in {time.perf_counter() - t0:.1f} s")
@@ -289,6 +293,11 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
+    fitted = fit.add_shape_models(prof)
+    if fitted:
+        progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
+            f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "
+            f"(flat {100 * (prof.kernels[c].get('heldout_median_rel_err') or 0):.0f} %)" for c in fitted))
     from .insitu import describe_step_costs, measure_step_costs
     steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch)
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
@@ -334,7 +343,7 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     progress(f"exact shapes: measuring {len(todo)} new shape(s) ({len(specs) - len(todo)} known)")
     exact, samples = run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
                                timeout_s=timeout_s,
-                               start_method="spawn" if device == "cuda" else "fork")[0]
+                               start_method="spawn" if device == "cuda" else None)[0]
     prof.exact.update(exact)
     prof.samples.setdefault("exact", {}).update(samples)
     prof.provenance.setdefault("exact_added", []).append(

@@ -57,6 +57,15 @@ def _shape_key(spec: dict) -> str:
     return shape_key(spec)
 
 
+def _kernel_s(prof, op_class: str, fl: float, by: float, spec: dict) -> float:
+    """The profile's kernel model; with the op's shape ``spec`` where the class has a
+    shape-aware model (``calibrate.kernels.conv_shape_features``)."""
+    k = prof.kernels.get(op_class) if isinstance(getattr(prof, "kernels", None), dict) else None
+    if isinstance(k, dict) and k.get("shape_model"):
+        return prof.kernel_time_s(op_class, fl, by, spec=spec)
+    return prof.kernel_time_s(op_class, fl, by)
+
+
 def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
                  ctx, w_shape: Sequence[int] | None = None, itemsize: int = 4) -> tuple[float, float, str]:
     """(forward s, backward s, source) of ``op`` on local shapes, on one rank.
@@ -87,7 +96,7 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
             for phase, pcls in zip(PHASES, (cls, *fam.bwd_classes)):
                 t = prof.exact_time_s(key, phase) if key else None
                 if t is None:
-                    t, src = prof.kernel_time_s(pcls, fl, by), "fit"
+                    t, src = _kernel_s(prof, pcls, fl, by, spec), "fit"
                 else:
                     src = "exact"
                 times.append(t)

@@ -7,6 +7,13 @@ replicate first, so that the pure data-parallel plan stays representable, then t
 front in (time, memory), then the cheapest in time). Edges get the transition price between
 the producer's output layout and the consumer's input layout for every pair of choices.
 
+Pricing is done once per distinct layer (``layer_signature``: the layer with its value and
+parameter names replaced by positions; ResNet-50's 73 layers have 23 distinct ones) and once
+per distinct pair of layouts on an edge (``_edge_prices``: the producer's output layouts and
+the consumer's input layouts computed once per choice, each distinct (src, dst, shape) priced
+once per table); repeated layers copy their representative's choices and prices and check
+only its illegal candidates again, so that the reasons name their own module.
+
 ``evaluate(table, choice)`` computes a plan's step time exactly as the ILP models it (the
 recurrence is written there); the solver tests compare the two.
 """
@@ -22,7 +29,7 @@ from ..decomp import REGISTRY
 from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.buckets import layer_buckets
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
-from ..decomp.transition import transition_s
+from ..decomp.transition import EXACT_WORLD, transition_s
 
 
 @dataclass
@@ -32,6 +39,7 @@ class LayerOptions:
     costs: list[LayerCost]
     illegal: dict[str, str] = field(default_factory=dict)   # str(decomposition) -> reason
     exact_keys: list[list[str]] = field(default_factory=list)  # per choice: exact entries used
+    illegal_choices: list[Decomposition] = field(default_factory=list, repr=False)
 
     @property
     def has_params(self) -> bool:
@@ -109,6 +117,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
     costs: list[LayerCost] = []
     keys: list[list[str]] = []
     illegal: dict[str, str] = {}
+    illegal_decs: list[Decomposition] = []
     n_params = sum(len(op.params) for op in layer.ops)
     for kind, cls in REGISTRY.items():
         if kinds is not None and kind not in kinds:
@@ -119,6 +128,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
             why = dec.check(layer, ctx)
             if why:
                 illegal[str(dec)] = why
+                illegal_decs.append(dec)
                 continue
             saved, ctx.key_log = ctx.key_log, []
             try:
@@ -134,7 +144,68 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
         kept_choices, costs = _pareto(choices, costs, ctx.max_candidates)
         keys = [keys[choices.index(d)] for d in kept_choices]
         choices = kept_choices
-    return LayerOptions(layer, choices, costs, illegal, keys)
+    return LayerOptions(layer, choices, costs, illegal, keys, illegal_decs)
+
+
+def layer_signature(layer: Layer) -> str:
+    """What pricing reads of a layer, with names replaced by positions: value names by
+    ("in", k) / ("op", k), parameter and buffer names by their op and role. Layers with equal
+    signatures have equal candidates and prices (``build_cost_table`` prices one of them)."""
+    import json
+    names: dict[str, Any] = {v: ["in", k] for k, v in enumerate(layer.inputs)}
+    for k, op in enumerate(layer.ops):
+        names[op.name] = ["op", k]
+        for role, q in op.param_names.items():
+            names.setdefault(q, ["p", k, role])
+        for role, q in op.buffers.items():
+            names.setdefault(q, ["b", k, role])
+
+    def canon(v):
+        if isinstance(v, str):
+            return names.get(v, v)
+        if isinstance(v, dict):
+            return {k: canon(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [canon(x) for x in v]
+        return v
+
+    ops = [[op.kind, op.target, canon(op.args), canon(op.kwargs), op.out_shape, op.dtype,
+            canon(op.inputs), op.in_shapes, sorted(op.params.items()), sorted(op.buffers),
+            canon(op.attrs), op.module_type, op.flops_fwd, op.flops_bwd] for op in layer.ops]
+    return json.dumps([ops, canon(layer.inputs), canon(layer.output), canon(layer.side_outputs)],
+                      sort_keys=True, default=str)
+
+
+def _copy_options(rep: LayerOptions, layer: Layer, ctx: CostContext) -> LayerOptions:
+    """``rep``'s choices and prices for an equal ``layer``; its illegal candidates checked
+    again so that the reasons name ``layer``."""
+    illegal = {str(d): d.check(layer, ctx) or "illegal" for d in rep.illegal_choices}
+    return LayerOptions(layer, list(rep.choices), list(rep.costs), illegal,
+                        [list(k) for k in rep.exact_keys], list(rep.illegal_choices))
+
+
+def _edge_prices(src: tuple, dst: tuple, shape, item: int, ctx: CostContext,
+                 pair_cache: dict, local: dict) -> tuple[list[list[float]], list[list[float]]]:
+    """(fwd, bwd) matrices of an edge: each distinct layout pair priced once per table
+    (``local``), or once per search (``pair_cache``, placement-independent pairs)."""
+    shape = tuple(int(n) for n in shape)
+    fwd, bwd = [], []
+    for s in src:
+        rf, rb = [], []
+        for d in dst:
+            key = (s, d, shape, item)
+            fb = pair_cache.get(key) or local.get(key)
+            if fb is None:
+                fb = transition_s(s, d, shape, item, ctx)
+                if s.partial == 1 and d.partial == 1:   # placement-independent (build_cost_table)
+                    pair_cache[key] = fb
+                else:
+                    local[key] = fb
+            rf.append(fb[0])
+            rb.append(fb[1])
+        fwd.append(rf)
+        bwd.append(rb)
+    return fwd, bwd
 
 
 def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] | None = None,
@@ -142,7 +213,22 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
     """``kinds`` restricts the decomposition kinds; ``choice_filter(dec) -> bool`` drops
     individual candidates (e.g. spatial splits with a sample factor, for a spatial-only plan)."""
     from ..errors import IllegalDecomposition
-    opts = [layer_options(lay, ctx, kinds, prune, choice_filter) for lay in graph.layers]
+    opts = []
+    by_sig: dict[str, LayerOptions] = {}
+    memo = ctx.cost_memo   # the placement search's (decomp.base.price_once), shared by its tables
+    for lay in graph.layers:
+        if memo is not None:
+            sig = memo.get(("signature", id(lay)))
+            if sig is None:
+                sig = memo[("signature", id(lay))] = layer_signature(lay)
+        else:
+            sig = layer_signature(lay)
+        rep = by_sig.get(sig)
+        if rep is None:
+            rep = by_sig[sig] = layer_options(lay, ctx, kinds, prune, choice_filter)
+            opts.append(rep)
+        else:
+            opts.append(_copy_options(rep, lay, ctx))
     for o in opts:
         if not o.choices:
             reasons = "; ".join(f"{k}: {v}" for k, v in list(o.illegal.items())[:4])
@@ -151,21 +237,25 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
                 f" among {kinds or sorted(REGISTRY)} ({reasons})",
                 "allow more decomposition kinds, or change the world size or batch size")
     edges = []
+    shapes = {op.name: op.out_shape for lay in graph.layers for op in lay.ops}
+    pair_cache: dict = {}
+    if memo is not None and ctx.world > max(EXACT_WORLD, ctx.ranks_per_node):
+        # transitions between partial-free layouts are then one all-to-all over the world,
+        # inter-node under every placement: one price for all the search's tables
+        pair_cache = memo.setdefault(("unplanned pairs", ctx.world, ctx.ranks_per_node), {})
+    edge_cache: dict = {}
+    local_pairs: dict = {}
     for u, v, value in graph.edges():
         lu, lv = graph.layers[u], graph.layers[v]
-        shape = graph.value_shape(value)
+        shape = shapes[value] if value in shapes else graph.value_shape(value)
         item = lu.itemsize
-        fwd, bwd = [], []
-        for du in opts[u].choices:
-            src = du.out_layout(lu, value)
-            rf, rb = [], []
-            for dv in opts[v].choices:
-                f, b = transition_s(src, dv.in_layout(lv, value), shape, item, ctx)
-                rf.append(f)
-                rb.append(b)
-            fwd.append(rf)
-            bwd.append(rb)
-        edges.append(EdgeOptions(u, v, value, fwd, bwd))
+        src = tuple(du.out_layout(lu, value) for du in opts[u].choices)
+        dst = tuple(dv.in_layout(lv, value) for dv in opts[v].choices)
+        key = (src, dst, tuple(shape), item)
+        if key not in edge_cache:
+            edge_cache[key] = _edge_prices(src, dst, shape, item, ctx, pair_cache, local_pairs)
+        fwd, bwd = edge_cache[key]
+        edges.append(EdgeOptions(u, v, value, [list(r) for r in fwd], [list(r) for r in bwd]))
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
     return CostTable(graph, ctx, opts, edges, topo=[lay.index for lay in graph.layers], buckets=buckets)
 

@@ -8,7 +8,10 @@ killed and :class:`~autopar.errors.RankFailure` names the rank(s) and their last
 
 Fork is ~50x faster to start than spawn on small machines; it needs ``torch.set_num_threads``
 in each child and no torch compute (no OpenMP pool) in the parent before forking, so the parent
-only forks before it touches torch kernels. Generated code run under ``torchrun`` does not use
+only forks before it touches torch kernels. CUDA cannot be used in a forked child, so ranks are
+spawned whenever CUDA is involved (``start_method_for``: the NCCL backend, or CUDA already
+initialised in this process); ``AUTOPAR_START_METHOD=fork|spawn|forkserver`` overrides the
+choice for gloo runs. Generated code run under ``torchrun`` does not use
 this module: it reads RANK/WORLD_SIZE from the environment (see ``init_from_env``).
 
 Rank placement (``autopar.decomp.placement``) is applied by relabeling at process-group init:
@@ -41,6 +44,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_method_for(backend: str, requested: str | None = None) -> str:
+    """How to start ranks: "spawn" whenever CUDA is involved (the NCCL backend, or CUDA
+    initialised in this process: a forked child cannot use it, whatever was asked), else
+    ``requested``, else ``$AUTOPAR_START_METHOD``, else "fork" (fast: module docstring)."""
+    import sys
+    cuda_here = False
+    if "torch" in sys.modules:
+        try:
+            cuda_here = bool(sys.modules["torch"].cuda.is_initialized())
+        except Exception:
+            cuda_here = False
+    if backend == "nccl" or cuda_here:
+        return "spawn"
+    method = requested or os.environ.get("AUTOPAR_START_METHOD") or "fork"
+    if method not in ("fork", "spawn", "forkserver"):
+        raise ValueError(f"unknown start method {method!r} (AUTOPAR_START_METHOD): fork, spawn or forkserver")
+    return method
+
+
 def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=None):  # pragma: no cover - in child
     """Logical rank ``rank`` in physical slot ``slot`` (default: the same number)."""
     import torch
@@ -50,10 +72,10 @@ def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=Non
     torch.set_num_threads(threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
+        if backend == "nccl":   # before init: NCCL binds the communicator to the current device
+            torch.cuda.set_device(slot % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
-        if backend == "nccl":
-            torch.cuda.set_device(slot % torch.cuda.device_count())
         out = fn(rank, world, *args)
         q.put((rank, "ok", out))
         # Leave the group together so that no rank tears down sockets a peer still uses.
@@ -111,13 +133,14 @@ def _root_cause(errors: dict[int, str]) -> int:
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo",
-              timeout_s: float = 300.0, start_method: str = "fork", threads: int = 1,
+              timeout_s: float = 300.0, start_method: str | None = None, threads: int = 1,
               placement: Placement | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return results in rank order.
 
     ``placement`` (default: the identity) says which physical slot runs each logical rank;
     ``rank``, the results' order and the ranks named in errors are logical (module docstring).
-    Raises RankFailure (naming the ranks) if any rank fails, dies, or the run outlasts
+    ``start_method``: see ``start_method_for`` (spawn whenever CUDA is involved; with spawn,
+    ``fn`` and ``args`` must pickle). Raises RankFailure (naming the ranks) if any rank fails, dies, or the run outlasts
     ``timeout_s``; all ranks are killed before it is raised.
     """
     import multiprocessing as mp
@@ -127,7 +150,7 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
     elif placement.world != world:
         raise PlacementError(f"placement for world size {placement.world} given for {world} ranks",
                              "pass the plan's placement with its world size")
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context(start_method_for(backend, start_method))
     q = ctx.Queue()
     port = free_port()
     # procs[r] runs logical rank r (in slot placement.physical(r)): the bookkeeping below is

@@ -118,12 +118,18 @@ def gain_bound_s(table, base_ctx: CostContext) -> float:
     """D_s of the module docstring: the kept choices of ``table`` priced under ``base_ctx``'s
     placement (memo hits) against their price in ``table``."""
     total = 0.0
+    seen: dict[tuple, float] = {}     # equal layers share their LayerCost objects (cost.table)
     for o in table.layers:
+        key = tuple(map(id, o.costs))
+        if key in seen:
+            total += seen[key]
+            continue
         best = 0.0
         for dec, c in zip(o.choices, o.costs):
             b = dec.cost(o.layer, base_ctx)
             d = sum(max(0.0, getattr(b, t) - getattr(c, t)) for t in TIME_TERMS)
             best = max(best, d)
+        seen[key] = best
         total += best
     return total
 

@@ -39,9 +39,20 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def trace_key(model_path: Path, batch_size: int) -> str:
-    import torch
+def _torch_version() -> str:
+    """torch's version without importing torch (re-planning from the cache then never does)."""
+    import sys
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    try:
+        from importlib.metadata import version
+        return version("torch")
+    except Exception:
+        import torch
+        return torch.__version__
 
+
+def trace_key(model_path: Path, batch_size: int) -> str:
     from .. import __version__
     model_path = Path(model_path).resolve()
     parts = {
@@ -49,7 +60,7 @@ def trace_key(model_path: Path, batch_size: int) -> str:
         "siblings": {p.name: _sha(p) for p in sorted(model_path.parent.glob("*.py")) if p != model_path},
         "batch_size": int(batch_size),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("AUTOPAR_") and k != "AUTOPAR_CACHE_DIR"},
-        "torch": torch.__version__,
+        "torch": _torch_version(),
         "autopar": __version__,
         "tracer": [_sha(p) for p in _SOURCES if p.is_file()],
         # families registered at run time (a model file's or a test's own) change the trace too

@@ -1,0 +1,229 @@
+"""Exact shapes on demand: ``autopar plan`` measures the local convolution and linear shapes of
+competitive candidates that the profile lacks, and caches them beside the profile.
+
+A new model is then priced like a shipped one (whose shapes ``calibrate --model`` measured),
+without recalibrating. Steps (``OnDemand``):
+
+1. ``OnDemand(profile_path, profile, world)`` reads the cache ``PROFILE-shapes.json``
+   (``cache_path``) and returns a profile whose ``exact`` table also holds the cached shapes
+   (the profile's own entries win). A cache that does not parse, has another schema, wrong
+   value types, or another machine's fingerprint is never trusted: it is set aside with a
+   warning and rebuilt from scratch by the next measurement.
+2. After the plan is solved, ``measure_for(table, solution)`` collects the shapes of the
+   *competitive* candidates (``competitive_specs``: each layer's chosen decomposition and every
+   kept choice within ``COMPETITIVE`` (x1.25) of the layer's fastest) that neither the profile
+   nor the cache holds, and measures them in one child process (``kernels.measure_exact``,
+   ``REPEATS`` repeats) within ``budget_s`` (default 30 s): before each shape the child
+   estimates its cost from the fitted model and stops when it would overrun. What was measured
+   is written to the cache (atomically) and the caller re-plans with it (up to 3 rounds, as
+   the new optimum may have competitive shapes of its own, all within one budget); shapes left
+   out are named (they stay priced by the generic model).
+
+Measuring is possible only where the numbers describe the plan's machine (``can_measure``):
+a profile measured on this machine and software (fingerprint match), and a world no larger
+than the ranks that profile measured (``topology``): a datasheet profile, another machine's,
+or a simulated cluster of 1024 ranks is priced by the generic models, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+CACHE_SCHEMA = "autopar.shapes/1"
+#: a kept choice whose time is within this factor of its layer's fastest is competitive
+COMPETITIVE = 1.25
+#: timed repeats per phase (after one warm-up) of a shape measured on demand
+REPEATS = 5
+DEFAULT_BUDGET_S = 30.0
+PHASES = ("fwd", "bwd_data", "bwd_filter")
+
+
+def cache_path(profile_path: str | Path) -> Path:
+    p = Path(profile_path)
+    return p.with_name(p.stem + "-shapes.json")
+
+
+def can_measure(profile, world: int) -> str | None:
+    """None when shapes measured here describe ``profile``'s machine at ``world`` ranks, else
+    the reason they do not."""
+    from .profile import _CHECKED_FIELDS, current_fingerprint
+    if profile.provenance.get("kind") != "measured":
+        return f"the profile is {profile.provenance.get('kind')!r}, not measured here"
+    here = current_fingerprint(profile.fingerprint.get("backend") or "gloo")
+    diff = [k for k in _CHECKED_FIELDS if profile.fingerprint.get(k) != here.get(k)]
+    if diff:
+        return f"the profile was made on another machine or software ({', '.join(diff)})"
+    topo = profile.provenance.get("measured_topology") or {}
+    ranks = int(topo.get("ranks", 0)) or _measured_ranks(profile)
+    if world > ranks:
+        return f"world {world} is a simulated cluster (the profile measured {ranks} ranks)"
+    return None
+
+
+def _measured_ranks(profile) -> int:
+    sizes = [int(k) for k in (profile.compute_slowdown or {}) if str(k).isdigit()]
+    return max(sizes, default=1)
+
+
+def _valid_entry(e: Any) -> bool:
+    return isinstance(e, dict) and bool(e) and all(
+        k in PHASES and isinstance(v, (int, float)) and v > 0 for k, v in e.items())
+
+
+def load_cache(path: Path, fingerprint: dict) -> tuple[dict[str, dict], str | None]:
+    """(exact entries, why the cache was not trusted or None). A missing cache is empty."""
+    if not path.exists():
+        return {}, None
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return {}, f"unreadable ({e.__class__.__name__})"
+    if not isinstance(obj, dict) or obj.get("schema") != CACHE_SCHEMA:
+        return {}, "not an autopar shape cache (schema)"
+    if obj.get("fingerprint") != fingerprint:
+        return {}, "made for another machine or profile (fingerprint)"
+    exact = obj.get("exact")
+    if not isinstance(exact, dict) or not all(isinstance(k, str) and _valid_entry(v) for k, v in exact.items()):
+        return {}, "corrupt entries"
+    return exact, None
+
+
+def write_cache(path: Path, fingerprint: dict, exact: dict[str, dict]) -> None:
+    from ..io import atomic_write_json
+    atomic_write_json(path, {"schema": CACHE_SCHEMA, "fingerprint": fingerprint,
+                             "note": "exact local shapes measured on demand by `autopar plan` "
+                                     "(autopar.calibrate.ondemand); delete to re-measure",
+                             "exact": exact})
+
+
+def competitive_specs(table, choice: list[int], ratio: float = COMPETITIVE) -> list[dict]:
+    """Conv/linear shape specs of each layer's chosen decomposition and of every kept choice
+    within ``ratio`` of the layer's fastest (priced again with a spec log; no memo)."""
+    from ..decomp.base import CostContext
+    ctx = table.ctx
+    log: list[dict] = []
+    c2 = CostContext(profile=ctx.profile, world=ctx.world, ranks_per_node=ctx.ranks_per_node,
+                     optimizer_state_per_param=ctx.optimizer_state_per_param,
+                     batch_size=ctx.batch_size, max_candidates=ctx.max_candidates,
+                     spec_log=log, placement=ctx.placement)
+    seen_layers: set = set()
+    for o, ci in zip(table.layers, choice):
+        key = tuple(map(id, o.costs))
+        if key in seen_layers:            # equal layers share their costs (cost.table)
+            continue
+        seen_layers.add(key)
+        times = [c.fwd_s + c.bwd_s + c.grad_sync_s for c in o.costs]
+        best = min(times)
+        for i, d in enumerate(o.choices):
+            if i == ci or times[i] <= ratio * best:
+                d.cost(o.layer, c2)
+    out: dict[str, dict] = {}
+    from .kernels import shape_key
+    for s in log:
+        if s.get("op") in ("conv", "linear"):
+            out.setdefault(shape_key(s), s)
+    return list(out.values())
+
+
+def _measure_rank(rank, world, specs, budget_s, device, est_s):  # pragma: no cover - in child
+    """Measure ``specs`` in order until the next one would overrun ``budget_s``."""
+    from .kernels import measure_exact, shape_key
+    t0 = time.perf_counter()
+    done: dict[str, dict] = {}
+    for spec, est in zip(specs, est_s):
+        if time.perf_counter() - t0 + est > budget_s:
+            break
+        done.update(measure_exact([spec], device, REPEATS, warmup=1))
+        if time.perf_counter() - t0 > budget_s:
+            break
+    return done, [shape_key(s) for s in specs]
+
+
+def _estimate_s(profile, spec: dict) -> float:
+    """Seconds to measure ``spec`` (3 phases x (repeats + warm-up)) by the fitted model."""
+    from .kernels import spec_features
+    try:
+        cls, fl, by = spec_features(spec)
+        t = sum(profile.kernel_time_s(c, fl, by, spec=spec) for c in
+                (("conv_fwd", "conv_bwd_data", "conv_bwd_filter") if cls == "conv" else ("matmul",) * 3))
+    except Exception:
+        t = 0.01
+    return t * (REPEATS + 1) + 0.002
+
+
+class OnDemand:
+    """The on-demand measurement of one ``make_plan`` call (module docstring)."""
+
+    def __init__(self, profile_path: str | Path, profile, world: int,
+                 progress: Callable[[str], None] = lambda s: None,
+                 budget_s: float = DEFAULT_BUDGET_S) -> None:
+        self.path = cache_path(profile_path)
+        self.base = profile
+        self.world = world
+        self.say = progress
+        self.budget_s = budget_s
+        self.reason = can_measure(profile, world)
+        self.cached, why = load_cache(self.path, profile.fingerprint)
+        if why:
+            warnings.warn(f"shape cache {self.path} is {why}: not trusted, it will be rebuilt",
+                          stacklevel=3)
+            self.cached = {}
+            self.rebuild = True
+        else:
+            self.rebuild = False
+        self.measured: list[str] = []
+        self.left_out: list[str] = []
+        self.spent_s = 0.0
+
+    @property
+    def profile(self):
+        """The profile with the cached shapes added (its own entries win)."""
+        if not self.cached:
+            return self.base
+        return dataclasses.replace(self.base, exact={**self.cached, **self.base.exact})
+
+    def measure_for(self, table, choice: list[int]) -> bool:
+        """Measure the competitive shapes missing; True when something new was measured (the
+        caller re-plans)."""
+        if self.reason is not None:
+            return False
+        budget = self.budget_s - self.spent_s
+        prof = self.profile
+        from .kernels import shape_key
+        todo = [s for s in competitive_specs(table, choice) if shape_key(s) not in prof.exact]
+        if not todo:
+            return False
+        from ..runtime.launch import run_ranks
+        from .run import _check_backend
+        backend = self.base.fingerprint.get("backend") or "gloo"
+        device = _check_backend(backend, 1)
+        est = [_estimate_s(prof, s) for s in todo]
+        self.say(f"exact shapes: measuring {len(todo)} local shape(s) of competitive candidates "
+                 f"missing from the profile (at most {max(budget, 0):.3g} s more, estimated "
+                 f"{sum(est):.1f} s; --no-measure skips; cached in {self.path})")
+        t0 = time.perf_counter()
+        import torch  # noqa: F401  (before forking)
+        done, _ = run_ranks(_measure_rank, 1, (todo, budget, device, est), backend=backend,
+                            timeout_s=max(budget, 0) * 2 + 60)[0]
+        self.spent_s += time.perf_counter() - t0
+        self.measured += list(done)
+        self.left_out = [shape_key(s) for s in todo if shape_key(s) not in done]
+        if done or self.rebuild:
+            self.cached.update(done)
+            write_cache(self.path, self.base.fingerprint, self.cached)
+            self.rebuild = False
+        self.say(f"exact shapes: {len(done)} measured in {time.perf_counter() - t0:.1f} s"
+                 + (f"; stopped at the {self.budget_s:.3g} s bound, {len(self.left_out)} shape(s) "
+                    f"stay priced by the generic model: " + ", ".join(self.left_out[:6])
+                    + (" ..." if len(self.left_out) > 6 else "") if self.left_out else ""))
+        return bool(done)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cache": str(self.path), "measured": len(self.measured),
+                "left_out": self.left_out, "not_measured_because": self.reason,
+                "cached": len(self.cached)}
