@@ -171,7 +171,7 @@ def test_cli_placement_option(mlp, two_nodes, tmp_path, capsys):
     from autopar.cli import main
     prof = tmp_path / "prof.json"
     save_profile(two_nodes, prof)
-    base = ["plan", str(mlp), "--world-size", "4", "--calibration", str(prof)]
+    base = ["plan", str(mlp), "--world-size", "4", "--calibration", str(prof), "--kinds", ",".join(CNN_KINDS)]
     assert main(base + ["-o", str(tmp_path / "bad"), "--placement", "3"]) == 2
     err = capsys.readouterr().err
     assert "PlacementError" in err and "does not divide world size 4" in err and "Traceback" not in err

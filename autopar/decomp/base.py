@@ -343,7 +343,7 @@ def price_once(fn, name: str):
         memo = getattr(ctx, "cost_memo", None)
         if memo is None:
             return fn(obj, layer, ctx)
-        key = (name, obj, id(layer))
+        key = (name, fn, obj, id(layer))     # fn: a subclass method calling super() has its own entry
         entries = memo.get(key)
         if entries:
             known = _levels_known(memo, ctx)
