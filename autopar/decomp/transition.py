@@ -14,9 +14,11 @@ partial-free layouts the plan is one exchange, so the price is, as before::
 (forward; the backward moves the same bytes back). A layout with a partial-sum axis adds the
 steps that resolve it (reduce-scatter or all-reduce), priced the same way.
 
-For world <= EXACT_WORLD the plan is enumerated; beyond, partial-free layouts are not planned:
-rank 0 (holding block 0, the largest) stands for the busiest rank,
-n_recv = |dst block 0| - |dst block 0 n src block 0|.
+For world <= EXACT_WORLD the plan is enumerated; beyond, layouts are not planned: rank 0
+(holding block 0, the largest) stands for the busiest rank, n_recv = |dst block 0| - |dst block
+0 n src block 0|, and a partial sum is resolved by an all-reduce over its partial group first
+(``_unplanned_partial_s``). Moving *into* a partial layout happens only between decompositions
+that leave one, and is planned exactly.
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, 
     if src == dst:
         return 0.0, 0.0
     shape = tuple(int(n) for n in shape)
-    if src.partial == 1 and dst.partial == 1 and ctx.world > EXACT_WORLD:
-        return _unplanned_s(src, dst, shape, itemsize, ctx)
+    if ctx.world > EXACT_WORLD:
+        if src.partial == 1 and dst.partial == 1:
+            return _unplanned_s(src, dst, shape, itemsize, ctx)
+        if dst.partial == 1:
+            return _unplanned_partial_s(src, dst, shape, itemsize, ctx)
     from ..cost.redistribute import step_s
     steps = _moving_steps(src, dst, shape, ctx.world, int(itemsize))
     if not steps:
@@ -117,6 +122,24 @@ def _unplanned_s(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
             memo[key] = _all_to_all_s(n, level, ctx)
         return memo[key]
     return _all_to_all_s(n, level, ctx)
+
+
+def _unplanned_partial_s(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+                         ctx) -> tuple[float, float]:
+    """Large worlds, a partial sum resolved (planning every rank's steps is O(P^2)): the
+    all-reduce of rank 0's block over its partial group (an upper bound of the reduce-scatter
+    the planner may find), then the partial-free estimate from the summed layout to ``dst``::
+
+        T = T_allreduce(p, |src block 0| bytes) (its backward the same)
+          + _unplanned_s(src without partial, dst)
+    """
+    from ..cost.primitives import blocking_s
+    summed = Layout(src.splits)
+    n = math.prod(src.max_local_shape(shape)) * itemsize
+    group = src.partial_group(0, ctx.world)
+    t = blocking_s(ctx, "allreduce", len(group), float(n), ctx.level(group))
+    f, b = _unplanned_s(summed, dst, shape, itemsize, ctx) if summed != dst else (0.0, 0.0)
+    return t + f, t + b
 
 
 def _all_to_all_s(n: float, level: str, ctx) -> tuple[float, float]:
