@@ -2,7 +2,7 @@
 
 Model:      ../../examples/resnet2d.py (sha256 1c8027376d1c), batch 16
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 51.142 ms, memory 11.2 MiB per rank
+Predicted:  step 29.110 ms, memory 4.3 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 resnet2d_dist.py --steps 5
@@ -22,89 +22,86 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, x):
         self.update_buffers()
-        # input x (16, 3, 32, 32) arrives as layout R
-        # -- layer 0: stem.0  conv+batch_norm+unary  (16, 16, 32, 32)  -> replicate  [R]
+        # input x (16, 3, 32, 32) arrives as layout N4
+        # -- layer 0: stem.0  conv+batch_norm+unary  (16, 16, 32, 32)  -> sample(4)  [N4]
         conv2d = self.op('conv2d', x)  # aten.conv2d.default  resnet2d.py:46
         batch_norm = self.op('batch_norm', conv2d)  # aten.batch_norm.default  resnet2d.py:46
         relu = self.op('relu', batch_norm)  # aten.relu.default  resnet2d.py:46
-        # -- layer 1: pool  pool  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 1: pool  pool  (16, 16, 16, 16)  -> sample(4)  [N4]
         max_pool2d = self.op('max_pool2d', relu)  # aten.max_pool2d.default  resnet2d.py:46
-        # -- layer 2: layer1.0.conv1  conv+batch_norm+unary  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 2: layer1.0.conv1  conv+batch_norm+unary  (16, 16, 16, 16)  -> sample(4)  [N4]
         conv2d_1 = self.op('conv2d_1', max_pool2d)  # aten.conv2d.default  resnet2d.py:29
         batch_norm_1 = self.op('batch_norm_1', conv2d_1)  # aten.batch_norm.default  resnet2d.py:29
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  resnet2d.py:29
-        # -- layer 3: layer1.0.conv2  conv+batch_norm  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 3: layer1.0.conv2  conv+batch_norm  (16, 16, 16, 16)  -> sample(4)  [N4]
         conv2d_2 = self.op('conv2d_2', relu_1)  # aten.conv2d.default  resnet2d.py:30
         batch_norm_2 = self.op('batch_norm_2', conv2d_2)  # aten.batch_norm.default  resnet2d.py:30
-        # -- layer 4: layer1.0  binary+unary  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 4: layer1.0  binary+unary  (16, 16, 16, 16)  -> sample(4)  [N4]
         add = self.op('add', batch_norm_2, max_pool2d)  # aten.add.Tensor  resnet2d.py:32
         relu_2 = self.op('relu_2', add)  # aten.relu.default  resnet2d.py:32
-        # -- layer 5: layer1.1.conv1  conv+batch_norm+unary  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 5: layer1.1.conv1  conv+batch_norm+unary  (16, 16, 16, 16)  -> sample(4)  [N4]
         conv2d_3 = self.op('conv2d_3', relu_2)  # aten.conv2d.default  resnet2d.py:29
         batch_norm_3 = self.op('batch_norm_3', conv2d_3)  # aten.batch_norm.default  resnet2d.py:29
         relu_3 = self.op('relu_3', batch_norm_3)  # aten.relu.default  resnet2d.py:29
-        # -- layer 6: layer1.1.conv2  conv+batch_norm  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 6: layer1.1.conv2  conv+batch_norm  (16, 16, 16, 16)  -> sample(4)  [N4]
         conv2d_4 = self.op('conv2d_4', relu_3)  # aten.conv2d.default  resnet2d.py:30
         batch_norm_4 = self.op('batch_norm_4', conv2d_4)  # aten.batch_norm.default  resnet2d.py:30
-        # -- layer 7: layer1.1  binary+unary  (16, 16, 16, 16)  -> replicate  [R]
+        # -- layer 7: layer1.1  binary+unary  (16, 16, 16, 16)  -> sample(4)  [N4]
         add_1 = self.op('add_1', batch_norm_4, relu_2)  # aten.add.Tensor  resnet2d.py:32
         relu_4 = self.op('relu_4', add_1)  # aten.relu.default  resnet2d.py:32
-        # -- layer 8: layer2.0.conv1  conv+batch_norm+unary  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 8: layer2.0.conv1  conv+batch_norm+unary  (16, 32, 8, 8)  -> sample(4)  [N4]
         conv2d_5 = self.op('conv2d_5', relu_4)  # aten.conv2d.default  resnet2d.py:29
         batch_norm_5 = self.op('batch_norm_5', conv2d_5)  # aten.batch_norm.default  resnet2d.py:29
         relu_5 = self.op('relu_5', batch_norm_5)  # aten.relu.default  resnet2d.py:29
-        # -- layer 9: layer2.0.conv2  conv+batch_norm  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 9: layer2.0.conv2  conv+batch_norm  (16, 32, 8, 8)  -> sample(4)  [N4]
         conv2d_6 = self.op('conv2d_6', relu_5)  # aten.conv2d.default  resnet2d.py:30
         batch_norm_6 = self.op('batch_norm_6', conv2d_6)  # aten.batch_norm.default  resnet2d.py:30
-        # -- layer 10: layer2.0.down.0  conv+batch_norm  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 10: layer2.0.down.0  conv+batch_norm  (16, 32, 8, 8)  -> sample(4)  [N4]
         conv2d_7 = self.op('conv2d_7', relu_4)  # aten.conv2d.default  resnet2d.py:31
         batch_norm_7 = self.op('batch_norm_7', conv2d_7)  # aten.batch_norm.default  resnet2d.py:31
-        # -- layer 11: layer2.0  binary+unary  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 11: layer2.0  binary+unary  (16, 32, 8, 8)  -> sample(4)  [N4]
         add_2 = self.op('add_2', batch_norm_6, batch_norm_7)  # aten.add.Tensor  resnet2d.py:32
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  resnet2d.py:32
-        # -- layer 12: layer2.1.conv1  conv+batch_norm+unary  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 12: layer2.1.conv1  conv+batch_norm+unary  (16, 32, 8, 8)  -> sample(4)  [N4]
         conv2d_8 = self.op('conv2d_8', relu_6)  # aten.conv2d.default  resnet2d.py:29
         batch_norm_8 = self.op('batch_norm_8', conv2d_8)  # aten.batch_norm.default  resnet2d.py:29
         relu_7 = self.op('relu_7', batch_norm_8)  # aten.relu.default  resnet2d.py:29
-        # -- layer 13: layer2.1.conv2  conv+batch_norm  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 13: layer2.1.conv2  conv+batch_norm  (16, 32, 8, 8)  -> sample(4)  [N4]
         conv2d_9 = self.op('conv2d_9', relu_7)  # aten.conv2d.default  resnet2d.py:30
         batch_norm_9 = self.op('batch_norm_9', conv2d_9)  # aten.batch_norm.default  resnet2d.py:30
-        # -- layer 14: layer2.1  binary+unary  (16, 32, 8, 8)  -> replicate  [R]
+        # -- layer 14: layer2.1  binary+unary  (16, 32, 8, 8)  -> sample(4)  [N4]
         add_3 = self.op('add_3', batch_norm_9, relu_6)  # aten.add.Tensor  resnet2d.py:32
         relu_8 = self.op('relu_8', add_3)  # aten.relu.default  resnet2d.py:32
-        # -- layer 15: layer3.0.conv1  conv+batch_norm+unary  (16, 64, 4, 4)  -> replicate  [R]
+        # -- layer 15: layer3.0.conv1  conv+batch_norm+unary  (16, 64, 4, 4)  -> sample(4)  [N4]
         conv2d_10 = self.op('conv2d_10', relu_8)  # aten.conv2d.default  resnet2d.py:29
         batch_norm_10 = self.op('batch_norm_10', conv2d_10)  # aten.batch_norm.default  resnet2d.py:29
         relu_9 = self.op('relu_9', batch_norm_10)  # aten.relu.default  resnet2d.py:29
-        # -- layer 16: layer3.0.conv2  conv+batch_norm  (16, 64, 4, 4)  -> replicate  [R]
+        # -- layer 16: layer3.0.conv2  conv+batch_norm  (16, 64, 4, 4)  -> sample(4)  [N4]
         conv2d_11 = self.op('conv2d_11', relu_9)  # aten.conv2d.default  resnet2d.py:30
         batch_norm_11 = self.op('batch_norm_11', conv2d_11)  # aten.batch_norm.default  resnet2d.py:30
-        # -- layer 17: layer3.0.down.0  conv+batch_norm  (16, 64, 4, 4)  -> replicate  [R]
+        # -- layer 17: layer3.0.down.0  conv+batch_norm  (16, 64, 4, 4)  -> sample(4)  [N4]
         conv2d_12 = self.op('conv2d_12', relu_8)  # aten.conv2d.default  resnet2d.py:31
         batch_norm_12 = self.op('batch_norm_12', conv2d_12)  # aten.batch_norm.default  resnet2d.py:31
-        # -- layer 18: layer3.0  binary+unary  (16, 64, 4, 4)  -> replicate  [R]
+        # -- layer 18: layer3.0  binary+unary  (16, 64, 4, 4)  -> sample(4)  [N4]
         add_4 = self.op('add_4', batch_norm_11, batch_norm_12)  # aten.add.Tensor  resnet2d.py:32
         relu_10 = self.op('relu_10', add_4)  # aten.relu.default  resnet2d.py:32
-        # -- layer 19: layer3.1.conv1  conv+batch_norm+unary  (16, 64, 4, 4)  -> replicate  [R]
+        # -- layer 19: layer3.1.conv1  conv+batch_norm+unary  (16, 64, 4, 4)  -> sample(4)  [N4]
         conv2d_13 = self.op('conv2d_13', relu_10)  # aten.conv2d.default  resnet2d.py:29
         batch_norm_13 = self.op('batch_norm_13', conv2d_13)  # aten.batch_norm.default  resnet2d.py:29
         relu_11 = self.op('relu_11', batch_norm_13)  # aten.relu.default  resnet2d.py:29
-        # -- layer 20: layer3.1.conv2  conv+batch_norm  (16, 64, 4, 4)  -> replicate  [R]
+        # -- layer 20: layer3.1.conv2  conv+batch_norm  (16, 64, 4, 4)  -> sample(4)  [N4]
         conv2d_14 = self.op('conv2d_14', relu_11)  # aten.conv2d.default  resnet2d.py:30
         batch_norm_14 = self.op('batch_norm_14', conv2d_14)  # aten.batch_norm.default  resnet2d.py:30
-        # -- layer 21: layer3.1  binary+unary  (16, 64, 4, 4)  -> sample(2)  [N2]
-        batch_norm_14__0 = self.move(batch_norm_14, 'batch_norm_14', [], [[0, 2]], layer=21)  # transition R -> N2
-        relu_10__1 = self.move(relu_10, 'relu_10', [], [[0, 2]], layer=21)  # transition R -> N2
-        add_5 = self.op('add_5', batch_norm_14__0, relu_10__1)  # aten.add.Tensor  resnet2d.py:32
+        # -- layer 21: layer3.1  binary+unary  (16, 64, 4, 4)  -> sample(4)  [N4]
+        add_5 = self.op('add_5', batch_norm_14, relu_10)  # aten.add.Tensor  resnet2d.py:32
         relu_12 = self.op('relu_12', add_5)  # aten.relu.default  resnet2d.py:32
-        # -- layer 22: (root)  adaptive_pool  (16, 64, 1, 1)  -> sample(2)  [N2]
+        # -- layer 22: (root)  adaptive_pool  (16, 64, 1, 1)  -> sample(4)  [N4]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_12)  # aten.adaptive_avg_pool2d.default  resnet2d.py:48
         # -- layer 23: (root)  flatten  (16, 64)  -> sample(4)  [N4]
-        adaptive_avg_pool2d__2 = self.move(adaptive_avg_pool2d, 'adaptive_avg_pool2d', [[0, 2]], [[0, 4]], layer=23)  # transition N2 -> N4
-        flatten = self.op('flatten', adaptive_avg_pool2d__2)  # aten.flatten.using_ints  resnet2d.py:49
+        flatten = self.op('flatten', adaptive_avg_pool2d)  # aten.flatten.using_ints  resnet2d.py:49
         # -- layer 24: head  linear  (16, 10)  -> sample(4)  [N4]
         linear = self.op('linear', flatten)  # aten.linear.default  resnet2d.py:49
-        return linear
+        return self.structured(linear)
 
 
 def build(model=None, comm=None):
