@@ -60,7 +60,7 @@ class PlannedModel(DistModel):
         flatten = self.op('flatten', adaptive_avg_pool3d)  # aten.flatten.using_ints  cnn3d_large.py:49
         # -- layer 10: head  linear  (2, 4)  -> sample(2)  [N2]
         linear = self.op('linear', flatten)  # aten.linear.default  cnn3d_large.py:50
-        return linear
+        return self.structured(linear)
 
 
 def build(model=None, comm=None):

@@ -73,7 +73,7 @@ class PlannedModel(DistModel):
         flatten = self.op('flatten', adaptive_avg_pool2d)  # aten.flatten.using_ints  meshtangle2d.py:47
         # -- layer 15: head  linear  (4, 8)  -> sample(4)  [N4]
         linear = self.op('linear', flatten)  # aten.linear.default  meshtangle2d.py:47
-        return linear
+        return self.structured(linear)
 
 
 def build(model=None, comm=None):

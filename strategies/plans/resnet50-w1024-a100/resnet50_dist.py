@@ -273,7 +273,7 @@ class PlannedModel(DistModel):
         flatten = self.op('flatten', adaptive_avg_pool2d)  # aten.flatten.using_ints  resnet50.py:59
         # -- layer 72: fc  linear  (256, 1000)  -> sample(256)  [N256]
         linear = self.op('linear', flatten)  # aten.linear.default  resnet50.py:60
-        return linear
+        return self.structured(linear)
 
 
 def build(model=None, comm=None):

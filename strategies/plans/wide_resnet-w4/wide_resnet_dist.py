@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 278.278 ms, memory 38.5 MiB per rank
+Predicted:  step 232.978 ms, memory 45.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 wide_resnet_dist.py --steps 5
@@ -22,70 +22,61 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, x):
         self.update_buffers()
-        # input x (8, 3, 32, 32) arrives as layout R
-        # -- layer 0: conv  conv+batch_norm+unary  (8, 16, 32, 32)  -> replicate  [R]
+        # input x (8, 3, 32, 32) arrives as layout N4
+        # -- layer 0: conv  conv+batch_norm+unary  (8, 16, 32, 32)  -> sample(4)  [N4]
         conv2d = self.op('conv2d', x)  # aten.conv2d.default  wide_resnet.py:73
         batch_norm = self.op('batch_norm', conv2d)  # aten.batch_norm.default  wide_resnet.py:73
         relu = self.op('relu', batch_norm)  # aten.relu.default  wide_resnet.py:73
-        # -- layer 1: blocks.0.conv1  conv+batch_norm+unary  (8, 128, 32, 32)  -> filter(1,4)  [C4]
+        # -- layer 1: blocks.0.conv1  conv+batch_norm+unary  (8, 128, 32, 32)  -> sample(4)  [N4]
         conv2d_1 = self.op('conv2d_1', relu)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_1 = self.op('batch_norm_1', conv2d_1)  # aten.batch_norm.default  wide_resnet.py:45
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  wide_resnet.py:45
-        # -- layer 2: blocks.0.conv2  conv+batch_norm  (8, 128, 32, 32)  -> filter(2,2)  [N2xC2]
-        relu_1__0 = self.move(relu_1, 'relu_1', [[1, 4]], [[0, 2]], layer=2)  # transition C4 -> N2
-        conv2d_2 = self.op('conv2d_2', relu_1__0)  # aten.conv2d.default  wide_resnet.py:46
+        # -- layer 2: blocks.0.conv2  conv+batch_norm  (8, 128, 32, 32)  -> sample(4)  [N4]
+        conv2d_2 = self.op('conv2d_2', relu_1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_2 = self.op('batch_norm_2', conv2d_2)  # aten.batch_norm.default  wide_resnet.py:46
-        # -- layer 3: blocks.0.shortcut  conv  (8, 128, 32, 32)  -> sample(2)  [N2]
-        relu__1 = self.move(relu, 'relu', [], [[0, 2]], layer=3)  # transition R -> N2
-        conv2d_3 = self.op('conv2d_3', relu__1)  # aten.conv2d.default  wide_resnet.py:47
-        # -- layer 4: blocks.0  binary+unary  (8, 128, 32, 32)  -> sample(2)  [N2]
-        batch_norm_2__2 = self.move(batch_norm_2, 'batch_norm_2', [[0, 2], [1, 2]], [[0, 2]], layer=4)  # transition N2xC2 -> N2
-        add = self.op('add', batch_norm_2__2, conv2d_3)  # aten.add.Tensor  wide_resnet.py:48
+        # -- layer 3: blocks.0.shortcut  conv  (8, 128, 32, 32)  -> sample(4)  [N4]
+        conv2d_3 = self.op('conv2d_3', relu)  # aten.conv2d.default  wide_resnet.py:47
+        # -- layer 4: blocks.0  binary+unary  (8, 128, 32, 32)  -> sample(4)  [N4]
+        add = self.op('add', batch_norm_2, conv2d_3)  # aten.add.Tensor  wide_resnet.py:48
         relu_2 = self.op('relu_2', add)  # aten.relu.default  wide_resnet.py:48
-        # -- layer 5: blocks.1.conv1  conv+batch_norm+unary  (8, 256, 16, 16)  -> filter(2,2)  [N2xC2]
+        # -- layer 5: blocks.1.conv1  conv+batch_norm+unary  (8, 256, 16, 16)  -> sample(4)  [N4]
         conv2d_4 = self.op('conv2d_4', relu_2)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_3 = self.op('batch_norm_3', conv2d_4)  # aten.batch_norm.default  wide_resnet.py:45
         relu_3 = self.op('relu_3', batch_norm_3)  # aten.relu.default  wide_resnet.py:45
-        # -- layer 6: blocks.1.conv2  conv+batch_norm  (8, 256, 16, 16)  -> filter(1,4)  [C4]
-        relu_3__3 = self.move(relu_3, 'relu_3', [[0, 2], [1, 2]], [], layer=6)  # transition N2xC2 -> R
-        conv2d_5 = self.op('conv2d_5', relu_3__3)  # aten.conv2d.default  wide_resnet.py:46
+        # -- layer 6: blocks.1.conv2  conv+batch_norm  (8, 256, 16, 16)  -> sample(4)  [N4]
+        conv2d_5 = self.op('conv2d_5', relu_3)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_4 = self.op('batch_norm_4', conv2d_5)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 7: blocks.1.shortcut  conv  (8, 256, 16, 16)  -> sample(4)  [N4]
-        relu_2__4 = self.move(relu_2, 'relu_2', [[0, 2]], [[0, 4]], layer=7)  # transition N2 -> N4
-        conv2d_6 = self.op('conv2d_6', relu_2__4)  # aten.conv2d.default  wide_resnet.py:47
+        conv2d_6 = self.op('conv2d_6', relu_2)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 8: blocks.1  binary+unary  (8, 256, 16, 16)  -> sample(4)  [N4]
-        batch_norm_4__5 = self.move(batch_norm_4, 'batch_norm_4', [[1, 4]], [[0, 4]], layer=8)  # transition C4 -> N4
-        add_1 = self.op('add_1', batch_norm_4__5, conv2d_6)  # aten.add.Tensor  wide_resnet.py:48
+        add_1 = self.op('add_1', batch_norm_4, conv2d_6)  # aten.add.Tensor  wide_resnet.py:48
         relu_4 = self.op('relu_4', add_1)  # aten.relu.default  wide_resnet.py:48
         # -- layer 9: blocks.2.conv1  conv+batch_norm+unary  (8, 512, 8, 8)  -> filter(1,4)  [C4]
-        relu_4__6 = self.move(relu_4, 'relu_4', [[0, 4]], [], layer=9)  # transition N4 -> R
-        conv2d_7 = self.op('conv2d_7', relu_4__6)  # aten.conv2d.default  wide_resnet.py:45
+        relu_4__0 = self.move(relu_4, 'relu_4', [[0, 4]], [], layer=9)  # transition N4 -> R
+        conv2d_7 = self.op('conv2d_7', relu_4__0)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_5 = self.op('batch_norm_5', conv2d_7)  # aten.batch_norm.default  wide_resnet.py:45
         relu_5 = self.op('relu_5', batch_norm_5)  # aten.relu.default  wide_resnet.py:45
         # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> filter(1,4)  [C4]
-        relu_5__7 = self.move(relu_5, 'relu_5', [[1, 4]], [], layer=10)  # transition C4 -> R
-        conv2d_8 = self.op('conv2d_8', relu_5__7)  # aten.conv2d.default  wide_resnet.py:46
+        relu_5__1 = self.move(relu_5, 'relu_5', [[1, 4]], [], layer=10)  # transition C4 -> R
+        conv2d_8 = self.op('conv2d_8', relu_5__1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_6 = self.op('batch_norm_6', conv2d_8)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 11: blocks.2.shortcut  conv  (8, 512, 8, 8)  -> sample(4)  [N4]
         conv2d_9 = self.op('conv2d_9', relu_4)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 12: blocks.2  binary+unary  (8, 512, 8, 8)  -> sample(4)  [N4]
-        batch_norm_6__8 = self.move(batch_norm_6, 'batch_norm_6', [[1, 4]], [[0, 4]], layer=12)  # transition C4 -> N4
-        add_2 = self.op('add_2', batch_norm_6__8, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
+        batch_norm_6__2 = self.move(batch_norm_6, 'batch_norm_6', [[1, 4]], [[0, 4]], layer=12)  # transition C4 -> N4
+        add_2 = self.op('add_2', batch_norm_6__2, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  wide_resnet.py:48
         # -- layer 13: (root)  adaptive_pool  (8, 512, 1, 1)  -> sample(4)  [N4]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_6)  # aten.adaptive_avg_pool2d.default  wide_resnet.py:75
-        # -- layer 14: (root)  flatten  (8, 512)  -> replicate  [R]
-        adaptive_avg_pool2d__9 = self.move(adaptive_avg_pool2d, 'adaptive_avg_pool2d', [[0, 4]], [], layer=14)  # transition N4 -> R
-        flatten = self.op('flatten', adaptive_avg_pool2d__9)  # aten.flatten.using_ints  wide_resnet.py:75
-        # -- layer 15: fc1  linear+batch_norm+unary  (8, 1024)  -> filter(1,4)  [C4]
+        # -- layer 14: (root)  flatten  (8, 512)  -> sample(4)  [N4]
+        flatten = self.op('flatten', adaptive_avg_pool2d)  # aten.flatten.using_ints  wide_resnet.py:75
+        # -- layer 15: fc1  linear+batch_norm+unary  (8, 1024)  -> sample(4)  [N4]
         linear = self.op('linear', flatten)  # aten.linear.default  wide_resnet.py:76
         batch_norm_7 = self.op('batch_norm_7', linear)  # aten.batch_norm.default  wide_resnet.py:76
         relu_7 = self.op('relu_7', batch_norm_7)  # aten.relu.default  wide_resnet.py:76
-        # -- layer 16: fc2  linear  (8, 10)  -> filter(1,4)  [C4]
-        relu_7__10 = self.move(relu_7, 'relu_7', [[1, 4]], [], layer=16)  # transition C4 -> R
-        linear_1 = self.op('linear_1', relu_7__10)  # aten.linear.default  wide_resnet.py:77
-        # the loss is computed with samples split: C4 -> N4
-        return self.move(linear_1, 'linear_1', [[1, 4]], [[0, 4]])
+        # -- layer 16: fc2  linear  (8, 10)  -> sample(4)  [N4]
+        linear_1 = self.op('linear_1', relu_7)  # aten.linear.default  wide_resnet.py:77
+        return self.structured(linear_1)
 
 
 def build(model=None, comm=None):
