@@ -126,11 +126,7 @@ def load_sharded_state_dict(dmodel, sd: dict[str, Any]) -> None:
     single-process state dict): whole tensors and buffers copied, each shard's owner block
     broadcast to the other ranks holding it. Collective."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    have = {k: tuple(v.size() if isinstance(v, ShardedTensor) else v.shape) for k, v in sd.items()}
-    bad = mismatches(expected_keys(dmodel), have)
-    if bad:
-        raise ModelMismatch("the state dict is of another model: " + first_of(bad),
-                            "load a state dict of this model")
+    _same_model(dmodel, {k: tuple(v.size() if isinstance(v, ShardedTensor) else v.shape) for k, v in sd.items()})
     comm = dmodel.comm
     with torch.no_grad():
         for qual, p in dmodel.local_params().items():
@@ -370,14 +366,19 @@ def full_state_dict(dmodel) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a single-process ``state_dict`` (every rank passes the same one): each rank keeps
-    its block of every parameter (``ModelMismatch`` when names or shapes differ)."""
-    have = {k: tuple(v.shape) for k, v in state_dict.items()}
+def _same_model(dmodel, have: dict[str, tuple]) -> None:
+    """``ModelMismatch`` listing the first differences when a state dict's names or shapes are
+    not this model's."""
     bad = mismatches(expected_keys(dmodel), have)
     if bad:
         raise ModelMismatch("the state dict is of another model: " + first_of(bad),
                             "load a state dict of this model")
+
+
+def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a single-process ``state_dict`` (every rank passes the same one): each rank keeps
+    its block of every parameter (``ModelMismatch`` when names or shapes differ)."""
+    _same_model(dmodel, {k: tuple(v.shape) for k, v in state_dict.items()})
     comm = dmodel.comm
     with torch.no_grad():
         for qual, p in dmodel.local_params().items():
