@@ -338,20 +338,10 @@ class _WeightGrid(Decomposition):
         """Local conv/linear on the shards; when channels are split, the partial sums are
         reduce-scattered over the channel group and the bias is added once, after it."""
         from ...runtime.comm import reduce_scatter_dim
-        from ...runtime.ops import resolve_target, substitute
         s, pc, pf = self.grid()
-        values = dict(zip(op.inputs, inputs))
-        args = substitute(op.args, values, params, buffers)
-        kwargs = substitute(op.kwargs, values, params, buffers)
-        fn = resolve_target(op.target)
         if pc == 1:                                   # filter: nothing to sum
-            return fn(*args, **kwargs)
-        bias = None
-        if len(args) > 2:
-            bias, args[2] = args[2], None
-        elif "bias" in kwargs:
-            bias, kwargs["bias"] = kwargs["bias"], None
-        y = fn(*args, **kwargs)
+            return _anchor(op, inputs, params, buffers, keep_bias=True)[0]
+        y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
         ranks = self.group(comm.rank, "c")
         if self.rs_along_batch:
             out_lay = self.out_layout(layer)
@@ -360,13 +350,33 @@ class _WeightGrid(Decomposition):
         else:
             dim = _feature_dim(op)
             extents = [block_extent(int(op.out_shape[dim]), pc, i) for i in range(pc)]
-        y = reduce_scatter_dim(y, dim, comm, ranks, extents)
-        if bias is not None:
-            fo = _feature_dim(op)
-            shape = [1] * y.dim()
-            shape[fo] = -1
-            y = y + bias.reshape(shape)
+        return _add_bias(reduce_scatter_dim(y, dim, comm, ranks, extents), bias, op)
+
+
+def _anchor(op: OpSpec, inputs: list[Any], params: dict[str, Any], buffers: dict[str, Any],
+            keep_bias: bool):
+    """(the anchor's local result, its bias or None): with ``keep_bias`` False the anchor runs
+    without its bias, for layers whose partial sums must not each add it."""
+    from ...runtime.ops import resolve_target, substitute
+    values = dict(zip(op.inputs, inputs))
+    args = substitute(op.args, values, params, buffers)
+    kwargs = substitute(op.kwargs, values, params, buffers)
+    bias = None
+    if not keep_bias:
+        if len(args) > 2:
+            bias, args[2] = args[2], None
+        elif "bias" in kwargs:
+            bias, kwargs["bias"] = kwargs["bias"], None
+    return resolve_target(op.target)(*args, **kwargs), bias
+
+
+def _add_bias(y, bias, op: OpSpec):
+    """``y`` + the bias broadcast along the anchor's feature dim (``y`` when there is none)."""
+    if bias is None:
         return y
+    shape = [1] * y.dim()
+    shape[_feature_dim(op)] = -1
+    return y + bias.reshape(shape)
 
 
 def _group(grid: tuple[int, int, int], coords: tuple[int, int, int], vary: str) -> list[int]:
@@ -536,18 +546,6 @@ class RowParallel(Channel):
 
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
             buffers: dict[str, Any]):
-        from ...runtime.ops import resolve_target, substitute
-        values = dict(zip(op.inputs, inputs))
-        args = substitute(op.args, values, params, buffers)
-        kwargs = substitute(op.kwargs, values, params, buffers)
-        bias = None
-        if len(args) > 2:
-            bias, args[2] = args[2], None
-        elif "bias" in kwargs:
-            bias, kwargs["bias"] = kwargs["bias"], None
-        y = resolve_target(op.target)(*args, **kwargs)
-        if bias is not None and self.out_layout(layer).partial_index(comm.rank, comm.world) == 0:
-            shape = [1] * y.dim()
-            shape[_feature_dim(op)] = -1
-            y = y + bias.reshape(shape)
-        return y
+        y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
+        first = self.out_layout(layer).partial_index(comm.rank, comm.world) == 0
+        return _add_bias(y, bias if first else None, op)
