@@ -161,6 +161,7 @@ class DistModel(nn.Module):
                            if self.bn_stats.local else None)
         self.output_spec = output_structure(model, self.graph)
         self._prepared: dict[str, tuple] = {}   # per op: (spec, layer index, decomposition, ...)
+        self._moves: dict[tuple, tuple] = {}    # per transition: (src layout, dst layout, shape)
 
         # ---- parameters: this rank's shard of each ----------------------------------------
         full_params = dict(model.named_parameters())
@@ -236,8 +237,12 @@ class DistModel(nn.Module):
         on the way into ``layer`` (its time counts for that layer)."""
         if self.timer is not None and layer is not None:
             self.timer.mark_fwd(layer)
-        return redistribute(x, Layout.from_json(src), Layout.from_json(dst),
-                            self.graph.value_shape(value), self.comm)
+        key = (value, repr(src), repr(dst))
+        move = self._moves.get(key)
+        if move is None:     # once per transition, not per step (value_shape scans the graph)
+            move = self._moves[key] = (Layout.from_json(src), Layout.from_json(dst),
+                                       tuple(self.graph.value_shape(value)))
+        return redistribute(x, move[0], move[1], move[2], self.comm)
 
     def flush_batch_norm(self) -> None:
         """Apply the deferred running-statistics updates of local batch-norm statistics
