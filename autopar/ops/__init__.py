@@ -33,7 +33,7 @@ listed in ``LayerGraphData.unregistered``.
 
 from __future__ import annotations
 
-from . import (attention, conv, dropout, elementwise, embedding, gather, linear,  # noqa: F401
+from . import (attention, conv, dropout, elementwise, embedding, gather, graph, linear,  # noqa: F401
                loss, norm, pool, reduce, scatter, shape, softmax)
 from .registry import (BUFFER_UPDATE, FAMILIES, MULTI_OUTPUT, OTHER, KindSet, OpFamily,
                        RegistryError, classify, describe_unregistered, family_of, kernel_class_for,

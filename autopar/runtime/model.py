@@ -206,7 +206,7 @@ class DistModel(nn.Module):
     def op(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         prep = self._prepared.get(name)
         if prep is None:
-            spec = self.spec[name]
+            spec = _with_float_dtype(self.spec[name], self.params)
             li = self.layer_of[name]
             prep = self._prepared[name] = (spec, li, self.decisions[li], self.graph.layers[li],
                                            [(q, _safe(q)) for q in spec.param_names.values()],
@@ -373,6 +373,23 @@ class DistModel(nn.Module):
                     if q == qual:
                         return list(op.params[role])
         return list(p.shape)
+
+
+_FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _with_float_dtype(spec: OpSpec, params) -> OpSpec:
+    """``spec`` with a floating ``dtype=`` keyword (a factory op such as ``torch.zeros(...,
+    dtype=x.dtype)``, traced in the model's float32) set to the dtype the model's parameters
+    have now (float64 during validation); ``spec`` itself when nothing changes."""
+    want = spec.kwargs.get("dtype") if isinstance(spec.kwargs, dict) else None
+    if not (isinstance(want, dict) and want.get("dtype") in _FLOAT_DTYPES):
+        return spec
+    run = next((str(p.dtype).replace("torch.", "") for p in params.values() if p.is_floating_point()), None)
+    if run is None or run == want["dtype"]:
+        return spec
+    import dataclasses
+    return dataclasses.replace(spec, kwargs={**spec.kwargs, "dtype": {"dtype": run}})
 
 
 # ---- the model's output structure (a tensor, or e.g. a Hugging Face ModelOutput) -------------

@@ -282,7 +282,8 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
     data.buffer_updates = buffer_updates
     data.tracer = tracer
     data.unregistered = unregistered
-    return data
+    from .graph_items import mark_graph_items    # edge- and node-indexed values (GNNs)
+    return mark_graph_items(data)
 
 
 def _base(node) -> str:
