@@ -121,6 +121,8 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     mf, dm = make(vdt)
     loss_fn = mf.loss_fn()
     xs32, ys32 = synthetic_batch(mf, plan.model.batch_size, opts.seed + 1)
+    from ..decomp.graph.inputs import check_edge_indices
+    check_edge_indices(dm.graph, xs32)          # a GNN batch's edges inside their graphs
     ys = ys32.to(device) if ys32 is not None else None
     ys_v = ys.to(vdt) if ys is not None and ys.is_floating_point() else ys
 

@@ -1,0 +1,106 @@
+"""The dense padded NNConv (LBANN's PCQM4M model, ``strategies/examples/gnn_pcqm4m.py``) under
+the graph decompositions: graphs (``sample``), ``edges`` (blocks of edges, scatter-add left as
+a partial sum), ``nodes`` (node-wise layers and the sum pooling), the 2-D grids graphs x edges
+and graphs x nodes, their mixes and ``filter`` on the edge MLP's wide output layer; each at
+world 2 and 4 equal to one process in float64 (output, loss, input gradients, every parameter
+gradient, parameters after a step: the ``autopar execute`` validation, tolerance
+``1e-9 * max|ref| + 1e-12`` per tensor). Small sizes through ``AUTOPAR_GNN_*``."""
+
+import pytest
+
+from gnn_helpers import assert_validated, forced, kinds_of, plan_and_validate, small_sizes, trace
+
+MODEL = "gnn_pcqm4m"
+
+
+@pytest.fixture(autouse=True)
+def _small():
+    with small_sizes():
+        yield
+
+
+def _params(graph):
+    return {q for lay in graph.layers for op in lay.ops for q in op.param_names.values()}
+
+
+def test_tracer_marks_edge_and_node_values(root):
+    g = trace(root, MODEL)
+    items = {v: tuple(it) for lay in g.layers for op in lay.ops for v, it in (op.attrs.get("items") or {}).items()}
+    assert items["e"] == (1, "edge") and items["src"] == (1, "edge") and items["dst"] == (1, "edge")
+    assert items["x"] == (1, "node") and items["node_mask"] == (1, "node")
+    assert items["pad"] == (1, "node")            # the extra zero node is a node extent too
+    head = [lay for lay in g.layers if lay.module.startswith("head")]
+    assert head and not any(kinds_of(lay) for lay in head)   # graph-level values are neither
+
+
+def test_edges_leave_a_partial_sum_and_nodes_pool_into_one(root, profile):
+    from autopar.decomp import CostContext
+    from autopar.decomp.graph import Edges, Nodes
+    from autopar.decomp.layout import Layout
+    g = trace(root, MODEL)
+    ctx = CostContext(profile=profile, world=4, ranks_per_node=4, batch_size=4)
+    scatter = next(lay for lay in g.layers if lay.anchor.kind == "scatter")
+    gather = next(lay for lay in g.layers if lay.anchor.kind == "gather")
+    pool = next(lay for lay in g.layers if lay.anchor.kind == "sum")
+    e = Edges(2, 2)
+    assert e.check(scatter, ctx) is None and e.check(gather, ctx) is None
+    assert e.out_layout(scatter) == Layout(((0, 2),), partial=2)
+    assert e.in_layout(gather, "pad") == Layout(((0, 2),))          # whole nodes per graph group
+    assert e.out_layout(gather) == Layout(((0, 2), (1, 2)))
+    assert Nodes(1, 4).out_layout(pool) == Layout((), partial=4)
+    assert "does not run unchanged" in Nodes(1, 4).check(next(l for l in g.layers if l.anchor.kind == "pad"), ctx)
+    # the gather of a block of edges is priced on that block: fewer elements, less time
+    from autopar.decomp.replicate import Replicate
+    assert 0 < Edges(1, 4).cost(gather, ctx).fwd_compute_s < Replicate().cost(gather, ctx).fwd_compute_s
+
+
+CASES = [(2, "graphs", None), (4, "graphs", None),
+         (2, "edges", None), (4, "edges", "(1,4)"), (4, "edges", "(2,2)"),
+         (2, "nodes", None), (4, "nodes", "(2,2)"),
+         (2, "mix", None), (4, "mix", "(1,4)"), (4, "mix", "(2,2)")]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,mode,want", CASES, ids=[f"w{w}-{m}{x or ''}" for w, m, x in CASES])
+def test_decomposition_equal_to_one_process(root, tmp_path, profile, world, mode, want):
+    g = trace(root, MODEL)
+    force = forced(g, profile, world, mode, want)
+    assert force, "nothing to force"
+    r, run = plan_and_validate(root, tmp_path, profile, MODEL, world, force)
+    chosen = {d.layer: str(d.decomposition()) for d in r.plan.layers}
+    for li, dec in force.items():
+        assert chosen[li] == dec
+    if mode in ("edges", "mix"):
+        scat = next(lay.index for lay in g.layers if lay.anchor.kind == "scatter")
+        assert chosen[scat].startswith("edges")
+    assert_validated(run, _params(g))
+
+
+@pytest.mark.dist
+def test_filter_on_the_edge_mlp_output_composes_with_edges(root, tmp_path, profile):
+    g = trace(root, MODEL)
+    last = next(lay.index for lay in g.layers if lay.module == "convs.0.edge_mlp.4")
+    force = forced(g, profile, 4, "edges", "(2,2)", extra={last: "filter(1,4)"})
+    r, run = plan_and_validate(root, tmp_path, profile, MODEL, 4, force)
+    assert str(r.plan.layer(last).decomposition()) == "filter(1,4)"
+    assert_validated(run, _params(g))
+
+
+def test_out_of_range_edge_index_is_a_named_error(root):
+    import torch
+    from autopar.decomp.graph.inputs import EdgeIndexError, check_edge_indices
+    from autopar.modelfile import load_model_file
+    g = trace(root, MODEL)
+    mf = load_model_file(root / f"strategies/examples/{MODEL}.py")
+    torch.manual_seed(0)
+    xs = list(mf.example_inputs(4))
+    check_edge_indices(g, xs)                       # the example's batch is fine
+    nodes = int(xs[4][1].sum())                     # graph 1's real nodes (node_mask)
+    bad = xs[2].clone()
+    bad[1, 0] = nodes                               # a padded node of graph 1, not the pad index
+    with pytest.raises(EdgeIndexError, match=r"src\[1, 0\].*graph 1"):
+        check_edge_indices(g, [xs[0], xs[1], bad, xs[3], xs[4]])
+    bad = xs[3].clone()
+    bad[0, 3] = 99                                  # past the node tensor
+    with pytest.raises(EdgeIndexError, match="graph 0"):
+        check_edge_indices(g, [xs[0], xs[1], xs[2], bad, xs[4]])
