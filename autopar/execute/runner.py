@@ -146,7 +146,10 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
 
     # 3. DDP baseline
     baseline = None
-    if opts.ddp and world > 1 and plan.model.batch_size >= world:
+    # DDP splits every input along dim 0: only for a batch of samples (a PyG batch's x [N, F]
+    # and edge_index [2, E] are not: splitting it needs graph boundaries, so no baseline)
+    samples = len({int(x.shape[0]) for x in xs if x.dim()}) == 1
+    if opts.ddp and world > 1 and plan.model.batch_size >= world and samples:
         baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
                                 opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats())
     barrier()

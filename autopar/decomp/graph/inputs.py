@@ -31,15 +31,15 @@ def _items(graph) -> dict[str, tuple[int, str]]:
             for v, (d, k) in (op.attrs.get("items") or {}).items()}
 
 
-def _gather_source_extent(graph) -> int | None:
-    """Node extent of the message-passing gathers' source (``N_src``)."""
+def _gather_source(graph) -> tuple[int, int] | None:
+    """(item dim, node extent ``N_src``) of the message-passing gathers' source."""
     shapes = {gi.name: gi.shape for gi in graph.inputs}
     shapes.update({op.name: op.out_shape for lay in graph.layers for op in lay.ops})
     for lay in graph.layers:
         for op in lay.ops:
             if op.kind == "gather" and op.args and isinstance(op.args[0], dict) and "v" in op.args[0]:
                 d = int(op.attrs.get("dim", 0))
-                return int(shapes[op.args[0]["v"]][d])
+                return d, int(shapes[op.args[0]["v"]][d])
     return None
 
 
@@ -53,9 +53,11 @@ def check_edge_indices(graph, inputs: Sequence[Any]) -> None:
     if not edges:
         return
     nodes = [(n, x, items[n][0]) for n, x in named.items() if n in items and items[n][1] == "node"]
-    n_src = _gather_source_extent(graph)
+    src = _gather_source(graph)
+    dense = src[0] == 1 if src else all(d == 1 for _, _, d in nodes)
+    n_src = src[1] if src else None
     for name, idx, d in edges:
-        if d == 1 and idx.dim() == 2:                        # dense padded form [B, E]
+        if dense and idx.dim() == 2:                          # dense padded form [B, E]
             limit = n_src if n_src is not None else max((int(x.shape[1]) for _, x, _ in nodes), default=None)
             mask = next((x for _, x, dd in nodes if x.is_floating_point() and x.dim() == 2 and dd == 1), None)
             n_pad = int(mask.shape[1]) if mask is not None else limit
