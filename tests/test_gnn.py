@@ -54,7 +54,7 @@ def test_edges_leave_a_partial_sum_and_nodes_pool_into_one(root, profile):
     assert 0 < Edges(1, 4).cost(gather, ctx).fwd_compute_s < Replicate().cost(gather, ctx).fwd_compute_s
 
 
-CASES = [(2, "graphs", None), (4, "graphs", None),
+CASES = [(2, "graphs", None),
          (2, "edges", None), (4, "edges", "(1,4)"), (4, "edges", "(2,2)"),
          (2, "nodes", None), (4, "nodes", "(2,2)"),
          (2, "mix", None), (4, "mix", "(1,4)"), (4, "mix", "(2,2)")]
@@ -104,3 +104,24 @@ def test_out_of_range_edge_index_is_a_named_error(root):
     bad[0, 3] = 99                                  # past the node tensor
     with pytest.raises(EdgeIndexError, match="graph 0"):
         check_edge_indices(g, [xs[0], xs[1], xs[2], bad, xs[4]])
+
+
+@pytest.mark.dist
+def test_small_batch_under_a_memory_limit_splits_edges(root, tmp_path):
+    """LBANN's PCQM4M sizes, batch 2 at world 4, 3 MiB per rank: graphs alone cannot use the
+    four ranks (two graphs), so the planner splits edges (the 2-D grid graphs x edges) or
+    nodes; ``autopar plan`` + ``autopar execute`` validate it (committed CPU profile)."""
+    import json
+    from autopar.cli import main
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("AUTOPAR_GNN_NODE_EMBED", "AUTOPAR_GNN_OUT", "AUTOPAR_GNN_NODES", "AUTOPAR_GNN_EDGES"):
+            mp.delenv(k, raising=False)
+        out = tmp_path / "plan"
+        assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", "4",
+                     "--batch-size", "2", "--memory-limit", "3MiB", "--no-measure",
+                     "--calibration", str(root / "calibration/cpu-2core-gloo.json"), "-o", str(out)]) == 0
+        plan = json.loads((out / "plan.json").read_text())
+        kinds = {d["decomposition"]["kind"] for d in plan["layers"]}
+        assert kinds & {"edges", "nodes"}, kinds
+        assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+        assert json.loads((tmp_path / "run" / "run.json").read_text())["validation"]["passed"]
