@@ -73,6 +73,10 @@ def test_decomposition_equal_to_one_process(root, tmp_path, profile, world, mode
     if mode in ("edges", "mix"):
         scat = next(lay.index for lay in g.layers if lay.anchor.kind == "scatter")
         assert chosen[scat].startswith("edges")
+        # the partial sum is resolved on the way out, priced by the redistribution pricing
+        out = [t for t in r.plan.transitions if t.src == scat]
+        assert out and all(any(k in t.extra["steps"] for k in ("ReduceScatter", "AllReduce")) for t in out)
+        assert all(t.fwd_s > 0 for t in out)
     assert_validated(run, _params(g))
 
 
@@ -84,6 +88,24 @@ def test_filter_on_the_edge_mlp_output_composes_with_edges(root, tmp_path, profi
     r, run = plan_and_validate(root, tmp_path, profile, MODEL, 4, force)
     assert str(r.plan.layer(last).decomposition()) == "filter(1,4)"
     assert_validated(run, _params(g))
+
+
+def test_op_families_of_message_passing_code():
+    """pad, expand_as and new_zeros (what PyG and the padded form write around message
+    passing) are registered: independent where they do not pad or broadcast."""
+    from types import SimpleNamespace as Op
+    from autopar.ops import FAMILIES
+    pad = Op(kind="pad", target="aten.pad.default", args=[{"v": "x"}, [0, 0, 0, 1], "constant", None],
+             kwargs={}, in_shapes=[[4, 6, 8]], out_shape=[4, 7, 8], inputs=["x"])
+    assert FAMILIES["pad"].independent_dims(pad) == {0, 2}
+    pad.args[2] = "reflect"
+    assert FAMILIES["pad"].independent_dims(pad) == frozenset()
+    ea = Op(kind="expand_as", target="aten.expand_as.default", args=[{"v": "i"}, {"v": "m"}], kwargs={},
+            in_shapes=[[10, 1], [10, 4]], out_shape=[10, 4], inputs=["i", "m"])
+    assert FAMILIES["expand_as"].independent_dims(ea) == {0}
+    nz = Op(kind="new_tensor", target="aten.new_zeros.default", args=[{"v": "m"}, [6, 4]], kwargs={},
+            in_shapes=[[10, 4]], out_shape=[6, 4], inputs=["m"])
+    assert FAMILIES["new_tensor"].independent_dims(nz) == frozenset()
 
 
 def test_out_of_range_edge_index_is_a_named_error(root):
