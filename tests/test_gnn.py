@@ -147,3 +147,22 @@ def test_small_batch_under_a_memory_limit_splits_edges(root, tmp_path):
         assert kinds & {"edges", "nodes"}, kinds
         assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
         assert json.loads((tmp_path / "run" / "run.json").read_text())["validation"]["passed"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2])
+def test_cli_plan_and_execute_non_replicated(root, tmp_path, world):
+    """``autopar plan`` (committed CPU profile) + ``autopar execute`` on the padded example:
+    a plan that splits something, validated against one process (world 4 through the CLI:
+    ``test_small_batch_under_a_memory_limit_splits_edges``)."""
+    import json
+    from autopar.cli import main
+    out = tmp_path / "plan"
+    assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", str(world),
+                 "--batch-size", "4", "--calibration", str(root / "calibration/cpu-2core-gloo.json"),
+                 "--no-measure", "-o", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    kinds = {d["decomposition"]["kind"] for d in plan["layers"]}
+    assert kinds - {"replicate"}, kinds
+    assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["validation"]["passed"]
