@@ -66,6 +66,8 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     dm = parallelize(model, plan_file, loss_fn=mf.loss_fn(), module_class=cls)
     opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)
     xs, ys = synthetic_batch(mf, plan.model.batch_size, args.seed + 1)
+    from ..decomp.graph.inputs import check_edge_indices
+    check_edge_indices(plan.graph(), xs)   # a GNN batch's edges inside their graphs
     local, target = shard_batch(dm, xs, ys)
     times = []
     for step in range(args.steps):

@@ -59,7 +59,8 @@ class BatchSharding:
         g = dmodel.graph
         shapes = tuple(tuple(int(n) for n in gi.shape) for gi in g.inputs)
         return BatchSharding(
-            batch_size=int(shapes[0][0]) if shapes else 0, input_shapes=shapes,
+            # the traced batch size: a PyG batch's first input is x [N, F], N nodes, not graphs
+            batch_size=int(g.batch_size or (shapes[0][0] if shapes else 0)), input_shapes=shapes,
             input_layouts=tuple(dmodel.input_layout(gi.name) for gi in g.inputs),
             target_layout=dmodel.loss_layout(), rank=dmodel.comm.rank if rank is None else rank,
             world=dmodel.comm.world)
