@@ -33,6 +33,23 @@ def test_tracer_marks_edge_and_node_values(root):
     assert head and not any(kinds_of(lay) for lay in head)   # graph-level values are neither
 
 
+def test_a_lone_gather_is_not_message_passing(tmp_path):
+    """A gather without a scatter into the same nodes (a loss picking each sample's class)
+    marks no value as edge or node: no graph decomposition is offered."""
+    from autopar.modelfile import load_model_file
+    from autopar.trace.tracer import trace_model
+    f = tmp_path / "pick.py"
+    f.write_text("import torch\nfrom torch import nn\n"
+                 "class M(nn.Module):\n"
+                 "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(4, 3)\n"
+                 "    def forward(self, x, idx):\n        return torch.gather(self.lin(x), 1, idx).squeeze(1)\n"
+                 "def build_model():\n    return M()\n"
+                 "def example_inputs(b):\n    return torch.randn(b, 4), torch.zeros(b, 2, dtype=torch.long)\n")
+    g = trace_model(load_model_file(f), 4)
+    assert any(op.kind == "gather" for lay in g.layers for op in lay.ops)
+    assert not any(op.attrs.get("items") for lay in g.layers for op in lay.ops)
+
+
 def test_edges_leave_a_partial_sum_and_nodes_pool_into_one(root, profile):
     from autopar.decomp import CostContext
     from autopar.decomp.graph import Edges, Nodes

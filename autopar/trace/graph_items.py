@@ -12,7 +12,9 @@ graphs):
   another node extent.
 
 A scatter whose source is already node-indexed is a pooling (PyG's ``global_add_pool``), its
-output graph-level. Every value whose shape has the edge (node) extent at ``d`` -- or, for an
+output graph-level. Only message passing marks anything: a gather from and a scatter into the
+same node extent (a lone gather, such as a loss picking each sample's target class, does not);
+extents of 1 are ignored. Every value whose shape has the edge (node) extent at ``d`` -- or, for an
 index tensor such as ``edge_index [2, E]``, at exactly one other dim -- is marked edge (node)
 in the attributes of the ops that read or write it: ``op.attrs["items"] = {value: [dim,
 "edge" | "node"]}``. An extent that is both is left unmarked (nothing is split along it).
@@ -38,24 +40,39 @@ def graph_extents(data: LayerGraphData) -> tuple[set[tuple[int, int]], set[tuple
     shapes = {gi.name: list(gi.shape) for gi in data.inputs}
     shapes.update({op.name: list(op.out_shape) for op in ops})
     edge: set[tuple[int, int]] = set()
-    node: set[tuple[int, int]] = set()
+    g_node: set[tuple[int, int]] = set()          # node extents of the gathers' sources
+    s_node: set[tuple[int, int]] = set()          # node extents of the scatters' outputs
     for op in ops:
         if op.kind == GATHER:
             src, idx = _arg_value(op, 0), _arg_value(op, 2)
             if src and idx:
                 d = int(op.attrs.get("dim", 0))
-                edge.add((d, int(op.out_shape[d])))
-                node.add((d, int(shapes[src][d])))
+                if int(op.out_shape[d]) > 1:
+                    edge.add((d, int(op.out_shape[d])))
+                    g_node.add((d, int(shapes[src][d])))
     for op in ops:
         if op.kind == SCATTER:
             idx, src = _arg_value(op, 2), _arg_value(op, 3)
             if idx and src:
                 d = int(op.attrs.get("dim", 0))
-                if (d, int(shapes[src][d])) in node:
+                if (d, int(shapes[src][d])) in g_node or int(shapes[src][d]) <= 1:
                     continue                      # a pooling: nodes -> graphs
                 edge.add((d, int(shapes[src][d])))
-                node.add((d, int(op.out_shape[d])))
-    for _ in range(3):                            # pads and slices of node values along d
+                s_node.add((d, int(op.out_shape[d])))
+    node = _with_pads(ops, g_node | s_node)
+    # message passing: a gather from and a scatter into the same nodes (a lone gather, e.g. a
+    # loss picking the target class, marks nothing)
+    if not (_with_pads(ops, g_node) & _with_pads(ops, s_node)):
+        return set(), set()
+    both = {x[1] for x in edge} & {x[1] for x in node}
+    return ({x for x in edge if x[1] not in both}, {x for x in node if x[1] not in both})
+
+
+def _with_pads(ops, node: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """``node`` and the extents a constant pad or a slice along ``d`` makes of them (the
+    padded form's extra zero node, and dropping it after the scatter)."""
+    node = set(node)
+    for _ in range(3):
         for op in ops:
             if op.kind in ("pad", "slice") and op.in_shapes and not op.attrs.get("select"):
                 for d, n in list(node):
@@ -65,8 +82,7 @@ def graph_extents(data: LayerGraphData) -> tuple[set[tuple[int, int]], set[tuple
                             node.add((d, int(b[d])))
                         elif int(b[d]) == n:
                             node.add((d, int(a[d])))
-    both = {x[1] for x in edge} & {x[1] for x in node}
-    return ({x for x in edge if x[1] not in both}, {x for x in node if x[1] not in both})
+    return node
 
 
 def classify(shape, edge: set, node: set) -> tuple[int, str] | None:
