@@ -66,6 +66,13 @@ def test_edges_leave_a_partial_sum_and_nodes_pool_into_one(root, profile):
     assert e.out_layout(gather) == Layout(((0, 2), (1, 2)))
     assert Nodes(1, 4).out_layout(pool) == Layout((), partial=4)
     assert "does not run unchanged" in Nodes(1, 4).check(next(l for l in g.layers if l.anchor.kind == "pad"), ctx)
+    # only a sum splits into addends: a max aggregation of messages is not an edge split
+    import copy
+    amax = copy.deepcopy(scatter)
+    amax.ops[0].target = "aten.scatter_reduce.two"
+    amax.ops[0].args = amax.ops[0].args + ["amax", True]
+    amax.ops[0].attrs = {**amax.ops[0].attrs, "reduce": "amax"}
+    assert "must add" in Edges(2, 2).check(amax, ctx)
     # the gather of a block of edges is priced on that block: fewer elements, less time
     from autopar.decomp.replicate import Replicate
     assert 0 < Edges(1, 4).cost(gather, ctx).fwd_compute_s < Replicate().cost(gather, ctx).fwd_compute_s

@@ -97,6 +97,12 @@ class ItemSplit(Decomposition):
         source is of this kind; a sum over the item dim)."""
         mine = lambda v: v in items and items[v][1] == self.axis   # noqa: E731
         if op.kind == "scatter":
+            # only a sum splits into addends: scatter_add / index_add, or scatter_reduce "sum"
+            # that includes its own input (include_self=False keeps self only where no
+            # index hits, which a rank holding some of the edges cannot know)
+            if op.attrs.get("reduce") not in (None, "sum") or \
+                    ("scatter_reduce" in op.target and len(op.args) > 5 and op.args[5] is False):
+                return False
             src = _act(op.args[3]) if len(op.args) > 3 else None
             return bool(src) and mine(src) and not mine(op.name)
         if op.kind == "sum":
