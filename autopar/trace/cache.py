@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..decomp.ir import LayerGraphData
 
-_SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "cache.py", "graph.py")] + \
+_SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "cache.py", "graph.py", "graph_items.py")] + \
     [Path(__file__).parent.parent / "decomp" / "ir.py"] + \
     sorted((Path(__file__).parent.parent / "ops").glob("*.py"))   # the op registry classifies
 
