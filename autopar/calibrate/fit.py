@@ -227,3 +227,34 @@ def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
         else:
             k["shape_model"] = None     # fitted, not better: not fitted again at every load
     return done
+
+
+def kernel_form(config: dict) -> str:
+    """The form of one kernel sample (``kernels.sweep_configs``): its ``kind`` ("edge_bmm",
+    "gather", "index_add", ...), "gemm" for a plain matmul size, "-" otherwise."""
+    if not isinstance(config, dict):
+        return "-"
+    return str(config.get("kind") or ("gemm" if {"m", "k", "o"} <= set(config) else "-"))
+
+
+def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED) -> dict[str, dict]:
+    """Held-out error of a kernel class's flat fit (``fit_kernel``) per form of its samples:
+    the class is fitted on the same 70 % split as ``fit_with_heldout`` and each form is judged
+    on its own held-out samples (so the GNN forms, e.g. ``edge_bmm`` of the matmul class, show
+    how well the class's one model prices them). form -> {n, n_test, heldout_median_rel_err,
+    heldout_max_rel_err}."""
+    if len(rows) < 4:
+        return {}
+    X = np.column_stack([np.ones(len(rows)), [r["flops"] for r in rows], [r["bytes"] for r in rows]])
+    t = np.asarray([r["median_s"] for r in rows], dtype=float)
+    train, test = split_indices(len(t), X.shape[1], seed)
+    c = nnls_relative(X[train], t[train])
+    forms = [kernel_form(r.get("config")) for r in rows]
+    out: dict[str, dict] = {}
+    for f in sorted(set(forms)):
+        idx = [i for i in test if forms[i] == f]
+        err = relative_errors(X[idx], t[idx], c) if idx else np.zeros(0)
+        out[f] = {"n": forms.count(f), "n_test": len(idx),
+                  "heldout_median_rel_err": float(np.median(err)) if len(err) else None,
+                  "heldout_max_rel_err": float(err.max()) if len(err) else None}
+    return out

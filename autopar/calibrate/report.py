@@ -43,6 +43,18 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
         lines.append(f"| {op} | {k['t0_s'] * 1e6:.1f} us | {'-' if not fl else f'{fl / 1e9:.3g}'} | "
                      f"{'-' if not by else f'{by / 1e9:.3g}'} | {_pct(k.get('heldout_median_rel_err'))} | "
                      f"{_pct(k.get('heldout_max_rel_err'))} | {k.get('n_samples', '-')} | {k.get('measured')} |")
+    formed = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("by_form")]
+    if formed:
+        lines += ["", "Per form (the GNN kernels: NNConv's per-edge products `edge_bmm` in the matmul "
+                  "class; gather / index_select and scatter_add / index_add on PCQM4M-like sizes in "
+                  "gather_scatter): the class's one flat fit, made on the same 70 % split, judged on "
+                  "each form's own held-out sizes:", "",
+                  "| op class | form | held-out median | held-out max | held-out sizes | sizes |",
+                  "|---|---|---|---|---|---|"]
+        for op in formed:
+            for form, e in sorted(profile.kernels[op]["by_form"].items()):
+                lines.append(f"| {op} | {form} | {_pct(e.get('heldout_median_rel_err'))} | "
+                             f"{_pct(e.get('heldout_max_rel_err'))} | {e.get('n_test', '-')} | {e.get('n', '-')} |")
     shaped = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("shape_model")]
     if shaped:
         lines += ["", "Shape-aware convolution model (``kernels.conv_shape_features``: roofline plus "

@@ -249,6 +249,9 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                                    "increase the sweep")
         m = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows],
                            [r["median_s"] for r in rows])
+        forms = fit.heldout_by_form(rows)
+        if len(forms) > 1:       # a class swept in several forms (GNN kernels): each one's error
+            m["by_form"] = forms
         kernel_models[op] = {**m, "measured": True}
     coll_models: dict[str, dict] = {}
     for kind, per_p in coll_samples.items():
