@@ -238,23 +238,26 @@ def kernel_form(config: dict) -> str:
 
 
 def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED) -> dict[str, dict]:
-    """Held-out error of a kernel class's flat fit (``fit_kernel``) per form of its samples:
-    the class is fitted on the same 70 % split as ``fit_with_heldout`` and each form is judged
-    on its own held-out samples (so the GNN forms, e.g. ``edge_bmm`` of the matmul class, show
-    how well the class's one model prices them). form -> {n, n_test, heldout_median_rel_err,
-    heldout_max_rel_err}."""
+    """Held-out error of a kernel class's flat fit (``fit_kernel``) per form of its samples
+    (stratified): for each form, 30 % of its own sizes (at least one, fixed seed) are left out,
+    the class is fitted on every other sample, and the left-out sizes are judged; so the GNN
+    forms (e.g. ``edge_bmm`` of the matmul class) show how well the class's one model prices
+    them. form -> {n, n_test, heldout_median_rel_err, heldout_max_rel_err}."""
     if len(rows) < 4:
         return {}
     X = np.column_stack([np.ones(len(rows)), [r["flops"] for r in rows], [r["bytes"] for r in rows]])
     t = np.asarray([r["median_s"] for r in rows], dtype=float)
-    train, test = split_indices(len(t), X.shape[1], seed)
-    c = nnls_relative(X[train], t[train])
     forms = [kernel_form(r.get("config")) for r in rows]
     out: dict[str, dict] = {}
     for f in sorted(set(forms)):
-        idx = [i for i in test if forms[i] == f]
-        err = relative_errors(X[idx], t[idx], c) if idx else np.zeros(0)
-        out[f] = {"n": forms.count(f), "n_test": len(idx),
+        mine = np.array([i for i in range(len(rows)) if forms[i] == f])
+        n_test = max(1, int(round((1 - TRAIN_FRACTION) * len(mine)))) if len(mine) > 1 else 0
+        test = np.sort(np.random.default_rng(seed).permutation(mine)[:n_test]) if n_test else np.zeros(0, int)
+        train = np.setdiff1d(np.arange(len(rows)), test)
+        err = np.zeros(0)
+        if len(test) and len(train) >= X.shape[1]:
+            err = relative_errors(X[test], t[test], nnls_relative(X[train], t[train]))
+        out[f] = {"n": int(len(mine)), "n_test": int(len(err)),
                   "heldout_median_rel_err": float(np.median(err)) if len(err) else None,
                   "heldout_max_rel_err": float(err.max()) if len(err) else None}
     return out

@@ -47,8 +47,8 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
     if formed:
         lines += ["", "Per form (the GNN kernels: NNConv's per-edge products `edge_bmm` in the matmul "
                   "class; gather / index_select and scatter_add / index_add on PCQM4M-like sizes in "
-                  "gather_scatter): the class's one flat fit, made on the same 70 % split, judged on "
-                  "each form's own held-out sizes:", "",
+                  "gather_scatter): for each form, 30 % of its sizes left out, the class's one flat "
+                  "fit made on every other size, judged on the left-out ones:", "",
                   "| op class | form | held-out median | held-out max | held-out sizes | sizes |",
                   "|---|---|---|---|---|---|"]
         for op in formed:
