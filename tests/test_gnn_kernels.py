@@ -99,3 +99,33 @@ def test_small_sizes_run_fit_and_report_each_form(tmp_path):
     prof.kernels["matmul"]["by_form"] = by
     md = report_markdown(prof, "fake", [])
     assert "| matmul | edge_bmm |" in md and "held-out median" in md
+
+
+def test_intensity_model_prices_index_per_element_kernels_apart():
+    """Synthetic samples: gather / scatter_add (16 bytes per element moved) run 5x slower per
+    byte than index_select / index_add; the flat fit cannot hold both, the intensity model can,
+    is kept, and is what the profile prices with."""
+    from fakes import synthetic_profile
+    rows = []
+    for i, m in enumerate((100, 300, 1000, 3000, 10_000, 30_000, 60_000, 100_000)):
+        for kind, full in kernels.GATHER_SCATTER_FORMS.items():
+            fl, by = kernels.gather_scatter_features(m, 32 + i, full)
+            rows.append({"config": {"kind": kind, "m": m, "width": 32 + i, "rows": m // 2}, "flops": fl, "bytes": by,
+                         "median_s": 2e-6 + by * (5e-11 if full else 1e-11)})
+    prof = synthetic_profile()
+    flat = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows], [r["median_s"] for r in rows])
+    prof.kernels["gather_scatter"] = {**flat, "measured": True}
+    prof.samples = {"kernels": {"gather_scatter": rows}}
+    assert fit.add_intensity_models(prof) == ["gather_scatter"]
+    k = prof.kernels["gather_scatter"]
+    assert k["intensity_model"]["heldout_median_rel_err"] < 0.01 < flat["heldout_median_rel_err"]
+    fl, by = kernels.gather_scatter_features(5000, 64, True)
+    assert prof.kernel_time_s("gather_scatter", fl, by) == pytest.approx(2e-6 + by * 5e-11, rel=1e-3)
+    fl, by = kernels.gather_scatter_features(5000, 64, False)
+    assert prof.kernel_time_s("gather_scatter", fl, by) == pytest.approx(2e-6 + by * 1e-11, rel=1e-3)
+    by_form = fit.heldout_by_form(rows, features=fit.model_features(k))
+    assert all(v["heldout_median_rel_err"] < 0.01 for v in by_form.values())
+    # a class whose samples hold one regime only gets no intensity model
+    prof2 = synthetic_profile()
+    prof2.samples = {"kernels": {"gather_scatter": [r for r in rows if not kernels.GATHER_SCATTER_FORMS[r["config"]["kind"]]]}}
+    assert fit.add_intensity_models(prof2) == [] and "intensity_model" not in prof2.kernels["gather_scatter"]

@@ -16,7 +16,7 @@ The model forms live in :mod:`autopar.calibrate.profile` (``collective_terms`` a
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -173,6 +173,74 @@ def fit_kernel_cache(flops: Sequence[float], bytes_moved: Sequence[float], times
     return {"form": CACHE_FORM, **fit_with_heldout(X, times_s, seed)}
 
 
+#: the arithmetic-intensity model (``intensity_features``): kernels of a class that move many
+#: bytes per FLOP run a different code path (gather / scatter_add with an index per element:
+#: 16 bytes per element moved against ~8 for index_select / index_add; NNConv's per-edge
+#: vector-matrix products: ~2 bytes per FLOP against < 1 for the GEMMs), with their own rates.
+#: Threshold in bytes per FLOP per class (kernels.py's conventions).
+INTENSITY_FORM = "intensity/1"
+INTENSITY_BYTES_PER_FLOP = {"gather_scatter": 15.5, "matmul": 1.5}
+
+
+def low_intensity(flops: float, nbytes: float, threshold: float) -> bool:
+    """True when the kernel moves at least ``threshold`` bytes per FLOP."""
+    return flops > 0 and nbytes / flops >= threshold
+
+
+def intensity_features(flops: float, nbytes: float, threshold: float) -> list[float]:
+    """The cache-aware features (``cache_features``) plus ``L (t0' + flops a' + bytes b' +
+    bytes past 8 MiB c')``, L = 1 when the kernel moves at least ``threshold`` bytes per FLOP
+    (all constants >= 0: the low-intensity path costs the common price plus its own)."""
+    low = 1.0 if low_intensity(flops, nbytes, threshold) else 0.0
+    big = float(nbytes) if nbytes > CACHE_BYTES[-1] else 0.0
+    return cache_features(flops, nbytes) + [low, low * float(flops), low * float(nbytes), low * big]
+
+
+def fit_kernel_intensity(flops: Sequence[float], bytes_moved: Sequence[float], times_s: Sequence[float],
+                         threshold: float, seed: int = HELDOUT_SEED) -> dict:
+    """Fit the arithmetic-intensity model (``intensity_features``) with its held-out error."""
+    X = np.array([intensity_features(f, b, threshold) for f, b in zip(flops, bytes_moved)], dtype=float)
+    return {"form": INTENSITY_FORM, "threshold_bytes_per_flop": threshold, **fit_with_heldout(X, times_s, seed)}
+
+
+def model_features(k: Mapping) -> Callable[[float, float], list[float]]:
+    """The features of the kernel model ``Profile.kernel_time_s`` uses for class entry ``k``
+    (intensity, cache-aware or flat), for judging it per form."""
+    im = k.get("intensity_model")
+    if im and im.get("form") == INTENSITY_FORM:
+        return lambda f, b: intensity_features(f, b, im["threshold_bytes_per_flop"])
+    cm = k.get("cache_model")
+    if cm and cm.get("form") == CACHE_FORM:
+        return cache_features
+    return lambda f, b: [1.0, float(f), float(b)]
+
+
+def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
+    """``kernels[cls]["intensity_model"]`` for the classes of ``INTENSITY_BYTES_PER_FLOP`` whose
+    samples hold both regimes, kept only where its held-out median error is at least one point
+    below the model in use otherwise (cache-aware or flat)."""
+    done = []
+    for cls, thr in INTENSITY_BYTES_PER_FLOP.items():
+        k = profile.kernels.get(cls)
+        rows = [r for r in ((profile.samples.get("kernels") or {}).get(cls) or [])
+                if isinstance(r, dict) and r.get("median_s", 0) > 0]
+        if not isinstance(k, dict) or "intensity_model" in k or len(rows) < min_samples:
+            continue
+        lows = sum(low_intensity(r["flops"], r["bytes"], thr) for r in rows)
+        if lows < 3 or len(rows) - lows < 3:
+            continue
+        m = fit_kernel_intensity([r["flops"] for r in rows], [r["bytes"] for r in rows],
+                                 [r["median_s"] for r in rows], thr)
+        other = (k.get("cache_model") or {}).get("heldout_median_rel_err") or k.get("heldout_median_rel_err")
+        if m["heldout_median_rel_err"] is not None and other is not None and \
+                m["heldout_median_rel_err"] < other - 0.01:
+            k["intensity_model"] = m
+            done.append(cls)
+        else:
+            k["intensity_model"] = None
+    return done
+
+
 def add_shape_models(profile, min_samples: int = 12) -> list[str]:
     """The shape-aware conv model (``add_conv_shape_models``) and, for every other kernel
     class whose raw samples are in the profile, the cache-aware model
@@ -198,7 +266,7 @@ def add_shape_models(profile, min_samples: int = 12) -> list[str]:
             done.append(cls)
         else:
             k["cache_model"] = None     # fitted, not better: not fitted again at every load
-    return done
+    return done + add_intensity_models(profile, min_samples)
 
 
 def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
@@ -237,15 +305,17 @@ def kernel_form(config: dict) -> str:
     return str(config.get("kind") or ("gemm" if {"m", "k", "o"} <= set(config) else "-"))
 
 
-def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED) -> dict[str, dict]:
-    """Held-out error of a kernel class's flat fit (``fit_kernel``) per form of its samples
-    (stratified): for each form, 30 % of its own sizes (at least one, fixed seed) are left out,
-    the class is fitted on every other sample, and the left-out sizes are judged; so the GNN
-    forms (e.g. ``edge_bmm`` of the matmul class) show how well the class's one model prices
-    them. form -> {n, n_test, heldout_median_rel_err, heldout_max_rel_err}."""
+def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED,
+                    features: Callable[[float, float], list[float]] | None = None) -> dict[str, dict]:
+    """Held-out error of a kernel class's model (``features``: ``model_features`` of the
+    class's entry; default the flat fit) per form of its samples (stratified): for each form,
+    30 % of its own sizes (at least one, fixed seed) are left out, the model is fitted on every
+    other sample, and the left-out sizes are judged; so the GNN forms (e.g. ``edge_bmm`` of the
+    matmul class) show how well the class's one model prices them. form -> {n, n_test, heldout_median_rel_err, heldout_max_rel_err}."""
     if len(rows) < 4:
         return {}
-    X = np.column_stack([np.ones(len(rows)), [r["flops"] for r in rows], [r["bytes"] for r in rows]])
+    feats = features or (lambda f, b: [1.0, float(f), float(b)])
+    X = np.array([feats(r["flops"], r["bytes"]) for r in rows], dtype=float)
     t = np.asarray([r["median_s"] for r in rows], dtype=float)
     forms = [kernel_form(r.get("config")) for r in rows]
     out: dict[str, dict] = {}

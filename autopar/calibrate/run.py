@@ -249,9 +249,6 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                                    "increase the sweep")
         m = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows],
                            [r["median_s"] for r in rows])
-        forms = fit.heldout_by_form(rows)
-        if len(forms) > 1:       # a class swept in several forms (GNN kernels): each one's error
-            m["by_form"] = forms
         kernel_models[op] = {**m, "measured": True}
     coll_models: dict[str, dict] = {}
     for kind, per_p in coll_samples.items():
@@ -297,6 +294,12 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
     fitted = fit.add_shape_models(prof)
+    for op, rows in kernel_samples.items():
+        # a class swept in several forms (the GNN kernels): each form's held-out error under
+        # the model the cost model uses for the class
+        forms = fit.heldout_by_form(rows, features=fit.model_features(prof.kernels[op]))
+        if len(forms) > 1:
+            prof.kernels[op]["by_form"] = forms
     if fitted:
         progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
             f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "
