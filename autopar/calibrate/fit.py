@@ -217,8 +217,9 @@ def model_features(k: Mapping) -> Callable[[float, float], list[float]]:
 
 def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
     """``kernels[cls]["intensity_model"]`` for the classes of ``INTENSITY_BYTES_PER_FLOP`` whose
-    samples hold both regimes, kept only where its held-out median error is at least one point
-    below the model in use otherwise (cache-aware or flat)."""
+    samples hold both regimes (at least 3 of each), kept only where its held-out median error,
+    judged per form (``stratified_heldout_median``: the mean of the forms' medians), is at least one point below that of the
+    model in use otherwise (cache-aware or flat)."""
     done = []
     for cls, thr in INTENSITY_BYTES_PER_FLOP.items():
         k = profile.kernels.get(cls)
@@ -231,9 +232,12 @@ def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
             continue
         m = fit_kernel_intensity([r["flops"] for r in rows], [r["bytes"] for r in rows],
                                  [r["median_s"] for r in rows], thr)
-        other = (k.get("cache_model") or {}).get("heldout_median_rel_err") or k.get("heldout_median_rel_err")
-        if m["heldout_median_rel_err"] is not None and other is not None and \
-                m["heldout_median_rel_err"] < other - 0.01:
+        # judged per form (stratified), so that the few low-intensity sizes are always judged
+        mine = stratified_heldout_median(rows, lambda f, b: intensity_features(f, b, thr))
+        other = stratified_heldout_median(rows, model_features(k))
+        if mine is not None and other is not None and mine < other - 0.01:
+            m["stratified_heldout_median_rel_err"] = mine
+            m["previous_stratified_heldout_median_rel_err"] = other
             k["intensity_model"] = m
             done.append(cls)
         else:
@@ -305,20 +309,13 @@ def kernel_form(config: dict) -> str:
     return str(config.get("kind") or ("gemm" if {"m", "k", "o"} <= set(config) else "-"))
 
 
-def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED,
-                    features: Callable[[float, float], list[float]] | None = None) -> dict[str, dict]:
-    """Held-out error of a kernel class's model (``features``: ``model_features`` of the
-    class's entry; default the flat fit) per form of its samples (stratified): for each form,
-    30 % of its own sizes (at least one, fixed seed) are left out, the model is fitted on every
-    other sample, and the left-out sizes are judged; so the GNN forms (e.g. ``edge_bmm`` of the
-    matmul class) show how well the class's one model prices them. form -> {n, n_test, heldout_median_rel_err, heldout_max_rel_err}."""
-    if len(rows) < 4:
-        return {}
-    feats = features or (lambda f, b: [1.0, float(f), float(b)])
-    X = np.array([feats(r["flops"], r["bytes"]) for r in rows], dtype=float)
+def _stratified(rows: Sequence[dict], features, seed: int) -> dict[str, np.ndarray]:
+    """form -> relative errors on 30 % of that form's sizes (at least one, fixed seed), the
+    model (``features``) fitted on every other sample."""
+    X = np.array([features(r["flops"], r["bytes"]) for r in rows], dtype=float)
     t = np.asarray([r["median_s"] for r in rows], dtype=float)
     forms = [kernel_form(r.get("config")) for r in rows]
-    out: dict[str, dict] = {}
+    out: dict[str, np.ndarray] = {}
     for f in sorted(set(forms)):
         mine = np.array([i for i in range(len(rows)) if forms[i] == f])
         n_test = max(1, int(round((1 - TRAIN_FRACTION) * len(mine)))) if len(mine) > 1 else 0
@@ -327,7 +324,31 @@ def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED,
         err = np.zeros(0)
         if len(test) and len(train) >= X.shape[1]:
             err = relative_errors(X[test], t[test], nnls_relative(X[train], t[train]))
-        out[f] = {"n": int(len(mine)), "n_test": int(len(err)),
-                  "heldout_median_rel_err": float(np.median(err)) if len(err) else None,
-                  "heldout_max_rel_err": float(err.max()) if len(err) else None}
+        out[f] = err
     return out
+
+
+def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED,
+                    features: Callable[[float, float], list[float]] | None = None) -> dict[str, dict]:
+    """Held-out error of a kernel class's model (``features``: ``model_features`` of the
+    class's entry; default the flat fit) per form of its samples (stratified): for each form,
+    30 % of its own sizes (at least one, fixed seed) are left out, the model is fitted on every
+    other sample, and the left-out sizes are judged; so the GNN forms (e.g. ``edge_bmm`` of the
+    matmul class) show how well the class's one model prices them. form -> {n, n_test,
+    heldout_median_rel_err, heldout_max_rel_err}."""
+    if len(rows) < 4:
+        return {}
+    feats = features or (lambda f, b: [1.0, float(f), float(b)])
+    forms = [kernel_form(r.get("config")) for r in rows]
+    return {f: {"n": forms.count(f), "n_test": int(len(err)),
+                "heldout_median_rel_err": float(np.median(err)) if len(err) else None,
+                "heldout_max_rel_err": float(err.max()) if len(err) else None}
+            for f, err in _stratified(rows, feats, seed).items()}
+
+
+def stratified_heldout_median(rows: Sequence[dict], features, seed: int = HELDOUT_SEED) -> float | None:
+    """The mean over forms of each form's held-out median error (``_stratified``): every form
+    is judged and counts alike, however few its sizes (a plain 70/30 split may leave a rare
+    form out, and a pooled median would follow the most numerous form)."""
+    meds = [float(np.median(e)) for e in _stratified(rows, features, seed).values() if len(e)]
+    return float(np.mean(meds)) if meds else None

@@ -90,11 +90,14 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                   "threshold bytes per FLOP, e.g. gather / scatter_add with an index per element and NNConv's "
                   "per-edge products, get rates of their own), used where its held-out error is lower than "
                   "the model otherwise used:", "",
-                  "| op class | threshold bytes/FLOP | held-out median | held-out max | samples |",
-                  "|---|---|---|---|---|"]
+                  "| op class | threshold bytes/FLOP | mean of per-form held-out medians | the same, model otherwise used | "
+                  "held-out median (70/30) | held-out max (70/30) | samples |", "|---|---|---|---|---|---|---|"]
         for op in intense:
             im = profile.kernels[op]["intensity_model"]
-            lines.append(f"| {op} | {im['threshold_bytes_per_flop']:g} | {_pct(im.get('heldout_median_rel_err'))} | "
+            lines.append(f"| {op} | {im['threshold_bytes_per_flop']:g} | "
+                         f"{_pct(im.get('stratified_heldout_median_rel_err'))} | "
+                         f"{_pct(im.get('previous_stratified_heldout_median_rel_err'))} | "
+                         f"{_pct(im.get('heldout_median_rel_err'))} | "
                          f"{_pct(im.get('heldout_max_rel_err'))} | {im.get('n_samples', '-')} |")
     if "runtime_op" in profile.kernels:
         lines += ["", f"Runtime per-op cost beyond the kernels: "
