@@ -270,7 +270,8 @@ def add_shape_models(profile, min_samples: int = 12) -> list[str]:
             done.append(cls)
         else:
             k["cache_model"] = None     # fitted, not better: not fitted again at every load
-    return done + add_intensity_models(profile, min_samples)
+    add_intensity_models(profile, min_samples)     # reported apart (``calibrate.run``)
+    return done
 
 
 def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:

@@ -294,6 +294,13 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
     fitted = fit.add_shape_models(prof)
+    intense = [c for c in fit.INTENSITY_BYTES_PER_FLOP if (prof.kernels.get(c) or {}).get("intensity_model")]
+    if intense:
+        progress(f"{stamp()} arithmetic-intensity kernel models (index per element, per-edge products), mean of "
+                 "per-form held-out medians: " + ", ".join(
+                     f"{c} {100 * prof.kernels[c]['intensity_model']['stratified_heldout_median_rel_err']:.0f} % "
+                     f"(otherwise {100 * prof.kernels[c]['intensity_model']['previous_stratified_heldout_median_rel_err']:.0f} %)"
+                     for c in intense))
     for op, rows in kernel_samples.items():
         # a class swept in several forms (the GNN kernels): each form's held-out error under
         # the model the cost model uses for the class
