@@ -443,6 +443,13 @@ class Plan:
         p = Path(self.model.path)
         return p if p.is_absolute() else (Path(plan_file).resolve().parent / p).resolve()
 
+    def model_env(self) -> dict[str, str]:
+        """Environment variables the model file must be imported with to build the model this
+        plan was made for (a padded GNN's padded sizes, ``padding.env``); empty otherwise."""
+        if self.padding is None:
+            return {}
+        return {str(k): str(v) for k, v in (self.padding.extra.get("env") or {}).items()}
+
     def bn_stats(self):
         """The batch-norm statistics (``autopar.decomp.bn.BatchNormStats``) the plan computes."""
         from .decomp.bn import BatchNormStats

@@ -484,20 +484,30 @@ def make_padded_plan(model_file: str | Path, options: PlanOptions, padding: Padd
     top = decision.chosen.buckets[-1]
     main = plan_at(top, dataclasses.replace(options, batch_size=batch), hooks)
     out_dir = main.plan_path.parent if main.plan_path is not None else None
-    rows = []
+    rows, written = [], []
     for b, r in zip(decision.chosen.buckets, decision.chosen.rows):
         rel = None
         if out_dir is not None and b != top and r["step_fraction"] > 0:
             sub = out_dir / f"bucket-N{b.nodes}-E{b.edges}"
-            plan_at(b, dataclasses.replace(options, batch_size=batch, out_dir=str(sub), measure_shapes=False),
-                    dataclasses.replace(hooks, profile=profile, progress=None))
+            res = plan_at(b, dataclasses.replace(options, batch_size=batch, out_dir=str(sub), measure_shapes=False),
+                          dataclasses.replace(hooks, profile=profile, progress=None))
+            written.append((b, res))
             rel = f"{sub.name}/plan.json"
         rows.append({**r, "plan": rel if b != top else "plan.json"})
-    dj = decision.to_json()
-    dj["buckets"] = rows
-    dj["env"] = {env_names["nodes"]: str(top.nodes), env_names["edges"]: str(top.edges)}
-    info = PaddingInfo.from_json(dj)
-    plan = dataclasses.replace(main.plan, padding=info)
+
+    def record(b, plan_rel: str) -> PaddingInfo:
+        """The decision as plan.json records it in the plan of bucket ``b`` (paths relative to
+        that plan; ``env``: the padded sizes its model is imported with, ``Plan.model_env``)."""
+        dj = decision.to_json()
+        up = "" if b == top else "../"
+        dj["buckets"] = [{**r, "plan": (up + r["plan"]) if r["plan"] else None} for r in rows]
+        dj["this_bucket"] = {"nodes": b.nodes, "edges": b.edges, "plan": plan_rel}
+        dj["env"] = {env_names["nodes"]: str(b.nodes), env_names["edges"]: str(b.edges)}
+        return PaddingInfo.from_json(dj)
+
+    plan = dataclasses.replace(main.plan, padding=record(top, "plan.json"))
     if main.plan_path is not None:
         write_plan(plan, main.plan_path)
+    for b, res in written:
+        write_plan(dataclasses.replace(res.plan, padding=record(b, "plan.json")), res.plan_path)
     return dataclasses.replace(main, plan=plan), decision

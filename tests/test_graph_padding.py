@@ -144,6 +144,11 @@ def test_buckets_nest_and_end_at_the_global_max():
 
 def test_plan_with_graph_sizes_records_the_choice(tmp_path):
     """Each bucket priced by planning the example at its padded shape (world 2)."""
+    _padded_plan(tmp_path)
+
+
+def _padded_plan(tmp_path) -> Path:
+    """Plan with a two-size distribution, check the record; the small bucket's plan file."""
     from autopar.artifacts import PlanOptions, load_plan
     from autopar.pipeline import PaddingOptions, make_padded_plan
     sizes = tmp_path / "sizes.csv"
@@ -167,9 +172,32 @@ def test_plan_with_graph_sizes_records_the_choice(tmp_path):
     assert any(d.out_shape[1:2] == (118,) for d in plan.layers)
     small_plan = load_plan(res.plan_path.parent / small["plan"])
     assert any(d.out_shape[1:2] == (10,) for d in small_plan.layers)
-    # round trip keeps the record
+    # round trip keeps the record; each plan knows the sizes its model is imported with
     assert json.loads(res.plan_path.read_text())["padding"]["env"] == {"AUTOPAR_GNN_NODES": "51",
                                                                        "AUTOPAR_GNN_EDGES": "118"}
+    assert plan.model_env() == {"AUTOPAR_GNN_NODES": "51", "AUTOPAR_GNN_EDGES": "118"}
+    assert small_plan.model_env() == {"AUTOPAR_GNN_NODES": "6", "AUTOPAR_GNN_EDGES": "10"}
+    assert small_plan.padding.extra["this_bucket"] == {"nodes": 6, "edges": 10, "plan": "plan.json"}
+    assert [b["plan"] for b in small_plan.padding.buckets] == ["../" + small["plan"], "../plan.json"]
+    import os
+    from autopar.runtime.entry import build_user_model
+    before = os.environ.get("AUTOPAR_GNN_NODES")
+    mf, _ = build_user_model(small_plan, res.plan_path.parent / small["plan"], 0)
+    x, e, src, dst, mask = mf.example_inputs(3)
+    assert x.shape == (3, 6, 9) and e.shape == (3, 10, 3) and os.environ.get("AUTOPAR_GNN_NODES") == before
+    return res.plan_path.parent / small["plan"]
+
+
+@pytest.mark.dist
+def test_a_bucket_plan_executes_and_validates(tmp_path):
+    """The small bucket's plan runs at world 2 (its model imported at the bucket's sizes from
+    the plan) and equals one process. float32: the dense example's float64 validation needs
+    the factory-op dtype fix of the GNN decompositions' branch (zeros follow the run dtype)."""
+    from autopar.execute.runner import ExecuteOptions, execute
+    small = _padded_plan(tmp_path)
+    run, _ = execute(small, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1, ddp=False, timeout_s=180,
+                                           validate_dtype="float32"), out_dir=tmp_path / "run")
+    assert run.validation.passed and run.validation.checked > 0
 
 
 # ---- run time: exact padding and its errors --------------------------------------------------
