@@ -170,8 +170,9 @@ def _plan_padded(args, options) -> int:
     _p(format_plan_table(res.plan))
     _p(format_decision(decision))
     env = " ".join(f"{k}={v}" for k, v in (res.plan.padding.extra.get("env") or {}).items())
-    _p(f"plan written to {res.plan_path} (padded shape of the largest bucket; the model file runs it "
-       f"with {env}); generated module {res.module_path}")
+    _p(f"plan written to {res.plan_path} (the largest bucket's padded shape; its model is imported with "
+       f"{env}, recorded in plan.json as padding.env and applied by autopar execute and torchrun); "
+       f"generated module {res.module_path}")
     return 0
 
 
