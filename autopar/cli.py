@@ -139,6 +139,11 @@ def cmd_plan(args) -> int:
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
                           measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget)
+    if args.graph_sizes and (args.trainers is not None or sweep):
+        from .errors import AutoparError
+        raise AutoparError("--graph-sizes plans one padded GNN job: it does not combine with "
+                           f"{'--trainers' if args.trainers is not None else '--sweep'}",
+                           "plan the padding first, then the trainers or the sweep at its padded shape")
     if args.trainers is not None:
         return _plan_trainers(args, options)
     if args.graph_sizes:

@@ -62,6 +62,13 @@ def test_cli_malformed_graph_sizes_is_a_named_error(tmp_path, capsys):
     assert rc == 2 and "line 3" in err and "not an integer" in err
 
 
+def test_cli_graph_sizes_does_not_combine_with_trainers(tmp_path, capsys):
+    from autopar.cli import main
+    rc = main(["plan", str(MODEL), "--world-size", "2", "--graph-sizes", str(SIZES), "--trainers", "2",
+               "-o", str(tmp_path / "p")])
+    assert rc == 2 and "does not combine with --trainers" in capsys.readouterr().err
+
+
 def test_shipped_pcqm4m_like_file_matches_its_stated_statistics():
     s = load_graph_sizes(SIZES)
     assert s.graphs == 3_746_620 and s.max_nodes == 51 and s.max_edges == 118
