@@ -428,7 +428,7 @@ def make_padded_plan(model_file: str | Path, options: PlanOptions, padding: Padd
     """Plan a padded GNN for the graph sizes of ``padding.sizes_path``: price the model at each
     candidate bucket's padded shape (planning it with the model file's padding variables set),
     choose the padding (``autopar.cost.padding.decide``), write the plan of the largest shape as
-    ``plan.json`` with the decision under ``padding``, and the plan of every other bucket in use
+    ``plan.json`` with the decision under ``padding``, and the plan of every other bucket
     beside it (``bucket-N<n>-E<e>/``). Returns (PlanResult, PaddingDecision)."""
     from .artifacts import PaddingInfo
     from .cost import padding as pad
@@ -487,7 +487,7 @@ def make_padded_plan(model_file: str | Path, options: PlanOptions, padding: Padd
     rows, written = [], []
     for b, r in zip(decision.chosen.buckets, decision.chosen.rows):
         rel = None
-        if out_dir is not None and b != top and r["step_fraction"] > 0:
+        if out_dir is not None and b != top:
             sub = out_dir / f"bucket-N{b.nodes}-E{b.edges}"
             res = plan_at(b, dataclasses.replace(options, batch_size=batch, out_dir=str(sub), measure_shapes=False),
                           dataclasses.replace(hooks, profile=profile, progress=None))

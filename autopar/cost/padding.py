@@ -42,11 +42,12 @@ says what per-rank padding would leave idle. Zero for grouped sampling and one g
 
 Choice (``decide``)::
 
-    total_s(k) = steps * sum_b P_b T_b  +  sum_{b: P_b > 0} (shape_setup_s + warmup_steps * T_b)
+    total_s(k) = steps * sum_b P_b T_b  +  sum_b (shape_setup_s + warmup_steps * T_b)
 
 ``T_b`` the priced step time at bucket b, ``steps`` the training steps the shapes are used
 for (default one epoch: graphs / B), ``shape_setup_s`` a plan, trace and first-call warm-up of
-one shape (ASSUMED, stated in the plan). The smallest ``total_s`` wins; ties keep fewer shapes.
+one shape (ASSUMED, stated in the plan): every shape of a policy is prepared before training,
+whether or not a step then runs at it. The smallest ``total_s`` wins; ties keep fewer shapes.
 """
 
 from __future__ import annotations
@@ -202,14 +203,13 @@ def price_candidate(sizes: GraphSizes, buckets: tuple[Bucket, ...], prices: Mapp
     means = mean_sizes(sizes, buckets, sampling)
     own = _own_bucket_fractions(sizes, buckets)
     T = [prices[b].step_time_s for b in buckets]
-    rows, used = [], 0
+    rows = []
     shape_cost = 0.0
     for b, p, (mn, me), g, t in zip(buckets, P, means, own, T):
         pr = prices[b]
         waste = padded_work_fraction(pr, b, mn, me)
-        if p > 0:
-            used += 1
-            shape_cost += shape_setup_s + warmup_steps * t
+        # every shape of the policy is planned and warmed up before training, used or not
+        shape_cost += shape_setup_s + warmup_steps * t
         rows.append({"nodes": b.nodes, "edges": b.edges, "graph_fraction": g, "step_fraction": p,
                      "step_time_s": t, "mean_nodes": mn, "mean_edges": me,
                      "padded_node_fraction": 1 - mn / b.nodes,
@@ -228,7 +228,7 @@ def price_candidate(sizes: GraphSizes, buckets: tuple[Bucket, ...], prices: Mapp
         imbalance = max(0.0, 1 - sum(qi * t for qi, t in zip(q, T)) / expected)
     return PaddingCandidate(k=k if k is not None else len(buckets), sampling=sampling, buckets=buckets,
                             rows=tuple(rows), expected_step_time_s=expected, padded_work_fraction=waste_all,
-                            rank_imbalance=imbalance, distinct_shapes=used, shape_cost_s=shape_cost,
+                            rank_imbalance=imbalance, distinct_shapes=len(buckets), shape_cost_s=shape_cost,
                             total_s=steps * expected + shape_cost)
 
 
