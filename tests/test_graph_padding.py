@@ -62,6 +62,21 @@ def test_cli_malformed_graph_sizes_is_a_named_error(tmp_path, capsys):
     assert rc == 2 and "line 3" in err and "not an integer" in err
 
 
+def test_cli_plan_with_graph_sizes_prints_and_records_the_choice(tmp_path, capsys):
+    from autopar.artifacts import load_plan
+    from autopar.cli import main
+    sizes = tmp_path / "sizes.csv"
+    sizes.write_text("# two sizes\nnodes,edges,count\n6,10,900\n51,118,100\n")
+    rc = main(["plan", str(MODEL), "--world-size", "2", "--batch-size", "8", "--calibration", str(PROFILE),
+               "--no-measure", "--placement", "block", "-o", str(tmp_path / "p"), "--graph-sizes", str(sizes),
+               "--bucket-sampling", "grouped", "--train-steps", "100000", "--max-buckets", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "chosen: 2_buckets" in out and "N6/E10: 90.0 % of graphs" in out
+    p = load_plan(tmp_path / "p" / "plan.json").padding
+    assert p.policy == "2_buckets" and p.extra["steps"] == 100_000 and len(p.extra["candidates"]) == 2
+    assert (tmp_path / "p" / "bucket-N6-E10" / "plan.json").is_file()
+
+
 def test_cli_graph_sizes_does_not_combine_with_trainers(tmp_path, capsys):
     from autopar.cli import main
     rc = main(["plan", str(MODEL), "--world-size", "2", "--graph-sizes", str(SIZES), "--trainers", "2",
