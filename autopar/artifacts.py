@@ -36,6 +36,11 @@ Schemas
     trainers     (tournament training only) the trainer level: T trainers of ``world_size``
                  ranks each, interval, pairing seed, what is exchanged, the metric, the data
                  split and the predicted figures (``TrainerLevel``); absent: one trainer
+    padding      (``--graph-sizes`` only) the padding chosen for a padded GNN: policy
+                 ("global_max" or "K_buckets"), sampling, per bucket its padded shape, the
+                 fractions of graphs and steps, the predicted step and padded fractions of
+                 nodes, edges and work, and every candidate priced (``PaddingInfo``,
+                 ``autopar.cost.padding``); absent: the model's own fixed shape
 
 Schema 1 -> 2: schema 2 only adds ``mesh.ranks`` (and makes ``mesh.placement`` explicit). A
 schema-1 plan is therefore **migrated on load** (ranks 0..W-1, a missing placement = block):
@@ -377,6 +382,22 @@ def check_trainer_level(tl: TrainerLevel, plan_world: int, batch_size: int, src:
 
 
 @dataclass(frozen=True)
+class PaddingInfo(_Record):
+    """The padding decision of a padded GNN plan (``autopar.cost.padding``): ``buckets`` one
+    record per padded shape ({nodes, edges, graph_fraction, step_fraction, step_time_s,
+    padded_node_fraction, padded_edge_fraction, padded_work_fraction, plan}); this plan.json is
+    the plan of the largest shape, ``plan`` names the others' plan files (relative to it)."""
+    policy: str
+    sampling: str
+    buckets: tuple = ()
+    expected_step_time_s: float = 0.0
+    padded_work_fraction: float = 0.0
+    rank_imbalance: float = 0.0
+    distinct_shapes: int = 1
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A plan: one decision per layer of ``graph_json``, the transitions between them, what the
     cost model predicts, and where it came from. Loadable without a process group."""
@@ -398,10 +419,11 @@ class Plan:
     extra: Mapping[str, Any] = field(default_factory=dict)
     batch_norm: Mapping[str, Any] = field(default_factory=lambda: {"mode": "global", "group": None})
     trainers: TrainerLevel | None = None   # tournament training (LTFB); None: one trainer
+    padding: PaddingInfo | None = None     # padded GNN (--graph-sizes); None: the model's own shape
 
     _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
-             "graph", "generated", "timings_s", "batch_norm", "trainers")
+             "graph", "generated", "timings_s", "batch_norm", "trainers", "padding")
 
     @property
     def world_size(self) -> int:
@@ -420,6 +442,13 @@ class Plan:
         """The model file, its stored path read relative to the plan file's folder."""
         p = Path(self.model.path)
         return p if p.is_absolute() else (Path(plan_file).resolve().parent / p).resolve()
+
+    def model_env(self) -> dict[str, str]:
+        """Environment variables the model file must be imported with to build the model this
+        plan was made for (a padded GNN's padded sizes, ``padding.env``); empty otherwise."""
+        if self.padding is None:
+            return {}
+        return {str(k): str(v) for k, v in (self.padding.extra.get("env") or {}).items()}
 
     def bn_stats(self):
         """The batch-norm statistics (``autopar.decomp.bn.BatchNormStats``) the plan computes."""
@@ -455,6 +484,8 @@ class Plan:
             "batch_norm": dict(self.batch_norm)})
         if self.trainers is not None:
             out["trainers"] = self.trainers.to_json()
+        if self.padding is not None:
+            out["padding"] = self.padding.to_json()
         out.update(self.extra)
         return out
 
@@ -508,6 +539,12 @@ class Plan:
                 raise _bad(src, "trainers", "trainers", f"malformed ({e})") from None
             check_trainer_level(tl, mesh.world_size, model.batch_size, src)
             plan = dataclasses.replace(plan, trainers=tl)
+        if obj.get("padding") is not None:
+            try:
+                pad = PaddingInfo.from_json(obj["padding"])
+            except TypeError as e:
+                raise _bad(src, "padding", "padding", f"malformed ({e})") from None
+            plan = dataclasses.replace(plan, padding=pad)
         check_plan(plan, src)
         if world_size is not None and plan.world_size != int(world_size):
             raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",

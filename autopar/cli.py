@@ -139,8 +139,15 @@ def cmd_plan(args) -> int:
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
                           measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget)
+    if args.graph_sizes and (args.trainers is not None or sweep):
+        from .errors import AutoparError
+        raise AutoparError("--graph-sizes plans one padded GNN job: it does not combine with "
+                           f"{'--trainers' if args.trainers is not None else '--sweep'}",
+                           "plan the padding first, then the trainers or the sweep at its padded shape")
     if args.trainers is not None:
         return _plan_trainers(args, options)
+    if args.graph_sizes:
+        return _plan_padded(args, options)
     res = make_plan(args.model, options, PlanHooks(progress=_p))
     _p(format_plan_table(res.plan))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
@@ -153,6 +160,24 @@ def cmd_plan(args) -> int:
         for r in rows:
             _p(r)
         _p(f"scaling picture written to {png}")
+    return 0
+
+
+def _plan_padded(args, options) -> int:
+    """``autopar plan --graph-sizes FILE``: padding chosen by the planner (``cost.padding``)."""
+    from .artifacts import PlanHooks
+    from .cost.padding import format_decision
+    from .pipeline import PaddingOptions, format_plan_table, make_padded_plan
+    popts = PaddingOptions(sizes_path=args.graph_sizes, max_buckets=args.max_buckets,
+                           sampling=args.bucket_sampling, steps=args.train_steps,
+                           shape_setup_s=args.shape_cost)
+    res, decision = make_padded_plan(args.model, options, popts, PlanHooks(progress=_p))
+    _p(format_plan_table(res.plan))
+    _p(format_decision(decision))
+    env = " ".join(f"{k}={v}" for k, v in (res.plan.padding.extra.get("env") or {}).items())
+    _p(f"plan written to {res.plan_path} (the largest bucket's padded shape; its model is imported with "
+       f"{env}, recorded in plan.json as padding.env and applied by autopar execute and torchrun); "
+       f"generated module {res.module_path}")
     return 0
 
 
@@ -381,6 +406,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bn-group", type=int, default=None, metavar="G",
                    help="samples per statistics group with --batch-norm local (default: the samples "
                         "one rank holds under data parallelism, batch / world size)")
+    g = p.add_argument_group("padded graphs (GNN)")
+    g.add_argument("--graph-sizes", metavar="FILE",
+                   help="node and edge counts of the data set's graphs ('nodes,edges[,count]' per line): "
+                        "the planner chooses one global maximum or size buckets for the padding")
+    g.add_argument("--max-buckets", type=int, default=4, help="most size buckets to price (default 4)")
+    g.add_argument("--bucket-sampling", choices=["random", "grouped"], default="random",
+                   help="random: mini-batches as drawn, padded to the bucket of their largest graph; "
+                        "grouped: mini-batches formed within a bucket")
+    g.add_argument("--train-steps", type=int, help="training steps the shapes serve (default one epoch)")
+    g.add_argument("--shape-cost", type=float, metavar="SEC",
+                   help="seconds one more padded shape costs (plan, trace, warm-up; default 2)")
     t = p.add_argument_group("tournament training (LTFB)")
     t.add_argument("--trainers", help="T trainers of world/T ranks each (tournament training), or 'auto': "
                    "price every divisor of the world and keep the most samples per second")

@@ -130,10 +130,24 @@ def _peek(path: Path) -> _DeferredModule | None:
     return _DeferredModule(path, literals, assigned)
 
 
-def load_model_file(path: str | Path, lazy: bool = False) -> ModelFile:
+def load_model_file(path: str | Path, lazy: bool = False, env: dict[str, str] | None = None) -> ModelFile:
     """Import ``path`` as a module and check its entry points (ModelFileError otherwise).
     ``lazy``: defer the import until something beyond literal top-level names is needed
-    (``_DeferredModule``; the planner re-planning from the trace cache needs none)."""
+    (``_DeferredModule``; the planner re-planning from the trace cache needs none). ``env``:
+    environment variables set while the file is imported, then restored (a padded GNN plan's
+    sizes, ``Plan.model_env``; ignored with ``lazy``)."""
+    if env and not lazy:
+        import os
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update({k: str(v) for k, v in env.items()})
+        try:
+            return load_model_file(path)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}",

@@ -16,7 +16,7 @@ The model forms live in :mod:`autopar.calibrate.profile` (``collective_terms`` a
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -173,6 +173,78 @@ def fit_kernel_cache(flops: Sequence[float], bytes_moved: Sequence[float], times
     return {"form": CACHE_FORM, **fit_with_heldout(X, times_s, seed)}
 
 
+#: the arithmetic-intensity model (``intensity_features``): kernels of a class that move many
+#: bytes per FLOP run a different code path (gather / scatter_add with an index per element:
+#: 16 bytes per element moved against ~8 for index_select / index_add; NNConv's per-edge
+#: vector-matrix products: ~2 bytes per FLOP against < 1 for the GEMMs), with their own rates.
+#: Threshold in bytes per FLOP per class (kernels.py's conventions).
+INTENSITY_FORM = "intensity/1"
+INTENSITY_BYTES_PER_FLOP = {"gather_scatter": 15.5, "matmul": 1.5}
+
+
+def low_intensity(flops: float, nbytes: float, threshold: float) -> bool:
+    """True when the kernel moves at least ``threshold`` bytes per FLOP."""
+    return flops > 0 and nbytes / flops >= threshold
+
+
+def intensity_features(flops: float, nbytes: float, threshold: float) -> list[float]:
+    """The cache-aware features (``cache_features``) plus ``L (t0' + flops a' + bytes b' +
+    bytes past 8 MiB c')``, L = 1 when the kernel moves at least ``threshold`` bytes per FLOP
+    (all constants >= 0: the low-intensity path costs the common price plus its own)."""
+    low = 1.0 if low_intensity(flops, nbytes, threshold) else 0.0
+    big = float(nbytes) if nbytes > CACHE_BYTES[-1] else 0.0
+    return cache_features(flops, nbytes) + [low, low * float(flops), low * float(nbytes), low * big]
+
+
+def fit_kernel_intensity(flops: Sequence[float], bytes_moved: Sequence[float], times_s: Sequence[float],
+                         threshold: float, seed: int = HELDOUT_SEED) -> dict:
+    """Fit the arithmetic-intensity model (``intensity_features``) with its held-out error."""
+    X = np.array([intensity_features(f, b, threshold) for f, b in zip(flops, bytes_moved)], dtype=float)
+    return {"form": INTENSITY_FORM, "threshold_bytes_per_flop": threshold, **fit_with_heldout(X, times_s, seed)}
+
+
+def model_features(k: Mapping) -> Callable[[float, float], list[float]]:
+    """The features of the kernel model ``Profile.kernel_time_s`` uses for class entry ``k``
+    (intensity, cache-aware or flat), for judging it per form."""
+    im = k.get("intensity_model")
+    if im and im.get("form") == INTENSITY_FORM:
+        return lambda f, b: intensity_features(f, b, im["threshold_bytes_per_flop"])
+    cm = k.get("cache_model")
+    if cm and cm.get("form") == CACHE_FORM:
+        return cache_features
+    return lambda f, b: [1.0, float(f), float(b)]
+
+
+def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
+    """``kernels[cls]["intensity_model"]`` for the classes of ``INTENSITY_BYTES_PER_FLOP`` whose
+    samples hold both regimes (at least 3 of each), kept only where its held-out median error,
+    judged per form (``stratified_heldout_median``: the mean of the forms' medians), is at least one point below that of the
+    model in use otherwise (cache-aware or flat)."""
+    done = []
+    for cls, thr in INTENSITY_BYTES_PER_FLOP.items():
+        k = profile.kernels.get(cls)
+        rows = [r for r in ((profile.samples.get("kernels") or {}).get(cls) or [])
+                if isinstance(r, dict) and r.get("median_s", 0) > 0]
+        if not isinstance(k, dict) or "intensity_model" in k or len(rows) < min_samples:
+            continue
+        lows = sum(low_intensity(r["flops"], r["bytes"], thr) for r in rows)
+        if lows < 3 or len(rows) - lows < 3:
+            continue
+        m = fit_kernel_intensity([r["flops"] for r in rows], [r["bytes"] for r in rows],
+                                 [r["median_s"] for r in rows], thr)
+        # judged per form (stratified), so that the few low-intensity sizes are always judged
+        mine = stratified_heldout_median(rows, lambda f, b: intensity_features(f, b, thr))
+        other = stratified_heldout_median(rows, model_features(k))
+        if mine is not None and other is not None and mine < other - 0.01:
+            m["stratified_heldout_median_rel_err"] = mine
+            m["previous_stratified_heldout_median_rel_err"] = other
+            k["intensity_model"] = m
+            done.append(cls)
+        else:
+            k["intensity_model"] = None
+    return done
+
+
 def add_shape_models(profile, min_samples: int = 12) -> list[str]:
     """The shape-aware conv model (``add_conv_shape_models``) and, for every other kernel
     class whose raw samples are in the profile, the cache-aware model
@@ -198,6 +270,7 @@ def add_shape_models(profile, min_samples: int = 12) -> list[str]:
             done.append(cls)
         else:
             k["cache_model"] = None     # fitted, not better: not fitted again at every load
+    add_intensity_models(profile, min_samples)     # reported apart (``calibrate.run``)
     return done
 
 
@@ -227,3 +300,56 @@ def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
         else:
             k["shape_model"] = None     # fitted, not better: not fitted again at every load
     return done
+
+
+def kernel_form(config: dict) -> str:
+    """The form of one kernel sample (``kernels.sweep_configs``): its ``kind`` ("edge_bmm",
+    "gather", "index_add", ...), "gemm" for a plain matmul size, "-" otherwise."""
+    if not isinstance(config, dict):
+        return "-"
+    return str(config.get("kind") or ("gemm" if {"m", "k", "o"} <= set(config) else "-"))
+
+
+def _stratified(rows: Sequence[dict], features, seed: int) -> dict[str, np.ndarray]:
+    """form -> relative errors on 30 % of that form's sizes (at least one, fixed seed), the
+    model (``features``) fitted on every other sample."""
+    X = np.array([features(r["flops"], r["bytes"]) for r in rows], dtype=float)
+    t = np.asarray([r["median_s"] for r in rows], dtype=float)
+    forms = [kernel_form(r.get("config")) for r in rows]
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(set(forms)):
+        mine = np.array([i for i in range(len(rows)) if forms[i] == f])
+        n_test = max(1, int(round((1 - TRAIN_FRACTION) * len(mine)))) if len(mine) > 1 else 0
+        test = np.sort(np.random.default_rng(seed).permutation(mine)[:n_test]) if n_test else np.zeros(0, int)
+        train = np.setdiff1d(np.arange(len(rows)), test)
+        err = np.zeros(0)
+        if len(test) and len(train) >= X.shape[1]:
+            err = relative_errors(X[test], t[test], nnls_relative(X[train], t[train]))
+        out[f] = err
+    return out
+
+
+def heldout_by_form(rows: Sequence[dict], seed: int = HELDOUT_SEED,
+                    features: Callable[[float, float], list[float]] | None = None) -> dict[str, dict]:
+    """Held-out error of a kernel class's model (``features``: ``model_features`` of the
+    class's entry; default the flat fit) per form of its samples (stratified): for each form,
+    30 % of its own sizes (at least one, fixed seed) are left out, the model is fitted on every
+    other sample, and the left-out sizes are judged; so the GNN forms (e.g. ``edge_bmm`` of the
+    matmul class) show how well the class's one model prices them. form -> {n, n_test,
+    heldout_median_rel_err, heldout_max_rel_err}."""
+    if len(rows) < 4:
+        return {}
+    feats = features or (lambda f, b: [1.0, float(f), float(b)])
+    forms = [kernel_form(r.get("config")) for r in rows]
+    return {f: {"n": forms.count(f), "n_test": int(len(err)),
+                "heldout_median_rel_err": float(np.median(err)) if len(err) else None,
+                "heldout_max_rel_err": float(err.max()) if len(err) else None}
+            for f, err in _stratified(rows, feats, seed).items()}
+
+
+def stratified_heldout_median(rows: Sequence[dict], features, seed: int = HELDOUT_SEED) -> float | None:
+    """The mean over forms of each form's held-out median error (``_stratified``): every form
+    is judged and counts alike, however few its sizes (a plain 70/30 split may leave a rare
+    form out, and a pooled median would follow the most numerous form)."""
+    meds = [float(np.median(e)) for e in _stratified(rows, features, seed).values() if len(e)]
+    return float(np.mean(meds)) if meds else None

@@ -12,10 +12,16 @@ conv_fwd           2 * N * F * prod(out) * C/g * prod(k)   4 * (|x| + |w| + |y|)
 conv_bwd_data      same as conv_fwd                         4 * (|dy| + |w| + |dx|)  (= fwd)
 conv_bwd_filter    same as conv_fwd                         4 * (|x| + |dy| + |dw|)  (= fwd)
 matmul             2 * M * K * O  (y[M,O] = x[M,K] w^T)     4 * (M*K + O*K + M*O)
+  edge_bmm form    2 * E * Fi * Fo (y[E,1,Fo] = x[E,1,Fi]   4 * (E*Fi + E*Fi*Fo + E*Fo)
+                   @ W[E,Fi,Fo], NNConv's messages)         (ops/linear.py's Matmul count)
 elementwise        numel (relu: y = max(x,0); add: a+b)     4 * numel * (2 relu | 3 add)
 norm               8 * numel (batch-norm fwd, training)     4 * (2 * numel + 4 * C)
 pool               |y| * prod(k)  (max pool)                4 * (|x| + |y|)
-gather_scatter     M * D  (rows moved x row width)          4 * 2 * M * D + 8 * M
+gather_scatter     M * D  (rows moved x row width)          4 * 2 * M * D + 8 * |index|
+                                                           (|index| = M for index_select /
+                                                           index_add, M * D for gather /
+                                                           scatter_add, as ops/gather.py and
+                                                           ops/scatter.py count)
 attention          4 * B * H * Lq * Lk * D  (QK^T, AV)      4 * B * H * (2*Lq*D + 2*Lk*D)
 =================  ======================================  =====================================
 
@@ -145,8 +151,19 @@ def pool_features(x, y, k) -> tuple[float, float]:
     return float(math.prod(y) * math.prod(k)), float(F32 * (math.prod(x) + math.prod(y)))
 
 
-def gather_scatter_features(m: int, d: int) -> tuple[float, float]:
-    return float(m * d), float(F32 * 2 * m * d + _INT64 * m)
+def gather_scatter_features(m: int, d: int, full_index: bool = False) -> tuple[float, float]:
+    """``full_index``: an index of the moved block's shape (gather, scatter_add) instead of
+    one per row (index_select, index_add)."""
+    return float(m * d), float(F32 * 2 * m * d + _INT64 * (m * d if full_index else m))
+
+
+def edge_matmul_features(e: int, fin: int, fout: int) -> tuple[float, float]:
+    """A batched vector-matrix product per edge (NNConv's messages ``x_j W(e_ji)``)."""
+    return 2.0 * e * fin * fout, float(F32 * (e * fin + e * fin * fout + e * fout))
+
+
+#: the forms of the gather_scatter class and whether each has a full index
+GATHER_SCATTER_FORMS = {"index_select": False, "index_add": False, "gather": True, "scatter_add": True}
 
 
 def attention_features(b: int, h: int, lq: int, lk: int, d: int) -> tuple[float, float]:
@@ -256,10 +273,28 @@ def sweep_configs(op_class: str, n_configs: int, max_flops: float, max_numel: in
         cfg = None
         if base == "conv":
             cfg = _conv_config(rng, max_flops, conv_min_flops)
+        elif base == "matmul" and len(out) % 3 == 2:
+            # one size in three: NNConv's per-edge products, PCQM4M-like (E 100..100k edges,
+            # 16..100 features in and out): memory-bound, unlike the square GEMMs
+            fi, fo = rng.randint(16, 100), rng.randint(16, 100)
+            e_hi = min(1e5, 4 * max_numel / (fi * fo))     # W[E,Fi,Fo] is the big operand
+            e = round(10 ** rng.uniform(2, math.log10(max(e_hi, 101))))
+            if edge_matmul_features(e, fi, fo)[0] <= max_flops and e * fi * fo <= 4 * max_numel:
+                cfg = {"kind": "edge_bmm", "e": e, "fin": fi, "fout": fo}
         elif base == "matmul":
             m, k, o = pow2(3, 11), pow2(3, 11), pow2(3, 11)
             if matmul_features(m, k, o)[0] <= max_flops and m * k + k * o + m * o <= max_numel:
                 cfg = {"m": m, "k": k, "o": o}
+        elif base == "gather_scatter" and len(out) % 2 == 1:
+            # every other size: message passing on PCQM4M-like graphs (E 100..100k edges moved,
+            # 16..128 features, about half as many nodes as edges), in all four forms
+            width = rng.randint(16, 128)
+            m_hi = min(1e5, max_numel / (4 * width))
+            m = round(10 ** rng.uniform(2, math.log10(max(m_hi, 101))))
+            rows = max(2, round(m * rng.uniform(0.35, 0.6)))
+            kind = sorted(GATHER_SCATTER_FORMS)[(len(out) // 2) % len(GATHER_SCATTER_FORMS)]
+            if (rows + 3 * m) * width <= max_numel:
+                cfg = {"kind": kind, "rows": rows, "width": width, "m": m}
         elif base == "elementwise":
             # log-uniform from 16K elements (below that it is all t0) to the cap; not only
             # powers of two, so that the sweep has as many distinct sizes as asked for
@@ -384,6 +419,10 @@ def _runner(op_class: str, cfg: dict, device: str) -> tuple[Callable[[], object]
                  "conv_bwd_filter": "bwd_filter"}[op_class]
         _, flops, nbytes = spec_features(cfg)
         return _conv_fns(cfg, device)[phase], flops, nbytes
+    if op_class == "matmul" and cfg.get("kind") == "edge_bmm":
+        e, fi, fo = cfg["e"], cfg["fin"], cfg["fout"]
+        xe, we = rand(e, 1, fi), rand(e, fi, fo)
+        return (lambda: torch.bmm(xe, we)), *edge_matmul_features(e, fi, fo)
     if op_class == "matmul":
         m, k, o = cfg["m"], cfg["k"], cfg["o"]
         x, w = rand(m, k), rand(o, k)
@@ -410,10 +449,16 @@ def _runner(op_class: str, cfg: dict, device: str) -> tuple[Callable[[], object]
     if op_class == "gather_scatter":
         src = rand(cfg["rows"], cfg["width"])
         idx = torch.randint(0, cfg["rows"], (cfg["m"],), generator=g).to(device)
+        feats = gather_scatter_features(cfg["m"], cfg["width"], GATHER_SCATTER_FORMS[cfg["kind"]])
         if cfg["kind"] == "index_select":
-            return (lambda: src.index_select(0, idx)), *gather_scatter_features(cfg["m"], cfg["width"])
+            return (lambda: src.index_select(0, idx)), *feats
         vals = rand(cfg["m"], cfg["width"])
-        return (lambda: src.index_add_(0, idx, vals)), *gather_scatter_features(cfg["m"], cfg["width"])
+        if cfg["kind"] == "index_add":
+            return (lambda: src.index_add_(0, idx, vals)), *feats
+        full = idx.unsqueeze(1).expand(cfg["m"], cfg["width"]).contiguous()
+        if cfg["kind"] == "gather":
+            return (lambda: torch.gather(src, 0, full)), *feats
+        return (lambda: src.scatter_add_(0, full, vals)), *feats
     if op_class == "attention":
         b, h, lq, lk, d = cfg["b"], cfg["h"], cfg["lq"], cfg["lk"], cfg["d"]
         q, k_, v = rand(b, h, lq, d), rand(b, h, lk, d), rand(b, h, lk, d)

@@ -157,7 +157,9 @@ class Profile:
         """``t0 + flops*s_per_flop + bytes*s_per_byte`` (flop/byte conventions: kernels.py);
         for a convolution whose shape ``spec`` is given and whose class has a fitted
         ``shape_model``, that model (``kernels.conv_shape_features``) instead; for a class with
-        a ``cache_model``, that one (``fit.cache_features``)."""
+        an ``intensity_model`` (``fit.intensity_features``: its own rates above a bytes-per-FLOP
+        threshold), that one; else for a class with a ``cache_model``, that one
+        (``fit.cache_features``)."""
         k = self.kernels.get(op_class)
         if k is None:
             raise CalibrationError(
@@ -168,6 +170,11 @@ class Profile:
             from .kernels import CONV_SHAPE_FORM, conv_shape_features
             if sm.get("form") == CONV_SHAPE_FORM:
                 return float(sum(c * f for c, f in zip(sm["coef"], conv_shape_features(spec))))
+        im = k.get("intensity_model")
+        if im and im.get("form") == "intensity/1":
+            from .fit import intensity_features
+            feats = intensity_features(flops, bytes_moved, im["threshold_bytes_per_flop"])
+            return float(sum(c * f for c, f in zip(im["coef"], feats)))
         cm = k.get("cache_model")
         if cm and cm.get("form") == "cache/1":
             from .fit import cache_features

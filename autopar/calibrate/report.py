@@ -43,6 +43,19 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
         lines.append(f"| {op} | {k['t0_s'] * 1e6:.1f} us | {'-' if not fl else f'{fl / 1e9:.3g}'} | "
                      f"{'-' if not by else f'{by / 1e9:.3g}'} | {_pct(k.get('heldout_median_rel_err'))} | "
                      f"{_pct(k.get('heldout_max_rel_err'))} | {k.get('n_samples', '-')} | {k.get('measured')} |")
+    formed = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("by_form")]
+    if formed:
+        lines += ["", "Per form (the GNN kernels: NNConv's per-edge products `edge_bmm` in the matmul "
+                  "class; gather / index_select and scatter_add / index_add on PCQM4M-like sizes in "
+                  "gather_scatter): for each form, 30 % of its sizes left out, the class's model in "
+                  "use (intensity, cache-aware or flat, as below) fitted on every other size, judged on "
+                  "the left-out ones:", "",
+                  "| op class | form | held-out median | held-out max | held-out sizes | sizes |",
+                  "|---|---|---|---|---|---|"]
+        for op in formed:
+            for form, e in sorted(profile.kernels[op]["by_form"].items()):
+                lines.append(f"| {op} | {form} | {_pct(e.get('heldout_median_rel_err'))} | "
+                             f"{_pct(e.get('heldout_max_rel_err'))} | {e.get('n_test', '-')} | {e.get('n', '-')} |")
     shaped = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("shape_model")]
     if shaped:
         lines += ["", "Shape-aware convolution model (``kernels.conv_shape_features``: roofline plus "
@@ -71,6 +84,21 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
             lines.append(f"| {op} | {_pct(cm.get('heldout_median_rel_err'))} | "
                          f"{_pct(cm.get('heldout_max_rel_err'))} | {_pct(k.get('heldout_median_rel_err'))} | "
                          f"{cm.get('n_samples', '-')} |")
+    intense = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("intensity_model")]
+    if intense:
+        lines += ["", "Arithmetic-intensity model (``fit.intensity_features``: kernels moving at least the "
+                  "threshold bytes per FLOP, e.g. gather / scatter_add with an index per element and NNConv's "
+                  "per-edge products, get rates of their own), used where its held-out error is lower than "
+                  "the model otherwise used:", "",
+                  "| op class | threshold bytes/FLOP | mean of per-form held-out medians | the same, model otherwise used | "
+                  "held-out median (70/30) | held-out max (70/30) | samples |", "|---|---|---|---|---|---|---|"]
+        for op in intense:
+            im = profile.kernels[op]["intensity_model"]
+            lines.append(f"| {op} | {im['threshold_bytes_per_flop']:g} | "
+                         f"{_pct(im.get('stratified_heldout_median_rel_err'))} | "
+                         f"{_pct(im.get('previous_stratified_heldout_median_rel_err'))} | "
+                         f"{_pct(im.get('heldout_median_rel_err'))} | "
+                         f"{_pct(im.get('heldout_max_rel_err'))} | {im.get('n_samples', '-')} |")
     if "runtime_op" in profile.kernels:
         lines += ["", f"Runtime per-op cost beyond the kernels: "
                   f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]

@@ -294,6 +294,19 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
     fitted = fit.add_shape_models(prof)
+    intense = [c for c in fit.INTENSITY_BYTES_PER_FLOP if (prof.kernels.get(c) or {}).get("intensity_model")]
+    if intense:
+        progress(f"{stamp()} arithmetic-intensity kernel models (index per element, per-edge products), mean of "
+                 "per-form held-out medians: " + ", ".join(
+                     f"{c} {100 * prof.kernels[c]['intensity_model']['stratified_heldout_median_rel_err']:.0f} % "
+                     f"(otherwise {100 * prof.kernels[c]['intensity_model']['previous_stratified_heldout_median_rel_err']:.0f} %)"
+                     for c in intense))
+    for op, rows in kernel_samples.items():
+        # a class swept in several forms (the GNN kernels): each form's held-out error under
+        # the model the cost model uses for the class
+        forms = fit.heldout_by_form(rows, features=fit.model_features(prof.kernels[op]))
+        if len(forms) > 1:
+            prof.kernels[op]["by_form"] = forms
     if fitted:
         progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
             f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "

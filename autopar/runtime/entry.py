@@ -27,7 +27,7 @@ def plan_placement(plan: Plan) -> Placement:
 
 
 def build_user_model(plan: Plan, plan_file: str | Path, seed: int):
-    mf = load_model_file(plan.model_file(plan_file))
+    mf = load_model_file(plan.model_file(plan_file), env=plan.model_env())
     torch.manual_seed(seed)
     return mf, mf.build_model()
 
