@@ -213,12 +213,11 @@ def _padded_plan(tmp_path) -> Path:
 @pytest.mark.dist
 def test_a_bucket_plan_executes_and_validates(tmp_path):
     """The small bucket's plan runs at world 2 (its model imported at the bucket's sizes from
-    the plan) and equals one process. float32: the dense example's float64 validation needs
-    the factory-op dtype fix of the GNN decompositions' branch (zeros follow the run dtype)."""
+    the plan) and equals one process in float64."""
     from autopar.execute.runner import ExecuteOptions, execute
     small = _padded_plan(tmp_path)
     run, _ = execute(small, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1, ddp=False, timeout_s=180,
-                                           validate_dtype="float32"), out_dir=tmp_path / "run")
+                                           validate_dtype="float64"), out_dir=tmp_path / "run")
     assert run.validation.passed and run.validation.checked > 0
 
 
