@@ -163,3 +163,21 @@ def load_model_file(path: str | Path, lazy: bool = False) -> ModelFile:
         raise ModelFileError(f"model file {path} lacks {', '.join(m + '()' for m in missing)}",
                              "define build_model() -> nn.Module and example_inputs(batch_size) -> tuple of tensors")
     return ModelFile(path, module)
+
+
+# ---- what a model returns: a tensor, or a structure holding one (a Hugging Face ModelOutput) ----
+
+_CONSTANT_LEAF = (type(None), bool, int, float, str)
+
+
+def split_output(out) -> tuple[Any, list[Any], list[str]]:
+    """(pytree spec, leaves, leaf paths) of a model's output. Tensors and plain constants are
+    kept; any other object (a key/value cache such as ``DynamicCache``) becomes None: the
+    training step is traced with the loss fed this structure, so a loss that reads a dropped
+    part fails at plan time, on its own line, and the distributed model returns the same
+    structure (``runtime.model.rebuild_output``)."""
+    import torch
+    import torch.utils._pytree as pytree
+    flat, spec = pytree.tree_flatten_with_path(out)
+    leaves = [v if isinstance(v, (torch.Tensor, *_CONSTANT_LEAF)) else None for _, v in flat]
+    return spec, leaves, [pytree.keystr(p) or "output" for p, _ in flat]
