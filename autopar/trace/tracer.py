@@ -374,6 +374,8 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
 
         full = _full_args(node)
         args = [ref(a) for a in full]
+        if target == "aten.to.device":       # the traced device is meta: follow the run's device
+            target, name, args = "aten.to.dtype", "to.dtype", [args[0]] + args[2:]
         kwargs = {k: ref(v) for k, v in node.kwargs.items()
                   if not any(k == a.name for a in getattr(getattr(node.target, "_schema", None), "arguments", [])
                              if not a.kwarg_only)}
@@ -476,8 +478,10 @@ def _drop_symbolic_casts(ops: list[OpSpec], mf: ModelFile, batch_size: int) -> N
     like an explicit ``h.to(torch.float32)`` (Llama's RMSNorm) does; run in float64 (the
     validation) the first two must stay float64, the last must round to float32 as the user's
     model does. A cast that is a no-op in the float32 trace is therefore looked up in a second
-    trace of the model in float64 (the same node names; only when such casts exist): a no-op
-    there too follows the model's dtype and becomes ``aten.alias``; otherwise (or when the
+    trace of the model in float64 (the same node names; only when such casts exist): one that
+    casts to float64 there follows the model's dtype and becomes ``aten.alias`` (a widening
+    cast back to the model's dtype is exact, and the next op with a parameter or activation
+    of the model's dtype promotes to it as the user's model computes); otherwise (or when the
     node is not found) the traced cast is kept."""
     noop = [op for op in ops if op.target in _CASTS and op.inputs and op.in_shapes
             and op.dtype in ("float32",) and _in_dtype(op, ops) == op.dtype]
@@ -489,15 +493,46 @@ def _drop_symbolic_casts(ops: list[OpSpec], mf: ModelFile, batch_size: int) -> N
     except Exception:
         return                                  # keep every cast as traced
     nodes = {n.name: n for n in gm.graph.nodes}
+    explicit: dict[str, str] = {}              # kept cast -> its source value
     for op in noop:
         n = nodes.get(op.name)
-        if n is None or str(n.target) != op.target or not n.args:
+        if n is None or str(n.target) not in _CASTS or not n.args:
             continue
         out, src = n.meta.get("val"), getattr(n.args[0], "meta", {}).get("val")
-        if isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.dtype == src.dtype:
+        if isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.dtype == torch.float64:
             op.target, op.args, op.kwargs = "aten.alias.default", [{"v": op.inputs[0]}], {}
             op.kind = _classify("alias.default", 1, None)
             op.attrs, op.flops_fwd, op.flops_bwd = _attrs_and_flops(op)
+        elif getattr(n.args[0], "name", None) == op.inputs[0]:
+            explicit[op.name] = op.inputs[0]
+    # A no-op ``x.to(torch.float32)`` returns ``x`` itself, so the float32 trace records later
+    # uses of ``x`` (a residual) as uses of the cast; the float64 trace shows which they are.
+    for op in ops:
+        n = nodes.get(op.name)
+        if n is None or not any(v in explicit for v in op.inputs):
+            continue
+        reads = {a.name for a in n.all_input_nodes}
+        swap = {v: explicit[v] for v in op.inputs if v in explicit and v not in reads and explicit[v] in reads}
+        if swap:
+            _rewire(op, swap)
+
+
+def _rewire(op: OpSpec, swap: dict[str, str]) -> None:
+    """Make ``op`` read value ``swap[v]`` where it read ``v`` (inputs, shapes, argument refs)."""
+    def sub(a):
+        if isinstance(a, dict):
+            return {"v": swap[a["v"]]} if set(a) == {"v"} and a["v"] in swap else {k: sub(x) for k, x in a.items()}
+        if isinstance(a, list):
+            return [sub(x) for x in a]
+        return a
+    op.args, op.kwargs = sub(op.args), sub(op.kwargs)
+    inputs, shapes = [], []
+    for v, sh in zip(op.inputs, op.in_shapes):
+        v = swap.get(v, v)
+        if v not in inputs:
+            inputs.append(v)
+            shapes.append(sh)
+    op.inputs, op.in_shapes = inputs, shapes
 
 
 def _in_dtype(op: OpSpec, ops: list[OpSpec]) -> str | None:
