@@ -2,7 +2,8 @@
 untouched by autopar: it returns a ``CausalLMOutputWithCrossAttentions`` holding the logits and
 a ``DynamicCache``; the loss reads ``output.logits`` as a user's training loop does. Sizes are
 environment-tunable (``AUTOPAR_HF_LAYERS``, ``AUTOPAR_HF_EMBED``, ``AUTOPAR_HF_HEADS``,
-``AUTOPAR_HF_SEQ``, ``AUTOPAR_HF_VOCAB``)."""
+``AUTOPAR_HF_SEQ``, ``AUTOPAR_HF_VOCAB``). Dropout is off (as in ``hf_bert.py``): validation compares
+bit for bit, and each block draws its own dropout mask."""
 
 import os
 
