@@ -27,6 +27,7 @@ cpu cnn3d-w2 cnn3d_large 2
 cpu cnn3d-w4 cnn3d_large 4
 cpu cnn3d-w4-mem5MiB cnn3d_large 4 --batch-size 2 --memory-limit 5MiB
 cpu gpt-w2 gpt 2
+cpu hf_gpt2-w2 hf_gpt2 2
 
 # --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
 SWEEP=1,2,4,8,16,32,64,128,256,512,1024

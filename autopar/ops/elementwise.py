@@ -9,7 +9,7 @@ UNARY_OPS = frozenset({
     "relu", "relu_", "gelu", "gelu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "silu", "silu_",
     "hardtanh", "hardtanh_", "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "celu",
     "hardswish", "hardsigmoid", "softplus", "softsign", "mish", "relu6", "log_sigmoid",
-    "clone", "contiguous", "alias", "detach", "_to_copy", "to",
+    "clone", "contiguous", "alias", "detach", "detach_", "_to_copy", "to",
     "neg", "exp", "abs", "sqrt", "rsqrt", "square", "sin", "cos", "tan", "log", "log2", "log10",
     "log1p", "expm1", "reciprocal", "erf", "erfc", "sign", "floor", "ceil", "round", "trunc",
     "clamp", "clamp_", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "bitwise_not",
