@@ -247,7 +247,8 @@ def export_step(mf: ModelFile, model, inputs: tuple, batch_size: int, dtype=None
     drop = [n for n in gm.graph.nodes if n.op == "call_function" and n in feeding and n not in needed]
     out_node.args = (keep,)
     for n in reversed(drop):
-        gm.graph.erase_node(n)
+        if not n.users:                        # (a value the model also uses elsewhere stays)
+            gm.graph.erase_node(n)
     for n in list(gm.graph.nodes):
         if n.op == "placeholder" and n.name in target_inputs and not n.users:
             gm.graph.erase_node(n)
