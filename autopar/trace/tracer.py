@@ -434,6 +434,7 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
     if output_name is None or output_name not in act:
         raise TraceError("the model's output is not computed from its inputs", "return a tensor computed from the inputs")
     data = group_layers(ops, inputs, output_name, batch_size, mf.name)
+    _mark_tied(data)
     data.buffer_updates = buffer_updates
     data.tracer = tracer
     data.unregistered = unregistered
@@ -558,6 +559,24 @@ def _unambiguous(node, kwargs: dict) -> dict:
                 and isinstance(a.default_value, (bool, int, float)):
             return {**kwargs, a.name: a.default_value}
     return kwargs
+
+
+def _mark_tied(data: LayerGraphData) -> None:
+    """Mark, in ``attrs["tied"]``, the roles of parameters that ops of several layers use (tied
+    weights: GPT-2's and Llama's output head is the token embedding's weight). Pricing then
+    keeps such a parameter whole in every layer (``cost.table.tied_reason``): the runtime holds
+    one sharding per parameter, and the ILP does not tie two layers' choices."""
+    users: dict[str, set[int]] = {}
+    for lay in data.layers:
+        for op in lay.ops:
+            for q in op.param_names.values():
+                users.setdefault(q, set()).add(lay.index)
+    tied = {q for q, layers in users.items() if len(layers) > 1}
+    for lay in data.layers:
+        for op in lay.ops:
+            roles = sorted(r for r, q in op.param_names.items() if q in tied)
+            if roles:
+                op.attrs = {**op.attrs, "tied": roles}
 
 
 def _base(node) -> str:
