@@ -48,7 +48,25 @@ def _plan_and_validate(model, world, tmp_path, profile, batch_size=8):
     assert {f"grad:{q}" for q in params} <= names
     assert {f"param_after_step:{q}" for q in params} <= names
     assert run.baseline is not None and run.baseline.equivalent
+    _constants_are_local(r.plan_path)
     return r.plan
+
+
+def _constants_are_local(plan_path):
+    """Values made from constants inside forward (position ids, causal masks, rotary tables,
+    empty cache tensors) are computed whole on every rank; a consumer that needs a block slices
+    it locally: no transition out of such a layer communicates."""
+    import json
+    p = json.loads(plan_path.read_text())
+    layers = p["graph"]["layers"]
+    const = {lay["index"] for lay in layers if any(op["attrs"].get("constant") for op in lay["ops"])}
+    if not const:
+        return
+    choice = {d["layer"]: d["choice"] for d in p["layers"]}
+    assert all(choice[i] == "replicate" for i in const)
+    for t in p["transitions"]:
+        if t["src"] in const:
+            assert t["steps"].startswith("Slice") and t["fwd_s"] == 0 and t["bwd_s"] == 0, t
 
 
 @pytest.mark.dist
