@@ -85,6 +85,17 @@ def test_bert_sequence_classification(root, tmp_path, profile, monkeypatch):
     assert plan.graph().value_shape(out) == [8, 3]      # logits per sequence, not per token
 
 
+@pytest.mark.dist
+def test_encoder_with_a_causal_mask_made_in_forward(root, tmp_path, profile, monkeypatch):
+    """``generate_square_subsequent_mask`` inside forward: ``full(-inf)`` then ``triu``, made
+    on every rank (-inf travels through the plan's JSON as ``{"float": "-inf"}``)."""
+    monkeypatch.setenv("AUTOPAR_ENC_CAUSAL", "1")
+    plan = _plan_and_validate(_example(root, "torch_encoder"), 2, tmp_path, profile)
+    ops = [op for lay in plan.graph().layers for op in lay.ops]
+    assert any(op.kind == "triangular" for op in ops)
+    assert any(op.target == "aten.full.default" and {"float": "-inf"} in op.args for op in ops)
+
+
 def test_structured_output_is_planned_through_the_training_step(root):
     """GPT-2 returns logits and a DynamicCache: the step is traced, the loss's own ops and the
     targets are gone, the output is the logits, the tied head is the embedding's weight, and the

@@ -20,6 +20,7 @@ output's only consumer.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 import time
@@ -371,6 +372,8 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
                 return {"dtype": _dtype_name(a)}
             if isinstance(a, (torch.device, torch.memory_format, torch.layout)):
                 return None
+            if isinstance(a, float) and not math.isfinite(a):
+                return {"float": repr(a)}     # JSON has no inf/nan (a -inf causal mask)
             return a
 
         full = _full_args(node)
@@ -544,7 +547,7 @@ def _in_dtype(op: OpSpec, ops: list[OpSpec]) -> str | None:
     return None
 
 
-_REF_KEYS = ("v", "p", "b", "dtype")
+_REF_KEYS = ("v", "p", "b", "dtype", "float")
 
 
 def _unambiguous(node, kwargs: dict) -> dict:

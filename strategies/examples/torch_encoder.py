@@ -3,7 +3,8 @@ stack of ``nn.TransformerEncoderLayer`` with ``batch_first=True`` and pre-norm, 
 classification head), untouched by autopar. The encoder layer's fused fast path runs only in
 evaluation without gradients; training (what is planned) takes its ordinary path (linear,
 ``scaled_dot_product_attention``, layer norm). Dropout is 0 so that validation compares bit
-for bit. Sizes: ``AUTOPAR_ENC_LAYERS``, ``AUTOPAR_ENC_EMBED``, ``AUTOPAR_ENC_HEADS``,
+for bit. ``AUTOPAR_ENC_CAUSAL=1`` adds a causal mask built inside ``forward``
+(``nn.Transformer.generate_square_subsequent_mask``). Sizes: ``AUTOPAR_ENC_LAYERS``, ``AUTOPAR_ENC_EMBED``, ``AUTOPAR_ENC_HEADS``,
 ``AUTOPAR_ENC_SEQ``, ``AUTOPAR_ENC_VOCAB``."""
 
 import os
@@ -18,6 +19,7 @@ HEADS = int(os.environ.get("AUTOPAR_ENC_HEADS", 4))
 SEQ = int(os.environ.get("AUTOPAR_ENC_SEQ", 16))
 VOCAB = int(os.environ.get("AUTOPAR_ENC_VOCAB", 64))
 CLASSES = 5
+CAUSAL = os.environ.get("AUTOPAR_ENC_CAUSAL", "0") == "1"
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -33,7 +35,10 @@ class EncoderClassifier(nn.Module):
         self.head = nn.Linear(EMBED, CLASSES)
 
     def forward(self, idx):
-        x = self.encoder(self.tok(idx) + self.pos)
+        mask = None
+        if CAUSAL:   # a causal mask made inside forward from constants, as nn.Transformer users write it
+            mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        x = self.encoder(self.tok(idx) + self.pos, mask=mask, is_causal=CAUSAL)
         return self.head(x.mean(dim=1))
 
 
