@@ -203,3 +203,33 @@ def test_tied_weights_are_kept_whole(root, tmp_path, profile):
     with pytest.raises(AutoparError, match=r"transformer.wte.weight is tied"):
         make_plan(model, PlanOptions(world_size=2, batch_size=8, out_dir=tmp_path / "plan", max_candidates=30),
                   PlanHooks(profile=profile, force={head: "filter(1,2)"}))
+
+
+NO_LOSS = """
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+
+def build_model():
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=8, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def example_inputs(batch_size):
+    return (torch.randint(0, 32, (batch_size, 8)),)
+
+
+def example_targets(batch_size):
+    return torch.randint(0, 3, (batch_size,))
+"""
+
+
+@pytest.mark.dist
+def test_default_loss_reads_the_one_tensor_of_a_model_output(tmp_path, profile):
+    """No loss_fn: the default loss (cross-entropy for integer targets) takes the logits of the
+    ``SequenceClassifierOutput``, at plan time and on every rank."""
+    f = tmp_path / "bert_no_loss.py"
+    f.write_text(textwrap.dedent(NO_LOSS))
+    (tmp_path / "out").mkdir()
+    _plan_and_validate(f, 2, tmp_path / "out", profile)
