@@ -111,6 +111,14 @@ def test_structured_output_is_planned_through_the_training_step(root):
     empties = [op for op in ops if op.target == "aten.empty.memory_format"]
     assert empties and all(op.attrs.get("constant") and not op.inputs for op in empties)
     assert all(not m or not m.startswith("model.") for m in (op.module for op in ops))
+    # the distributed model returns the same ModelOutput, its cache dropped as in the trace
+    import torch
+
+    from autopar.runtime.model import output_structure, rebuild_output
+    t = torch.zeros(2, 16, 64)
+    out = rebuild_output(output_structure(load_model_file(_example(root, "hf_gpt2")).build_model(), g), t)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions" and list(out.keys()) == ["logits"]
+    assert out.logits is t
 
 
 def test_casts_follow_the_model_dtype_but_explicit_ones_stay(root):
