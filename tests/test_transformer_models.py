@@ -75,6 +75,7 @@ def _constants_are_local(plan_path):
 def test_transformer_plans_execute_and_equal_one_process(name, world, root, tmp_path, profile):
     plan = _plan_and_validate(_example(root, name), world, tmp_path, profile)
     assert plan.world_size == world
+    assert plan.graph().unregistered == []          # every op has a family (none runs unknown)
 
 
 @pytest.mark.dist
