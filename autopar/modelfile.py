@@ -1,7 +1,8 @@
 """Load a user's model file: ``build_model()``, ``example_inputs(batch_size)`` and optionally
 ``loss_fn(output, target)`` and ``example_targets(batch_size)``.
 
-Default loss when the file defines none (documented in the README): with targets whose dtype is
+Default loss when the file defines none (documented in the README), on the output tensor (the
+one tensor of a returned structure such as a ``ModelOutput``): with targets whose dtype is
 integer and a 2-D output, cross-entropy (mean); with floating targets, mean squared error
 (mean); with no targets, the mean of the squared output. All are per-sample means, which the
 distributed loss share (``DistModel.local_loss``) requires.
@@ -61,7 +62,15 @@ class ModelFile:
 
 
 def default_loss(output, target=None):
+    import torch
     import torch.nn.functional as F
+    if not isinstance(output, torch.Tensor):   # a structure (ModelOutput): its one tensor
+        tensors = [v for v in split_output(output)[1] if isinstance(v, torch.Tensor)]
+        if len(tensors) != 1:
+            raise ModelFileError(f"the model returns {type(output).__name__} holding {len(tensors)} tensors "
+                                 "and the model file defines no loss_fn",
+                                 "define loss_fn(output, target) reading the tensor to train (e.g. output.logits)")
+        output = tensors[0]
     if target is None:
         out = output if output.is_floating_point() else output.float()
         return out.pow(2).mean()
@@ -177,3 +186,21 @@ def load_model_file(path: str | Path, lazy: bool = False, env: dict[str, str] | 
         raise ModelFileError(f"model file {path} lacks {', '.join(m + '()' for m in missing)}",
                              "define build_model() -> nn.Module and example_inputs(batch_size) -> tuple of tensors")
     return ModelFile(path, module)
+
+
+# ---- what a model returns: a tensor, or a structure holding one (a Hugging Face ModelOutput) ----
+
+_CONSTANT_LEAF = (type(None), bool, int, float, str)
+
+
+def split_output(out) -> tuple[Any, list[Any], list[str]]:
+    """(pytree spec, leaves, leaf paths) of a model's output. Tensors and plain constants are
+    kept; any other object (a key/value cache such as ``DynamicCache``) becomes None: the
+    training step is traced with the loss fed this structure, so a loss that reads a dropped
+    part fails at plan time, on its own line, and the distributed model returns the same
+    structure (``runtime.model.rebuild_output``)."""
+    import torch
+    import torch.utils._pytree as pytree
+    flat, spec = pytree.tree_flatten_with_path(out)
+    leaves = [v if isinstance(v, (torch.Tensor, *_CONSTANT_LEAF)) else None for _, v in flat]
+    return spec, leaves, [pytree.keystr(p) or "output" for p, _ in flat]

@@ -29,6 +29,7 @@ cpu cnn3d-w4-mem5MiB cnn3d_large 4 --batch-size 2 --memory-limit 5MiB
 cpu gpt-w2 gpt 2
 cpu gnn_pcqm4m-w2 gnn_pcqm4m 2
 cpu pyg_nnconv-w2 pyg_nnconv 2
+cpu hf_gpt2-w2 hf_gpt2 2
 
 # --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
 SWEEP=1,2,4,8,16,32,64,128,256,512,1024

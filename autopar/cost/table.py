@@ -111,6 +111,17 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int):
     return [choices[i] for i in keep], [costs[i] for i in keep]
 
 
+def tied_reason(dec: Decomposition, layer: Layer) -> str:
+    """Why ``dec`` is illegal for a layer using a tied parameter (``attrs["tied"]``, marked by
+    the tracer: several layers use it) that ``dec`` would shard; "" when it keeps them whole."""
+    for op in layer.ops:
+        for role in op.attrs.get("tied", ()):
+            if dec.param_shard(op, role).dims:
+                return (f"parameter {op.param_names[role]} is tied (used by several layers): "
+                        "only decompositions that keep it whole")
+    return ""
+
+
 def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None,
                   prune: bool = True, choice_filter=None) -> LayerOptions:
     choices: list[Decomposition] = []
@@ -125,7 +136,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
         for dec in cls.candidates(layer, ctx):
             if choice_filter is not None and not choice_filter(dec):
                 continue
-            why = dec.check(layer, ctx)
+            why = dec.check(layer, ctx) or tied_reason(dec, layer)
             if why:
                 illegal[str(dec)] = why
                 illegal_decs.append(dec)

@@ -9,7 +9,7 @@ UNARY_OPS = frozenset({
     "relu", "relu_", "gelu", "gelu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "silu", "silu_",
     "hardtanh", "hardtanh_", "leaky_relu", "leaky_relu_", "elu", "elu_", "selu", "celu",
     "hardswish", "hardsigmoid", "softplus", "softsign", "mish", "relu6", "log_sigmoid",
-    "clone", "contiguous", "alias", "detach", "_to_copy", "to",
+    "clone", "contiguous", "alias", "detach", "detach_", "_to_copy", "to",
     "neg", "exp", "abs", "sqrt", "rsqrt", "square", "sin", "cos", "tan", "log", "log2", "log10",
     "log1p", "expm1", "reciprocal", "erf", "erfc", "sign", "floor", "ceil", "round", "trunc",
     "clamp", "clamp_", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "bitwise_not",
@@ -62,3 +62,28 @@ class Binary(OpFamily):
 
     def independent_dims(self, op):
         return same_index_dims(op, all_dims(op))
+
+
+@register_family
+class Triangular(OpFamily):
+    """``aten.triu/tril(x, diagonal)`` (a causal mask from ``generate_square_subsequent_mask``):
+    FLOPs ``n`` forward and backward (``elementwise``). Which elements it keeps depends on
+    their row and column, so it is independent only along the dims before the last two;
+    saves nothing."""
+
+    kind = "triangular"
+    aten = frozenset({"triu", "tril"})
+    n_act = (1,)
+
+    def attrs(self, op):
+        return {"diagonal": int(op.args[1]) if len(op.args) > 1 else 0}
+
+    def flops(self, op):
+        n = float(numel(op.out_shape))
+        return n, n
+
+    def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
+        return 0.0
+
+    def independent_dims(self, op):
+        return same_index_dims(op, range(len(op.out_shape) - 2))

@@ -54,6 +54,22 @@ class View(_View):
 
 
 @register_family
+class Unflatten(_View):
+    """``aten.unflatten(x, dim, sizes)`` (``nn.MultiheadAttention`` splits its packed
+    projection with it): one dim becomes several. Independent along the dims it keeps; its
+    sizes name only the unflattened dim, so a block split along a kept dim runs it unchanged."""
+
+    kind = "unflatten"
+    aten = frozenset({"unflatten"})
+
+    def attrs(self, op):
+        return {"dim": int(op.args[1]), "sizes": [int(n) for n in op.args[2]]}
+
+    def independent_dims(self, op):
+        return kept_view_dims(op.in_shapes[0], op.out_shape) & same_index_dims(op, range(len(op.out_shape)))
+
+
+@register_family
 class Permute(_View):
     """``aten.permute(x, dims)``, ``transpose(x, a, b)``, ``t(x)``: output dim d is input dim
     ``perm[d]``; independent along the dims the permutation fixes."""

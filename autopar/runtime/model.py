@@ -397,8 +397,10 @@ def _with_float_dtype(spec: OpSpec, params) -> OpSpec:
 def output_structure(model: nn.Module, graph: LayerGraphData):
     """(pytree spec, leaves, index of the traced output tensor among them) of what ``model``
     returns, found by running it on meta tensors (nothing is allocated), or None when the model
-    returns a plain tensor (or its structure cannot be found: then the tensor is returned)."""
-    import torch.utils._pytree as pytree
+    returns a plain tensor (or its structure cannot be found: then the tensor is returned).
+    Other tensors and non-constant objects (a key/value cache) are None in the rebuilt
+    structure (``modelfile.split_output``): the planned training step computes only what the
+    loss reads."""
     from torch.func import functional_call
 
     try:
@@ -412,8 +414,12 @@ def output_structure(model: nn.Module, graph: LayerGraphData):
         return None
     if isinstance(out, torch.Tensor):
         return None
-    leaves, spec = pytree.tree_flatten(out)
+    from ..modelfile import split_output
+    spec, leaves, _ = split_output(out)   # a cache object (DynamicCache) becomes None, as traced
     idx = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if len(idx) > 1:                      # several tensors: the one of the traced output's shape
+        want = tuple(graph.value_shape(graph.output))
+        idx = [i for i in idx if tuple(leaves[i].shape) == want]
     if len(idx) != 1:
         return None
     return spec, [None if isinstance(v, torch.Tensor) else v for v in leaves], idx[0]

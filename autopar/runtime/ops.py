@@ -53,6 +53,8 @@ def substitute(template: Any, values: dict[str, torch.Tensor], params: dict[str,
             return buffers[template["b"]]
         if "dtype" in template and len(template) == 1:
             return getattr(torch, template["dtype"])
+        if "float" in template and len(template) == 1:
+            return float(template["float"])           # inf/nan, which JSON cannot hold
         return {k: substitute(v, values, params, buffers) for k, v in template.items()}
     if isinstance(template, list):
         return [substitute(v, values, params, buffers) for v in template]
