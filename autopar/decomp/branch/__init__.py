@@ -1,0 +1,259 @@
+"""SUPER sub-graph (branch) parallelism combined with data parallelism: ``Branch(data, groups)``.
+
+Jain et al., SUPER (IPDPS 2021): a unit's independent branches (the attention and MLP of a
+parallel GPT block, the towers of a multi-tower model; ``branch.graph`` finds them in the
+traced unit) run on disjoint groups of processes; every group is replicated ``data`` times over
+blocks of samples. With world P = data x groups, logical rank ``r = d * groups + g`` (the
+branch axis innermost: ``Layout(((0, data),))`` with ``groups`` replicas) holds samples block
+d and computes the branches of group g (branch c belongs to group ``c * groups // k``).
+
+Grid translation at the unit's boundaries (LBANN's layers; the runtime ops with their exact
+adjoints are ``branch.boundary``):
+
+* split (fork): the unit's input enters replicated over the branch axis (``in_layout`` N<data>),
+  so every group already holds the parent's value: the broadcast is the transition into the
+  unit (an all-gather from a sample-parallel producer), and its adjoint, the all-reduce of the
+  branches' input gradients, is the transition's adjoint (autopar's gradient convention sums
+  the replicas' shares);
+* sum (join): a branch value is held by its group and is zero elsewhere, i.e. a partial sum over
+  the branch axis. A unit output that is partial leaves with layout N<data> x P<groups>; the
+  transition after the unit all-reduces (or reduce-scatters) it, backward its adjoint. Inside
+  the unit an op that is not linear in a partial input first all-reduces it (``branch_sum``);
+* slice/concat: a concatenation of branch outputs is a partial value too (each group holds its
+  slice, zeros elsewhere), resolved like a sum.
+
+Weights of branch c live only on its group's ranks (``BranchParamShard``: the other ranks hold
+an empty tensor) and their gradients are summed over the ``data`` ranks of the group; weights
+of shared ops (the layer norm before the fork) are whole everywhere, summed over the world.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
+from ..common import batch_dim_ok
+from ..ir import REGISTERED, Layer, OpSpec
+from ..layout import Layout
+from .graph import PARTIAL, SHARED, BranchAnalysis, analysis
+
+__all__ = ["Branch", "BranchParamShard", "analysis", "SHARED", "PARTIAL"]
+
+
+@dataclass(frozen=True)
+class BranchParamShard(ParamShard):
+    """A whole parameter held only by the ranks of branch group ``owner`` (of ``groups``; rank
+    r's group is ``r % groups``); the other ranks hold an empty block (extent 0 on dim 0) and
+    sync nothing. Gradients are summed over the owner group's ranks."""
+
+    owner: int = 0
+    groups: int = 1
+
+    def _mine(self, rank: int) -> bool:
+        return rank % self.groups == self.owner
+
+    def shard_coords(self, rank: int, world: int) -> tuple[int, ...]:
+        return (rank % self.groups,)
+
+    def local_bounds(self, shape, rank: int, world: int) -> tuple[tuple[int, int], ...]:
+        bounds = [(0, int(n)) for n in shape]
+        if not self._mine(rank) and bounds:
+            bounds[0] = (0, 0)
+        return tuple(bounds)
+
+    def grad_group(self, rank: int, world: int) -> list[int]:
+        if not self._mine(rank):
+            return [rank]
+        return [q for q in range(world) if q % self.groups == self.owner]
+
+
+@register
+@dataclass(frozen=True)
+class Branch(Decomposition):
+    """``groups`` branch groups x ``data`` sample blocks (see the module docstring)."""
+
+    data: int = 1
+    groups: int = 2
+    kind = "branch"
+    supported_ops = REGISTERED
+
+    # ---- layouts -------------------------------------------------------------------------
+    def _layout(self) -> Layout:
+        return _layout(self.data)
+
+    def in_layout(self, layer: Layer, value: str) -> Layout:
+        return self._layout()
+
+    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+        v = layer.output if value is None else value
+        if analysis(layer).state.get(v) == PARTIAL:
+            return Layout(((0, self.data),), partial=self.groups)
+        return self._layout()
+
+    def group_of_branch(self, layer: Layer, c: int) -> int:
+        return c * self.groups // analysis(layer).count
+
+    def layer_param_shard(self, layer: Layer, op: OpSpec, role: str) -> ParamShard:
+        """A branch op's weights: ``BranchParamShard`` of its group; shared ops': whole."""
+        an = analysis(layer)
+        if an.role.get(op.name) != "branch":
+            return ParamShard()
+        return BranchParamShard(dims=((0, 0),), owner=self.group_of_branch(layer, an.branch_of[op.name]),
+                                groups=self.groups)
+
+    def branch_group(self, rank: int) -> list[int]:
+        """The ranks holding the same samples, one per branch group (the sum's all-reduce)."""
+        d = rank // self.groups
+        return [d * self.groups + g for g in range(self.groups)]
+
+    def owner_group(self, g: int, world: int) -> list[int]:
+        """The ``data`` ranks of branch group g (its weights' gradient all-reduce)."""
+        return [d * self.groups + g for d in range(world // self.groups)]
+
+    def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
+        return [[self.branch_group(d * self.groups) for d in range(self.data)],
+                [self.owner_group(g, world) for g in range(self.groups)]]
+
+    # ---- legality ------------------------------------------------------------------------
+    @classmethod
+    def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
+        an = analysis(layer)
+        if an.count < 2:
+            return []
+        return [cls(ctx.world // b, b) for b in divisors(an.count) if b > 1 and ctx.world % b == 0]
+
+    def check(self, layer: Layer, ctx: CostContext) -> str | None:
+        """Legal when the unit has k >= 2 branches, ``groups`` divides k, data x groups is the
+        world, every op runs on blocks of samples and every sample block is non-empty."""
+        why = super().check(layer, ctx)
+        if why:
+            return why
+        an = analysis(layer)
+        if an.problem:
+            return an.problem
+        if an.count % self.groups:
+            return f"{self.groups} branch groups do not divide the unit's {an.count} branches"
+        if self.data * self.groups != ctx.world:
+            return f"{self.data} data x {self.groups} branch groups is not world size {ctx.world}"
+        why = batch_dim_ok(layer)
+        if why:
+            return why
+        if layer.out_shape[0] < self.data:
+            return f"batch {layer.out_shape[0]} < {self.data} sample blocks"
+        return None
+
+    # ---- cost ----------------------------------------------------------------------------
+    def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
+        """Per rank (the slowest group), with local shapes of the sample layout N<data>:
+
+        compute  = sum over shared and join ops of op_compute_s
+                   + max over groups g of sum over ops of g's branches of op_compute_s
+        fwd comm = sum over ``reduce`` joins of allreduce_s(partial input bytes, branch group)
+                   (the sum's all-reduce; its adjoint in backward costs the same -> bwd comm);
+                   the unit's partial outputs are resolved by the transition after it (priced
+                   with the edges)
+        grad     = allreduce over the world of the shared ops' weights, plus the largest
+                   group's branch weights all-reduced over its ``data`` ranks
+        memory   = shared weights + the largest group's weights (+ grads, optimizer state),
+                   saved activations of shared/join ops + the largest group's; attention is
+                   priced by its family (fused SDPA: q, k, v and output saved, no scores)
+        """
+        from ...cost import primitives as prim
+        an = analysis(layer)
+        lay = self._layout()
+        item = layer.itemsize
+        common_f = common_b = common_saved = 0.0
+        grp_f = [0.0] * self.groups
+        grp_b = [0.0] * self.groups
+        grp_saved = [0.0] * self.groups
+        grp_pbytes = [0.0] * self.groups
+        shared_pbytes = 0.0
+        comm_s = 0.0
+        sources = set()
+        bgroup = self.branch_group(0)
+        for op in layer.ops:
+            ins = [lay.max_local_shape(s) for s in op.in_shapes]
+            out = lay.max_local_shape(op.out_shape)
+            f, b, src = prim.op_compute_s(op, ins, out, ctx, itemsize=item)
+            sources.add(src)
+            saved = prim.saved_bytes(op, ins, out, item)
+            pbytes = float(op.param_numel * item)
+            if an.role[op.name] == "branch":
+                g = self.group_of_branch(layer, an.branch_of[op.name])
+                grp_f[g] += f
+                grp_b[g] += b
+                grp_saved[g] += saved
+                grp_pbytes[g] += pbytes
+                continue
+            common_f += f
+            common_b += b
+            common_saved += saved
+            shared_pbytes += pbytes
+            if an.join_mode.get(op.name) == "reduce":
+                for v, s in zip(op.inputs, ins):
+                    if an.state.get(v) == PARTIAL:
+                        comm_s += prim.allreduce_s(ctx, _numel(s) * item, bgroup)
+        gmax = max(range(self.groups), key=lambda g: grp_pbytes[g])
+        owners = self.owner_group(gmax, ctx.world)
+        gsync = (prim.grad_sync_time_s(ctx, shared_pbytes, range(ctx.world))
+                 + prim.grad_sync_time_s(ctx, grp_pbytes[gmax], owners))
+        lat = ((prim.grad_sync_latency(ctx, range(ctx.world), "world") if shared_pbytes else ())
+               + (prim.grad_sync_latency(ctx, owners) if grp_pbytes[gmax] else ()))
+        pbytes = shared_pbytes + grp_pbytes[gmax]
+        src = sources.pop() if len(sources) == 1 else "mixed"
+        return LayerCost(fwd_compute_s=common_f + max(grp_f), bwd_compute_s=common_b + max(grp_b),
+                         fwd_comm_s=comm_s, bwd_comm_s=comm_s,
+                         grad_sync_s=gsync, grad_sync_bytes=pbytes if ctx.world > 1 else 0.0,
+                         grad_sync_latency=lat if gsync else (),
+                         param_bytes=pbytes, grad_bytes=pbytes,
+                         optim_bytes=prim.optimizer_bytes(ctx, pbytes),
+                         activation_bytes=common_saved + max(grp_saved), source=src)
+
+    # ---- runtime -------------------------------------------------------------------------
+    def run(self, comm, layer, op, inputs, params, buffers):
+        """Shared ops on every rank; a branch's ops on its group only (zeros elsewhere: the
+        partial-sum form); joins local, or after ``branch_sum`` of their partial inputs."""
+        import torch
+
+        from ...runtime.ops import call_local
+        from .boundary import branch_sum
+        an = analysis(layer)
+        rank, world = comm.rank, comm.world
+        mine = rank % self.groups
+        out_shape = _local_shape(self.data, tuple(op.out_shape), rank, world)
+        role = an.role[op.name]
+        if role == "branch" and self.group_of_branch(layer, an.branch_of[op.name]) != mine:
+            ref = next((t for t in inputs if t.is_floating_point()), None)
+            dtype = ref.dtype if ref is not None else torch.float32
+            return torch.zeros(out_shape, dtype=dtype, device=comm.device)
+        if role == "join":
+            xs = list(inputs)
+            if an.join_mode[op.name] == "reduce":
+                grp = self.branch_group(rank)
+                xs = [branch_sum(x, comm, grp) if an.state.get(v) == PARTIAL else x
+                      for v, x in zip(op.inputs, xs)]
+            elif op.target in _ZERO_SHARED and mine != 0:
+                xs = [torch.zeros_like(x) if an.state.get(v, SHARED) == SHARED else x
+                      for v, x in zip(op.inputs, xs)]
+            inputs = xs
+        return call_local(op, inputs, params, buffers, local_out_shape=out_shape)
+
+
+_ZERO_SHARED = ("aten.add.Tensor", "aten.sub.Tensor", "aten.cat.default", "aten.stack.default")
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(data: int) -> Layout:
+    return Layout(((0, data),))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_shape(data: int, shape: tuple, rank: int, world: int) -> tuple:
+    return _layout(data).local_shape(shape, rank, world)
