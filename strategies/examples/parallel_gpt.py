@@ -23,7 +23,9 @@ VOCAB = int(os.environ.get("AUTOPAR_PGPT_VOCAB", 64))
 DEFAULT_BATCH_SIZE = 8
 
 # each parallel block is one unit (not "blocks.*", which would also match blocks.0.attn alone)
-PLANNING_UNITS = [f"blocks.{i}" for i in range(LAYERS)]
+# (AUTOPAR_PGPT_UNITS=0: no units, every layer planned alone, e.g. for tensor-only plans)
+PLANNING_UNITS = ([f"blocks.{i}" for i in range(LAYERS)]
+                  if os.environ.get("AUTOPAR_PGPT_UNITS", "1") != "0" else [])
 
 
 class Attention(nn.Module):

@@ -3,9 +3,13 @@
 Jain et al., SUPER (IPDPS 2021): a unit's independent branches (the attention and MLP of a
 parallel GPT block, the towers of a multi-tower model; ``branch.graph`` finds them in the
 traced unit) run on disjoint groups of processes; every group is replicated ``data`` times over
-blocks of samples. With world P = data x groups, logical rank ``r = d * groups + g`` (the
-branch axis innermost: ``Layout(((0, data),))`` with ``groups`` replicas) holds samples block
-d and computes the branches of group g (branch c belongs to group ``c * groups // k``).
+blocks of samples. With world P = data x groups x R (R >= 1 plain replicas, when the batch
+is smaller than P / groups), logical rank ``r = (d * groups + g) * R + x`` (``Layout(((0,
+data),))`` with groups x R replicas; the branch axis inside the sample axis) holds samples
+block d and computes the branches of group g (branch c belongs to group ``c * groups // k``).
+Under block placement the ``groups`` ranks of one sample block are neighbours, so the
+branch-boundary collectives stay inside a node and only the gradient all-reduces cross nodes:
+SUPER's interleaved placement (``autopar.decomp.placement``).
 
 Grid translation at the unit's boundaries (LBANN's layers; the runtime ops with their exact
 adjoints are ``branch.boundary``):
@@ -44,17 +48,18 @@ __all__ = ["Branch", "BranchParamShard", "analysis", "SHARED", "PARTIAL"]
 @dataclass(frozen=True)
 class BranchParamShard(ParamShard):
     """A whole parameter held only by the ranks of branch group ``owner`` (of ``groups``; rank
-    r's group is ``r % groups``); the other ranks hold an empty block (extent 0 on dim 0) and
+    r's group is ``(r // replicas) % groups``); the other ranks hold an empty block (extent 0 on dim 0) and
     sync nothing. Gradients are summed over the owner group's ranks."""
 
     owner: int = 0
     groups: int = 1
+    replicas: int = 1
 
     def _mine(self, rank: int) -> bool:
-        return rank % self.groups == self.owner
+        return (rank // self.replicas) % self.groups == self.owner
 
     def shard_coords(self, rank: int, world: int) -> tuple[int, ...]:
-        return (rank % self.groups,)
+        return ((rank // self.replicas) % self.groups,)
 
     def local_bounds(self, shape, rank: int, world: int) -> tuple[tuple[int, int], ...]:
         bounds = [(0, int(n)) for n in shape]
@@ -65,16 +70,17 @@ class BranchParamShard(ParamShard):
     def grad_group(self, rank: int, world: int) -> list[int]:
         if not self._mine(rank):
             return [rank]
-        return [q for q in range(world) if q % self.groups == self.owner]
+        return [q for q in range(world) if self._mine(q)]
 
 
 @register
 @dataclass(frozen=True)
 class Branch(Decomposition):
-    """``groups`` branch groups x ``data`` sample blocks (see the module docstring)."""
+    """``groups`` branch groups x ``data`` sample blocks x ``replicas`` (module docstring)."""
 
     data: int = 1
     groups: int = 2
+    replicas: int = 1
     kind = "branch"
     supported_ops = REGISTERED
 
@@ -87,7 +93,7 @@ class Branch(Decomposition):
 
     def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
         v = layer.output if value is None else value
-        if analysis(layer).state.get(v) == PARTIAL:
+        if analysis(layer).state.get(v) == PARTIAL:     # rank = (d * groups + k) * R + x
             return Layout(((0, self.data),), partial=self.groups)
         return self._layout()
 
@@ -100,20 +106,26 @@ class Branch(Decomposition):
         if an.role.get(op.name) != "branch":
             return ParamShard()
         return BranchParamShard(dims=((0, 0),), owner=self.group_of_branch(layer, an.branch_of[op.name]),
-                                groups=self.groups)
+                                groups=self.groups, replicas=self.replicas)
+
+    def group_of_rank(self, rank: int) -> int:
+        return (rank // self.replicas) % self.groups
 
     def branch_group(self, rank: int) -> list[int]:
-        """The ranks holding the same samples, one per branch group (the sum's all-reduce)."""
-        d = rank // self.groups
-        return [d * self.groups + g for g in range(self.groups)]
+        """The ranks holding the same samples (and replica index), one per branch group (the
+        sum's all-reduce)."""
+        R, G = self.replicas, self.groups
+        d, x = rank // (G * R), rank % R
+        return [(d * G + g) * R + x for g in range(G)]
 
     def owner_group(self, g: int, world: int) -> list[int]:
-        """The ``data`` ranks of branch group g (its weights' gradient all-reduce)."""
-        return [d * self.groups + g for d in range(world // self.groups)]
+        """The data x replicas ranks of branch group g (its weights' gradient all-reduce)."""
+        return [r for r in range(world) if self.group_of_rank(r) == g]
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
-        return [[self.branch_group(d * self.groups) for d in range(self.data)],
-                [self.owner_group(g, world) for g in range(self.groups)]]
+        R, G = self.replicas, self.groups
+        return [[self.branch_group(d * G * R + x) for d in range(self.data) for x in range(R)],
+                [self.owner_group(g, world) for g in range(G)]]
 
     # ---- legality ------------------------------------------------------------------------
     @classmethod
@@ -121,7 +133,16 @@ class Branch(Decomposition):
         an = analysis(layer)
         if an.count < 2:
             return []
-        return [cls(ctx.world // b, b) for b in divisors(an.count) if b > 1 and ctx.world % b == 0]
+        n = layer.out_shape[0] if layer.out_shape else 0
+        out = []
+        for b in divisors(an.count):
+            if b < 2 or ctx.world % b:
+                continue
+            d = ctx.world // b
+            if d > n:      # fewer samples than data ranks: the largest data degree the batch allows,
+                d = max((q for q in divisors(ctx.world // b) if q <= n), default=1)   # rest replicas
+            out.append(cls(d, b, ctx.world // b // d))
+        return out
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
         """Legal when the unit has k >= 2 branches, ``groups`` divides k, data x groups is the
@@ -134,8 +155,9 @@ class Branch(Decomposition):
             return an.problem
         if an.count % self.groups:
             return f"{self.groups} branch groups do not divide the unit's {an.count} branches"
-        if self.data * self.groups != ctx.world:
-            return f"{self.data} data x {self.groups} branch groups is not world size {ctx.world}"
+        if self.data * self.groups * self.replicas != ctx.world:
+            return (f"{self.data} data x {self.groups} branch groups x {self.replicas} replicas is not "
+                    f"world size {ctx.world}")
         why = batch_dim_ok(layer)
         if why:
             return why
@@ -220,7 +242,7 @@ class Branch(Decomposition):
         from .boundary import branch_sum
         an = analysis(layer)
         rank, world = comm.rank, comm.world
-        mine = rank % self.groups
+        mine = self.group_of_rank(rank)
         out_shape = _local_shape(self.data, tuple(op.out_shape), rank, world)
         role = an.role[op.name]
         if role == "branch" and self.group_of_branch(layer, an.branch_of[op.name]) != mine:

@@ -1,0 +1,175 @@
+"""SUPER on the datasheet A100 profile: sub-graph (branch) + data parallelism against data-only
+and tensor-only parallelism for one parallel-block GPT, 8 to 1024 GPUs (strong scaling), and the
+interleaved placement against the branch-contiguous one.
+
+A pure prediction (no process starts, deterministic): every figure is autopar's predicted step
+time for a plan made on ``calibration/datasheet-a100-cluster.json`` (8 GPUs per node, datasheet
+NVLink / InfiniBand links and A100 kernel rates), not a measurement. Model:
+``strategies/examples/parallel_gpt.py`` with the sizes in ``MODEL`` (parallel attention + MLP
+blocks; each block one planning unit with two branches), global batch ``BATCH`` fixed at every
+world size. Series (``PlanOptions.kinds``):
+
+* branch+data: ``branch`` units (Branch(data, groups)) with sample parallelism elsewhere,
+  placement searched (block = SUPER's interleaved placement for branch units, see
+  ``autopar.decomp.placement``);
+* data-only:   ``sample`` (and ``replicate``) on every layer;
+* tensor-only: ``filter`` / ``row_parallel`` (and ``replicate``) on every layer, no sample split,
+  planned without units (``AUTOPAR_PGPT_UNITS=0``: filter / row_parallel split single linear
+  layers; attention itself is replicated until head parallelism is merged);
+* placements:  branch+data with every block pinned to ``branch`` (forced), planned under block (interleaved: the i-th rank of each branch on one
+  node) and under local stride 2 (branch-contiguous: each branch's data-parallel ranks share
+  nodes) at the same world size.
+
+Writes ``reports/super/super-a100-simulation.{json,md,png}``.
+
+    python benchmarks/super_a100_simulation.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "reports" / "super"
+
+MODEL = {"AUTOPAR_PGPT_LAYERS": "24", "AUTOPAR_PGPT_EMBED": "2048", "AUTOPAR_PGPT_HEADS": "16",
+         "AUTOPAR_PGPT_SEQ": "1024", "AUTOPAR_PGPT_VOCAB": "32768"}
+BATCH = 256
+WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+RANKS_PER_NODE = 8
+MEMORY_LIMIT_BYTES = 80e9        # A100 80 GB
+SERIES = {
+    "branch+data": ("branch", "sample", "replicate"),
+    "data-only": ("sample", "replicate"),
+    "tensor-only": ("filter", "row_parallel", "replicate"),
+}
+
+
+def _plan(make_plan, PlanOptions, PlanHooks, prof, world, kinds, placement="search", force=None,
+          units=True):
+    from autopar.errors import AutoparError
+    t0 = time.perf_counter()
+    os.environ["AUTOPAR_PGPT_UNITS"] = "1" if units else "0"
+    try:
+        r = make_plan(ROOT / "strategies/examples/parallel_gpt.py",
+                      PlanOptions(world_size=world, batch_size=BATCH, ranks_per_node=RANKS_PER_NODE,
+                                  memory_limit_bytes=MEMORY_LIMIT_BYTES, kinds=kinds, write=False,
+                                  placement=placement),
+                      PlanHooks(profile=prof, force=force))
+    except AutoparError as e:
+        return {"world": world, "error": str(e).splitlines()[0][:300]}
+    kinds_used: dict[str, int] = {}
+    for d in r.plan.layers:
+        s = str(d.decomposition())
+        kinds_used[s] = kinds_used.get(s, 0) + 1
+    step = float(r.solution.objective_s)
+    return {"world": world, "step_time_s": step, "placement": str(r.table.ctx.placement),
+            "decompositions": kinds_used, "plan_s": round(time.perf_counter() - t0, 2)}
+
+
+def _unit_layers() -> list[int]:
+    """Indices of the parallel blocks (planning units) in the planned graph."""
+    from autopar.modelfile import load_model_file
+    from autopar.trace.cache import trace_cached
+    from autopar.trace.units import merge_units
+    os.environ["AUTOPAR_PGPT_UNITS"] = "1"
+    mf = load_model_file(ROOT / "strategies/examples/parallel_gpt.py")
+    g, _ = trace_cached(mf, BATCH)
+    g = merge_units(g, mf.planning_units())
+    return [lay.index for lay in g.layers if lay.module.startswith("blocks.")]
+
+
+def main() -> int:
+    os.environ.update(MODEL)
+    sys.path.insert(0, str(ROOT))
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.calibrate.profile import load_profile
+    from autopar.pipeline import make_plan
+
+    prof = load_profile(ROOT / "calibration" / "datasheet-a100-cluster.json")
+    worlds = tuple(int(w) for w in os.environ.get("SUPER_WORLDS", ",".join(map(str, WORLDS))).split(","))
+    rows: dict[str, list] = {k: [] for k in SERIES}
+    rows["branch+data interleaved (block)"] = []
+    rows["branch+data branch-contiguous (stride 2)"] = []
+    units = _unit_layers()
+    for w in worlds:
+        for name, kinds in SERIES.items():
+            rows[name].append(_plan(make_plan, PlanOptions, PlanHooks, prof, w, kinds,
+                                    units=name != "tensor-only"))
+            print(name, rows[name][-1], flush=True)
+        if w > RANKS_PER_NODE:
+            for name, pl in (("branch+data interleaved (block)", "block"),
+                             ("branch+data branch-contiguous (stride 2)", 2)):
+                rows[name].append(_plan(make_plan, PlanOptions, PlanHooks, prof, w,
+                                        SERIES["branch+data"], placement=pl,
+                                        force={li: "branch" for li in units}))
+                print(name, rows[name][-1], flush=True)
+    write(rows, worlds)
+    return 0
+
+
+def write(rows, worlds) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"what": "predicted step times (autopar cost model on the datasheet A100 profile), "
+                    "not measurements", "model": "strategies/examples/parallel_gpt.py", "sizes": MODEL,
+            "global_batch": BATCH, "ranks_per_node": RANKS_PER_NODE,
+            "memory_limit_bytes": MEMORY_LIMIT_BYTES, "profile": "calibration/datasheet-a100-cluster.json"}
+    tmp = OUT / "super-a100-simulation.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "series": rows}, indent=1))
+    tmp.replace(OUT / "super-a100-simulation.json")
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rs in rows.items():
+        pts = [(r["world"], r["step_time_s"]) for r in rs if r.get("step_time_s")]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name, linestyle="--" if "(" in name else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs (8 per node)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(f"parallel-block GPT, global batch {BATCH}: predicted strong scaling (A100 datasheet)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(OUT / "super-a100-strong-scaling.png.tmp.png", dpi=120)
+    (OUT / "super-a100-strong-scaling.png.tmp.png").replace(OUT / "super-a100-strong-scaling.png")
+
+    lines = ["# SUPER sub-graph + data parallelism on the A100 datasheet profile (predictions)", "",
+             "Written by `benchmarks/super_a100_simulation.py`; the data is in "
+             "`super-a100-simulation.json`. **Every figure is a prediction** of autopar's cost model on "
+             "`calibration/datasheet-a100-cluster.json` (datasheet links and kernel rates, 8 GPUs per "
+             "node), not a measured run.", "",
+             f"Model: parallel-block GPT (`strategies/examples/parallel_gpt.py`), sizes {MODEL}; global "
+             f"batch {BATCH} at every world size (strong scaling); memory limit "
+             f"{MEMORY_LIMIT_BYTES / 1e9:.0f} GB per GPU.", "",
+             "![strong scaling](super-a100-strong-scaling.png)", "",
+             "| GPUs | " + " | ".join(rows) + " |", "|---:|" + "---:|" * len(rows)]
+    for w in worlds:
+        cells = []
+        for name, rs in rows.items():
+            r = next((x for x in rs if x["world"] == w), None)
+            if r is None:
+                cells.append("-")
+            elif r.get("step_time_s") is None:
+                cells.append("infeasible" if "error" in r else "-")
+            else:
+                cells.append(f"{r['step_time_s'] * 1e3:.1f} ms")
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines += ["", "Decompositions chosen (layer count per choice) and placement:", ""]
+    for name, rs in rows.items():
+        for r in rs:
+            lines.append(f"- {name}, {r['world']} GPUs: " + (
+                f"placement {r['placement']}, {r['decompositions']}" if "error" not in r else f"error: {r['error']}"))
+    (OUT / "README.md.tmp").write_text("\n".join(lines) + "\n")
+    (OUT / "README.md.tmp").replace(OUT / "README.md")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""SUPER sub-graph (branch) parallelism (``autopar.decomp.branch``): the branches found in a
+traced unit, the grid-translation boundary ops' adjoints, plans that run the branches of a
+parallel GPT block and of a multi-tower model on disjoint rank groups with data parallelism,
+equal to one process in float64 (output, loss, every gradient and every parameter after a
+step: ``execute``'s validation, rtol 1e-9 / atol 1e-12), and the interleaved placement chosen on
+a simulated cluster whose inter-node links are slow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.decomp.branch import PARTIAL, SHARED, Branch, BranchParamShard, analysis
+
+ROOT = Path(__file__).resolve().parents[1]
+PGPT = ROOT / "strategies" / "examples" / "parallel_gpt.py"
+TOWERS = ROOT / "strategies" / "examples" / "towers.py"
+
+
+def _units(model, batch=4):
+    from autopar.modelfile import load_model_file
+    from autopar.trace.cache import trace_cached
+    from autopar.trace.units import merge_units
+    mf = load_model_file(model)
+    g, _ = trace_cached(mf, batch, use_cache=False)
+    g = merge_units(g, mf.planning_units())
+    return g, [lay for lay in g.layers if analysis(lay).count >= 2]
+
+
+# ---- pure: branches, roles, layouts, legality ------------------------------------------------
+
+def test_parallel_block_has_attention_and_mlp_branches():
+    g, units = _units(PGPT)
+    assert [u.module for u in units] == ["blocks.0", "blocks.1"]
+    a = analysis(units[0])
+    mods = [{next(op.module for op in units[0].ops if op.name == h) for h in hs} for hs in a.branches]
+    assert mods == [{"blocks.0.attn.qkv", "blocks.0.attn", "blocks.0.attn.proj"},
+                    {"blocks.0.mlp.fc", "blocks.0.mlp.out"}]
+    ln = next(op.name for op in units[0].ops if op.kind == "layer_norm")
+    assert a.role[ln] == "shared"                       # the norm before the fork
+    last = units[0].output
+    assert a.role[last] == "join" and a.join_mode[last] == "local" and a.state[last] == PARTIAL
+    # the unit leaves as a partial sum over the branch axis: the transition after it all-reduces
+    assert Branch(2, 2).out_layout(units[0]).partial == 2
+    assert Branch(2, 2).in_layout(units[0], units[0].inputs[0]).partial == 1
+
+
+@pytest.mark.parametrize("join", ["sum", "cat"])
+def test_towers_branches_and_join(join, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_TOWERS_JOIN", join)
+    g, units = _units(TOWERS)
+    (u,) = units
+    a = analysis(u)
+    assert a.count == 4
+    relu = u.output                                      # relu after the join: not linear
+    assert a.role[relu] == "join" and a.join_mode[relu] == "reduce" and a.state[relu] == SHARED
+    from fakes import synthetic_profile
+    from autopar.decomp.base import CostContext
+    ctx = CostContext(profile=synthetic_profile(), world=4, ranks_per_node=4)
+    assert [str(d) for d in Branch.candidates(u, ctx)] == ["branch(2,2,1)", "branch(1,4,1)"]
+    assert Branch(2, 2).check(u, ctx) is None
+    assert "do not divide" in Branch(1, 3, 1).check(u, CostContext(profile=synthetic_profile(), world=3,
+                                                                   ranks_per_node=4))
+    # the batch limits the data degree: the rest are replicas
+    ctx8 = CostContext(profile=synthetic_profile(), world=16, ranks_per_node=4)
+    assert "branch(4,2,2)" in [str(d) for d in Branch.candidates(u, ctx8)]
+    # weights of tower 3 live on branch group 1 of 2 only (empty blocks elsewhere)
+    op = next(op for op in u.ops if op.module == "towers.towers.3.fc1")
+    sh = Branch(2, 2).layer_param_shard(u, op, "weight")
+    assert isinstance(sh, BranchParamShard)
+    assert [sh.local_shape((32, 16), r, 4) for r in range(4)] == [(0, 16), (32, 16), (0, 16), (32, 16)]
+    assert sh.grad_group(1, 4) == [1, 3] and sh.grad_group(0, 4) == [0]
+    # cost: compute of the slowest group, the reduce join's all-reduce, both branch groups' weights
+    c = Branch(2, 2).cost(u, ctx)
+    assert c.fwd_comm_s > 0 and c.param_bytes < u.param_numel * u.itemsize
+
+
+def test_chain_unit_has_no_branches():
+    g, _ = _units(ROOT / "strategies" / "examples" / "gpt.py")
+    from fakes import synthetic_profile
+    from autopar.decomp.base import CostContext
+    ctx = CostContext(profile=synthetic_profile(), world=2, ranks_per_node=4)
+    assert all(Branch.candidates(lay, ctx) == [] for lay in g.layers)
+    assert "no parallel branches" in Branch(1, 2).check(g.layers[-1], ctx)
+
+
+# ---- boundary ops: exact adjoints (dot-product test over the ranks) --------------------------
+
+def _adjoint_cases(rank, world):
+    from autopar.decomp.branch.boundary import branch_slice, branch_split, branch_sum
+    from autopar.runtime.comm import Comm
+    comm = Comm.from_env()
+    groups = [list(range(world))] + ([[0, 1], [2, 3]] if world == 4 else [])
+    comm.ensure_partitions([groups[1:]] if len(groups) > 1 else [])
+    out = []
+    for k, (name, fn) in enumerate([("split", lambda x, g: branch_split(x, comm, g)),
+                                    ("sum", lambda x, g: branch_sum(x, comm, g)),
+                                    ("slice", lambda x, g: branch_slice(x, comm, g, dim=1))]):
+        for j, g in enumerate(groups):
+            if rank not in g:
+                continue
+            gen = torch.Generator().manual_seed(1000 * k + 10 * j + rank)
+            x = torch.randn(3, 4, dtype=torch.float64, generator=gen).requires_grad_()
+            y = fn(x, g)
+            dy = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+            (y * dy).sum().backward()
+            out.append((name, j, float((y.detach() * dy).sum()), float((x.grad * x.detach()).sum()),
+                        y.detach().numpy(), x.detach().numpy()))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_boundary_ops_are_exact_adjoints(world):
+    from autopar.runtime.launch import run_ranks
+    res = run_ranks(_adjoint_cases, world, timeout_s=120)
+    keys = {(n, j) for r in range(world) for n, j, *_ in res[r]}
+    assert {n for n, _ in keys} == {"split", "sum", "slice"}
+    for key in keys:
+        rows = {r: e for r in range(world) for e in res[r] if (e[0], e[1]) == key}
+        lhs = sum(e[2] for e in rows.values())          # <A x, dy> summed over the ranks
+        rhs = sum(e[3] for e in rows.values())          # <x, A^T dy>
+        assert abs(lhs - rhs) <= 1e-9 * max(1.0, abs(lhs)), (key, lhs, rhs)
+        ranks = sorted(rows)
+        xs = [torch.from_numpy(rows[r][5]) for r in ranks]
+        ys = [torch.from_numpy(rows[r][4]) for r in ranks]
+        if key[0] == "split":
+            assert all(torch.equal(y, xs[0]) for y in ys)
+        elif key[0] == "sum":
+            assert all(torch.allclose(y, sum(xs)) for y in ys)
+        else:
+            assert torch.equal(torch.cat(ys, 1), xs[0])
+
+
+# ---- plans that run: equal to one process -----------------------------------------------------
+
+CASES = [
+    (PGPT, {}, 2, "branch(1,2,1)"),
+    (PGPT, {}, 4, "branch(2,2,1)"),
+    (TOWERS, {"AUTOPAR_TOWERS_JOIN": "sum"}, 4, "branch(1,4,1)"),
+    (TOWERS, {"AUTOPAR_TOWERS_JOIN": "cat"}, 4, "branch(2,2,1)"),
+    (TOWERS, {"AUTOPAR_TOWERS_JOIN": "sum"}, 4, "branch(1,2,2)"),   # batch 1: replicas
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model,env,world,want", CASES,
+                         ids=[f"{m.stem}-{e.get('AUTOPAR_TOWERS_JOIN', '')}-w{w}-{d}" for m, e, w, d in CASES])
+def test_branch_plan_equals_one_process(model, env, world, want, tmp_path, monkeypatch, profile):
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.pipeline import make_plan
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    batch = 1 if want.endswith(",2)") else 4
+    _, units = _units(model, batch)
+    force = {u.index: want for u in units}
+    r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, trace_cache=False,
+                                     out_dir=str(tmp_path / "plan")),
+                  PlanHooks(profile=profile, force=force))
+    assert [str(r.plan.layer(li).decomposition()) for li in force] == [want] * len(force)
+    run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1,
+                                                 timeout_s=180, ddp=False),
+                     out_dir=tmp_path / "run", progress=lambda s: None)
+    assert run.validation.passed, run.validation.failures
+
+
+# ---- topology-aware placement -----------------------------------------------------------------
+
+def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monkeypatch):
+    """Branch units at world 16 on 2 simulated nodes of 8: block placement keeps each sample
+    block's branch groups on one node (SUPER's interleaved placement), stride 2 puts each
+    branch's ranks together (branch-contiguous). With slow inter-node links the search prices
+    both and keeps the interleaved one; the branch units' join (a partial output resolved after
+    the unit) is then intra-node."""
+    from fakes import synthetic_profile
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.decomp.base import CostContext
+    from autopar.decomp.placement import Placement
+    from autopar.pipeline import make_plan
+    monkeypatch.setenv("AUTOPAR_PGPT_SEQ", "256")       # activations large enough to matter
+    prof = synthetic_profile(ranks_per_node=8, nodes=2, inter_factor=50.0)
+    _, units = _units(PGPT, 16)
+    force = {u.index: "branch(8,2,1)" for u in units}
+    r = make_plan(PGPT, PlanOptions(world_size=16, batch_size=16, ranks_per_node=8, nodes=2,
+                                    write=False, placement="search", trace_cache=False),
+                  PlanHooks(profile=prof, force=force))
+    assert str(r.table.ctx.placement) == "block"
+    tried = r.plan.placement_search["tried"]
+    assert {t["name"] for t in tried} >= {"block", "stride(2)"}
+    # priced: the branch-contiguous placement puts the join's all-reduce group across nodes
+    dec = Branch(8, 2, 1)
+    inter = CostContext(profile=prof, world=16, ranks_per_node=8, placement=Placement(16, 2))
+    intra = CostContext(profile=prof, world=16, ranks_per_node=8)
+    assert inter.level(dec.branch_group(0)) == "inter" and intra.level(dec.branch_group(0)) == "intra"
+    assert intra.level(dec.owner_group(0, 16)) == "inter"
+    t = {x["name"]: x for x in tried}
+    if t["stride(2)"]["solved"]:
+        assert t["stride(2)"]["step_time_s"] > t["block"]["step_time_s"]
