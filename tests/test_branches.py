@@ -142,6 +142,10 @@ CASES = [
     (TOWERS, {"AUTOPAR_TOWERS_JOIN": "sum"}, 4, "branch(1,4,1)"),
     (TOWERS, {"AUTOPAR_TOWERS_JOIN": "cat"}, 4, "branch(2,2,1)"),
     (TOWERS, {"AUTOPAR_TOWERS_JOIN": "sum"}, 4, "branch(1,2,2)"),   # batch 1: replicas
+    (PGPT, {}, 2, "head_groups(1,2,1,1)"),                          # all sub-graph
+    (PGPT, {}, 4, "head_groups(2,2,1,1)"),
+    (PGPT, {}, 4, "head_groups(1,4,1,0)"),                          # heads only, MLP whole
+    (PGPT, {}, 4, "head_groups(1,2,2,1)"),                          # batch 1: replicas
 ]
 
 
@@ -154,7 +158,7 @@ def test_branch_plan_equals_one_process(model, env, world, want, tmp_path, monke
     from autopar.pipeline import make_plan
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    batch = 1 if want.endswith(",2)") else 4
+    batch = 1 if want in ("branch(1,2,2)", "head_groups(1,2,2,1)") else 4   # replicas
     _, units = _units(model, batch)
     force = {u.index: want for u in units}
     r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, trace_cache=False,

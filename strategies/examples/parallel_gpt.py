@@ -29,15 +29,19 @@ PLANNING_UNITS = ([f"blocks.{i}" for i in range(LAYERS)]
 
 
 class Attention(nn.Module):
+    """Separate q, k, v projections (as Llama-style models write them): a group of heads is a
+    contiguous block of each projection's rows."""
+
     def __init__(self):
         super().__init__()
-        self.qkv = nn.Linear(EMBED, 3 * EMBED)
+        self.q = nn.Linear(EMBED, EMBED)
+        self.k = nn.Linear(EMBED, EMBED)
+        self.v = nn.Linear(EMBED, EMBED)
         self.proj = nn.Linear(EMBED, EMBED)
 
     def forward(self, x):
         n, s, e = x.shape
-        q, k, v = self.qkv(x).split(e, dim=-1)
-        q, k, v = (t.view(n, s, HEADS, e // HEADS).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t(x).view(n, s, HEADS, e // HEADS).transpose(1, 2) for t in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(n, s, e))
 

@@ -41,8 +41,9 @@ from ..common import batch_dim_ok
 from ..ir import REGISTERED, Layer, OpSpec
 from ..layout import Layout
 from .graph import PARTIAL, SHARED, BranchAnalysis, analysis
+from .heads import HeadGroups, data_degree, head_plan  # noqa: F401  (registration)
 
-__all__ = ["Branch", "BranchParamShard", "analysis", "SHARED", "PARTIAL"]
+__all__ = ["Branch", "BranchParamShard", "HeadGroups", "analysis", "head_plan", "SHARED", "PARTIAL"]
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,8 @@ class Branch(Decomposition):
         for b in divisors(an.count):
             if b < 2 or ctx.world % b:
                 continue
-            d = ctx.world // b
-            if d > n:      # fewer samples than data ranks: the largest data degree the batch allows,
-                d = max((q for q in divisors(ctx.world // b) if q <= n), default=1)   # rest replicas
-            out.append(cls(d, b, ctx.world // b // d))
+            d, r = data_degree(ctx.world, b, n)   # fewer samples than data ranks: replicas
+            out.append(cls(d, b, r))
         return out
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
