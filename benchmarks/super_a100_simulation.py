@@ -9,18 +9,23 @@ NVLink / InfiniBand links and A100 kernel rates), not a measurement. Model:
 blocks; each block one planning unit with two branches), global batch ``BATCH`` fixed at every
 world size. Series (``PlanOptions.kinds``):
 
-* branch+data: ``branch`` units (Branch(data, groups)) with sample parallelism elsewhere,
+* branch+data: ``branch`` (Branch: attention and MLP on disjoint groups) and ``head_groups``
+  (HeadGroups: heads, and in the all-sub-graph variant the MLP, in G groups) for the blocks,
+  with sample parallelism elsewhere,
   placement searched (block = SUPER's interleaved placement for branch units, see
   ``autopar.decomp.placement``);
 * data-only:   ``sample`` (and ``replicate``) on every layer;
 * tensor-only: ``filter`` / ``row_parallel`` (and ``replicate``) on every layer, no sample split,
+  priced WITHOUT the memory limit (under 80 GB no such plan fits: every rank holds the whole
+  batch's activations),
   planned without units (``AUTOPAR_PGPT_UNITS=0``: filter / row_parallel split single linear
   layers; attention itself is replicated until head parallelism is merged);
-* placements:  branch+data with every block pinned to ``branch`` (forced), planned under block (interleaved: the i-th rank of each branch on one
-  node) and under local stride 2 (branch-contiguous: each branch's data-parallel ranks share
-  nodes) at the same world size.
+* placements:  branch+data with every block pinned to ``branch`` (Branch(D, 2, R), forced),
+  planned under block (interleaved: the i-th rank of each branch on one node) and under local
+  stride 2R (branch-contiguous: each branch's data-parallel ranks share nodes).
 
-Writes ``reports/super/super-a100-simulation.{json,md,png}``.
+Writes ``reports/super/super-a100-simulation.json``, ``super-a100-strong-scaling.png`` and
+``README.md``.
 
     python benchmarks/super_a100_simulation.py
 """
@@ -43,21 +48,21 @@ WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 RANKS_PER_NODE = 8
 MEMORY_LIMIT_BYTES = 80e9        # A100 80 GB
 SERIES = {
-    "branch+data": ("branch", "sample", "replicate"),
+    "branch+data": ("branch", "head_groups", "sample", "replicate"),
     "data-only": ("sample", "replicate"),
     "tensor-only": ("filter", "row_parallel", "replicate"),
 }
 
 
 def _plan(make_plan, PlanOptions, PlanHooks, prof, world, kinds, placement="search", force=None,
-          units=True):
+          units=True, memory_limit=MEMORY_LIMIT_BYTES):
     from autopar.errors import AutoparError
     t0 = time.perf_counter()
     os.environ["AUTOPAR_PGPT_UNITS"] = "1" if units else "0"
     try:
         r = make_plan(ROOT / "strategies/examples/parallel_gpt.py",
                       PlanOptions(world_size=world, batch_size=BATCH, ranks_per_node=RANKS_PER_NODE,
-                                  memory_limit_bytes=MEMORY_LIMIT_BYTES, kinds=kinds, write=False,
+                                  memory_limit_bytes=memory_limit, kinds=kinds, write=False,
                                   placement=placement),
                       PlanHooks(profile=prof, force=force))
     except AutoparError as e:
@@ -94,16 +99,19 @@ def main() -> int:
     worlds = tuple(int(w) for w in os.environ.get("SUPER_WORLDS", ",".join(map(str, WORLDS))).split(","))
     rows: dict[str, list] = {k: [] for k in SERIES}
     rows["branch+data interleaved (block)"] = []
-    rows["branch+data branch-contiguous (stride 2)"] = []
+    rows["branch+data branch-contiguous (stride G*R)"] = []
     units = _unit_layers()
     for w in worlds:
         for name, kinds in SERIES.items():
-            rows[name].append(_plan(make_plan, PlanOptions, PlanHooks, prof, w, kinds,
-                                    units=name != "tensor-only"))
+            tensor = name == "tensor-only"
+            rows[name].append(_plan(make_plan, PlanOptions, PlanHooks, prof, w, kinds, units=not tensor,
+                                    memory_limit=None if tensor else MEMORY_LIMIT_BYTES))
             print(name, rows[name][-1], flush=True)
         if w > RANKS_PER_NODE:
+            from autopar.decomp.branch import data_degree
+            d, r = data_degree(w, 2, BATCH)     # the forced Branch(d, 2, r) of every block
             for name, pl in (("branch+data interleaved (block)", "block"),
-                             ("branch+data branch-contiguous (stride 2)", 2)):
+                             ("branch+data branch-contiguous (stride G*R)", 2 * r)):
                 rows[name].append(_plan(make_plan, PlanOptions, PlanHooks, prof, w,
                                         SERIES["branch+data"], placement=pl,
                                         force={li: "branch" for li in units}))

@@ -182,7 +182,7 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
     from fakes import synthetic_profile
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.decomp.base import CostContext
-    from autopar.decomp.placement import Placement
+    from autopar.decomp.placement import branch_contiguous
     from autopar.pipeline import make_plan
     monkeypatch.setenv("AUTOPAR_PGPT_SEQ", "256")       # activations large enough to matter
     prof = synthetic_profile(ranks_per_node=8, nodes=2, inter_factor=50.0)
@@ -196,10 +196,84 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
     assert {t["name"] for t in tried} >= {"block", "stride(2)"}
     # priced: the branch-contiguous placement puts the join's all-reduce group across nodes
     dec = Branch(8, 2, 1)
-    inter = CostContext(profile=prof, world=16, ranks_per_node=8, placement=Placement(16, 2))
+    inter = CostContext(profile=prof, world=16, ranks_per_node=8, placement=branch_contiguous(16, 2))
     intra = CostContext(profile=prof, world=16, ranks_per_node=8)
     assert inter.level(dec.branch_group(0)) == "inter" and intra.level(dec.branch_group(0)) == "intra"
     assert intra.level(dec.owner_group(0, 16)) == "inter"
     t = {x["name"]: x for x in tried}
     if t["stride(2)"]["solved"]:
         assert t["stride(2)"]["step_time_s"] > t["block"]["step_time_s"]
+
+
+# ---- memory: a limit that data parallelism does not fit -----------------------------------------
+
+def _plan_mem(tmp_path, limit, kinds=None, write=False):
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.pipeline import make_plan
+    from fakes import synthetic_profile
+    r = make_plan(PGPT, PlanOptions(world_size=4, batch_size=4, write=write, trace_cache=False,
+                                    memory_limit_bytes=limit, kinds=kinds,
+                                    out_dir=str(tmp_path / "plan") if write else None),
+                  PlanHooks(profile=synthetic_profile()))
+    mem = sum(r.table.layers[li].costs[i].memory_bytes for li, i in enumerate(r.solution.choice))
+    return r, mem
+
+
+@pytest.mark.dist
+def test_memory_limit_forces_a_branch_plan_that_runs(tmp_path, monkeypatch):
+    """Wide blocks (embed 128, 8 tokens): weights, their gradients and momentum dominate. Data
+    parallelism needs every block's weights on every rank; under 60 % of its memory the planner
+    must split the blocks' weights over branch groups, and that plan runs equal to one process."""
+    from autopar.execute.runner import ExecuteOptions, execute
+    monkeypatch.setenv("AUTOPAR_PGPT_EMBED", "128")
+    monkeypatch.setenv("AUTOPAR_PGPT_SEQ", "8")
+    _, dp_mem = _plan_mem(tmp_path, None, kinds=("sample", "replicate"))
+    r, mem = _plan_mem(tmp_path, 0.6 * dp_mem, write=True)
+    assert mem <= 0.6 * dp_mem
+    blocks = [d.decomposition() for d in r.plan.layers if d.decomposition().kind in ("branch", "head_groups")]
+    assert len(blocks) == 2, [str(d.decomposition()) for d in r.plan.layers]
+    unit = next(lay for lay in r.plan.graph().layers if lay.module == "blocks.0")
+    c = r.table.layers[unit.index]
+    dp = min(cc.memory_bytes for d, cc in zip(c.choices, c.costs) if d.kind == "sample") if any(
+        d.kind == "sample" for d in c.choices) else None
+    mine = c.costs[r.solution.choice[unit.index]]
+    assert dp is None or mine.param_bytes < dp           # the chosen split holds less weight
+    run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1,
+                                                 timeout_s=180, ddp=False),
+                     out_dir=tmp_path / "run", progress=lambda s: None)
+    assert run.validation.passed, run.validation.failures
+
+
+def test_infeasible_memory_limit_names_the_unit(tmp_path):
+    from autopar.errors import AutoparError
+    with pytest.raises(AutoparError, match=r"blocks\.[01] \("):
+        _plan_mem(tmp_path, 1024.0)
+
+
+def test_head_groups_plan_and_bad_splits_named():
+    from fakes import synthetic_profile
+    from autopar.decomp.base import CostContext
+    from autopar.decomp.branch import HeadGroups, head_plan
+    g, units = _units(PGPT)
+    u = units[0]
+    hp = head_plan(u, 2, ffn=True)
+    assert hp.problem is None
+    by_mod = {op.module: hp.mode[op.name] for op in u.ops if op.params}
+    assert by_mod == {"blocks.0.ln": "whole", "blocks.0.attn.q": "col", "blocks.0.attn.k": "col",
+                      "blocks.0.attn.v": "col", "blocks.0.attn.proj": "row", "blocks.0.mlp.fc": "col",
+                      "blocks.0.mlp.out": "row"}
+    sdpa = next(op.name for op in u.ops if op.kind == "attention")
+    assert hp.state[sdpa] == 1                            # heads dim split in G groups
+    assert hp.state[u.output] == "P"
+    heads_only = head_plan(u, 2, ffn=False)
+    assert heads_only.mode[next(op.name for op in u.ops if op.module == "blocks.0.mlp.fc")] == "whole"
+    # 4 heads in 8 groups: refused at plan time, naming the op and the reason
+    ctx8 = CostContext(profile=synthetic_profile(), world=8, ranks_per_node=8)
+    why = HeadGroups(1, 8, 1, 1).check(u, ctx8)
+    assert why and "head" in why and "8" in why, why
+    assert all(d.groups in (2, 4) for d in HeadGroups.candidates(u, ctx8))
+    # weights: q's rows split over the group axis, gradients summed over its data ranks
+    q = next(op for op in u.ops if op.module == "blocks.0.attn.q")
+    sh = HeadGroups(2, 2, 1, 1).layer_param_shard(u, q, "weight")
+    assert [sh.local_bounds((32, 32), r, 4)[0] for r in range(4)] == [(0, 16), (16, 16), (0, 16), (16, 16)]
+    assert sh.grad_group(0, 4) == [0, 2]

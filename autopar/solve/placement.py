@@ -4,7 +4,9 @@ The cost model prices every collective on the link its ranks use, and which link
 depends on where the logical ranks run (``autopar.decomp.placement``). Under block placement
 (the identity) the innermost mesh axes are node-local; under local stride ``s`` the mesh axis of
 logical stride ``s`` is, e.g. the sample axis of ``Channel(S, s)`` whose gradient allreduce is
-the heaviest traffic of a wide layer (the topology-aware placement of SUPER). Which placement
+the heaviest traffic of a wide layer. For SUPER's branch decompositions block placement is the
+interleaved placement (each sample block's branch ranks on one node: joins intra-node) and
+stride G x R the branch-contiguous one (``decomp.placement``). Which placement
 is best depends on the plan, and the plan on the placement, so the search solves the ILP per
 placement:
 
