@@ -277,3 +277,21 @@ def test_head_groups_plan_and_bad_splits_named():
     sh = HeadGroups(2, 2, 1, 1).layer_param_shard(u, q, "weight")
     assert [sh.local_bounds((32, 32), r, 4)[0] for r in range(4)] == [(0, 16), (16, 16), (0, 16), (16, 16)]
     assert sh.grad_group(0, 4) == [0, 2]
+
+
+def test_join_with_a_literal_is_summed_first():
+    """``a + b + 1``: a partial sum plus a literal would count the literal once per group."""
+    from autopar.decomp.branch.graph import analyse
+    from autopar.decomp.ir import Layer, OpSpec
+
+    def op(name, target, kind, args, inputs, params=None):
+        return OpSpec(name=name, kind=kind, target=target, args=args, kwargs={}, out_shape=[4, 8],
+                      dtype="float32", inputs=inputs, in_shapes=[[4, 8]] * len(inputs),
+                      params=params or {}, param_names={})
+    w = {"weight": [8, 8]}
+    ops = [op("a", "aten.linear.default", "linear", [{"v": "x"}, {"p": "wa"}], ["x"], w),
+           op("b", "aten.linear.default", "linear", [{"v": "x"}, {"p": "wb"}], ["x"], w),
+           op("s", "aten.add.Tensor", "binary", [{"v": "a"}, {"v": "b"}], ["a", "b"]),
+           op("t", "aten.add.Tensor", "binary", [{"v": "s"}, 1.0], ["s"])]
+    an = analyse(Layer(index=0, name="a", ops=ops, inputs=["x"], output="t"))
+    assert an.count == 2 and an.join_mode == {"s": "local", "t": "reduce"}

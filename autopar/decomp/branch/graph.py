@@ -55,6 +55,13 @@ class BranchAnalysis:
         return len(self.branches)
 
 
+def _number_operand(op) -> bool:
+    """A literal number added or subtracted (``x + 1``): it must count once, so the join
+    cannot stay a partial sum."""
+    return op.target in ("aten.add.Tensor", "aten.sub.Tensor") and any(
+        isinstance(a, (int, float)) and not isinstance(a, bool) for a in op.args[:2])
+
+
 def _heavy(op) -> bool:
     return bool(op.params) and op.kind not in ("layer_norm", "rms_norm", "batch_norm", "group_norm") \
         or op.kind in _HEAVY_KINDS
@@ -115,7 +122,7 @@ def analyse(layer: Layer) -> BranchAnalysis:
         else:
             out.role[op.name] = "join"
             parts = [out.state.get(v, SHARED) == PARTIAL for v in op.inputs]
-            if op.target in _SUMS:
+            if op.target in _SUMS and not _number_operand(op):
                 mode = "local"
             elif op.target in _LINEAR_ONE and sum(parts) == 1 and not (
                     op.target == "aten.div.Tensor" and len(parts) > 1 and parts[1]):

@@ -37,6 +37,7 @@ from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, 
 from ..common import batch_dim_ok
 from ..ir import REGISTERED, Layer, OpSpec
 from ..layout import Layout
+from .graph import _number_operand
 
 P = "P"
 _SUMS = ("aten.add.Tensor", "aten.sub.Tensor")
@@ -117,7 +118,7 @@ def head_plan(layer: Layer, groups: int, ffn: bool) -> HeadPlan:
             hp.problem = f"{op.name} mixes split and partial inputs"
             return hp
         if partial:
-            if op.target in _SUMS:
+            if op.target in _SUMS and not _number_operand(op):
                 hp.mode[op.name], hp.state[op.name] = "sum", P
             else:
                 hp.mode[op.name], hp.state[op.name] = "reduce", None
