@@ -27,7 +27,8 @@ world size. Series (``PlanOptions.kinds``):
 Writes ``reports/super/super-a100-simulation.json``, ``super-a100-strong-scaling.png`` and
 ``README.md``.
 
-    python benchmarks/super_a100_simulation.py
+    python benchmarks/super_a100_simulation.py              # plans 40 times, a few minutes
+    python benchmarks/super_a100_simulation.py --rewrite    # the markdown and plot from the JSON
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def main() -> int:
     from autopar.calibrate.profile import load_profile
     from autopar.pipeline import make_plan
 
+    if "--rewrite" in sys.argv:         # the report again from the JSON, without planning
+        data = json.loads((OUT / "super-a100-simulation.json").read_text())
+        write(data["series"], sorted({r["world"] for rs in data["series"].values() for r in rs}))
+        return 0
     prof = load_profile(ROOT / "calibration" / "datasheet-a100-cluster.json")
     worlds = tuple(int(w) for w in os.environ.get("SUPER_WORLDS", ",".join(map(str, WORLDS))).split(","))
     rows: dict[str, list] = {k: [] for k in SERIES}
@@ -129,9 +134,13 @@ def notes(rows, worlds) -> list[str]:
     for w in worlds:
         a, b = t("branch+data", w), t("data-only", w)
         if a and b and a < b * 0.995:
+            why = (f"the batch of {BATCH} gives data parallelism at most {BATCH} ranks, the others "
+                   f"only replicate" if w > BATCH else "as much compute per rank, but each rank holds and "
+                   "all-reduces the gradients of 1/G of the blocks' weights")
+            chosen = next(x for x in rows["branch+data"] if x["world"] == w)["decompositions"]
+            blocks = ", ".join(f"{k} x{n}" for k, n in chosen.items() if k.startswith(("branch", "head")))
             out.append(f"- {w} GPUs: sub-graph + data parallelism predicted {b / a:.2f}x faster than "
-                       f"data-only (the batch of {BATCH} gives data parallelism at most {BATCH} ranks; "
-                       f"the others only replicate).")
+                       f"data-only ({blocks}; {why}).")
         elif a and b:
             out.append(f"- {w} GPUs: the planner keeps data parallelism (sub-graph parallelism "
                        f"predicted no faster).")
