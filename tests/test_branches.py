@@ -36,7 +36,8 @@ def test_parallel_block_has_attention_and_mlp_branches():
     assert [u.module for u in units] == ["blocks.0", "blocks.1"]
     a = analysis(units[0])
     mods = [{next(op.module for op in units[0].ops if op.name == h) for h in hs} for hs in a.branches]
-    assert mods == [{"blocks.0.attn.qkv", "blocks.0.attn", "blocks.0.attn.proj"},
+    assert mods == [{"blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v", "blocks.0.attn",
+                     "blocks.0.attn.proj"},
                     {"blocks.0.mlp.fc", "blocks.0.mlp.out"}]
     ln = next(op.name for op in units[0].ops if op.kind == "layer_norm")
     assert a.role[ln] == "shared"                       # the norm before the fork
