@@ -296,3 +296,14 @@ def test_join_with_a_literal_is_summed_first():
            op("t", "aten.add.Tensor", "binary", [{"v": "s"}, 1.0], ["s"])]
     an = analyse(Layer(index=0, name="a", ops=ops, inputs=["x"], output="t"))
     assert an.count == 2 and an.join_mode == {"s": "local", "t": "reduce"}
+
+
+def test_placement_names_say_interleaved_or_branch_contiguous():
+    from autopar.decomp.branch import HeadGroups
+    from autopar.decomp.placement import Placement, branch_contiguous, branch_role
+    from autopar.decomp.sample import Sample
+    plan = [Sample(16), Branch(4, 2, 2), HeadGroups(8, 2, 1, 1)]
+    assert branch_role(Placement.identity(16), plan) == "interleaved"
+    assert branch_role(branch_contiguous(16, 2, 2), [Branch(4, 2, 2)]) == "branch-contiguous"
+    assert branch_role(Placement(16, 8), plan) == ""
+    assert branch_role(Placement.identity(16), [Sample(16)]) == ""

@@ -99,6 +99,22 @@ class Placement:
         return "block" if self.local_stride == 1 else f"stride({self.local_stride})"
 
 
+def branch_role(placement: Placement, decisions) -> str:
+    """What ``placement`` means for the branch decompositions among ``decisions`` (values with
+    ``groups`` and ``replicas``, i.e. ``Branch`` / ``HeadGroups``): "interleaved" (block: each
+    sample block's branch ranks share a node), "branch-contiguous" (stride G x R), or ""."""
+    roles = set()
+    for d in decisions:
+        g, r = getattr(d, "groups", None), getattr(d, "replicas", None)
+        if g is None or r is None or d.kind not in ("branch", "head_groups"):
+            continue
+        if placement.is_identity:
+            roles.add("interleaved")
+        elif placement.local_stride == g * r:
+            roles.add("branch-contiguous")
+    return "/".join(sorted(roles))
+
+
 def branch_contiguous(world: int, groups: int, replicas: int = 1) -> Placement:
     """The placement that puts each branch's data-parallel ranks together (stride G x R) for a
     branch decomposition of ``groups`` x ``replicas``; block placement is the interleaved one."""

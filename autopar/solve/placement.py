@@ -88,12 +88,20 @@ class PlacementResult:
     trials: list[PlacementTrial] = field(default_factory=list)
 
     def summary(self) -> str:
-        """One line for the CLI: the placement and why."""
+        """One line for the CLI: the placement and why (and, for SUPER's branch units, whether
+        it is their interleaved or branch-contiguous placement)."""
+        from ..decomp.placement import branch_role
+        try:
+            chosen = [o.choices[i] for o, i in zip(self.table.layers, self.solution.choice)]
+        except (AttributeError, TypeError):
+            chosen = []
+        role = branch_role(self.placement, chosen)
+        name = f"{self.placement} ({role} for the branch units)" if role else str(self.placement)
         if len(self.trials) == 1:
-            return f"placement: {self.placement} ({self.trials[0].note})"
+            return f"placement: {name} ({self.trials[0].note})"
         block = self.trials[0]
         solved = [t for t in self.trials if t.solved]
-        return (f"placement: {self.placement}, predicted {self.prediction.step_time_s * 1e3:.4g} ms "
+        return (f"placement: {name}, predicted {self.prediction.step_time_s * 1e3:.4g} ms "
                 f"(block {block.step_time_s * 1e3:.4g} ms; {len(self.trials)} placements priced, "
                 f"{len(solved)} solved: " + ", ".join(f"{t.placement} {t.step_time_s * 1e3:.4g} ms"
                                                       for t in solved) + ")")
