@@ -1,4 +1,5 @@
-"""SUPER sub-graph (branch) parallelism combined with data parallelism: ``Branch(data, groups)``.
+"""SUPER sub-graph (branch) parallelism combined with data parallelism:
+``Branch(data, groups, replicas)`` (and ``HeadGroups``, heads in groups: ``branch.heads``).
 
 Jain et al., SUPER (IPDPS 2021): a unit's independent branches (the attention and MLP of a
 parallel GPT block, the towers of a multi-tower model; ``branch.graph`` finds them in the
@@ -27,7 +28,7 @@ adjoints are ``branch.boundary``):
   slice, zeros elsewhere), resolved like a sum.
 
 Weights of branch c live only on its group's ranks (``BranchParamShard``: the other ranks hold
-an empty tensor) and their gradients are summed over the ``data`` ranks of the group; weights
+an empty tensor) and their gradients are summed over the data x replicas ranks of the group; weights
 of shared ops (the layer norm before the fork) are whole everywhere, summed over the world.
 """
 
@@ -49,8 +50,10 @@ __all__ = ["Branch", "BranchParamShard", "HeadGroups", "analysis", "head_plan", 
 @dataclass(frozen=True)
 class BranchParamShard(ParamShard):
     """A whole parameter held only by the ranks of branch group ``owner`` (of ``groups``; rank
-    r's group is ``(r // replicas) % groups``); the other ranks hold an empty block (extent 0 on dim 0) and
-    sync nothing. Gradients are summed over the owner group's ranks."""
+    r's group is ``(r // replicas) % groups``); the other ranks hold an empty block (extent 0
+    on dim 0) and sync nothing. Gradients are summed over the owner group's ranks. ``dims`` is
+    given as ``((0, 0),)`` so that code asking ``shard.dims`` assembles the whole parameter from
+    the ranks' blocks (the owners') instead of taking any rank's copy."""
 
     owner: int = 0
     groups: int = 1
