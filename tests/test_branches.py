@@ -307,3 +307,22 @@ def test_placement_names_say_interleaved_or_branch_contiguous():
     assert branch_role(branch_contiguous(16, 2, 2), [Branch(4, 2, 2)]) == "branch-contiguous"
     assert branch_role(Placement(16, 8), plan) == ""
     assert branch_role(Placement.identity(16), [Sample(16)]) == ""
+
+
+def test_attention_memory_counts_scores_only_when_not_fused():
+    """SDPA saves q, k, v (the KV) and its output; with an explicit mask (the math path) also
+    the B x H x L x S attention weights."""
+    from autopar.decomp.ir import OpSpec
+    from autopar.ops import family_of
+    q = [2, 4, 16, 8]
+
+    def sdpa(args, inputs, shapes):
+        return OpSpec(name="y", kind="attention", target="aten.scaled_dot_product_attention.default",
+                      args=args, kwargs={}, out_shape=q, dtype="float32", inputs=inputs,
+                      in_shapes=shapes, params={}, param_names={})
+    fam = family_of("attention")
+    fused = sdpa([{"v": "q"}, {"v": "k"}, {"v": "v"}, None, 0.0, True], ["q", "k", "v"], [q] * 3)
+    masked = sdpa([{"v": "q"}, {"v": "k"}, {"v": "v"}, {"v": "m"}], ["q", "k", "v", "m"], [q] * 3 + [[16, 16]])
+    qkvy = 4 * 2 * 4 * 16 * 8
+    assert fam.saved_bytes(fused, fused.in_shapes, q, 4) == qkvy * 4
+    assert fam.saved_bytes(masked, masked.in_shapes, q, 4) == (qkvy + 16 * 16 + 2 * 4 * 16 * 16) * 4
