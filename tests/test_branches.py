@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.decomp.branch import PARTIAL, SHARED, Branch, BranchParamShard, analysis
+from autopar.decomp.branch import PARTIAL, SHARED, SPLIT, Branch, BranchParamShard, analysis
+from autopar.decomp.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 PGPT = ROOT / "strategies" / "examples" / "parallel_gpt.py"
@@ -55,8 +56,14 @@ def test_towers_branches_and_join(join, monkeypatch):
     (u,) = units
     a = analysis(u)
     assert a.count == 4
-    relu = u.output                                      # relu after the join: not linear
-    assert a.role[relu] == "join" and a.join_mode[relu] == "reduce" and a.state[relu] == SHARED
+    relu = u.output
+    if join == "sum":                                    # relu after the sum: not linear
+        assert a.role[relu] == "join" and a.join_mode[relu] == "reduce" and a.state[relu] == SHARED
+    else:                                                # cat of every tower, then relu: stays
+        cat = next(op.name for op in u.ops if op.kind == "cat")     # split along the features
+        assert a.join_mode[cat] == "gather" and a.join_mode[relu] == "split"
+        assert a.state[relu] == SPLIT and a.split_dim[relu] == 1
+        assert Branch(2, 2).out_layout(u) == Layout(((0, 2), (1, 2)))
     from fakes import synthetic_profile
     from autopar.decomp.base import CostContext
     ctx = CostContext(profile=synthetic_profile(), world=4, ranks_per_node=4)
@@ -75,7 +82,7 @@ def test_towers_branches_and_join(join, monkeypatch):
     assert sh.grad_group(1, 4) == [1, 3] and sh.grad_group(0, 4) == [0]
     # cost: compute of the slowest group, the reduce join's all-reduce, both branch groups' weights
     c = Branch(2, 2).cost(u, ctx)
-    assert c.fwd_comm_s > 0 and c.param_bytes < u.param_numel * u.itemsize
+    assert (c.fwd_comm_s > 0) == (join == "sum") and c.param_bytes < u.param_numel * u.itemsize
 
 
 def test_chain_unit_has_no_branches():
@@ -141,7 +148,8 @@ CASES = [
     (PGPT, {}, 2, "branch(1,2,1)"),
     (PGPT, {}, 4, "branch(2,2,1)"),
     (TOWERS, {"AUTOPAR_TOWERS_JOIN": "sum"}, 4, "branch(1,4,1)"),
-    (TOWERS, {"AUTOPAR_TOWERS_JOIN": "cat"}, 4, "branch(2,2,1)"),
+    (TOWERS, {"AUTOPAR_TOWERS_JOIN": "cat"}, 4, "branch(2,2,1)"),   # stays split, all-gathered
+    (TOWERS, {"AUTOPAR_TOWERS_JOIN": "cat"}, 2, "branch(1,2,1)"),
     (TOWERS, {"AUTOPAR_TOWERS_JOIN": "sum"}, 4, "branch(1,2,2)"),   # batch 1: replicas
     (PGPT, {}, 2, "head_groups(1,2,1,1)"),                          # all sub-graph
     (PGPT, {}, 4, "head_groups(2,2,1,1)"),

@@ -24,8 +24,10 @@ adjoints are ``branch.boundary``):
   the branch axis. A unit output that is partial leaves with layout N<data> x P<groups>; the
   transition after the unit all-reduces (or reduce-scatters) it, backward its adjoint. Inside
   the unit an op that is not linear in a partial input first all-reduces it (``branch_sum``);
-* slice/concat: a concatenation of branch outputs is a partial value too (each group holds its
-  slice, zeros elsewhere), resolved like a sum.
+* slice/concat: a concatenation of every branch's output (and elementwise ops after it) stays
+  split along the concatenated dim, each group holding its branches' slices; the transition
+  after the unit all-gathers it (LBANN's slice / gather). Other concatenations are partial
+  sums (each group its slices, zeros elsewhere), resolved like a sum.
 
 Weights of branch c live only on its group's ranks (``BranchParamShard``: the other ranks hold
 an empty tensor) and their gradients are summed over the data x replicas ranks of the group; weights
@@ -41,10 +43,11 @@ from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, 
 from ..common import batch_dim_ok
 from ..ir import REGISTERED, Layer, OpSpec
 from ..layout import Layout
-from .graph import PARTIAL, SHARED, BranchAnalysis, analysis
+from .graph import PARTIAL, SHARED, SPLIT, BranchAnalysis, analysis
 from .heads import HeadGroups, data_degree, head_plan  # noqa: F401  (registration)
 
-__all__ = ["Branch", "BranchParamShard", "HeadGroups", "analysis", "head_plan", "SHARED", "PARTIAL"]
+__all__ = ["Branch", "BranchParamShard", "HeadGroups", "analysis", "head_plan", "SHARED", "PARTIAL",
+           "SPLIT"]
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,19 @@ class Branch(Decomposition):
 
     def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
         v = layer.output if value is None else value
-        if analysis(layer).state.get(v) == PARTIAL:     # rank = (d * groups + k) * R + x
+        an = analysis(layer)
+        if an.state.get(v) == PARTIAL:     # rank = (d * groups + k) * R + x
             return Layout(((0, self.data),), partial=self.groups)
+        if an.state.get(v) == SPLIT:
+            return self.split_layout(an.split_dim[v])
         return self._layout()
+
+    def split_layout(self, dim: int) -> Layout:
+        """Samples over ``data``, ``dim`` over the branch groups (rank = (d * G + g) * R + x)."""
+        return Layout(((0, self.data), (dim, self.groups)))
+
+    def _value_layout(self, an: BranchAnalysis, v: str) -> Layout:
+        return self.split_layout(an.split_dim[v]) if an.state.get(v) == SPLIT else self._layout()
 
     def group_of_branch(self, layer: Layer, c: int) -> int:
         return c * self.groups // analysis(layer).count
@@ -197,8 +210,8 @@ class Branch(Decomposition):
         sources = set()
         bgroup = self.branch_group(0)
         for op in layer.ops:
-            ins = [lay.max_local_shape(s) for s in op.in_shapes]
-            out = lay.max_local_shape(op.out_shape)
+            ins = [self._value_layout(an, v).max_local_shape(s) for v, s in zip(op.inputs, op.in_shapes)]
+            out = self._value_layout(an, op.name).max_local_shape(op.out_shape)
             f, b, src = prim.op_compute_s(op, ins, out, ctx, itemsize=item)
             sources.add(src)
             saved = prim.saved_bytes(op, ins, out, item)
@@ -245,7 +258,7 @@ class Branch(Decomposition):
         an = analysis(layer)
         rank, world = comm.rank, comm.world
         mine = self.group_of_rank(rank)
-        out_shape = _local_shape(self.data, tuple(op.out_shape), rank, world)
+        out_shape = _local_shape(self._value_layout(an, op.name), tuple(op.out_shape), rank, world)
         role = an.role[op.name]
         if role == "branch" and self.group_of_branch(layer, an.branch_of[op.name]) != mine:
             ref = next((t for t in inputs if t.is_floating_point()), None)
@@ -253,6 +266,10 @@ class Branch(Decomposition):
             return torch.zeros(out_shape, dtype=dtype, device=comm.device)
         if role == "join":
             xs = list(inputs)
+            if an.join_mode[op.name] == "gather":     # my group's branches' slices, in order
+                mine_xs = [x for v, x in zip(op.inputs, xs)
+                           if self.group_of_branch(layer, an.branch_of[v]) == mine]
+                return torch.cat(mine_xs, dim=an.split_dim[op.name])
             if an.join_mode[op.name] == "reduce":
                 grp = self.branch_group(rank)
                 xs = [branch_sum(x, comm, grp) if an.state.get(v) == PARTIAL else x
@@ -278,6 +295,6 @@ def _layout(data: int) -> Layout:
     return Layout(((0, data),))
 
 
-@functools.lru_cache(maxsize=4096)
-def _local_shape(data: int, shape: tuple, rank: int, world: int) -> tuple:
-    return _layout(data).local_shape(shape, rank, world)
+@functools.lru_cache(maxsize=8192)
+def _local_shape(layout: Layout, shape: tuple, rank: int, world: int) -> tuple:
+    return layout.local_shape(shape, rank, world)

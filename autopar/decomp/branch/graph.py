@@ -15,11 +15,15 @@ then gets a role from the branches it descends from (``S(op)``):
                 inputs (add/sub/cat/stack with shared operands kept on group 0 only; views,
                 permutes, slices of one partial value; mul/div of a partial by a shared value),
                 else ``reduce``: each partial input is first summed over the branch axis (the
-                all-reduce of grid translation's *sum*), and the op runs on the whole value.
+                all-reduce of grid translation's *sum*), and the op runs on the whole value;
+                ``gather``: a concatenation of all branches (then ``split`` for elementwise ops
+                after it) stays split along the concatenated dim, each group holding its
+                branches' slices (``_gathers``; the transition after the unit all-gathers).
 
-Each value is ``SHARED`` (whole on every rank of the branch axis) or ``PARTIAL`` (addends over
-it); a unit output that is partial leaves with a partial layout and the transition after the
-unit resolves it (all-reduce or reduce-scatter).
+Each value is ``SHARED`` (whole on every rank of the branch axis), ``PARTIAL`` (addends over
+it) or ``SPLIT`` (blocks of ``split_dim`` over it); a unit output that is partial or split
+leaves with that layout and the transition after the unit resolves it (all-reduce /
+reduce-scatter, all-gather).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ..ir import Layer
 
-SHARED, PARTIAL = "shared", "partial"
+SHARED, PARTIAL, SPLIT = "shared", "partial", "split"
 
 #: ops linear in each operand separately, whose shared operands must count once (group 0)
 _SUMS = ("aten.add.Tensor", "aten.sub.Tensor", "aten.cat.default", "aten.stack.default")
@@ -47,7 +51,8 @@ class BranchAnalysis:
     role: dict[str, str] = field(default_factory=dict)        # op -> "shared" | "branch" | "join"
     branch_of: dict[str, int] = field(default_factory=dict)   # op of role "branch" -> branch
     join_mode: dict[str, str] = field(default_factory=dict)   # op of role "join" -> mode
-    state: dict[str, str] = field(default_factory=dict)       # value -> SHARED | PARTIAL
+    state: dict[str, str] = field(default_factory=dict)       # value -> SHARED | PARTIAL | SPLIT
+    split_dim: dict[str, int] = field(default_factory=dict)   # SPLIT value -> its split dim
     problem: str | None = None                                # why the unit has no branches
 
     @property
@@ -133,7 +138,44 @@ def analyse(layer: Layer) -> BranchAnalysis:
                 mode = "reduce"
             out.join_mode[op.name] = mode
             out.state[op.name] = PARTIAL if mode == "local" else SHARED
+    _gathers(out, ops)
     return out
+
+
+def _gathers(out: BranchAnalysis, ops) -> None:
+    """A concatenation of every branch's output, in branch order, equal widths, along a dim
+    other than the samples', followed only by elementwise unary ops: the result can stay split
+    along that dim over the branch axis (each group holds its branches' slices: LBANN's slice /
+    gather grid translation), instead of a zero-padded partial sum."""
+    users: dict[str, list] = {}
+    for op in ops:
+        for v in op.inputs:
+            users.setdefault(v, []).append(op)
+    for op in ops:
+        if op.target != "aten.cat.default" or out.join_mode.get(op.name) != "local":
+            continue
+        rank = len(op.out_shape)
+        dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)
+        dim = int(dim) % rank
+        if dim == 0 or [out.branch_of.get(v) for v in op.inputs] != list(range(out.count)):
+            continue
+        if len({tuple(s) for s in op.in_shapes}) != 1:
+            continue
+        chain, ok, frontier = [op], True, [op.name]
+        while frontier and ok:
+            v = frontier.pop()
+            for u in users.get(v, []):
+                if u.kind == "unary" and len(u.inputs) == 1:
+                    chain.append(u)
+                    frontier.append(u.name)
+                else:
+                    ok = False
+        if not ok:
+            continue
+        for i, o in enumerate(chain):
+            out.join_mode[o.name] = "gather" if i == 0 else "split"
+            out.state[o.name] = SPLIT
+            out.split_dim[o.name] = dim
 
 
 _CACHE: dict[int, tuple[Layer, BranchAnalysis]] = {}
