@@ -334,3 +334,27 @@ def test_attention_memory_counts_scores_only_when_not_fused():
     qkvy = 4 * 2 * 4 * 16 * 8
     assert fam.saved_bytes(fused, fused.in_shapes, q, 4) == qkvy * 4
     assert fam.saved_bytes(masked, masked.in_shapes, q, 4) == (qkvy + 16 * 16 + 2 * 4 * 16 * 16) * 4
+
+
+@pytest.mark.dist
+def test_branch_unit_with_a_side_output_equals_one_process(tmp_path, profile):
+    """A CNN block of two parallel convolutions whose sum (through a ReLU) and one branch's own
+    output both leave the unit (``tests/test_units.py``'s model): the side output leaves as a
+    partial sum (zeros on the other group) and is resolved by its own transition."""
+    from test_units import _write
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.pipeline import make_plan
+    model = _write(tmp_path, ["block"])
+    _, units = _units(model)
+    (u,) = units
+    a = analysis(u)
+    assert a.count == 2 and len(u.outputs) == 2
+    assert {a.state[v] for v in u.outputs} == {PARTIAL, SHARED}
+    r = make_plan(model, PlanOptions(world_size=2, batch_size=4, trace_cache=False,
+                                     out_dir=str(tmp_path / "plan")),
+                  PlanHooks(profile=profile, force={u.index: "branch(1,2,1)"}))
+    run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1,
+                                                 timeout_s=180, ddp=False),
+                     out_dir=tmp_path / "run", progress=lambda s: None)
+    assert run.validation.passed, run.validation.failures

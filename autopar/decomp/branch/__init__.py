@@ -263,7 +263,10 @@ class Branch(Decomposition):
         if role == "branch" and self.group_of_branch(layer, an.branch_of[op.name]) != mine:
             ref = next((t for t in inputs if t.is_floating_point()), None)
             dtype = ref.dtype if ref is not None else torch.float32
-            return torch.zeros(out_shape, dtype=dtype, device=comm.device)
+            # a leaf that takes part in autograd: a collective after it (the transition that
+            # sums a partial output, a reduce join) must run its backward on every rank
+            return torch.zeros(out_shape, dtype=dtype, device=comm.device,
+                               requires_grad=dtype.is_floating_point and torch.is_grad_enabled())
         if role == "join":
             xs = list(inputs)
             if an.join_mode[op.name] == "gather":     # my group's branches' slices, in order
