@@ -165,6 +165,9 @@ class Branch(Decomposition):
         why = super().check(layer, ctx)
         if why:
             return why
+        bn = next((op.name for op in layer.ops if op.kind == "batch_norm"), None)
+        if bn:      # its statistics and running buffers would follow one group's samples only
+            return f"{bn}: batch norm inside a branch unit is not supported"
         an = analysis(layer)
         if an.problem:
             return an.problem

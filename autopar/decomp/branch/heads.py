@@ -268,6 +268,9 @@ class HeadGroups(Decomposition):
         why = super().check(layer, ctx)
         if why:
             return why
+        bn = next((op.name for op in layer.ops if op.kind == "batch_norm"), None)
+        if bn:      # its statistics and running buffers would follow one group's samples only
+            return f"{bn}: batch norm inside a branch unit is not supported"
         hp = self._plan(layer)
         if hp.problem:
             return hp.problem
