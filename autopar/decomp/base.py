@@ -238,6 +238,11 @@ class Decomposition:
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
         return ParamShard()
 
+    def layer_param_shard(self, layer: Layer, op: OpSpec, role: str) -> ParamShard:
+        """``param_shard`` for a decomposition that needs the whole unit to decide (branch
+        parallelism: which branch an op belongs to); by default ``param_shard(op, role)``."""
+        return self.param_shard(op, role)
+
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         """Process-group partitions of the world that the runtime needs for this layer."""
         return []

@@ -15,6 +15,17 @@ whose logical stride is ``s`` (e.g. the sample axis of ``Channel(S, s)``, whose 
 allreduce is the heaviest traffic of a wide layer) becomes node-local, and the innermost axes
 (stride 1) spread over nodes instead.
 
+SUPER's topology-aware placement (``autopar.decomp.branch``): the branch decompositions
+``Branch(D, G, R)`` and ``HeadGroups(D, G, R, ffn)`` number their ranks
+``l = (d * G + g) * R + x``, the branch axis inside the sample axis. Under block placement
+(stride 1) the G x R ranks of one sample block are neighbours, so the i-th rank of every branch
+shares a node: the *interleaved* placement, where the branch-boundary collectives (the join's
+all-reduce) stay inside a node and only the gradient all-reduces of each branch's weights
+(over its D ranks) cross nodes. Stride ``G * R`` is the *branch-contiguous* placement (each
+branch's data-parallel ranks share nodes; the joins cross them). The placement search
+(``autopar.solve.placement``) prices both, on the intra- and inter-node links of the profile,
+and keeps the faster.
+
 The runtime applies a placement by relabeling at process-group init: the process in physical
 slot ``p`` joins the group as rank ``logical(p)`` (``autopar.runtime.launch``), so everything
 it sees afterwards is logical and nothing else changes. No torch import here: the runtime
@@ -86,6 +97,28 @@ class Placement:
 
     def __str__(self) -> str:
         return "block" if self.local_stride == 1 else f"stride({self.local_stride})"
+
+
+def branch_role(placement: Placement, decisions) -> str:
+    """What ``placement`` means for the branch decompositions among ``decisions`` (values with
+    ``groups`` and ``replicas``, i.e. ``Branch`` / ``HeadGroups``): "interleaved" (block: each
+    sample block's branch ranks share a node), "branch-contiguous" (stride G x R), or ""."""
+    roles = set()
+    for d in decisions:
+        g, r = getattr(d, "groups", None), getattr(d, "replicas", None)
+        if g is None or r is None or d.kind not in ("branch", "head_groups"):
+            continue
+        if placement.is_identity:
+            roles.add("interleaved")
+        elif placement.local_stride == g * r:
+            roles.add("branch-contiguous")
+    return "/".join(sorted(roles))
+
+
+def branch_contiguous(world: int, groups: int, replicas: int = 1) -> Placement:
+    """The placement that puts each branch's data-parallel ranks together (stride G x R) for a
+    branch decomposition of ``groups`` x ``replicas``; block placement is the interleaved one."""
+    return Placement(world, groups * replicas)
 
 
 def candidate_strides(world: int, ranks_per_node: int) -> list[int]:

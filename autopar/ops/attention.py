@@ -22,7 +22,8 @@ def attention_flops(q, k, v) -> float:
 class Attention(OpFamily):
     """``sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)``: FLOPs ``attention_flops``
     forward, twice that backward (dQ, dK, dV, dP); kernel class ``attention`` (``matmul`` when
-    the profile lacks it); bytes q + k + v + y. Saves q, k, v and y. Independent along batch
+    the profile lacks it); bytes q + k + v + y. Saves q, k, v and y, and the attention weights
+    when not fused (``saved_bytes``). Independent along batch
     and heads (blocks of q, k, v and the mask line up); a causal mask is positional, so the
     sequence dims are not independent."""
 
@@ -47,8 +48,23 @@ class Attention(OpFamily):
     def local_flops(self, op, in_shapes, out_shape, w_shape=None):
         return attention_flops(*self._qkv(op, in_shapes))
 
+    def fused(self, op) -> bool:
+        """A fused kernel (flash / memory-efficient) runs unless an explicit ``attn_mask``
+        tensor or dropout sends SDPA to the math path, which materialises the attention
+        weights."""
+        mask = arg(op, 3, "attn_mask", None)
+        return not isinstance(mask, dict) and not self.attrs(op)["dropout_p"]
+
     def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
-        return float((sum(numel(s) for s in in_shapes) + numel(out_shape)) * itemsize)
+        """Fused: q, k, v (the KV included) and y (and a mask operand). Not fused
+        (``fused``): also the B x H x L x S attention weights (and the dropout mask of the
+        same size when dropout is on)."""
+        saved = sum(numel(s) for s in in_shapes) + numel(out_shape)
+        q, k, _ = self._qkv(op, in_shapes)
+        if not self.fused(op) and q is not None and k is not None:
+            scores = numel(q[:-1]) * k[-2]
+            saved += scores * (2 if self.attrs(op)["dropout_p"] else 1)
+        return float(saved * itemsize)
 
     def independent_dims(self, op):
         return same_index_dims(op, [d for d in (0, 1) if d < len(op.out_shape) - 2])

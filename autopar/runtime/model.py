@@ -72,7 +72,7 @@ def param_shards(graph: LayerGraphData, decisions: dict[int, Decomposition]) -> 
         dec = decisions[lay.index]
         for op in lay.ops:
             for role, qual in op.param_names.items():
-                sh = dec.param_shard(op, role)
+                sh = dec.layer_param_shard(lay, op, role)
                 if qual in shards and shards[qual] != sh:
                     raise ValueError(f"parameter {qual} is used by several layers with different "
                                      f"shardings; the planner must not allow this")

@@ -4,7 +4,9 @@ The cost model prices every collective on the link its ranks use, and which link
 depends on where the logical ranks run (``autopar.decomp.placement``). Under block placement
 (the identity) the innermost mesh axes are node-local; under local stride ``s`` the mesh axis of
 logical stride ``s`` is, e.g. the sample axis of ``Channel(S, s)`` whose gradient allreduce is
-the heaviest traffic of a wide layer (the topology-aware placement of SUPER). Which placement
+the heaviest traffic of a wide layer. For SUPER's branch decompositions block placement is the
+interleaved placement (each sample block's branch ranks on one node: joins intra-node) and
+stride G x R the branch-contiguous one (``decomp.placement``). Which placement
 is best depends on the plan, and the plan on the placement, so the search solves the ILP per
 placement:
 
@@ -86,12 +88,20 @@ class PlacementResult:
     trials: list[PlacementTrial] = field(default_factory=list)
 
     def summary(self) -> str:
-        """One line for the CLI: the placement and why."""
+        """One line for the CLI: the placement and why (and, for SUPER's branch units, whether
+        it is their interleaved or branch-contiguous placement)."""
+        from ..decomp.placement import branch_role
+        try:
+            chosen = [o.choices[i] for o, i in zip(self.table.layers, self.solution.choice)]
+        except (AttributeError, TypeError):
+            chosen = []
+        role = branch_role(self.placement, chosen)
+        name = f"{self.placement} ({role} for the branch units)" if role else str(self.placement)
         if len(self.trials) == 1:
-            return f"placement: {self.placement} ({self.trials[0].note})"
+            return f"placement: {name} ({self.trials[0].note})"
         block = self.trials[0]
         solved = [t for t in self.trials if t.solved]
-        return (f"placement: {self.placement}, predicted {self.prediction.step_time_s * 1e3:.4g} ms "
+        return (f"placement: {name}, predicted {self.prediction.step_time_s * 1e3:.4g} ms "
                 f"(block {block.step_time_s * 1e3:.4g} ms; {len(self.trials)} placements priced, "
                 f"{len(solved)} solved: " + ", ".join(f"{t.placement} {t.step_time_s * 1e3:.4g} ms"
                                                       for t in solved) + ")")
