@@ -69,14 +69,26 @@ def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
         meta = {q: torch.empty_like(p, device="meta").requires_grad_(q in names)
                 for q, p in model.named_parameters()}
         meta.update({q: torch.empty_like(b, device="meta") for q, b in model.named_buffers()})
-        xs = [torch.empty([gi.shape[0] // world] + list(gi.shape[1:]),
-                          dtype=getattr(torch, gi.dtype, torch.float32), device="meta") for gi in graph.inputs]
+        xs = _meta_inputs(model, graph, world)
         out = output_tensor(functional_call(model, meta, tuple(xs), strict=False))
         leaves = [meta[q] for q in names]
         grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
         return all(g is not None for g in grads)
     except Exception:  # noqa: BLE001 - unknown: keep the reducer that tolerates missing grads
         return False
+
+
+def _meta_inputs(model: nn.Module, graph, world: int) -> list[torch.Tensor]:
+    """One rank's block of every graph input on meta; floating inputs take the dtype of the
+    module's floating parameters (``execute`` validates in float64 a model traced in float32)."""
+    fdt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    xs = []
+    for gi in graph.inputs:
+        dt = getattr(torch, gi.dtype, torch.float32)
+        if dt.is_floating_point and fdt is not None:
+            dt = fdt
+        xs.append(torch.empty([gi.shape[0] // world] + list(gi.shape[1:]), dtype=dt, device="meta"))
+    return xs
 
 
 def native_enabled() -> bool:
@@ -110,13 +122,10 @@ def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Modul
     try:
         meta = {k: torch.empty_like(v, device="meta") for k, v in
                 list(model.named_parameters()) + list(model.named_buffers())}
-        xs = []
         for gi in graph.inputs:
-            shape = list(gi.shape)
-            if not shape or shape[0] % world:
-                return f"input {gi.name} {shape} does not split into {world} equal sample blocks"
-            shape[0] //= world
-            xs.append(torch.empty(shape, dtype=getattr(torch, gi.dtype, torch.float32), device="meta"))
+            if not gi.shape or gi.shape[0] % world:
+                return f"input {gi.name} {list(gi.shape)} does not split into {world} equal sample blocks"
+        xs = _meta_inputs(model, graph, world)
         with torch.no_grad():
             out = functional_call(model, meta, tuple(xs), strict=False)
         got = list(output_tensor(out).shape)
