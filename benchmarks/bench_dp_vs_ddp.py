@@ -121,7 +121,10 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
 
+    import os
     t_all = time.perf_counter()
+    say(f"machine load at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) on "
+        f"{os.cpu_count()} cores")
     say(f"pure data parallelism against torch DDP, side by side ({args.rounds} interleaved rounds; "
         f"DDP twice per round); batch norm: local statistics over a rank's samples (DDP's function)")
     summary = []
@@ -158,7 +161,8 @@ def main(argv=None) -> int:
         verdict = "ok" if nat <= 1.0 + noise else "SLOWER than DDP beyond the noise"
         say(f"   {m:<14} world {w}: native/DDP {nat:.3f} (noise {noise * 100:.1f} %) {verdict}"
             f"{'' if ok else ' VALIDATION FAILED'}")
-    say(f"total {time.perf_counter() - t_all:.0f} s")
+    say(f"total {time.perf_counter() - t_all:.0f} s; machine load at end: "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     if args.out:
         from autopar.io import atomic_write_text
         atomic_write_text(Path(args.out), "\n".join(lines) + "\n")

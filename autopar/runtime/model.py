@@ -327,8 +327,11 @@ class DistModel(nn.Module):
     def local_loss(self, out_local: torch.Tensor, target_full: torch.Tensor | None,
                    loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         """This rank's share of the loss: loss(out_r, y_r) * n_r / N / replicas."""
-        lay = self.loss_layout()
-        n_global = self.graph.value_shape(self.graph.output)[0]
+        meta = self.__dict__.get("_loss_meta")
+        if meta is None:    # once: the layouts are fixed, and finding them scans the graph
+            meta = self.__dict__["_loss_meta"] = (self.loss_layout(),
+                                                  self.graph.value_shape(self.graph.output)[0])
+        lay, n_global = meta
         n_local = output_tensor(out_local).shape[0]
         t = local_slice(target_full, lay, self.comm) if target_full is not None else None
         loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
