@@ -222,3 +222,51 @@ def test_native_switch_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUTOPAR_NATIVE_REDUCER", "nccl-magic")
     with pytest.raises(ValueError, match="use ddp or gradsync"):
         reducer_choice()
+
+
+def _train_api(rank, world, plan_path, native):
+    """The training library's loop on a pure data-parallel plan: ``.double()`` after
+    ``parallelize`` (the DDP reducer is rebuilt for the new dtype), two micro-batches
+    accumulated per step (``set_requires_gradient_sync``), two steps."""
+    import os
+
+    import torch
+
+    import autopar
+    from autopar.artifacts import load_plan
+    from autopar.modelfile import load_model_file
+    from autopar.train.checkpoint import full_state_dict
+
+    os.environ["AUTOPAR_NATIVE"] = "1" if native else "0"
+    plan = load_plan(plan_path)
+    torch.manual_seed(0)
+    model = load_model_file(plan.model_file(plan_path)).build_model()
+    dm = autopar.parallelize(model.float(), plan_path).double()
+    opt = torch.optim.SGD(dm.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, 8, 8, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 5, (16,), generator=g)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        for i, (xb, tb) in enumerate(((x[:8], t[:8]), (x[8:], t[8:]))):
+            dm.set_requires_gradient_sync(i == 1)
+            xs, ts = autopar.shard_batch(dm, xb, tb)
+            loss = dm.loss(xs, ts)
+            loss.backward()
+            losses.append(float(loss))
+        opt.step()
+    return {"native": dm.native, "losses": losses, "state": _np(full_state_dict(dm))}
+
+
+@pytest.mark.dist
+def test_training_library_with_accumulation_runs_natively_and_equals_traced(net, tmp_path, profile):
+    from autopar.runtime.launch import run_ranks
+    r = _plan(net, 2, tmp_path, profile, batch_size=8, kinds=["sample"])
+    nat = run_ranks(_train_api, 2, args=(str(r.plan_path), True), timeout_s=180)[0]
+    tr = run_ranks(_train_api, 2, args=(str(r.plan_path), False), timeout_s=180)[0]
+    assert nat["native"] and not tr["native"]
+    assert nat["losses"] == pytest.approx(tr["losses"], rel=1e-12)
+    assert set(nat["state"]) == set(tr["state"]) and "b1.running_mean" in tr["state"]
+    for q, v in tr["state"].items():
+        assert _close(nat["state"][q], v), q

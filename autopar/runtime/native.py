@@ -169,13 +169,9 @@ class NativeDataParallel:
         # gradients: torch DDP's reducer (SUM hook, no buffer broadcast) in place of GradSync
         self.ddp = None
         comm = dm.comm
+        self._ddp_sig: tuple = ()
         if comm.world > 1 and reducer_choice() == "ddp" and all_params_get_grads(model, dm.graph, comm.world):
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            dev = comm.device
-            self.ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                           process_group=comm.mesh_group, forward_sync_buffers=False,
-                           init_sync=False)
-            self.ddp.register_comm_hook(comm.mesh_group, _sum_hook)
+            self._make_ddp()
             dm.gradsync.hand_over()
         self._timer_modules: list[tuple[nn.Module, int]] = []
         leaves = {n: m for n, m in model.named_modules() if not any(True for _ in m.children())}
@@ -185,6 +181,22 @@ class NativeDataParallel:
             if m is not None and lay.module not in seen:
                 seen.add(lay.module)
                 self._timer_modules.append((m, lay.index))
+
+    def _make_ddp(self) -> None:
+        """torch DDP's reducer over the mesh: SUM hook, no buffer broadcast, no init sync (the
+        parameters are equal on every rank by construction). Rebuilt when the parameters change
+        dtype or device (``.to()`` after construction: DDP's buckets have the old ones)."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        comm = self.dm.comm
+        dev = comm.device
+        self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                       process_group=comm.mesh_group, forward_sync_buffers=False, init_sync=False)
+        self.ddp.register_comm_hook(comm.mesh_group, _sum_hook)
+        self.ddp.train(self.model.training)
+        self._ddp_sig = self._param_sig()
+
+    def _param_sig(self) -> tuple:
+        return tuple((p.dtype, p.device) for p in self.model.parameters())
 
     def _rebind_buffers(self) -> None:
         """Buffers may be replaced (``.to()``); the DistModel's ``bufs`` are the truth."""
@@ -204,6 +216,8 @@ class NativeDataParallel:
         handles = self._timer_hooks(timer) if timer is not None else []
         try:
             if self.ddp is not None:
+                if self._param_sig() != self._ddp_sig:
+                    self._make_ddp()
                 # gradient accumulation (``train.api``: set_requires_gradient_sync) as DDP's no_sync
                 self.ddp.require_backward_grad_sync = bool(getattr(self.dm, "_sync_grads", True))
                 out = self.ddp(*inputs)
