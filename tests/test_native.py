@@ -270,3 +270,26 @@ def test_training_library_with_accumulation_runs_natively_and_equals_traced(net,
     assert set(nat["state"]) == set(tr["state"]) and "b1.running_mean" in tr["state"]
     for q, v in tr["state"].items():
         assert _close(nat["state"][q], v), q
+
+
+def test_cached_substitution_equals_the_template_walk():
+    """The traced path builds each op's argument substitution once (``substitute_cached``): it
+    returns what ``substitute`` returns, fresh containers each call, and a new template object
+    gets its own builder."""
+    import torch
+
+    from autopar.runtime.ops import substitute, substitute_cached
+    v = {"x": torch.ones(2), "y": torch.zeros(3)}
+    p = {"w": torch.full((2,), 2.0)}
+    b = {"rm": torch.full((2,), 3.0)}
+    args = [{"v": "x"}, {"p": "w"}, None, [1, [2, 3]], {"dtype": "float64"},
+            [{"v": "x"}, {"v": "y"}], {"k": {"b": "rm"}, "n": 4}, 0.5, "mode", True]
+    for _ in range(2):
+        a, ref = substitute_cached(args, v, p, b), substitute(args, v, p, b)
+        assert a[0] is v["x"] and a[1] is p["w"] and a[2] is None and a[3] == [1, [2, 3]]
+        assert a[4] is torch.float64 and a[5][0] is v["x"] and a[5][1] is v["y"]
+        assert a[6]["k"] is b["rm"] and a[6]["n"] == 4 and a[7:] == ref[7:] == [0.5, "mode", True]
+        assert a is not substitute_cached(args, v, p, b)        # a fresh list: callers may edit it
+    other = [{"v": "y"}]
+    assert substitute_cached(other, v, p, b)[0] is v["y"]
+    assert substitute_cached({"alpha": 2}, v, p, b) == {"alpha": 2}
