@@ -169,6 +169,7 @@ def test_execute_validates_the_native_path_against_one_process(net, tmp_path, pr
     assert run.validation.passed and run.validation.dtype == "float64", \
         [c.tensor for c in run.validation.failures]
     assert run.baseline.equivalent
+    assert run.notes[0].startswith("runtime: native") and run.extra["native_runtime"] is True
     # per-layer times come from the leaf modules that name a layer: the convolutions measured
     assert sum(l.measured_s for l in run.measured.per_layer) > 0
 
