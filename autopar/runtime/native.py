@@ -15,10 +15,6 @@ checkpoints see one set of tensors), and keeps the plan's function:
   natively updated buffers, because the update ``r <- (1 - m) r + m s`` is affine in ``s``: one
   asynchronous all-reduce of every running mean and variance, started when forward ends (it
   overlaps backward), applied by ``flush`` (``DistModel.flush_batch_norm``).
-* anything else (global statistics, another ``--bn-group``, buffers that are not batch norm's,
-  an output whose local shape differs from the plan's, a model the meta run cannot execute)
-  keeps the traced path; ``why_not`` says which.
-
 * gradients: SUM over the mesh (the runtime's convention: each rank back-propagates its share
   ``L_r = loss_r n_r / N`` of the loss). By default torch DDP's own reducer does it (C++
   bucketing, all-reduces overlapped with backward from a first small bucket, as a DDP user
@@ -26,6 +22,10 @@ checkpoints see one set of tensors), and keeps the plan's function:
   ``GradSync`` hands its hooks over. A module whose parameters do not all receive a gradient
   in a meta forward + backward keeps ``GradSync`` (DDP would wait for them), and so does
   ``AUTOPAR_NATIVE_REDUCER=gradsync``.
+* anything else (global statistics, another ``--bn-group``, a buffer that forward updates and
+  that is not batch norm's (read-only buffers, e.g. a causal mask, are fine),
+  an output whose local shape differs from the plan's, a model the meta run cannot execute)
+  keeps the traced path; ``why_not`` says which.
 
 ``AUTOPAR_NATIVE=0`` turns the fast path off (the benchmarks compare both). Per-layer times
 (``LayerTimer``) come from hooks on the leaf modules that name a layer: an op outside a module
@@ -105,9 +105,10 @@ def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Modul
             return f"layer {lay.index} ({lay.name}) is {dec}, not sample({world})"
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     bn_bufs = {id(b) for m in bns for b in m.buffers(recurse=False)}
+    updated = {q for op in graph.buffer_updates for q in op.buffers.values()}
     for q, b in model.named_buffers():
-        if id(b) not in bn_bufs:
-            return f"buffer {q} does not belong to a batch norm"
+        if id(b) not in bn_bufs and q in updated:
+            return f"buffer {q} is updated in forward and does not belong to a batch norm"
     if any(m.training and (m.track_running_stats is False or m.running_mean is not None) for m in bns):
         if not bn_stats.local:
             return "global batch-norm statistics (the native kernel normalises each rank's block alone)"
