@@ -1,5 +1,5 @@
 """The native fast path (``autopar.runtime.native``): a pure data-parallel plan runs the user's
-module on the plan's parameters, with torch DDP's reducer (SUM hook) or ``GradSync``, and the
+module on the plan's parameters, with ``GradSync`` or torch DDP's reducer (SUM hook), and the
 plan's running statistics. It must compute exactly what the traced program computes (float64:
 outputs, loss, every gradient, every parameter after two SGD steps, every buffer), pass
 ``autopar execute``'s validation against one process, leave the user's module untouched, and
@@ -139,7 +139,7 @@ def _close(a, b, rtol=1e-12, atol=1e-12):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,reducer", [(2, "ddp"), (2, "gradsync"), (4, "ddp")])
+@pytest.mark.parametrize("world,reducer", [(2, "ddp"), (2, "gradsync"), (4, "ddp"), (4, "gradsync")])
 def test_native_path_computes_what_the_traced_program_computes(world, reducer, net, tmp_path, profile):
     from autopar.runtime.launch import run_ranks
     r = _plan(net, world, tmp_path, profile, batch_size=8, kinds=["sample"])
@@ -170,7 +170,8 @@ def test_execute_validates_the_native_path_against_one_process(net, tmp_path, pr
     assert run.validation.passed and run.validation.dtype == "float64", \
         [c.tensor for c in run.validation.failures]
     assert run.baseline.equivalent
-    assert run.notes[0].startswith("runtime: native") and run.extra["native_runtime"] is True
+    assert run.notes[0].startswith("runtime: native") and "GradSync" in run.notes[0]
+    assert run.extra["native_runtime"] is True
     # per-layer times come from the leaf modules that name a layer: the convolutions measured
     assert sum(l.measured_s for l in run.measured.per_layer) > 0
 
@@ -220,7 +221,7 @@ def test_native_switch_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUTOPAR_NATIVE", "0")
     assert not native_enabled()
     monkeypatch.delenv("AUTOPAR_NATIVE")
-    assert native_enabled() and reducer_choice() == "ddp"
+    assert native_enabled() and reducer_choice() == "gradsync"
     monkeypatch.setenv("AUTOPAR_NATIVE_REDUCER", "nccl-magic")
     with pytest.raises(ValueError, match="use ddp or gradsync"):
         reducer_choice()
@@ -240,6 +241,7 @@ def _train_api(rank, world, plan_path, native):
     from autopar.train.checkpoint import full_state_dict
 
     os.environ["AUTOPAR_NATIVE"] = "1" if native else "0"
+    os.environ["AUTOPAR_NATIVE_REDUCER"] = "ddp"      # the reducer with the more delicate wiring
     plan = load_plan(plan_path)
     torch.manual_seed(0)
     model = load_model_file(plan.model_file(plan_path)).build_model()
