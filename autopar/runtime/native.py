@@ -22,8 +22,9 @@ checkpoints see one set of tensors), and keeps the plan's function:
   from a first 1 MiB bucket, a comm hook that sums instead of averaging, no buffer broadcast;
   ``GradSync`` hands its hooks over), except for a module whose parameters do not all receive
   a gradient in a meta forward + backward (DDP would wait for them). Side by side on the
-  2-core machine (``bench_dp_vs_ddp.py``) GradSync measured 0-12 % faster than DDP's reducer
-  in 5 of 7 cases (within the noise of a loaded machine), and it is what the plan priced.
+  loaded 2-core machine (``bench_dp_vs_ddp.py``) neither was consistently faster (GradSync
+  ahead in 7 of 11 cases, by up to 30 %; DDP's reducer ahead in the other 4, by up to 28 %:
+  the noise); GradSync is what the plan priced.
 * anything else (global statistics, another ``--bn-group``, a buffer that forward updates and
   that is not batch norm's (read-only buffers, e.g. a causal mask, are fine),
   an output whose local shape differs from the plan's, a model the meta run cannot execute)
