@@ -162,6 +162,7 @@ class NativeDataParallel:
         for qual, t in model.named_buffers(remove_duplicate=False):
             memo[id(t)] = dm.bufs.get(canonical.get(qual, qual), t)
         self.model = model = copy.deepcopy(model, memo)
+        model.train(dm.training)
         self._buf_slots: list[tuple[nn.Module, str, str]] = []
         for qual, _ in model.named_buffers(remove_duplicate=False):
             mod, leaf = _owner(model, qual)
@@ -303,7 +304,13 @@ def build_native(dm, model: nn.Module, batch: int, allowed: bool | None = None
     why = why_not_native(dm.graph, dm.decisions, dm.comm.world, dm.bn_stats, model, batch)
     if why is not None:
         return None, why
-    return NativeDataParallel(dm, model, canonical_names(model)), None
+    try:    # e.g. a module that cannot be deep-copied: the traced path, with the reason
+        names = canonical_names(model)
+        import copy
+        copy.deepcopy(model, {id(t): t for t in list(model.parameters()) + list(model.buffers())})
+    except Exception as e:  # noqa: BLE001
+        return None, f"the module cannot be copied ({type(e).__name__}: {e})"
+    return NativeDataParallel(dm, model, names), None
 
 
 __all__: Sequence[Any] = ("NativeDataParallel", "build_native", "why_not_native", "native_enabled")
