@@ -193,13 +193,21 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=None, help="one-layer alternatives (default 2; --quick 1)")
     ap.add_argument("--calibration", default=None, help="profile (default calibration/cpu-2core-gloo.json)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None, help="also write the lines printed to this file")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 8)
     top_k = args.top_k if args.top_k is not None else (1 if args.quick else 2)
     from autopar.pipeline import load_calibration
     _, profile = load_calibration(args.calibration)
-    say = lambda s: print(s, flush=True)  # noqa: E731
+    import os
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
     t_all = time.perf_counter()
+    say(f"machine load at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) on "
+        f"{os.cpu_count()} cores")
     summary = []
     say(f"plan quality, measured side by side ({rounds} interleaved rounds per candidate, DDP twice "
         f"per round); batch-norm statistics: local (the default), so DDP computes the same function")
@@ -244,6 +252,10 @@ def main(argv=None) -> int:
     med = statistics.median(s[2] for s in summary)
     say(f"   median chosen / best measured = {med:.3f} (target <= 1.03); max chosen / DDP = "
         f"{max(s[3] for s in summary):.3f}; total {time.perf_counter() - t_all:.0f} s")
+    say(f"machine load at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
+    if args.out:
+        from autopar.io import atomic_write_text
+        atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
     return 0
 
 

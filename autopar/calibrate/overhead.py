@@ -7,7 +7,12 @@ calibration, by running a chain of ``N_OPS`` tiny ReLUs (forward and backward) t
 ``DistModel`` at world size 1, subtracting what the fitted kernel model predicts for the same
 ops, and dividing by the number of ops. The profile stores it as the pseudo op class
 ``runtime_op`` (``t0_s`` = seconds per op, forward and backward together); the cost model adds
-it once per op.
+it once per op (views, priced as free, do not pay it).
+
+What it does not see: a pure data-parallel plan runs the user's module natively
+(``runtime.native``), so it pays module calls instead of this per-op dispatch (the cost model
+still adds it: a slight over-estimate for such plans); the local batch-norm bookkeeping of the
+traced path and multi-input ops cost more per op than this chain of ReLUs.
 """
 
 from __future__ import annotations

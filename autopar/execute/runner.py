@@ -154,7 +154,19 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
                                 opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats())
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
-            "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step}
+            "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step,
+            "runtime": _runtime_note(dm)}
+
+
+def _runtime_note(dm) -> dict[str, Any]:
+    """How the timed model ran: natively (pure data parallelism, ``runtime.native``) or the
+    traced program op by op, and why."""
+    nat = getattr(dm, "_native", None)
+    if nat is not None:
+        how = "torch DDP's reducer (SUM hook)" if nat.ddp is not None else "autopar's GradSync"
+        return {"native": True, "note": f"runtime: native (the user's module on each rank's samples, "
+                                        f"gradients summed by {how})"}
+    return {"native": False, "note": f"runtime: traced program op by op ({getattr(dm, 'native_off_reason', None)})"}
 
 
 def check_batch_norm(plan: Plan, plan_path, want: str | None) -> None:
@@ -197,7 +209,9 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
                           grad_sync_bytes_per_step=r0["grad_sync_bytes_per_step"]),
         predicted=plan.predicted,
         prediction_error=(predicted - measured) / measured if measured > 0 else None,
-        baseline=base, ratio_to_ddp=(measured / base.ddp_step_time_s) if base else None, wall_s=wall_s)
+        baseline=base, ratio_to_ddp=(measured / base.ddp_step_time_s) if base else None, wall_s=wall_s,
+        notes=(r0["runtime"]["note"],) if "runtime" in r0 else (),
+        extra={"native_runtime": r0["runtime"]["native"]} if "runtime" in r0 else {})
 
 
 def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,
@@ -225,6 +239,8 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     results = run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
                         backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
+    for note in run.notes:
+        progress(note)
     v = run.validation
     out = _choose_out_dir(plan, out_dir, passed=v.passed)
     from ..report.report import write_run_report

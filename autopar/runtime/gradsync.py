@@ -102,3 +102,12 @@ class GradSync:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles = []
+
+    def hand_over(self) -> None:
+        """Stop synchronising (hooks removed, no bucket left: ``finish`` does nothing) because
+        another reducer took the same all-reduces over (``runtime.native``: torch DDP's reducer
+        with a SUM hook); ``bytes_per_step`` keeps what a step sends."""
+        self.remove()
+        self.buckets = []
+        self._bucket_of = {}

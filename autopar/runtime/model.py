@@ -11,6 +11,9 @@ A generated module subclasses ``DistModel`` and writes ``forward`` as one line p
 * creates the process groups the plan needs, collectively, in one order;
 * runs each op through its layer's decomposition, each transition through ``redistribute``;
 * synchronises gradients with ``GradSync`` (bucketed, overlapped SUM-allreduce per group);
+* when the plan is pure data parallelism (every layer ``sample`` over the whole mesh), runs the
+  user's own module instead of the traced program, on the same parameters and buffers
+  (``runtime.native``: the same function without per-op dispatch);
 * computes the local loss share ``L_r = loss(out_r, y_r) * n_r / N / replicas`` so that
   ``sum_r L_r`` is the single-process loss for any per-sample mean loss.
 
@@ -128,7 +131,7 @@ def plan_groups(plan: Any, ranks: Sequence[int]) -> list[tuple[int, ...]]:
 
 class DistModel(nn.Module):
     def __init__(self, plan: Plan | dict[str, Any], model: nn.Module, comm: Comm | None = None,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES) -> None:
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, native: bool | None = None) -> None:
         super().__init__()
         if not isinstance(plan, Plan):   # a plan file's dict (older generated modules) or an in-memory
             # plan of decisions only (calibrate.overhead): both checked like a plan file
@@ -199,6 +202,34 @@ class DistModel(nn.Module):
              bucket_of_layer.get(layer_of_param.get(q, -1)))
             for q in ordered], bucket_cap_bytes=bucket_cap_bytes)
 
+        # ---- pure data parallelism runs the user's module itself (``runtime.native``) -------
+        # (``native``: None = when the plan allows it and AUTOPAR_NATIVE is not 0; False = never)
+        from .native import build_native
+        self._native, self.native_off_reason = build_native(
+            self, model, int(plan.model.batch_size or self.graph.batch_size), allowed=native)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A generated ``forward`` (the traced program, op by op) gives way to the user's module
+        when the plan is pure data parallelism (``runtime.native``: the same function)."""
+        super().__init_subclass__(**kwargs)
+        fwd = cls.__dict__.get("forward")
+        if fwd is not None and not getattr(fwd, "_autopar_native_aware", False):
+            import functools
+
+            @functools.wraps(fwd)
+            def forward(self, *inputs, **kwargs):
+                nat = self.__dict__.get("_native")
+                if nat is not None:
+                    return nat.forward(*inputs, **kwargs)
+                return fwd(self, *inputs, **kwargs)
+            forward._autopar_native_aware = True
+            cls.forward = forward
+
+    @property
+    def native(self) -> bool:
+        """Whether this rank runs the user's module natively (``runtime.native``)."""
+        return self.__dict__.get("_native") is not None
+
     # ---- what generated forward() calls ------------------------------------------------------
     def param(self, qual: str) -> torch.Tensor:
         return self.params[_safe(qual)]
@@ -249,12 +280,18 @@ class DistModel(nn.Module):
         (collective over the mesh when any is pending; ``runtime.ops.BatchNormRuntime``)."""
         if self.bn_runtime is not None:
             self.bn_runtime.flush(self.comm)
+        nat = self.__dict__.get("_native")
+        if nat is not None:
+            nat.flush(self.comm)
 
     def train(self, mode: bool = True):
         if hasattr(self, "bn_runtime"):
             self.flush_batch_norm()
         if hasattr(self, "_prepared"):
             self._prepared.clear()   # a mode may run other op specs (batch norm in eval mode)
+        nat = self.__dict__.get("_native")
+        if nat is not None:
+            nat.train(mode)
         return super().train(mode)
 
     def update_buffers(self) -> None:
@@ -290,8 +327,11 @@ class DistModel(nn.Module):
     def local_loss(self, out_local: torch.Tensor, target_full: torch.Tensor | None,
                    loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
         """This rank's share of the loss: loss(out_r, y_r) * n_r / N / replicas."""
-        lay = self.loss_layout()
-        n_global = self.graph.value_shape(self.graph.output)[0]
+        meta = self.__dict__.get("_loss_meta")
+        if meta is None:    # once: the layouts are fixed, and finding them scans the graph
+            meta = self.__dict__["_loss_meta"] = (self.loss_layout(),
+                                                  self.graph.value_shape(self.graph.output)[0])
+        lay, n_global = meta
         n_local = output_tensor(out_local).shape[0]
         t = local_slice(target_full, lay, self.comm) if target_full is not None else None
         loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)

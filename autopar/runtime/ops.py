@@ -61,6 +61,45 @@ def substitute(template: Any, values: dict[str, torch.Tensor], params: dict[str,
     return template
 
 
+def _builder(template: Any):
+    """A function ``(values, params, buffers) -> substitute(template, ...)`` built once per
+    template: the per-op dispatch of the traced path walks the template once, not every step."""
+    if isinstance(template, dict):
+        if len(template) == 1:
+            (k, v), = template.items()
+            if k == "v":
+                return lambda V, P, B: V[v]
+            if k == "p":
+                return lambda V, P, B: P[v]
+            if k == "b":
+                return lambda V, P, B: B[v]
+            if k == "dtype":
+                d = getattr(torch, v)
+                return lambda V, P, B: d
+        items = [(k, _builder(v)) for k, v in template.items()]
+        return lambda V, P, B: {k: f(V, P, B) for k, f in items}
+    if isinstance(template, list):
+        fs = [_builder(v) for v in template]
+        return lambda V, P, B: [f(V, P, B) for f in fs]
+    return lambda V, P, B: template
+
+
+_BUILDERS: dict[int, tuple[Any, Any]] = {}
+
+
+def substitute_cached(template: Any, values: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                      buffers: dict[str, torch.Tensor]) -> Any:
+    """``substitute`` through a builder cached per template object (an op's ``args`` or
+    ``kwargs``, which live as long as their OpSpec; the entry keeps the template alive, so its
+    id is not reused)."""
+    hit = _BUILDERS.get(id(template))
+    if hit is None or hit[0] is not template:
+        if len(_BUILDERS) > 100_000:
+            _BUILDERS.clear()
+        hit = _BUILDERS[id(template)] = (template, _builder(template))
+    return hit[1](values, params, buffers)
+
+
 def local_sizes(sizes: Sequence[int], global_out: Sequence[int], local_out: Sequence[int]) -> list[int]:
     """Rewrite a view/reshape size list for the local block (dims whose extent changed)."""
     sizes = list(sizes)
@@ -73,8 +112,8 @@ def call_local(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, torch.
                buffers: dict[str, torch.Tensor], local_out_shape: Sequence[int] | None = None) -> torch.Tensor:
     """Run ``op`` (an OpSpec) unchanged on local tensors."""
     values = dict(zip(op.inputs, inputs))
-    args = substitute(op.args, values, params, buffers)
-    kwargs = substitute(op.kwargs, values, params, buffers)
+    args = substitute_cached(op.args, values, params, buffers)
+    kwargs = substitute_cached(op.kwargs, values, params, buffers)
     if op.kind == "view" and local_out_shape is not None and len(args) >= 2 and isinstance(args[1], list):
         args[1] = local_sizes(args[1], op.out_shape, local_out_shape)
     return resolve_target(op.target)(*args, **kwargs)
@@ -168,8 +207,8 @@ def run_batch_norm(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, to
     the ranks of ``layout`` (the input's layout; None = whole tensors) holding the other
     spatial blocks of the same samples. ``channels`` = (start, extent) of this rank's channel
     block when the channels are split: the running statistics are updated in that slice."""
-    x, w, b, rm, rv, training, momentum, eps = substitute(
-        op.args[:8], dict(zip(op.inputs, inputs)), params, buffers)
+    x, w, b, rm, rv, training, momentum, eps = substitute_cached(
+        op.args, dict(zip(op.inputs, inputs)), params, buffers)[:8]
     rt = _BN.get()
     if rt is not None and rt.stats.local and training:
         from ..decomp.layout import Layout
@@ -384,10 +423,15 @@ def _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentu
         y = yt.reshape((g, k, c) + rest).transpose(0, 1).reshape(x.shape)
     if track:
         full_c = running_mean.numel()
-        sm = torch.zeros(full_c, dtype=torch.float64, device=x.device)
-        sv = torch.zeros(full_c, dtype=torch.float64, device=x.device)
-        a, e = channels if channels is not None else (0, full_c)
-        sm[a:a + e] = mean_k.reshape(k, c).sum(0).double() / replicas
-        sv[a:a + e] = var_k.reshape(k, c).sum(0).double() / replicas
+        sm_k = mean_k.reshape(k, c).sum(0).double() / replicas
+        sv_k = var_k.reshape(k, c).sum(0).double() / replicas
+        if channels is None:          # every channel here: the sums are the full vectors
+            sm, sv = sm_k, sv_k
+        else:
+            sm = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+            sv = torch.zeros(full_c, dtype=torch.float64, device=x.device)
+            a, e = channels
+            sm[a:a + e] = sm_k
+            sv[a:a + e] = sv_k
         rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
     return y

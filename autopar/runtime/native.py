@@ -1,0 +1,316 @@
+"""The native fast path: a plan that is pure data parallelism runs the user's own module.
+
+When every layer of a plan is ``sample(P)`` over the whole mesh of P ranks (no transition, no
+replicated or split weight), each rank computes exactly what the user's ``nn.Module`` computes
+on its block of samples. Running the traced program op by op through ``DistModel.op`` then only
+adds Python dispatch (substitution of every argument, a decomposition call per op, the local
+batch-norm bookkeeping) that torch DDP does not pay. ``NativeDataParallel`` runs the module's
+own ``forward`` instead, on the same ``nn.Parameter`` objects and buffer tensors as the
+``DistModel`` (so the optimizer, ``GradSync``'s bucketed overlapped all-reduces, validation and
+checkpoints see one set of tensors), and keeps the plan's function:
+
+* batch norm: local statistics with G = N / P (the samples one rank holds) are what torch's
+  kernel computes on the rank's block; the plan's running statistics (one update per step with
+  the MEAN over the P groups, identical on every rank) are the mean over the ranks of the
+  natively updated buffers, because the update ``r <- (1 - m) r + m s`` is affine in ``s``: one
+  asynchronous all-reduce of every running mean and variance, started when forward ends (it
+  overlaps backward), applied by ``flush`` (``DistModel.flush_batch_norm``).
+* gradients: SUM over the mesh (the runtime's convention: each rank back-propagates its share
+  ``L_r = loss_r n_r / N`` of the loss), by the ``GradSync`` the ``DistModel`` built (bucketed
+  as the cost model prices it, overlapped with backward; the hooks sit on the same Parameter
+  objects). ``AUTOPAR_NATIVE_REDUCER=ddp`` uses torch DDP's own reducer instead (C++ bucketing
+  from a first 1 MiB bucket, a comm hook that sums instead of averaging, no buffer broadcast;
+  ``GradSync`` hands its hooks over), except for a module whose parameters do not all receive
+  a gradient in a meta forward + backward (DDP would wait for them). Side by side on the
+  loaded 2-core machine (``bench_dp_vs_ddp.py``) neither was consistently faster (GradSync
+  ahead in 7 of 11 cases, by up to 30 %; DDP's reducer ahead in the other 4, by up to 28 %:
+  the noise); GradSync is what the plan priced.
+* anything else (global statistics, another ``--bn-group``, a buffer that forward updates and
+  that is not batch norm's (read-only buffers, e.g. a causal mask, are fine),
+  an output whose local shape differs from the plan's, a model the meta run cannot execute)
+  keeps the traced path; ``why_not`` says which.
+
+``AUTOPAR_NATIVE=0`` turns the fast path off (the benchmarks compare both). Per-layer times
+(``LayerTimer``) come from hooks on the leaf modules that name a layer: an op outside a module
+(a functional relu, an add) counts for the layer measured before it.
+
+Part of the runtime: imports neither the solver nor the tracer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def reducer_choice() -> str:
+    """``AUTOPAR_NATIVE_REDUCER``: "gradsync" (default) or "ddp"."""
+    r = os.environ.get("AUTOPAR_NATIVE_REDUCER", "gradsync").strip().lower()
+    if r not in ("ddp", "gradsync"):
+        raise ValueError(f"AUTOPAR_NATIVE_REDUCER={r!r}: use ddp or gradsync")
+    return r
+
+
+def _sum_hook(group, bucket):
+    """DDP comm hook: SUM the bucket over ``group`` (DDP's default averages)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
+    """Whether one meta forward + backward of ``model`` on a rank's block gives every
+    parameter that requires grad a gradient (DDP's reducer waits for each of them)."""
+    from torch.func import functional_call
+
+    from .model import output_tensor
+    try:
+        names = [q for q, p in model.named_parameters() if p.requires_grad]
+        meta = {q: torch.empty_like(p, device="meta").requires_grad_(q in names)
+                for q, p in model.named_parameters()}
+        meta.update({q: torch.empty_like(b, device="meta") for q, b in model.named_buffers()})
+        xs = _meta_inputs(model, graph, world)
+        out = output_tensor(functional_call(model, meta, tuple(xs), strict=False))
+        leaves = [meta[q] for q in names]
+        grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+        return all(g is not None for g in grads)
+    except Exception:  # noqa: BLE001 - unknown: keep the reducer that tolerates missing grads
+        return False
+
+
+def _meta_inputs(model: nn.Module, graph, world: int) -> list[torch.Tensor]:
+    """One rank's block of every graph input on meta; floating inputs take the dtype of the
+    module's floating parameters (``execute`` validates in float64 a model traced in float32)."""
+    fdt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    xs = []
+    for gi in graph.inputs:
+        dt = getattr(torch, gi.dtype, torch.float32)
+        if dt.is_floating_point and fdt is not None:
+            dt = fdt
+        xs.append(torch.empty([gi.shape[0] // world] + list(gi.shape[1:]), dtype=dt, device="meta"))
+    return xs
+
+
+def native_enabled() -> bool:
+    """``AUTOPAR_NATIVE`` (default on): "0", "off", "false" or "no" keep the traced path."""
+    return os.environ.get("AUTOPAR_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Module,
+                   batch: int) -> str | None:
+    """None when the plan may run ``model`` natively (module docstring), else the reason."""
+    for lay in graph.layers:
+        dec = decisions[lay.index]
+        if dec.kind != "sample" or getattr(dec, "parts", None) != world:
+            return f"layer {lay.index} ({lay.name}) is {dec}, not sample({world})"
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    bn_bufs = {id(b) for m in bns for b in m.buffers(recurse=False)}
+    updated = {q for op in graph.buffer_updates for q in op.buffers.values()}
+    for q, b in model.named_buffers():
+        if id(b) not in bn_bufs and q in updated:
+            return f"buffer {q} is updated in forward and does not belong to a batch norm"
+    if any(m.training and (m.track_running_stats is False or m.running_mean is not None) for m in bns):
+        if not bn_stats.local:
+            return "global batch-norm statistics (the native kernel normalises each rank's block alone)"
+        if batch % world or bn_stats.group != batch // world:
+            return (f"batch-norm groups of {bn_stats.group} samples, not the {batch // max(world, 1)} "
+                    f"samples of a rank")
+    # the module on one rank's block must produce the plan's block of the output
+    import torch.utils._pytree as pytree
+    from torch.func import functional_call
+
+    from .model import output_tensor
+    try:
+        meta = {k: torch.empty_like(v, device="meta") for k, v in
+                list(model.named_parameters()) + list(model.named_buffers())}
+        for gi in graph.inputs:
+            if not gi.shape or gi.shape[0] % world:
+                return f"input {gi.name} {list(gi.shape)} does not split into {world} equal sample blocks"
+        xs = _meta_inputs(model, graph, world)
+        with torch.no_grad():
+            out = functional_call(model, meta, tuple(xs), strict=False)
+        got = list(output_tensor(out).shape)
+    except Exception as e:  # noqa: BLE001 - any failure keeps the traced path
+        return f"the module does not run on a rank's block of samples ({type(e).__name__}: {e})"
+    want = list(graph.value_shape(graph.output))
+    if not want or want[0] % world:
+        return f"output {want} does not split into {world} sample blocks"
+    want[0] //= world
+    if got != want:
+        return f"the module's output on a rank's block is {got}, the plan's block is {want}"
+    del pytree
+    return None
+
+
+class NativeDataParallel:
+    """Runs ``model`` (its parameters and buffers rebound to the ``DistModel``'s own) as the
+    rank's forward; averages the batch-norm running statistics over the mesh once per step."""
+
+    def __init__(self, dm, model: nn.Module, canonical: dict[str, str]) -> None:
+        import copy
+
+        from .model import _safe
+        self.dm = dm
+        # a copy of the module whose parameters ARE the DistModel's Parameter objects (tied ones
+        # included) and whose buffers are its buffers; the user's module is left untouched
+        memo: dict[int, Any] = {}
+        for qual, t in model.named_parameters(remove_duplicate=False):
+            memo[id(t)] = dm.params[_safe(canonical.get(qual, qual))]
+        for qual, t in model.named_buffers(remove_duplicate=False):
+            memo[id(t)] = dm.bufs.get(canonical.get(qual, qual), t)
+        self.model = model = copy.deepcopy(model, memo)
+        model.train(dm.training)
+        self._buf_slots: list[tuple[nn.Module, str, str]] = []
+        for qual, _ in model.named_buffers(remove_duplicate=False):
+            mod, leaf = _owner(model, qual)
+            self._buf_slots.append((mod, leaf, canonical.get(qual, qual)))
+        self._rebind_buffers()
+        self._bns = [m for m in model.modules()
+                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        self._work: tuple | None = None
+        # gradients: GradSync, or on request torch DDP's reducer (SUM hook, no buffer broadcast)
+        self.ddp = None
+        comm = dm.comm
+        self._ddp_sig: tuple = ()
+        if comm.world > 1 and reducer_choice() == "ddp" and all_params_get_grads(model, dm.graph, comm.world):
+            self._make_ddp()
+            dm.gradsync.hand_over()
+        self._timer_modules: list[tuple[nn.Module, int]] = []
+        leaves = {n: m for n, m in model.named_modules() if not any(True for _ in m.children())}
+        seen = set()
+        for lay in dm.graph.layers:
+            m = leaves.get(lay.module)
+            if m is not None and lay.module not in seen:
+                seen.add(lay.module)
+                self._timer_modules.append((m, lay.index))
+
+    def _make_ddp(self) -> None:
+        """torch DDP's reducer over the mesh: SUM hook, no buffer broadcast, no init sync (the
+        parameters are equal on every rank by construction). Rebuilt when the parameters change
+        dtype or device (``.to()`` after construction: DDP's buckets have the old ones)."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        comm = self.dm.comm
+        dev = comm.device
+        self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                       process_group=comm.mesh_group, forward_sync_buffers=False, init_sync=False)
+        self.ddp.register_comm_hook(comm.mesh_group, _sum_hook)
+        self.ddp.train(self.model.training)
+        self._ddp_sig = self._param_sig()
+
+    def _param_sig(self) -> tuple:
+        return tuple((p.dtype, p.device) for p in self.model.parameters())
+
+    def _rebind_buffers(self) -> None:
+        """Buffers may be replaced (``.to()``); the DistModel's ``bufs`` are the truth."""
+        bufs = self.dm.bufs
+        for mod, leaf, qual in self._buf_slots:
+            t = bufs.get(qual)
+            if t is not None and mod._buffers.get(leaf) is not t:
+                mod._buffers[leaf] = t
+
+    def train(self, mode: bool) -> None:
+        (self.ddp if self.ddp is not None else self.model).train(mode)
+
+    def forward(self, *inputs: torch.Tensor):
+        self.flush(self.dm.comm)
+        self._rebind_buffers()
+        timer = self.dm.timer
+        handles = self._timer_hooks(timer) if timer is not None else []
+        try:
+            if self.ddp is not None:
+                if self._param_sig() != self._ddp_sig:
+                    self._make_ddp()
+                # gradient accumulation (``train.api``: set_requires_gradient_sync) as DDP's no_sync
+                self.ddp.require_backward_grad_sync = bool(getattr(self.dm, "_sync_grads", True))
+                out = self.ddp(*inputs)
+            else:
+                out = self.model(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        if self.model.training:
+            self.start(self.dm.comm)
+        return out
+
+    def _timer_hooks(self, timer) -> list:
+        hs = []
+        for m, li in self._timer_modules:
+            hs.append(m.register_forward_pre_hook(lambda mod, args, li=li: timer.mark_fwd(li)))
+
+            def post(mod, args, out, li=li):
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda g, li=li: (timer.mark_bwd(li), None)[1])
+            hs.append(m.register_forward_hook(post))
+        return hs
+
+    # ---- batch-norm running statistics: the mean over the ranks ------------------------------
+    def start(self, comm) -> None:
+        """Start the all-reduce (SUM) of every running mean and variance (end of forward)."""
+        if self._work is not None or comm.world <= 1:
+            return
+        bufs = [b for m in self._bns for b in (m.running_mean, m.running_var) if b is not None]
+        if not bufs:
+            return
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        self._work = (dist.all_reduce(flat, group=comm.mesh_group, async_op=True), flat, bufs)
+
+    def flush(self, comm) -> None:
+        """Write the mean over the ranks back into every running statistic (collective when a
+        step's all-reduce is pending)."""
+        if self._work is None:
+            return
+        work, flat, bufs = self._work
+        self._work = None
+        work.wait()
+        flat.div_(comm.world)
+        off = 0
+        with torch.no_grad():
+            for b in bufs:
+                n = b.numel()
+                b.copy_(flat[off:off + n].view_as(b))
+                off += n
+
+
+def _owner(model: nn.Module, qual: str) -> tuple[nn.Module, str]:
+    *path, leaf = qual.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    return mod, leaf
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter and buffer name (duplicates of tied tensors included) -> the name
+    ``named_parameters()`` / ``named_buffers()`` give the tensor (the DistModel's key)."""
+    out: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first = {id(t): q for q, t in named()}
+        for q, t in named(remove_duplicate=False):
+            out[q] = first[id(t)]
+    return out
+
+
+def build_native(dm, model: nn.Module, batch: int, allowed: bool | None = None
+                 ) -> tuple[NativeDataParallel | None, str | None]:
+    """(the fast path, None) when the plan allows it, else (None, the reason). ``allowed``:
+    None = as ``AUTOPAR_NATIVE`` says, False = never (the traced path), True = when legal."""
+    if allowed is False:
+        return None, "native=False"
+    if allowed is None and not native_enabled():
+        return None, "AUTOPAR_NATIVE=0"
+    why = why_not_native(dm.graph, dm.decisions, dm.comm.world, dm.bn_stats, model, batch)
+    if why is not None:
+        return None, why
+    try:    # e.g. a module that cannot be deep-copied: the traced path, with the reason
+        names = canonical_names(model)
+        import copy
+        copy.deepcopy(model, {id(t): t for t in list(model.parameters()) + list(model.buffers())})
+    except Exception as e:  # noqa: BLE001
+        return None, f"the module cannot be copied ({type(e).__name__}: {e})"
+    return NativeDataParallel(dm, model, names), None
+
+
+__all__: Sequence[Any] = ("NativeDataParallel", "build_native", "why_not_native", "native_enabled")
