@@ -456,6 +456,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     """The optimal plan of ``table`` (module docstring). ``hint``: a decomposition string per
     layer to start HiGHS from (e.g. the optimum under another placement)."""
     check_memory(table, memory_limit_bytes)
+    table.ensure_edges()
     t0 = time.perf_counter()
     m, x, pairs = build_model(table, memory_limit_bytes)
     notes: list[str] = []
