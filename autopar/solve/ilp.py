@@ -43,7 +43,10 @@ over its members in proportion). An edge whose reduced matrices are all zero get
 variable; one whose matrices are separable (``M[a,b] = r[a] + c[b]``) gets none either: its
 price is ``sum_i r x[u,i] + sum_j c x[v,j]``. ResNet-50 at 1024 ranks: 25 k pairs -> ~2 k.
 
-HiGHS gets the model as arrays (``_Model``: columns and sparse rows, no PuLP expression
+HiGHS first solves the LP relaxation (``_solve_relaxation``): when its optimum is integral in
+x (the flow form makes it so on every CNN tried) it is the plan, proven optimal by its own
+bound, with no branch and bound (10x faster on ResNet-50 at 1024 ranks). Otherwise the MIP
+runs as follows. HiGHS gets the model as arrays (``_Model``: columns and sparse rows, no PuLP expression
 objects) and the step time of a start plan as an objective bound (``_start_choices``: the
 hint given, e.g. the best plan of another placement, or each layer's cheapest choice,
 whichever ``evaluate`` finds faster and fits the memory limit): every branch that cannot beat
@@ -374,6 +377,31 @@ def _start_choices(table: CostTable, memory_limit_bytes, hint) -> list[int] | No
     return best
 
 
+def _solve_relaxation(m: _Model, x: dict, table: CostTable, memory_limit_bytes, time_limit_s: float,
+                      msg: bool):
+    """The LP relaxation (x continuous in [0, 1]); (choice, lower bound) when its optimum is
+    integral, else None. The flow form is tight enough that it usually is (ResNet-50 at 1024
+    ranks: 0.04 s against 0.4 s for HiGHS's MIP, whose root LP is the same); the LP optimum
+    bounds every plan from below and the integral point is a plan, so it is optimal."""
+    relaxed = _Model()
+    relaxed.__dict__.update(m.__dict__)
+    relaxed.integer = []
+    status, _, col, _, lp_s = _solve_highs(relaxed, x, None, time_limit_s, msg)
+    if status != "Optimal" or col is None or lp_s is None:
+        return None
+    choice = []
+    for l, o in enumerate(table.layers):
+        vals = [col[x[l, i]] for i in range(len(o.choices))]
+        i = max(range(len(vals)), key=lambda k: vals[k])
+        if vals[i] < 1.0 - 1e-6:
+            return None                  # fractional: branch and bound decides
+        choice.append(i)
+    if memory_limit_bytes is not None and sum(
+            table.layers[l].costs[i].memory_bytes for l, i in enumerate(choice)) > memory_limit_bytes:
+        return None
+    return choice, lp_s
+
+
 def _solve_highs(m: _Model, x: dict, start_s, time_limit_s: float, msg: bool):
     import highspy
     h = highspy.Highs()
@@ -413,7 +441,8 @@ def _solve_highs(m: _Model, x: dict, start_s, time_limit_s: float, msg: bool):
     status_name = h.modelStatusToString(ms)
     has_sol = int(info.primal_solution_status) == 2
     col = list(h.getSolution().col_value) if has_sol else None
-    gap = float(info.mip_gap) if has_sol else None
+    gap = float(info.mip_gap) if has_sol and m.integer else None
+    objective = float(info.objective_function_value) if has_sol else None
     if ms == highspy.HighsModelStatus.kOptimal:
         status, sol_status = "Optimal", 1
     elif ms == highspy.HighsModelStatus.kInfeasible:
@@ -422,7 +451,7 @@ def _solve_highs(m: _Model, x: dict, start_s, time_limit_s: float, msg: bool):
         status, sol_status = "Optimal", 2      # PuLP's convention: a time limit with a plan
     else:
         status, sol_status = status_name, 0
-    return status, sol_status, col, gap
+    return status, sol_status, col, gap, objective
 
 
 def _solve_cbc(m: _Model, time_limit_s: float, msg: bool):
@@ -464,6 +493,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     used = None
     result = None
     start = None
+    start_won = False
     for name in order:
         try:
             if name == "highs":
@@ -472,10 +502,22 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
                 except ImportError:
                     notes.append("HiGHS (highspy) not available; fell back to CBC")
                     continue
+                with _quiet(not msg):
+                    relaxed = _solve_relaxation(m, x, table, memory_limit_bytes, time_limit_s, msg)
+                if relaxed is not None:
+                    lp_choice, lp_s = relaxed
+                    lp_plan_s = evaluate(table, lp_choice).step_time_s
+                    gap = max(0.0, (lp_plan_s - lp_s) / max(lp_plan_s, 1e-300))
+                    if gap <= 1e-6:          # HiGHS's own mip_rel_gap below
+                        result = ("Optimal", 1, None, gap)
+                        start, start_won = lp_choice, True
+                        notes.append("the LP relaxation's optimum is integral: optimal without branching")
+                        used = name
+                        break
                 start = _start_choices(table, memory_limit_bytes, hint)
                 start_s = evaluate(table, start).step_time_s if start is not None else None
                 with _quiet(not msg):
-                    result = _solve_highs(m, x, start_s, time_limit_s, msg)
+                    result = _solve_highs(m, x, start_s, time_limit_s, msg)[:4]
             else:
                 result = _solve_cbc(m, time_limit_s, msg)
             used = name
@@ -486,8 +528,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     if used is None:
         raise SolverError("no ILP solver could run: " + "; ".join(notes), "pip install highspy, or check PuLP's CBC")
     status, sol_status, col, gap = result
-    start_won = False
-    if used == "highs" and start is not None and (col is None or status == "Infeasible"):
+    if used == "highs" and not start_won and start is not None and (col is None or status == "Infeasible"):
         # nothing beats the objective bound: the start plan (feasible, checked) is optimal
         status, sol_status, gap, start_won = "Optimal", 1, 0.0, True
     if status == "Infeasible":
