@@ -55,6 +55,23 @@ def parse_bytes(text: str | None) -> float | None:
 _LOADED: dict = {}   # (path, mtime, size) -> profile: a long-lived process re-plans without re-reading
 
 
+_TOPOLOGY: dict = {}  # (profile read by load_calibration, rpn, nodes) -> (it, its copy for that shape)
+
+
+def _with_topology(profile, rpn: int, n_nodes: int):
+    """``profile.with_topology`` (a deep copy, raw samples and all) once per profile read by
+    ``load_calibration`` and cluster shape; planning only reads it."""
+    key = (id(profile), rpn, n_nodes)
+    hit = _TOPOLOGY.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_TOPOLOGY) > 8:
+        _TOPOLOGY.clear()
+    out = profile.with_topology(rpn, n_nodes)
+    _TOPOLOGY[key] = (profile, out)
+    return out
+
+
 def load_calibration(path: str | Path | None, check_machine: bool = True):
     """(path, profile); a profile file read before in this process and unchanged since (same
     modification time and size) is not read, validated and fitted again. Planning never
@@ -114,7 +131,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     if rpn * n_nodes < world_size:
         raise AutoparError(f"{n_nodes} nodes x {rpn} ranks per node < world size {world_size}",
                            "raise --nodes or --ranks-per-node")
-    profile = profile.with_topology(rpn, n_nodes)
+    if hooks.profile is None:
+        profile = _with_topology(profile, rpn, n_nodes)
+    else:
+        profile = profile.with_topology(rpn, n_nodes)
     placements_for(placement, world_size, rpn)   # a bad --placement fails before tracing
     ondemand = None
     if o.measure_shapes and hooks.profile is None and cal_path is not None:
