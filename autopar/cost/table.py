@@ -14,6 +14,12 @@ the consumer's input layouts computed once per choice, each distinct (src, dst, 
 once per table); repeated layers copy their representative's choices and prices and check
 only its illegal candidates again, so that the reasons name their own module.
 
+Under the placement search (``ctx.cost_memo``) a distinct layer's options are kept with the
+link level of every group its pricing asked about, and a placement that changes none of them
+gets them back without walking the candidates (``_layer_options_once``); transitions are
+priced only for the tables the search solves (``CostTable.ensure_edges``); the profile's
+kernel and collective models answer each distinct question once (``pricing_profile``).
+
 ``evaluate(table, choice)`` computes a plan's step time exactly as the ILP models it (the
 recurrence is written there); the solver tests compare the two.
 """
