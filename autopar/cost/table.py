@@ -48,7 +48,7 @@ class LayerOptions:
     choices: list[Decomposition]
     costs: list[LayerCost]
     illegal_reasons: dict[str, str] | None = field(default_factory=dict)
-    exact_keys: list[list[str]] = field(default_factory=list)  # per choice: exact entries used
+    exact_keys: list[list[str]] = field(default_factory=list)  # per choice: exact entries used (read-only: copies of a layer share them)
     illegal_choices: list[Decomposition] = field(default_factory=list, repr=False)
     _check_ctx: Any = field(default=None, repr=False, compare=False)   # reasons still to check
 
@@ -257,7 +257,7 @@ def _copy_options(rep: LayerOptions, layer: Layer, ctx: CostContext) -> LayerOpt
     """``rep``'s choices and prices for an equal ``layer``; its illegal candidates are checked
     again, when first read (``LayerOptions.illegal``), so that the reasons name ``layer``."""
     return LayerOptions(layer, list(rep.choices), list(rep.costs), None if rep.illegal_choices else {},
-                        [list(k) for k in rep.exact_keys], list(rep.illegal_choices),
+                        list(rep.exact_keys), list(rep.illegal_choices),
                         ctx if rep.illegal_choices else None)
 
 
@@ -342,7 +342,7 @@ def _layer_options_once(memo: dict, sig: str, lay: Layer, ctx: CostContext, kind
                 if specs and ctx.spec_log is not None:
                     ctx.spec_log.extend(specs)
                 return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,
-                                    [list(k) for k in opts.exact_keys], list(opts.illegal_choices),
+                                    list(opts.exact_keys), list(opts.illegal_choices),
                                     opts._check_ctx)
     outer = ctx.level_log
     n_specs = len(ctx.spec_log) if ctx.spec_log is not None else 0
@@ -360,7 +360,7 @@ def _layer_options_once(memo: dict, sig: str, lay: Layer, ctx: CostContext, kind
     specs = list(ctx.spec_log[n_specs:]) if ctx.spec_log is not None else []
     memo.setdefault(key, []).append((groups, levels, opts, specs))
     return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,
-                        [list(k) for k in opts.exact_keys], list(opts.illegal_choices))
+                        list(opts.exact_keys), list(opts.illegal_choices))
 
 
 def _build_edges(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions]) -> list[EdgeOptions]:
