@@ -52,11 +52,44 @@ def parse_bytes(text: str | None) -> float | None:
         raise AutoparError(f"cannot read memory size {text!r}", "write e.g. 512MiB, 2GiB or a number of bytes") from None
 
 
+_LOADED: dict = {}   # (path, mtime, size) -> profile: a long-lived process re-plans without re-reading
+
+
+_TOPOLOGY: dict = {}  # (profile read by load_calibration, rpn, nodes) -> (it, its copy for that shape)
+
+
+def _with_topology(profile, rpn: int, n_nodes: int):
+    """``profile.with_topology`` (a deep copy, raw samples and all) once per profile read by
+    ``load_calibration`` and cluster shape; planning only reads it."""
+    key = (id(profile), rpn, n_nodes)
+    hit = _TOPOLOGY.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_TOPOLOGY) > 8:
+        _TOPOLOGY.clear()
+    out = profile.with_topology(rpn, n_nodes)
+    _TOPOLOGY[key] = (profile, out)
+    return out
+
+
 def load_calibration(path: str | Path | None, check_machine: bool = True):
+    """(path, profile); a profile file read before in this process and unchanged since (same
+    modification time and size) is not read, validated and fitted again. Planning never
+    changes the profile it is given (``Profile.with_topology`` copies)."""
     from .calibrate.profile import check_fingerprint, default_profile_path, load_profile
     if path is None:
         path = default_profile_path()
-    prof = load_profile(path, check_machine=False)
+    try:
+        st = Path(path).stat()
+        key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    prof = _LOADED.get(key) if key is not None else None
+    if prof is None:
+        prof = load_profile(path, check_machine=False)
+        if key is not None:
+            _LOADED.clear()        # one profile kept: the one a session re-plans with
+            _LOADED[key] = prof
     if check_machine and prof.provenance.get("kind") == "measured":
         check_fingerprint(prof, path)  # warns, naming the fields that differ
     return Path(path), prof
@@ -71,7 +104,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         raise TypeError("make_plan(model_file, PlanOptions(...), hooks=None): options must be a PlanOptions")
     hooks = hooks or PlanHooks()
     from .codegen.generate import generate_module
-    from .cost.table import build_cost_table, evaluate
+    from .cost.table import build_cost_table, evaluate, pricing_profile
     from .decomp.base import CostContext
     from .modelfile import load_model_file
     from .solve.ilp import solve
@@ -98,7 +131,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     if rpn * n_nodes < world_size:
         raise AutoparError(f"{n_nodes} nodes x {rpn} ranks per node < world size {world_size}",
                            "raise --nodes or --ranks-per-node")
-    profile = profile.with_topology(rpn, n_nodes)
+    if hooks.profile is None:
+        profile = _with_topology(profile, rpn, n_nodes)
+    else:
+        profile = profile.with_topology(rpn, n_nodes)
     placements_for(placement, world_size, rpn)   # a bad --placement fails before tracing
     ondemand = None
     if o.measure_shapes and hooks.profile is None and cal_path is not None:
@@ -124,14 +160,15 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     elif o.batch_norm == "local":
         say(f"batch-norm statistics: global (batch {batch_size} does not split evenly over {world_size} "
             f"ranks, so no per-rank group exists; --bn-group G chooses local groups)")
-    ctx = CostContext(profile=profile, world=world_size, ranks_per_node=rpn,
+    ctx = CostContext(profile=pricing_profile(profile), world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
                       max_candidates=o.max_candidates, batch_norm=bn)
     tables_s = []
 
     def build(c):
         t = time.perf_counter()
-        tab = build_cost_table(graph, c, kinds=kinds, choice_filter=choice_filter)
+        # transitions are priced when a table is solved (most placements are only bounded)
+        tab = build_cost_table(graph, c, kinds=kinds, choice_filter=choice_filter, edges=bool(force))
         if force:
             _pin(tab, force)
         tables_s.append(time.perf_counter() - t)
@@ -139,7 +176,12 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
 
     solves = []
 
+    edges_s = []     # pricing the transitions of each table solved (first: the first table's)
+
     def solve_table(tab):
+        t = time.perf_counter()
+        tab.ensure_edges()
+        edges_s.append(time.perf_counter() - t)
         t = time.perf_counter()
         s = solve(tab, memory_limit_bytes=memory_limit_bytes, time_limit_s=o.time_limit_s, solver=o.solver)
         solves.append((time.perf_counter() - t, s))
@@ -160,22 +202,23 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
             say("re-planning with the shapes just measured")
             tables_s.clear()
             solves.clear()
-            ctx = dataclasses.replace(ctx, profile=ondemand.profile, cost_memo=None)
+            edges_s.clear()
+            ctx = dataclasses.replace(ctx, profile=pricing_profile(ondemand.profile), cost_memo=None)
             t = time.perf_counter()
             placed = search_placement(ctx, placement, build, solve_table, evaluate)
             search_s = time.perf_counter() - t
     table, sol, pred = placed.table, placed.solution, placed.prediction
-    timings["cost_s"] = sum(tables_s)
+    timings["cost_s"] = sum(tables_s) + sum(edges_s)
     timings["solve_s"] = sum(t for t, _ in solves)
-    # where the time went (``--verbose``, plan.json): the first table, the other placements
-    # (their tables and bounds), the ILP solves
-    timings["price_s"] = tables_s[0]
-    timings["placements_s"] = max(0.0, search_s - tables_s[0] - timings["solve_s"])
+    # where the time went (``--verbose``, plan.json): the first table with its transitions,
+    # the other placements (their tables, bounds and transitions where solved), the ILP solves
+    timings["price_s"] = tables_s[0] + (edges_s[0] if edges_s else 0.0)
+    timings["placements_s"] = max(0.0, search_s - timings["price_s"] - timings["solve_s"])
     timings["placements_priced"] = float(len(tables_s))
     timings["placements_solved"] = float(len(solves))
     say(f"priced {table.size()['choices']} layer choices and {table.size()['pairs']} transitions "
-        f"in {tables_s[0]:.2f} s" + (f" (+{sum(tables_s[1:]):.2f} s for {len(tables_s) - 1} more "
-                                      f"placements)" if len(tables_s) > 1 else ""))
+        f"in {timings['price_s']:.2f} s" + (f" (+{timings['placements_s']:.2f} s for {len(tables_s) - 1} more "
+                                             f"placements)" if len(tables_s) > 1 else ""))
     say(f"solved with {sol.solver} in {sol.time_s:.2f} s ({sol.status}, gap {sol.gap})"
         + (f"; {len(solves)} placements solved in {timings['solve_s']:.2f} s" if len(solves) > 1 else ""))
     say(placed.summary())

@@ -4,9 +4,11 @@ both find the same optimum.
 Targets (issue 14): ResNet-50 (the shipped example and the untouched Hugging Face model) at
 1024 simulated ranks with all CNN decompositions and the placement search in <= 2 s in-process
 and <= 4 s from a cold shell (the Hugging Face import excluded), with the same optimum as the
-base (or the gap printed).
+base (or the gap printed); a 96-layer GPT (``strategies/examples/gpt.py``, embedding 1024, 16
+heads, sequence 1024, vocabulary 50304, batch 1024) at 1024 ranks with every kind and the
+placement search in <= 5 s from a shell.
 
-    git worktree add /tmp/base 9dfc078        # the planner before issue 14
+    git worktree add /tmp/base 8da717a        # the planner before the planning-speed work
     python benchmarks/bench_planning.py --base /tmp/base [--repeats 3] [--no-shell]
 
 Each tree runs in its own fresh process (``PYTHONPATH`` = the tree), one configuration after
@@ -39,7 +41,12 @@ HF = "benchmarks/models/hf_resnet50.py"
 DATASHEET = "calibration/datasheet-a100-cluster.json"
 CPU = "calibration/cpu-2core-gloo.json"
 
-# (label, model, world, options); model paths and profiles are taken from THIS tree for both
+GPT = "strategies/examples/gpt.py"
+GPT96_ENV = {"AUTOPAR_GPT_LAYERS": "96", "AUTOPAR_GPT_EMBED": "1024", "AUTOPAR_GPT_HEADS": "16",
+             "AUTOPAR_GPT_SEQ": "1024", "AUTOPAR_GPT_VOCAB": "50304"}
+
+# (label, model, world, options[, environment]); model paths and profiles are taken from THIS
+# tree for both
 CONFIGS = [
     ("ResNet-50 @1024 b2048, all kinds, placement search (the issue's command)", R50, 1024,
      {"batch_size": 2048, "calibration": CPU}),
@@ -55,6 +62,8 @@ CONFIGS = [
      {"calibration": DATASHEET}),
     ("3-D CNN 1x1x512^3 @16, A100 cluster", "strategies/examples/cnn3d_large.py", 16,
      {"batch_size": 1, "calibration": DATASHEET}),
+    ("GPT 96 layers (E1024 H16 S1024 V50304) @1024 b1024, all kinds, placement search", GPT, 1024,
+     {"batch_size": 1024, "calibration": CPU}, GPT96_ENV),
 ]
 
 # runs inside the tree's own process: prints one JSON line per configuration
@@ -73,12 +82,15 @@ opts = dict(opts)
 if "calibration" in opts:
     opts["calibration"] = os.path.join(root, opts["calibration"])
 model = os.path.join(root, model)
+cpu = []
 def run(trace_cache):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     r = make_plan(model, PlanOptions(world_size=world, write=False, trace_cache=trace_cache, **opts))
+    cpu.append(time.process_time() - c)
     return time.perf_counter() - t, r
 traced_s, r = run(False)                  # traces (and fills nothing: no cache)
 run(True)                                 # fills the trace cache
+cpu.clear()
 times, last = [], None
 for _ in range(repeats):
     s, last = run(True)
@@ -86,7 +98,7 @@ for _ in range(repeats):
 p = last.plan
 import autopar
 print("RESULT " + json.dumps({"autopar": autopar.__file__,
-    "traced_s": traced_s, "replan_min_s": min(times), "replan_median_s": statistics.median(times),
+    "traced_s": traced_s, "replan_min_s": min(times), "replan_cpu_min_s": min(cpu), "replan_median_s": statistics.median(times),
     "timings": {k: round(v, 3) for k, v in last.timings_s.items()},
     "step_s": p.predicted.step_time_s, "choices": [l.choice for l in p.layers],
     "placement": p.placement_search.get("chosen_name") if p.placement_search else None,
@@ -95,8 +107,9 @@ print("RESULT " + json.dumps({"autopar": autopar.__file__,
 
 
 def in_process(tree: Path, cfg, repeats: int, cache: Path) -> dict:
-    label, model, world, opts = cfg
-    env = dict(os.environ, PYTHONPATH=str(tree), AUTOPAR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+    label, model, world, opts = cfg[:4]
+    env = dict(os.environ, PYTHONPATH=str(tree), AUTOPAR_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
+               **(cfg[4] if len(cfg) > 4 else {}))
     if opts.get("batch_size") == 1:
         env["AUTOPAR_CNN3D_SIZE"] = "512"
     arg = json.dumps([str(ROOT), label, model, world, opts, repeats])
@@ -109,8 +122,8 @@ def in_process(tree: Path, cfg, repeats: int, cache: Path) -> dict:
     return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
 
 
-def shell(tree: Path, model: str, extra: list[str], cache: Path) -> float:
-    env = dict(os.environ, PYTHONPATH=str(tree), AUTOPAR_CACHE_DIR=str(cache))
+def shell(tree: Path, model: str, extra: list[str], cache: Path, env_extra: dict | None = None) -> float:
+    env = dict(os.environ, PYTHONPATH=str(tree), AUTOPAR_CACHE_DIR=str(cache), **(env_extra or {}))
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "autopar", "plan", str(ROOT / model), "--world-size", "1024",
@@ -138,7 +151,8 @@ def fmt(r: dict) -> str:
     if "error" in r:
         return f"error: {r['error']}"
     t = r["timings"]
-    return (f"re-plan {r['replan_min_s']:.2f} s (median {r['replan_median_s']:.2f}), traced "
+    return (f"re-plan {r['replan_min_s']:.2f} s (median {r['replan_median_s']:.2f}, CPU "
+            f"{r['replan_cpu_min_s']:.2f}), traced "
             f"{r['traced_s']:.2f} s [pricing {t.get('price_s', t.get('cost_s', 0)):.2f}, placements "
             f"{t.get('placements_s', 0):.2f}, ILP {t.get('solve_s', 0):.2f}]; step "
             f"{r['step_s'] * 1e3:.4g} ms, {r['placement']} ({Path(r['autopar']).parent.parent})")
@@ -163,18 +177,21 @@ def main(argv=None) -> int:
             for name, _ in trees:
                 print(f"    {name:>4}: {fmt(res[name])}")
             if "base" in res and "error" not in res["base"] and "error" not in res["new"]:
-                print(f"    speed-up: re-plan x{res['base']['replan_min_s'] / res['new']['replan_min_s']:.1f}, "
+                print(f"    speed-up: re-plan x{res['base']['replan_min_s'] / res['new']['replan_min_s']:.1f} "
+                      f"(CPU x{res['base']['replan_cpu_min_s'] / res['new']['replan_cpu_min_s']:.1f}), "
                       f"traced x{res['base']['traced_s'] / res['new']['traced_s']:.1f}; "
                       f"optimum: {same_optimum(res['base'], res['new'])}")
         if not args.no_shell:
-            for model, extra, label in ((R50, ["--batch-size", "2048"], "resnet50 b2048, search"),
-                                        (R50, ["--batch-size", "2048", "--placement", "block"], "resnet50 b2048, block"),
-                                        (HF, ["--batch-size", "2048"], "HF resnet50 b2048, search")):
+            for model, extra, label, env_extra in (
+                    (R50, ["--batch-size", "2048"], "resnet50 b2048, search", None),
+                    (R50, ["--batch-size", "2048", "--placement", "block"], "resnet50 b2048, block", None),
+                    (HF, ["--batch-size", "2048"], "HF resnet50 b2048, search", None),
+                    (GPT, ["--batch-size", "1024"], "GPT 96 layers b1024, search", GPT96_ENV)):
                 row = []
                 for name, tree in trees:
                     cache = Path(tmp) / f"shell-{name}-{label.replace(' ', '_')}"
-                    cold = shell(tree, model, extra, cache)
-                    warm = shell(tree, model, extra, cache)
+                    cold = shell(tree, model, extra, cache, env_extra)
+                    warm = shell(tree, model, extra, cache, env_extra)
                     row.append(f"{name} cold {cold:.2f} s, warm {warm:.2f} s")
                 print(f"shell: autopar plan {label} @1024: " + "; ".join(row))
             t = time.perf_counter()

@@ -14,6 +14,12 @@ the consumer's input layouts computed once per choice, each distinct (src, dst, 
 once per table); repeated layers copy their representative's choices and prices and check
 only its illegal candidates again, so that the reasons name their own module.
 
+Under the placement search (``ctx.cost_memo``) a distinct layer's options are kept with the
+link level of every group its pricing asked about, and a placement that changes none of them
+gets them back without walking the candidates (``_layer_options_once``); transitions are
+priced only for the tables the search solves (``CostTable.ensure_edges``); the profile's
+kernel and collective models answer each distinct question once (``pricing_profile``).
+
 ``evaluate(table, choice)`` computes a plan's step time exactly as the ILP models it (the
 recurrence is written there); the solver tests compare the two.
 """
@@ -34,12 +40,29 @@ from ..decomp.transition import EXACT_WORLD, transition_s
 
 @dataclass
 class LayerOptions:
+    """A layer's kept choices and their prices; ``illegal`` (str(decomposition) -> reason)
+    says why the other candidates cannot run. A repeated layer's reasons are checked again
+    under its own name only when read (``_copy_options``): most tables of the placement
+    search are only bounded, never shown."""
     layer: Layer
     choices: list[Decomposition]
     costs: list[LayerCost]
-    illegal: dict[str, str] = field(default_factory=dict)   # str(decomposition) -> reason
-    exact_keys: list[list[str]] = field(default_factory=list)  # per choice: exact entries used
+    illegal_reasons: dict[str, str] | None = field(default_factory=dict)
+    exact_keys: list[list[str]] = field(default_factory=list)  # per choice: exact entries used (read-only: copies of a layer share them)
     illegal_choices: list[Decomposition] = field(default_factory=list, repr=False)
+    _check_ctx: Any = field(default=None, repr=False, compare=False)   # reasons still to check
+
+    @property
+    def illegal(self) -> dict[str, str]:
+        if self.illegal_reasons is None:
+            ctx, self._check_ctx = self._check_ctx, None
+            self.illegal_reasons = {str(d): d.check(self.layer, ctx) or "illegal"
+                                    for d in self.illegal_choices}
+        return self.illegal_reasons
+
+    @illegal.setter
+    def illegal(self, value: dict[str, str]) -> None:
+        self.illegal_reasons, self._check_ctx = value, None
 
     @property
     def has_params(self) -> bool:
@@ -57,12 +80,21 @@ class EdgeOptions:
 
 @dataclass
 class CostTable:
+    """``edges`` is None while not priced yet (``build_cost_table(..., edges=False)``: the
+    placement search bounds most placements from their layer prices alone);
+    ``ensure_edges()`` prices them, and the solver and ``evaluate`` call it."""
     graph: LayerGraphData
     ctx: CostContext
     layers: list[LayerOptions]
-    edges: list[EdgeOptions]
+    edges: list[EdgeOptions] | None
     topo: list[int]              # layer indices in execution order
     buckets: dict[int, int] | None = None   # layer -> gradient bucket (runtime.gradsync.layer_buckets)
+
+    def ensure_edges(self) -> "CostTable":
+        """Price the transitions if ``build_cost_table`` left them out; returns self."""
+        if self.edges is None:
+            self.edges = _build_edges(self.graph, self.ctx, self.layers)
+        return self
 
     def bucket_of(self) -> dict[int, int]:
         """Gradient buckets as the runtime forms them; without any, one bucket per layer."""
@@ -71,9 +103,47 @@ class CostTable:
         return {l: k for k, l in enumerate(reversed(self.topo))}
 
     def size(self) -> dict[str, int]:
+        self.ensure_edges()
         return {"layers": len(self.layers), "edges": len(self.edges),
                 "choices": sum(len(o.choices) for o in self.layers),
                 "pairs": sum(len(e.fwd_s) * len(e.fwd_s[0]) for e in self.edges if e.fwd_s)}
+
+
+def pricing_profile(profile):
+    """A shallow copy of ``profile`` whose ``kernel_time_s`` and ``collective_time_s`` answer
+    each distinct question once (pricing asks the same kernel of one local shape, and the
+    same collective of one size, group and link level, for many candidates, layers and
+    placements); the answers are the profile's own."""
+    import copy
+    if getattr(profile, "_pricing_memo", False) or not hasattr(profile, "collective_time_s"):
+        return profile
+    prof = copy.copy(profile)
+    kernel, collective = profile.kernel_time_s, profile.collective_time_s
+    k_memo: dict = {}
+    c_memo: dict = {}
+
+    def kernel_time_s(op_class, flops, bytes_moved, spec=None):
+        try:
+            key = (op_class, flops, bytes_moved,
+                   None if spec is None else tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                          for k, v in spec.items())))
+            t = k_memo.get(key)
+        except TypeError:          # a spec value that does not hash: no memo
+            return kernel(op_class, flops, bytes_moved, spec=spec)
+        if t is None:
+            t = k_memo[key] = kernel(op_class, flops, bytes_moved, spec=spec)
+        return t
+
+    def collective_time_s(kind, group_size, nbytes, level="intra"):
+        key = (kind, group_size, nbytes, level)
+        t = c_memo.get(key)
+        if t is None:
+            t = c_memo[key] = collective(kind, group_size, nbytes, level)
+        return t
+
+    prof.kernel_time_s, prof.collective_time_s = kernel_time_s, collective_time_s
+    prof._pricing_memo = True
+    return prof
 
 
 def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> float:
@@ -147,7 +217,6 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
                 used = sorted(set(ctx.key_log))
             finally:
                 ctx.key_log = saved
-            c = replace(c, optim_step_s=_optimizer_step_s(c, ctx, n_params))
             choices.append(dec)
             costs.append(c)
             keys.append(used)
@@ -155,6 +224,14 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
         kept_choices, costs = _pareto(choices, costs, ctx.max_candidates)
         keys = [keys[choices.index(d)] for d in kept_choices]
         choices = kept_choices
+    # the optimizer step last, for the kept choices only (``_pareto`` does not read it); one
+    # price per local parameter size
+    opt_s: dict[float, float] = {}
+    for k, c in enumerate(costs):
+        t = opt_s.get(c.param_bytes)
+        if t is None:
+            t = opt_s[c.param_bytes] = _optimizer_step_s(c, ctx, n_params)
+        costs[k] = replace(c, optim_step_s=t)
     return LayerOptions(layer, choices, costs, illegal, keys, illegal_decs)
 
 
@@ -188,11 +265,11 @@ def layer_signature(layer: Layer) -> str:
 
 
 def _copy_options(rep: LayerOptions, layer: Layer, ctx: CostContext) -> LayerOptions:
-    """``rep``'s choices and prices for an equal ``layer``; its illegal candidates checked
-    again so that the reasons name ``layer``."""
-    illegal = {str(d): d.check(layer, ctx) or "illegal" for d in rep.illegal_choices}
-    return LayerOptions(layer, list(rep.choices), list(rep.costs), illegal,
-                        [list(k) for k in rep.exact_keys], list(rep.illegal_choices))
+    """``rep``'s choices and prices for an equal ``layer``; its illegal candidates are checked
+    again, when first read (``LayerOptions.illegal``), so that the reasons name ``layer``."""
+    return LayerOptions(layer, list(rep.choices), list(rep.costs), None if rep.illegal_choices else {},
+                        list(rep.exact_keys), list(rep.illegal_choices),
+                        ctx if rep.illegal_choices else None)
 
 
 def _edge_prices(src: tuple, dst: tuple, shape, item: int, ctx: CostContext,
@@ -220,9 +297,11 @@ def _edge_prices(src: tuple, dst: tuple, shape, item: int, ctx: CostContext,
 
 
 def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] | None = None,
-                     prune: bool = True, choice_filter=None) -> CostTable:
+                     prune: bool = True, choice_filter=None, edges: bool = True) -> CostTable:
     """``kinds`` restricts the decomposition kinds; ``choice_filter(dec) -> bool`` drops
-    individual candidates (e.g. spatial splits with a sample factor, for a spatial-only plan)."""
+    individual candidates (e.g. spatial splits with a sample factor, for a spatial-only plan).
+    ``edges=False`` leaves the transitions to ``CostTable.ensure_edges`` (the placement search
+    prices them only for the placements it solves)."""
     from ..errors import IllegalDecomposition
     opts = []
     by_sig: dict[str, LayerOptions] = {}
@@ -236,7 +315,11 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
             sig = layer_signature(lay)
         rep = by_sig.get(sig)
         if rep is None:
-            rep = by_sig[sig] = layer_options(lay, ctx, kinds, prune, choice_filter)
+            if memo is not None:
+                rep = _layer_options_once(memo, sig, lay, ctx, kinds, prune, choice_filter)
+            else:
+                rep = layer_options(lay, ctx, kinds, prune, choice_filter)
+            by_sig[sig] = rep
             opts.append(rep)
         else:
             opts.append(_copy_options(rep, lay, ctx))
@@ -247,6 +330,53 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
                 f"layer {o.layer.index} ({o.layer.module or o.layer.name}) has no legal decomposition"
                 f" among {kinds or sorted(REGISTRY)} ({reasons})",
                 "allow more decomposition kinds, or change the world size or batch size")
+    buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
+    table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets)
+    return table.ensure_edges() if edges else table
+
+
+def _layer_options_once(memo: dict, sig: str, lay: Layer, ctx: CostContext, kinds, prune,
+                        choice_filter) -> LayerOptions:
+    """``layer_options`` under the placement search's memo, kept per layer signature with the
+    link level of every group its pricing asked about (as ``decomp.base.price_once`` does per
+    call): a placement that leaves all those levels as they were gets the same options without
+    walking its candidates again."""
+    from ..decomp.base import _level_into, _levels_known
+    key = ("layer options", sig, tuple(kinds) if kinds is not None else None, prune, id(choice_filter))
+    entries = memo.get(key)
+    if entries:
+        known = _levels_known(memo, ctx)
+        for groups, levels, opts, specs in entries:
+            if all((known.get(g) or _level_into(known, ctx, g)) == lv for g, lv in zip(groups, levels)):
+                if ctx.level_log is not None:
+                    ctx.level_log.update(groups)
+                if specs and ctx.spec_log is not None:
+                    ctx.spec_log.extend(specs)
+                return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,
+                                    list(opts.exact_keys), list(opts.illegal_choices),
+                                    opts._check_ctx)
+    outer = ctx.level_log
+    n_specs = len(ctx.spec_log) if ctx.spec_log is not None else 0
+    ctx.level_log = set()
+    try:
+        opts = layer_options(lay, ctx, kinds, prune, choice_filter)
+        asked = ctx.level_log
+    finally:
+        ctx.level_log = outer
+    if outer is not None:
+        outer |= asked
+    groups = tuple(asked)
+    known = _levels_known(memo, ctx)
+    levels = tuple(known.get(g) or _level_into(known, ctx, g) for g in groups)
+    specs = list(ctx.spec_log[n_specs:]) if ctx.spec_log is not None else []
+    memo.setdefault(key, []).append((groups, levels, opts, specs))
+    return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,
+                        list(opts.exact_keys), list(opts.illegal_choices))
+
+
+def _build_edges(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions]) -> list[EdgeOptions]:
+    """Every edge's (fwd, bwd) price matrices over its producer's and consumer's choices."""
+    memo = ctx.cost_memo
     edges = []
     shapes = {op.name: op.out_shape for lay in graph.layers for op in lay.ops}
     pair_cache: dict = {}
@@ -254,21 +384,37 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
         # transitions between partial-free layouts are then one all-to-all over the world,
         # inter-node under every placement: one price for all the search's tables
         pair_cache = memo.setdefault(("unplanned pairs", ctx.world, ctx.ranks_per_node), {})
+    # a choice's layouts depend on the layer alone, not on the placement: kept for the search
+    layouts: dict = memo.setdefault(("layouts",), {}) if memo is not None else {}
     edge_cache: dict = {}
     local_pairs: dict = {}
+
+    def out_layouts(u, lay, value):
+        k = ("out", id(lay), value, tuple(opts[u].choices))
+        r = layouts.get(k)
+        if r is None:
+            r = layouts[k] = tuple(d.out_layout(lay, value) for d in opts[u].choices)
+        return r
+
+    def in_layouts(v, lay, value):
+        k = ("in", id(lay), value, tuple(opts[v].choices))
+        r = layouts.get(k)
+        if r is None:
+            r = layouts[k] = tuple(d.in_layout(lay, value) for d in opts[v].choices)
+        return r
+
     for u, v, value in graph.edges():
         lu, lv = graph.layers[u], graph.layers[v]
         shape = shapes[value] if value in shapes else graph.value_shape(value)
         item = lu.itemsize
-        src = tuple(du.out_layout(lu, value) for du in opts[u].choices)
-        dst = tuple(dv.in_layout(lv, value) for dv in opts[v].choices)
+        src = out_layouts(u, lu, value)
+        dst = in_layouts(v, lv, value)
         key = (src, dst, tuple(shape), item)
         if key not in edge_cache:
             edge_cache[key] = _edge_prices(src, dst, shape, item, ctx, pair_cache, local_pairs)
         fwd, bwd = edge_cache[key]
         edges.append(EdgeOptions(u, v, value, [list(r) for r in fwd], [list(r) for r in bwd]))
-    buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
-    return CostTable(graph, ctx, opts, edges, topo=[lay.index for lay in graph.layers], buckets=buckets)
+    return edges
 
 
 def input_transition_s(table: CostTable) -> float:
@@ -321,6 +467,7 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
                  ``bucket_allreduce_s``)
         step   = max(T_fwd + T_bwd, F_last) + sum_l optimizer(l)
     """
+    table.ensure_edges()
     cs = [table.layers[l].costs[choice[l]] for l in range(len(table.layers))]
     e_f = [e.fwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
     e_b = [e.bwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]

@@ -43,7 +43,10 @@ over its members in proportion). An edge whose reduced matrices are all zero get
 variable; one whose matrices are separable (``M[a,b] = r[a] + c[b]``) gets none either: its
 price is ``sum_i r x[u,i] + sum_j c x[v,j]``. ResNet-50 at 1024 ranks: 25 k pairs -> ~2 k.
 
-HiGHS gets the model as arrays (``_Model``: columns and sparse rows, no PuLP expression
+HiGHS first solves the LP relaxation (``_solve_relaxation``): when its optimum is integral in
+x (the flow form makes it so on every CNN tried) it is the plan, proven optimal by its own
+bound, with no branch and bound (10x faster on ResNet-50 at 1024 ranks). Otherwise the MIP
+runs as follows. HiGHS gets the model as arrays (``_Model``: columns and sparse rows, no PuLP expression
 objects) and the step time of a start plan as an objective bound (``_start_choices``: the
 hint given, e.g. the best plan of another placement, or each layer's cheapest choice,
 whichever ``evaluate`` finds faster and fits the memory limit): every branch that cannot beat
@@ -92,7 +95,8 @@ class _Model:
         self.lo: list[float] = []
         self.hi: list[float] = []
         self.integer: list[int] = []
-        self.names: list[str] = []
+        self.names: list[str | None] = []
+        self._blocks: list[tuple[int, int, int, str]] = []
         self.rows: list[tuple[np.ndarray, np.ndarray, float, float, str]] = []
 
     def var(self, name: str, cost: float = 0.0, lo: float = 0.0, hi: float = math.inf,
@@ -105,11 +109,42 @@ class _Model:
             self.integer.append(len(self.cost) - 1)
         return len(self.cost) - 1
 
+    def block(self, prefix: str, na: int, nb: int, hi: float = math.inf) -> np.ndarray:
+        """``na x nb`` continuous columns named ``{prefix}_{a}_{b}`` (named only when a
+        solver asks, ``name``); their indices as an array of that shape."""
+        start, n = len(self.cost), na * nb
+        self.cost.extend([0.0] * n)
+        self.lo.extend([0.0] * n)
+        self.hi.extend([hi] * n)
+        self.names.extend([None] * n)
+        self._blocks.append((start, n, nb, prefix))
+        return np.arange(start, start + n, dtype=np.int64).reshape(na, nb)
+
+    def name(self, k: int) -> str:
+        if self.names[k] is not None:
+            return self.names[k]
+        for start, n, nb, prefix in self._blocks:
+            if start <= k < start + n:
+                return f"{prefix}_{(k - start) // nb}_{(k - start) % nb}"
+        raise IndexError(k)
+
     def row(self, terms: dict[int, float], lo: float, hi: float, name: str) -> None:
         """``lo <= sum coef * var <= hi``; ``terms`` maps column -> coefficient."""
         idx = np.fromiter(terms.keys(), dtype=np.int32, count=len(terms))
         val = np.fromiter(terms.values(), dtype=np.float64, count=len(terms))
         self.rows.append((idx, val, lo, hi, name))
+
+    def row_arrays(self, cols: list, vals: list, lo: float, hi: float, name: str,
+                   distinct: bool = False) -> None:
+        """The same from pieces of (column, coefficient) arrays; repeated columns add up
+        (``distinct``: the caller knows none repeats), zero coefficients are dropped."""
+        idx = np.concatenate([np.asarray(c, dtype=np.int64) for c in cols]) if cols else np.zeros(0, np.int64)
+        val = np.concatenate([np.asarray(v, dtype=np.float64) for v in vals]) if vals else np.zeros(0)
+        if not distinct and len(idx) > 1:
+            idx, inv = np.unique(idx, return_inverse=True)
+            val = np.bincount(inv, weights=val, minlength=len(idx))
+        keep = val != 0.0
+        self.rows.append((idx[keep].astype(np.int32), val[keep], lo, hi, name))
 
 
 def _add(terms: dict[int, float], col: int, coef: float) -> None:
@@ -139,10 +174,17 @@ def _separable(m: np.ndarray) -> bool:
 
 @dataclass
 class _EdgeBlock:
-    """One edge in the model: ``fwd``/``bwd`` map column -> coefficient of its price."""
-    fwd: dict[int, float]
-    bwd: dict[int, float]
+    """One edge in the model: its price as ``sum coef * column`` in forward and backward
+    (``*_cols`` / ``*_vals``: arrays; a column may repeat)."""
+    fwd_cols: np.ndarray
+    fwd_vals: np.ndarray
+    bwd_cols: np.ndarray
+    bwd_vals: np.ndarray
     pairs: int          # y variables (class pairs) it needed
+
+
+_EMPTY_I = np.zeros(0, dtype=np.int64)
+_EMPTY_F = np.zeros(0, dtype=np.float64)
 
 
 def _edge_blocks(m: _Model, table: CostTable, x: dict) -> list[_EdgeBlock]:
@@ -151,39 +193,34 @@ def _edge_blocks(m: _Model, table: CostTable, x: dict) -> list[_EdgeBlock]:
     for ei, e in enumerate(table.edges):
         f = np.asarray(e.fwd_s, dtype=np.float64)
         b = np.asarray(e.bwd_s, dtype=np.float64)
-        fb, bb = {}, {}
         if f.size == 0 or (not f.any() and not b.any()):
-            out.append(_EdgeBlock(fb, bb, 0))
+            out.append(_EdgeBlock(_EMPTY_I, _EMPTY_F, _EMPTY_I, _EMPTY_F, 0))
             continue
+        xs = np.array([x[e.src, i] for i in range(f.shape[0])], dtype=np.int64)
+        xd = np.array([x[e.dst, j] for j in range(f.shape[1])], dtype=np.int64)
         ra, rrep = _classes(np.concatenate([f, b], axis=1))
         cb, crep = _classes(np.concatenate([f, b], axis=0).T)
         fr, br = f[np.ix_(rrep, crep)], b[np.ix_(rrep, crep)]
         if _separable(fr) and _separable(br):
-            for mat, terms in ((fr, fb), (br, bb)):
-                r, c = mat[:, 0], mat[0, :] - mat[0, 0]
-                for i, a in enumerate(ra):
-                    _add(terms, x[e.src, i], float(r[a]))
-                for j, bj in enumerate(cb):
-                    _add(terms, x[e.dst, j], float(c[bj]))
-            out.append(_EdgeBlock(fb, bb, 0))
+            # M[a, b] = r[a] + c[b]: sum_i r x[u,i] + sum_j c x[v,j]
+            cols = np.concatenate([xs, xd])
+            fv = np.concatenate([fr[:, 0][ra], (fr[0, :] - fr[0, 0])[cb]])
+            bv = np.concatenate([br[:, 0][ra], (br[0, :] - br[0, 0])[cb]])
+            out.append(_EdgeBlock(cols, fv, cols, bv, 0))
             continue
         na, nb = len(rrep), len(crep)
-        y = np.array([[m.var(f"y_{ei}_{a}_{c}", hi=1.0) for c in range(nb)] for a in range(na)])
+        y = m.block(f"y_{ei}", na, nb, hi=1.0)
+        ones_b, ones_a = np.ones(nb), np.ones(na)
         for a in range(na):
-            t = {int(y[a, c]): 1.0 for c in range(nb)}
-            for i in np.nonzero(ra == a)[0]:
-                t[x[e.src, int(i)]] = -1.0
-            m.row(t, 0.0, 0.0, f"flow_out_{ei}_{a}")
+            src = xs[ra == a]
+            m.row_arrays([y[a], src], [ones_b, -np.ones(len(src))], 0.0, 0.0, f"flow_out_{ei}_{a}",
+                         distinct=True)
         for c in range(nb):
-            t = {int(y[a, c]): 1.0 for a in range(na)}
-            for j in np.nonzero(cb == c)[0]:
-                t[x[e.dst, int(j)]] = -1.0
-            m.row(t, 0.0, 0.0, f"flow_in_{ei}_{c}")
-        for a in range(na):
-            for c in range(nb):
-                _add(fb, int(y[a, c]), float(fr[a, c]))
-                _add(bb, int(y[a, c]), float(br[a, c]))
-        out.append(_EdgeBlock(fb, bb, na * nb))
+            dst = xd[cb == c]
+            m.row_arrays([y[:, c], dst], [ones_a, -np.ones(len(dst))], 0.0, 0.0, f"flow_in_{ei}_{c}",
+                         distinct=True)
+        yc = y.ravel()
+        out.append(_EdgeBlock(yc, fr.ravel(), yc, br.ravel(), na * nb))
     return out
 
 
@@ -200,16 +237,12 @@ def _add_assignment(m: _Model, table: CostTable) -> dict:
 def _add_step(m: _Model, table: CostTable, x: dict, edges: list[_EdgeBlock], step: int) -> int:
     """T_fwd and T_bwd defined by one equality each; step >= T_fwd + T_bwd."""
     t_fwd, t_bwd = m.var("T_fwd"), m.var("T_bwd")
+    xcols = np.array([x[l, i] for l, o in enumerate(table.layers) for i in range(len(o.costs))], dtype=np.int64)
     for t, which in ((t_fwd, "fwd"), (t_bwd, "bwd")):
-        terms: dict[int, float] = {}
-        for l, o in enumerate(table.layers):
-            for i, c in enumerate(o.costs):
-                _add(terms, x[l, i], -(c.fwd_s if which == "fwd" else c.bwd_s))
-        for eb in edges:
-            for col, v in (eb.fwd if which == "fwd" else eb.bwd).items():
-                _add(terms, col, -v)
-        terms[t] = 1.0
-        m.row(terms, 0.0, 0.0, f"def_T_{which}")
+        xv = np.array([-(c.fwd_s if which == "fwd" else c.bwd_s) for o in table.layers for c in o.costs])
+        cols = [np.array([t]), xcols] + [eb.fwd_cols if which == "fwd" else eb.bwd_cols for eb in edges]
+        vals = [np.ones(1), xv] + [-(eb.fwd_vals if which == "fwd" else eb.bwd_vals) for eb in edges]
+        m.row_arrays(cols, vals, 0.0, 0.0, f"def_T_{which}")
     m.row({step: 1.0, t_fwd: -1.0, t_bwd: -1.0}, 0.0, math.inf, "step_covers_compute")
     return t_fwd
 
@@ -230,15 +263,14 @@ def _add_overlap(m: _Model, table: CostTable, x: dict, edges: list[_EdgeBlock], 
     for l in reversed(table.topo):
         o = table.layers[l]
         s_l = m.var(f"S_{l}")
-        terms: dict[int, float] = {s_l: 1.0}
-        if prev_s is not None:
-            terms[prev_s] = -1.0
-        for i, c in enumerate(o.costs):
-            _add(terms, x[l, i], -c.bwd_s)
+        cols = [np.array([s_l] + ([prev_s] if prev_s is not None else [])),
+                np.array([x[l, i] for i in range(len(o.costs))])]
+        vals = [np.array([1.0] + ([-1.0] if prev_s is not None else [])),
+                np.array([-c.bwd_s for c in o.costs])]
         for ei in edges_into.get(l, []):
-            for col, v in edges[ei].bwd.items():
-                _add(terms, col, -v)
-        m.row(terms, 0.0, 0.0, f"suffix_{l}")
+            cols.append(edges[ei].bwd_cols)
+            vals.append(-edges[ei].bwd_vals)
+        m.row_arrays(cols, vals, 0.0, 0.0, f"suffix_{l}")
         prev_s = s_l
         if l in bucket and any(c.grad_sync_s > 0 for c in o.costs):
             b = bucket[l]
@@ -374,6 +406,31 @@ def _start_choices(table: CostTable, memory_limit_bytes, hint) -> list[int] | No
     return best
 
 
+def _solve_relaxation(m: _Model, x: dict, table: CostTable, memory_limit_bytes, time_limit_s: float,
+                      msg: bool):
+    """The LP relaxation (x continuous in [0, 1]); (choice, lower bound) when its optimum is
+    integral, else None. The flow form is tight enough that it usually is (ResNet-50 at 1024
+    ranks: 0.04 s against 0.4 s for HiGHS's MIP, whose root LP is the same); the LP optimum
+    bounds every plan from below and the integral point is a plan, so it is optimal."""
+    relaxed = _Model()
+    relaxed.__dict__.update(m.__dict__)
+    relaxed.integer = []
+    status, _, col, _, lp_s = _solve_highs(relaxed, x, None, time_limit_s, msg)
+    if status != "Optimal" or col is None or lp_s is None:
+        return None
+    choice = []
+    for l, o in enumerate(table.layers):
+        vals = [col[x[l, i]] for i in range(len(o.choices))]
+        i = max(range(len(vals)), key=lambda k: vals[k])
+        if vals[i] < 1.0 - 1e-6:
+            return None                  # fractional: branch and bound decides
+        choice.append(i)
+    if memory_limit_bytes is not None and sum(
+            table.layers[l].costs[i].memory_bytes for l, i in enumerate(choice)) > memory_limit_bytes:
+        return None
+    return choice, lp_s
+
+
 def _solve_highs(m: _Model, x: dict, start_s, time_limit_s: float, msg: bool):
     import highspy
     h = highspy.Highs()
@@ -413,7 +470,8 @@ def _solve_highs(m: _Model, x: dict, start_s, time_limit_s: float, msg: bool):
     status_name = h.modelStatusToString(ms)
     has_sol = int(info.primal_solution_status) == 2
     col = list(h.getSolution().col_value) if has_sol else None
-    gap = float(info.mip_gap) if has_sol else None
+    gap = float(info.mip_gap) if has_sol and m.integer else None
+    objective = float(info.objective_function_value) if has_sol else None
     if ms == highspy.HighsModelStatus.kOptimal:
         status, sol_status = "Optimal", 1
     elif ms == highspy.HighsModelStatus.kInfeasible:
@@ -422,17 +480,17 @@ def _solve_highs(m: _Model, x: dict, start_s, time_limit_s: float, msg: bool):
         status, sol_status = "Optimal", 2      # PuLP's convention: a time limit with a plan
     else:
         status, sol_status = status_name, 0
-    return status, sol_status, col, gap
+    return status, sol_status, col, gap, objective
 
 
 def _solve_cbc(m: _Model, time_limit_s: float, msg: bool):
     import pulp
     prob = pulp.LpProblem("autopar_plan", pulp.LpMinimize)
     ints = set(m.integer)
-    vs = [pulp.LpVariable(n, lowBound=None if lo == -math.inf else lo,
+    vs = [pulp.LpVariable(m.name(k), lowBound=None if lo == -math.inf else lo,
                           upBound=None if hi == math.inf else hi,
                           cat="Integer" if k in ints else "Continuous")
-          for k, (n, lo, hi) in enumerate(zip(m.names, m.lo, m.hi))]
+          for k, (lo, hi) in enumerate(zip(m.lo, m.hi))]
     prob += pulp.lpSum(c * vs[k] for k, c in enumerate(m.cost) if c)
     for idx, val, lo, hi, name in m.rows:
         e = pulp.LpAffineExpression([(vs[int(i)], float(v)) for i, v in zip(idx, val)])
@@ -456,6 +514,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     """The optimal plan of ``table`` (module docstring). ``hint``: a decomposition string per
     layer to start HiGHS from (e.g. the optimum under another placement)."""
     check_memory(table, memory_limit_bytes)
+    table.ensure_edges()
     t0 = time.perf_counter()
     m, x, pairs = build_model(table, memory_limit_bytes)
     notes: list[str] = []
@@ -463,6 +522,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     used = None
     result = None
     start = None
+    start_won = False
     for name in order:
         try:
             if name == "highs":
@@ -471,10 +531,22 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
                 except ImportError:
                     notes.append("HiGHS (highspy) not available; fell back to CBC")
                     continue
+                with _quiet(not msg):
+                    relaxed = _solve_relaxation(m, x, table, memory_limit_bytes, time_limit_s, msg)
+                if relaxed is not None:
+                    lp_choice, lp_s = relaxed
+                    lp_plan_s = evaluate(table, lp_choice).step_time_s
+                    gap = max(0.0, (lp_plan_s - lp_s) / max(lp_plan_s, 1e-300))
+                    if gap <= 1e-6:          # HiGHS's own mip_rel_gap below
+                        result = ("Optimal", 1, None, gap)
+                        start, start_won = lp_choice, True
+                        notes.append("the LP relaxation's optimum is integral: optimal without branching")
+                        used = name
+                        break
                 start = _start_choices(table, memory_limit_bytes, hint)
                 start_s = evaluate(table, start).step_time_s if start is not None else None
                 with _quiet(not msg):
-                    result = _solve_highs(m, x, start_s, time_limit_s, msg)
+                    result = _solve_highs(m, x, start_s, time_limit_s, msg)[:4]
             else:
                 result = _solve_cbc(m, time_limit_s, msg)
             used = name
@@ -485,8 +557,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     if used is None:
         raise SolverError("no ILP solver could run: " + "; ".join(notes), "pip install highspy, or check PuLP's CBC")
     status, sol_status, col, gap = result
-    start_won = False
-    if used == "highs" and start is not None and (col is None or status == "Infeasible"):
+    if used == "highs" and not start_won and start is not None and (col is None or status == "Infeasible"):
         # nothing beats the objective bound: the start plan (feasible, checked) is optimal
         status, sol_status, gap, start_won = "Optimal", 1, 0.0, True
     if status == "Infeasible":
