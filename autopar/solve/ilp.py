@@ -558,8 +558,14 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
         raise SolverError("no ILP solver could run: " + "; ".join(notes), "pip install highspy, or check PuLP's CBC")
     status, sol_status, col, gap = result
     if used == "highs" and not start_won and start is not None and (col is None or status == "Infeasible"):
-        # nothing beats the objective bound: the start plan (feasible, checked) is optimal
-        status, sol_status, gap, start_won = "Optimal", 1, 0.0, True
+        if status == "Infeasible":
+            # nothing beats the objective bound: the start plan (feasible, checked) is optimal
+            status, sol_status, gap, start_won = "Optimal", 1, 0.0, True
+        else:
+            # HiGHS stopped without a plan for another reason (a time limit): the start plan
+            # is feasible but NOT proven optimal; say so instead of calling it optimal
+            notes.append(f"HiGHS stopped without a plan ({status}): the start plan is kept")
+            status, sol_status, gap, start_won = "Optimal", 2, None, True
     if status == "Infeasible":
         raise InfeasiblePlan("the ILP is infeasible under the memory limit",
                              "raise --memory-limit or add ranks")
