@@ -111,6 +111,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     cached = False
     if graph is None:
         graph, cached = trace_cached(mf, batch_size, use_cache=o.trace_cache)
+        graph = attention_units(graph)
     timings["trace_s"] = time.perf_counter() - t
     say(f"traced {mf.name}: {len(graph.layers)} layers ({graph.tracer}"
         f"{', from the trace cache' if cached else ''}) in {timings['trace_s']:.2f} s")
@@ -235,6 +236,14 @@ def format_timings(t: dict[str, float]) -> str:
 
 def default_plan_dir(model_name: str, world: int) -> Path:
     return Path("strategies") / "plans" / f"{model_name}-w{world}"
+
+
+def attention_units(graph):
+    """``graph`` with every attention block (``decomp.tensor_parallel.detect``) merged into one
+    sub-graph unit, so that head parallelism can be priced for it."""
+    from .decomp.tensor_parallel.detect import attention_modules
+    from .trace.units import merge_units
+    return merge_units(graph, attention_modules(graph))
 
 
 def _pin(table, force: dict[int, str]) -> None:

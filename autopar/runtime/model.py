@@ -171,8 +171,7 @@ class DistModel(nn.Module):
         self.qualname: dict[str, str] = {}
         for qual, p in full_params.items():
             sh = shards.get(qual, ParamShard())
-            b = sh.local_bounds(p.shape, self.comm.rank, world)
-            local = p.detach()[tuple(slice(s, s + e) for s, e in b)].clone()
+            local = p.detach()[sh.index(p.shape, self.comm.rank, world)].clone()
             self.params[_safe(qual)] = nn.Parameter(local, requires_grad=p.requires_grad)
             self.qualname[_safe(qual)] = qual
         self.bufs: dict[str, torch.Tensor] = {}
@@ -342,8 +341,7 @@ class DistModel(nn.Module):
                 continue
             full = torch.zeros_like(b)
             if rank == min(sh.grad_group(rank, world)):
-                bd = sh.local_bounds(b.shape, rank, world)
-                sl = tuple(slice(s, s + e) for s, e in bd)
+                sl = sh.index(b.shape, rank, world)
                 full[sl] = b[sl]
             out[q] = self.comm.all_reduce_(full)
         return out
@@ -361,8 +359,7 @@ class DistModel(nn.Module):
             shape = list(self._global_param_shape(qual, p))
             full = torch.zeros(shape, dtype=p.dtype, device=p.device)
             if rank == min(grp):
-                b = sh.local_bounds(shape, rank, world)
-                full[tuple(slice(s, s + e) for s, e in b)] = get(p)
+                full[sh.index(shape, rank, world)] = get(p)
             out[qual] = self.comm.all_reduce_(full)
         return out
 
