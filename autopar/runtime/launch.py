@@ -85,7 +85,7 @@ def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=Non
             pass
         dist.destroy_process_group()
     except BaseException as e:  # report, then die: the parent kills the others
-        q.put((rank, "error", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=60)}"))
+        q.put((rank, "error", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}"))
         q.close()
         q.join_thread()  # flush the message before dying
         os._exit(1)
@@ -193,7 +193,6 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
         if errors:
             _collect_more(procs, q, results, errors, grace_s=2.0)
             first = _root_cause(errors)
-            import sys as _s; print(errors[first], file=_s.stderr)  # TFTPDEBUG
             detail = errors[first].strip().splitlines()
             where = ("" if placement.is_identity else
                      f" (slot {placement.physical(first)}, placement {placement})")
