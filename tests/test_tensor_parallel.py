@@ -148,7 +148,7 @@ def test_gpt_megatron_mix_world_2(root, tmp_path, profile):
         "tok": "vocab", ("", 1): "sequence", "blocks.0.ln1": "sequence", "blocks.0.attn": "head",
         "blocks.0": "sequence", "blocks.0.ln2": "sequence", "blocks.0.fc": "filter",
         "blocks.0.out": "row_parallel", "blocks.1.attn": "head"})
-    steps = {(t.src, t.dst): " ".join(map(str, t.extra["steps"])) for t in r.plan.transitions}
+    steps = {(t.src, t.dst): str(t.extra["steps"]) for t in r.plan.transitions}
     g = r.plan.graph()
     attn, res = _index(g, "blocks.0.attn"), _index(g, "blocks.0")
     assert "ReduceScatter" in steps[(attn, res)]          # the row-parallel exit into SP
