@@ -170,6 +170,17 @@ def test_gpt_2d_data_by_tensor_world_4(root, tmp_path, profile):
 
 
 @pytest.mark.dist
+def test_gpt_2d_world_8(root, tmp_path, profile, monkeypatch):
+    """8 heads: head(2,4) with sequence(2,4) and vocab(2,4) around it, head(1,8) in block 1."""
+    monkeypatch.setenv("AUTOPAR_GPT_HEADS", "8")
+    r = _plan(root / "strategies/examples/gpt.py", tmp_path, profile, 8, {
+        "tok": "vocab(2,4)", "blocks.0.ln1": "sequence(2,4)", "blocks.0.attn": "head(2,4)",
+        "blocks.0": "sequence(2,4)", "blocks.1.attn": "head(1,8)"})
+    _, names = _execute(r, tmp_path)
+    assert {"grad:blocks.0.attn.qkv.weight", "grad:blocks.1.attn.proj.weight", "grad:tok.weight"} <= names
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("world,heads,kv,force", [
     (2, 4, 2, {"tok": "vocab", "blocks.0.norm1": "sequence", "blocks.0.attn": "head", "blocks.0": "sequence"}),
     (4, 8, 4, {"tok": "vocab(1,4)", "blocks.0.norm1": "sequence(1,4)", "blocks.0.attn": "head(1,4)",
