@@ -127,7 +127,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
             f"ranks, so no per-rank group exists; --bn-group G chooses local groups)")
     ctx = CostContext(profile=profile, world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
-                      max_candidates=o.max_candidates, batch_norm=bn)
+                      max_candidates=o.max_candidates, batch_norm=bn,
+                      loss_output=vocab_loss_output(mf, graph, batch_size))
     tables_s = []
 
     def build(c):
@@ -236,6 +237,23 @@ def format_timings(t: dict[str, float]) -> str:
 
 def default_plan_dir(model_name: str, world: int) -> Path:
     return Path("strategies") / "plans" / f"{model_name}-w{world}"
+
+
+def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
+    """The graph's output when the model file's loss is one cross-entropy over the output's last
+    dim and a lone linear makes it (a language-model head: ``vocab_head`` may then split the
+    vocabulary and run the loss vocabulary-parallel); None otherwise. Imports torch only for
+    such a head."""
+    out = graph.output
+    lay = next((lay for lay in graph.layers if lay.output == out), None)
+    if lay is None or len(lay.ops) != 1 or lay.anchor.kind != "linear" or len(lay.out_shape) < 2:
+        return None
+    from .decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
+    try:
+        target = mf.example_targets(batch_size)
+    except Exception:
+        return None
+    return out if loss_is_cross_entropy(mf.loss_fn(), lay.out_shape, target) is None else None
 
 
 def attention_units(graph):

@@ -32,6 +32,7 @@ def _plan(model, tmp_path, profile, world, force, batch=4, **kw):
     from autopar.pipeline import make_plan
     g = _graph(model, batch)
     pins = {(_index(g, *k) if isinstance(k, tuple) else _index(g, k)): v for k, v in force.items()}
+    kw.setdefault("max_candidates", 30)     # keep vocab_head, which the pruner ranks behind filter
     return make_plan(model, PlanOptions(world_size=world, batch_size=batch, out_dir=str(tmp_path / f"plan{world}"), **kw),
                      PlanHooks(profile=profile, force=pins))
 
@@ -139,6 +140,33 @@ def test_vocab_and_sequence_rejections_name_the_unit(root, profile):
     assert not SequenceParallel.candidates(g.layers[_index(g, "blocks.0.attn")], ctx)
 
 
+def test_vocab_parallel_loss_needs_one_cross_entropy_of_the_logits(root, profile):
+    import torch
+    import torch.nn.functional as F
+    from autopar.decomp.base import CostContext
+    from autopar.decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
+    from autopar.decomp.tensor_parallel.vocab import VocabHead
+    from autopar.modelfile import load_model_file
+    from autopar.pipeline import vocab_loss_output
+    t = torch.randint(0, 50, (4, 8))
+    assert loss_is_cross_entropy(load_model_file(LLAMA).loss_fn(), [4, 8, 50], t) is None
+    smooth = lambda o, y: F.cross_entropy(o.reshape(-1, 50), y.reshape(-1), label_smoothing=0.1)  # noqa: E731
+    assert "label smoothing" in loss_is_cross_entropy(smooth, [4, 8, 50], t)
+    soft = lambda o, y: F.nll_loss(o.log_softmax(-1).reshape(-1, 50), y.reshape(-1))  # noqa: E731
+    assert "log_softmax" in loss_is_cross_entropy(soft, [4, 8, 50], t)
+    moved = lambda o, y: F.cross_entropy(o.transpose(1, 2), y)  # noqa: E731
+    assert "transpose" in loss_is_cross_entropy(moved, [4, 8, 50], t)
+    mf = load_model_file(root / "strategies/examples/gpt.py")
+    g = _graph(root / "strategies/examples/gpt.py")
+    assert vocab_loss_output(mf, g, 4) == g.output
+    head = g.layers[_index(g, "head")]
+    with_loss = CostContext(profile=profile, world=4, ranks_per_node=4, loss_output=g.output)
+    without = CostContext(profile=profile, world=4, ranks_per_node=4)
+    assert [str(c) for c in VocabHead.candidates(head, with_loss)] == ["vocab_head(2,2)", "vocab_head(1,4)"]
+    assert not VocabHead.candidates(head, without)
+    assert "cross-entropy loss_fn" in VocabHead(1, 4).check(head, without)
+
+
 # ---- distributed runs against one process (float64) -----------------------------------------
 
 @pytest.mark.dist
@@ -184,7 +212,7 @@ def test_gpt_2d_world_8(root, tmp_path, profile, monkeypatch):
 @pytest.mark.parametrize("world,heads,kv,force", [
     (2, 4, 2, {"tok": "vocab", "blocks.0.norm1": "sequence", "blocks.0.attn": "head", "blocks.0": "sequence"}),
     (4, 8, 4, {"tok": "vocab(1,4)", "blocks.0.norm1": "sequence(1,4)", "blocks.0.attn": "head(1,4)",
-               "blocks.0": "sequence(1,4)"}),
+               "blocks.0": "sequence(1,4)", "head": "vocab_head(1,4)"}),
     (4, 4, 2, {"blocks.0.attn": "head(2,2)", "blocks.0.norm1": "sequence(2,2)"}),
 ])
 def test_llama_grouped_query_attention(llama_env, tmp_path, profile, world, heads, kv, force):

@@ -190,6 +190,9 @@ class CostContext:
     cost_memo: dict | None = None     # when a dict, pricing results shared across placements
                                       # (``price_once``); contexts that share it must differ
                                       # in nothing but the placement
+    # the model's output value when its loss is one cross-entropy over the output's last dim
+    # (the vocabulary-parallel loss of ``tensor_parallel.vocab.VocabHead`` is possible); None else
+    loss_output: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement is None:

@@ -79,3 +79,102 @@ def vocab_parallel_cross_entropy(x_local, target, v0: int, group=None, ignore_in
     if reduction == "sum":
         return per.sum()
     return per.sum() / (t != ignore_index).sum().clamp(min=1).to(per.dtype)
+
+
+#: Torch functions a loss may apply to the logits before its cross-entropy (shape access and
+#: reshapes that keep the vocabulary the last dim, dtype casts).
+_PASSTHROUGH = frozenset({"__get__", "reshape", "view", "flatten", "contiguous", "size", "dim", "float",
+                          "double", "to", "type_as"})
+
+
+def loss_is_cross_entropy(loss_fn, out_shape, target) -> str | None:
+    """None when ``loss_fn(logits, target)`` is one ``F.cross_entropy`` over the last dim of the
+    logits (after reshapes that keep that dim last), without class weights or label smoothing:
+    then it can run vocabulary-parallel. Otherwise the reason. Runs ``loss_fn`` once on meta
+    tensors under a recording torch-function mode (nothing is allocated)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    vocab = int(out_shape[-1])
+    seen: list[str] = []
+
+    derived: set[int] = set()          # ids of the logits and of tensors made from them
+
+    def _touches(args, kwargs) -> bool:
+        import torch.utils._pytree as pytree
+        return any(isinstance(a, torch.Tensor) and id(a) in derived
+                   for a in pytree.tree_leaves((args, kwargs)))
+
+    class _Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", str(func))
+            if not _touches(args, kwargs):
+                return func(*args, **kwargs)
+            if name == "cross_entropy":
+                x = args[0]
+                if id(x) not in derived or x.dim() != 2 or x.shape[-1] != vocab:
+                    seen.append(f"cross_entropy on a {tuple(x.shape)} input (not the logits as (tokens, {vocab}))")
+                elif kwargs.get("weight") is not None or (len(args) > 2 and args[2] is not None):
+                    seen.append("cross_entropy with class weights")
+                elif float(kwargs.get("label_smoothing", 0.0) or 0.0) != 0.0:
+                    seen.append("cross_entropy with label smoothing")
+                else:
+                    seen.append("ce")
+                return func(*args, **kwargs)
+            if name not in _PASSTHROUGH:
+                seen.append(name)
+                return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                if out.dim() and out.shape[-1] != vocab:
+                    seen.append(f"{name} that moves the vocabulary dim")
+                derived.add(id(out))
+                keep.append(out)
+            return out
+
+    keep: list = []                    # keeps derived tensors alive (their ids stay unique)
+    x = torch.empty(tuple(int(n) for n in out_shape), device="meta")
+    derived.add(id(x))
+    t = torch.empty(tuple(target.shape), dtype=target.dtype, device="meta") if target is not None else None
+    try:
+        with _Record():
+            loss_fn(x, t) if t is not None else loss_fn(x)
+    except Exception as e:            # a loss that meta tensors cannot run is not one we can split
+        return f"the loss does not run on meta tensors ({e.__class__.__name__})"
+    other = [s for s in seen if s != "ce"]
+    if other:
+        return f"the loss applies {other[0]} to the logits"
+    if seen.count("ce") != 1:
+        return "the loss is not one cross_entropy of the logits"
+    return None
+
+
+class VocabLoss:
+    """Context manager: inside it, ``F.cross_entropy(x, t, ...)`` on this rank's vocabulary block
+    ``x`` (global columns from ``v0``) runs as ``vocab_parallel_cross_entropy`` over ``group``."""
+
+    def __init__(self, v0: int, group) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        outer = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if getattr(func, "__name__", "") == "cross_entropy":
+                    x, t = args[0], args[1] if len(args) > 1 else kwargs["target"]
+                    return vocab_parallel_cross_entropy(
+                        x, t, outer.v0, outer.group,
+                        ignore_index=int(kwargs.get("ignore_index", args[3] if len(args) > 3 else -100)),
+                        reduction=kwargs.get("reduction", args[5] if len(args) > 5 else "mean"))
+                return func(*args, **kwargs)
+
+        self.v0, self.group, self._mode = int(v0), group, _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

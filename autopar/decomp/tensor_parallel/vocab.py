@@ -115,3 +115,63 @@ class VocabParallel(Decomposition):
         local = torch.where(mine, ids - lo, torch.zeros_like(ids))
         y = torch.ops.aten.embedding.default(w, local)
         return y * mine.unsqueeze(-1).to(y.dtype)
+
+
+from ..channel_filter import Filter  # noqa: E402  (the column-parallel linear it extends)
+
+
+@register
+@dataclass(frozen=True)
+class VocabHead(Filter):
+    """The language-model head as a column-parallel linear whose vocabulary-split logits are
+    never gathered: the loss runs vocabulary-parallel on them (``cross_entropy``: max, sum of
+    exponentials and target logit all-reduced over the tensor group). Legal only for the layer
+    that makes the model's output, a lone linear, when the model file's loss is one
+    cross-entropy over the logits' last dim (``CostContext.loss_output``, set by the planner
+    from ``cross_entropy.loss_is_cross_entropy``). Layouts, shards and compute as ``filter``.
+    """
+
+    kind = "vocab_head"
+    #: the loss is computed on the output layout itself (``runtime.model.DistModel.loss_layout``)
+    loss_in_place = True
+
+    @classmethod
+    def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
+        if not getattr(ctx, "loss_output", None) or layer.output != ctx.loss_output:
+            return []
+        if len(layer.ops) != 1 or layer.anchor.kind != "linear":
+            return []
+        return two_axis_candidates(cls, ctx)
+
+    def check(self, layer: Layer, ctx: CostContext) -> str | None:
+        why = super().check(layer, ctx)
+        if why:
+            return why
+        if len(layer.ops) != 1:
+            return f"{layer.module or layer.name}: ops after the head would need the whole logits"
+        if layer.output != getattr(ctx, "loss_output", None):
+            return (f"{layer.module or layer.name}: the vocabulary-parallel loss needs the model's output "
+                    f"and a cross-entropy loss_fn")
+        return None
+
+    def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
+        """Filter's groups and the tensor groups the loss all-reduces over."""
+        return super().partitions(layer, world) + [[list(g) for g in self.partition("f")]]
+
+    def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
+        """``filter``'s cost plus the vocabulary-parallel loss on M = N/s x (other dims) tokens:
+        forward 3 blocking T_allreduce(p, 8 M bytes) (max, sum of exponentials, target logit, in
+        the validation dtype's width at most), backward 1 (the loss gradient). What it saves is
+        not priced, as the loss is priced for no plan: the gather of M x V logits that a
+        sample-split loss needs (time and memory), and the loss's own M x V softmax (M x V/p
+        here). The planner therefore prefers ``filter`` for the head unless told otherwise."""
+        from dataclasses import replace
+        from ...cost import primitives as prim
+        c = super().cost(layer, ctx)
+        out = self.out_layout(layer).max_local_shape(layer.out_shape)
+        m = math.prod(out[:-1])
+        groups = self.partition("f")
+        level = ctx.worst_level(groups)
+        fwd = 3 * prim.blocking_s(ctx, "allreduce", self.parts, 8 * m, level)
+        bwd = prim.blocking_s(ctx, "allreduce", self.parts, 8 * m, level)
+        return replace(c, fwd_comm_s=c.fwd_comm_s + fwd, bwd_comm_s=c.bwd_comm_s + bwd)
