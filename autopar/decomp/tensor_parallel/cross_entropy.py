@@ -18,10 +18,14 @@ Legend: x_MV logits (M = tokens, V vocabulary), rank c of the group holds column
     cost      3 all-reduces of M floats forward (the max is not differentiated), 1 backward;
               memory: the local softmax M x V_c (saved for backward) instead of M x V.
 
-``vocab_parallel_cross_entropy`` is the runtime half; it is validated against
-``torch.nn.functional.cross_entropy`` in float64 (tests/test_tensor_parallel.py). The planner does
-not use it yet: the loss is computed outside the traced graph, by the model file's own
-``loss_fn`` on the output gathered to a sample layout (``runtime.model.DistModel.local_loss``).
+The loss is the model file's own ``loss_fn``, run outside the traced graph
+(``runtime.model.DistModel.local_loss``). When the plan splits the language-model head with
+``vocab_head`` (``tensor_parallel.vocab``), the logits stay split and the loss runs inside
+``VocabLoss``: its ``F.cross_entropy`` call on this rank's block becomes
+``vocab_parallel_cross_entropy``. The planner offers ``vocab_head`` only when
+``loss_is_cross_entropy`` finds, on meta tensors, that ``loss_fn`` is one cross-entropy of the
+logits (reshapes keeping the vocabulary last; no class weights, no label smoothing).
+Validated against ``torch.nn.functional.cross_entropy`` in float64 (tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
