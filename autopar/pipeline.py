@@ -241,12 +241,13 @@ def default_plan_dir(model_name: str, world: int) -> Path:
 
 def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
     """The graph's output when the model file's loss is one cross-entropy over the output's last
-    dim and a lone linear makes it (a language-model head: ``vocab_head`` may then split the
-    vocabulary and run the loss vocabulary-parallel); None otherwise. Imports torch only for
-    such a head."""
+    dim and a lone linear makes it, on (batch, sequence, vocabulary) logits (a language-model
+    head: ``vocab_head`` may then split the vocabulary and run the loss vocabulary-parallel);
+    None otherwise. Imports torch (to run the loss on meta tensors) only for such a head, so
+    re-planning a CNN from the trace cache still imports no torch."""
     out = graph.output
     lay = next((lay for lay in graph.layers if lay.output == out), None)
-    if lay is None or len(lay.ops) != 1 or lay.anchor.kind != "linear" or len(lay.out_shape) < 2:
+    if lay is None or len(lay.ops) != 1 or lay.anchor.kind != "linear" or len(lay.out_shape) < 3:
         return None
     from .decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
     try:
