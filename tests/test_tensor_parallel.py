@@ -90,6 +90,10 @@ def test_head_parallel_finds_the_fused_qkv_segments(root, profile):
     h = cands["head(1,4)"]
     assert (h.row, h.fused, h.segments) == ("proj", "qkv", (32, 32, 32))
     assert h.check(unit, ctx) is None
+    big = CostContext(profile=profile, world=1024, ranks_per_node=8)    # the tensor axis stays on a node
+    cands_big = HeadParallel.candidates(unit, big)
+    assert [str(c) for c in cands_big] == ["head(512,2)", "head(256,4)", "head(128,8)"]
+    assert "4 attention heads are not divisible by 8" in cands_big[-1].check(unit, big)
     qkv = unit.ops[0]
     assert h.param_shard(qkv, "weight").local_shape(qkv.params["weight"], 3, 4) == (24, 32)
     # sharded parameters, gradients and optimizer state: 1/4 of the projections' (the output
@@ -199,11 +203,12 @@ def test_gpt_2d_data_by_tensor_world_4(root, tmp_path, profile):
 
 @pytest.mark.dist
 def test_gpt_2d_world_8(root, tmp_path, profile, monkeypatch):
-    """8 heads: head(2,4) with sequence(2,4) and vocab(2,4) around it, head(1,8) in block 1."""
+    """Two nodes of 4: head(2,4) with sequence(2,4), vocab(2,4) and vocab_head(2,4) around it
+    (the tensor axis within a node, data parallelism across the nodes)."""
     monkeypatch.setenv("AUTOPAR_GPT_HEADS", "8")
     r = _plan(root / "strategies/examples/gpt.py", tmp_path, profile, 8, {
         "tok": "vocab(2,4)", "blocks.0.ln1": "sequence(2,4)", "blocks.0.attn": "head(2,4)",
-        "blocks.0": "sequence(2,4)", "blocks.1.attn": "head(1,8)"})
+        "blocks.0": "sequence(2,4)", "blocks.1.attn": "head(2,4)", "head": "vocab_head(2,4)"})
     _, names = _execute(r, tmp_path)
     assert {"grad:blocks.0.attn.qkv.weight", "grad:blocks.1.attn.proj.weight", "grad:tok.weight"} <= names
 

@@ -63,8 +63,13 @@ def grad_sync(ctx: CostContext, sharded_bytes: float, whole_bytes: float, sample
 
 
 def two_axis_candidates(cls, ctx: CostContext) -> list:
-    """(world / p, p) for every divisor p > 1 of the world."""
-    return [cls(ctx.world // p, p) for p in range(2, ctx.world + 1) if ctx.world % p == 0]
+    """(world / p, p) for every divisor p > 1 of the world with p <= the ranks of one node: the
+    tensor axis carries blocking activation collectives in every layer, so (as in Megatron-LM
+    practice) it stays within a node; across nodes only the data-parallel axis. This also keeps
+    the candidate count per layer small at large world sizes (3 at 1024 ranks of 8 per node
+    instead of 10), which the ILP's size grows with."""
+    top = ctx.ranks_on_node
+    return [cls(ctx.world // p, p) for p in range(2, min(ctx.world, top) + 1) if ctx.world % p == 0]
 
 
 def nbytes(shape, itemsize: int) -> float:
