@@ -27,6 +27,8 @@ cpu cnn3d-w2 cnn3d_large 2
 cpu cnn3d-w4 cnn3d_large 4
 cpu cnn3d-w4-mem5MiB cnn3d_large 4 --batch-size 2 --memory-limit 5MiB
 cpu gpt-w2 gpt 2
+# replicated weights (data parallelism: 6.3 MiB per rank) over the limit: head/tensor parallel
+AUTOPAR_GPT_EMBED=128 AUTOPAR_GPT_VOCAB=512 cpu gpt-w4-mem4MiB gpt 4 --batch-size 4 --memory-limit 4MiB
 
 # --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
 SWEEP=1,2,4,8,16,32,64,128,256,512,1024
