@@ -147,6 +147,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     cached = False
     if graph is None:
         graph, cached = trace_cached(mf, batch_size, use_cache=o.trace_cache)
+        graph = attention_units(graph)
     timings["trace_s"] = time.perf_counter() - t
     say(f"traced {mf.name}: {len(graph.layers)} layers ({graph.tracer}"
         f"{', from the trace cache' if cached else ''}) in {timings['trace_s']:.2f} s")
@@ -162,7 +163,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
             f"ranks, so no per-rank group exists; --bn-group G chooses local groups)")
     ctx = CostContext(profile=pricing_profile(profile), world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
-                      max_candidates=o.max_candidates, batch_norm=bn)
+                      max_candidates=o.max_candidates, batch_norm=bn,
+                      loss_output=vocab_loss_output(mf, graph, batch_size))
     tables_s = []
 
     def build(c):
@@ -278,6 +280,32 @@ def format_timings(t: dict[str, float]) -> str:
 
 def default_plan_dir(model_name: str, world: int) -> Path:
     return Path("strategies") / "plans" / f"{model_name}-w{world}"
+
+
+def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
+    """The graph's output when the model file's loss is one cross-entropy over the output's last
+    dim and a lone linear makes it, on (batch, sequence, vocabulary) logits (a language-model
+    head: ``vocab_head`` may then split the vocabulary and run the loss vocabulary-parallel);
+    None otherwise. Imports torch (to run the loss on meta tensors) only for such a head, so
+    re-planning a CNN from the trace cache still imports no torch."""
+    out = graph.output
+    lay = next((lay for lay in graph.layers if lay.output == out), None)
+    if lay is None or len(lay.ops) != 1 or lay.anchor.kind != "linear" or len(lay.out_shape) < 3:
+        return None
+    from .decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
+    try:
+        target = mf.example_targets(batch_size)
+    except Exception:
+        return None
+    return out if loss_is_cross_entropy(mf.loss_fn(), lay.out_shape, target) is None else None
+
+
+def attention_units(graph):
+    """``graph`` with every attention block (``decomp.tensor_parallel.detect``) merged into one
+    sub-graph unit, so that head parallelism can be priced for it."""
+    from .decomp.tensor_parallel.detect import attention_modules
+    from .trace.units import merge_units
+    return merge_units(graph, attention_modules(graph))
 
 
 def _pin(table, force: dict[int, str]) -> None:

@@ -30,6 +30,8 @@ cpu gpt-w2 gpt 2
 cpu gnn_pcqm4m-w2 gnn_pcqm4m 2
 cpu pyg_nnconv-w2 pyg_nnconv 2
 cpu hf_gpt2-w2 hf_gpt2 2
+# replicated weights (data parallelism: 6.3 MiB per rank) over the limit: head/tensor parallel
+AUTOPAR_GPT_EMBED=128 AUTOPAR_GPT_VOCAB=512 cpu gpt-w4-mem4MiB gpt 4 --batch-size 4 --memory-limit 4MiB
 
 # --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
 SWEEP=1,2,4,8,16,32,64,128,256,512,1024

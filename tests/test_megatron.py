@@ -10,7 +10,8 @@ from autopar.trace.tracer import trace_model
 
 
 def _indices(root):
-    g = trace_model(load_model_file(root / "strategies/examples/gpt.py"), 4)
+    from autopar.pipeline import attention_units   # the graph the planner plans: attention blocks are units
+    g = attention_units(trace_model(load_model_file(root / "strategies/examples/gpt.py"), 4))
     idx = {lay.module: lay.index for lay in g.layers}
     return idx["blocks.0.fc"], idx["blocks.0.out"]
 

@@ -63,7 +63,8 @@ def generate_module(plan: Plan) -> str:
     out = graph.output
     li = prod[out]
     out_layout = decs[li].out_layout(graph.layers[li], out)
-    loss_layout = loss_layout_for(out_layout, graph.value_shape(out)[0], world)
+    loss_layout = (out_layout if getattr(decs[li], "loss_in_place", False)   # vocabulary-parallel loss
+                   else loss_layout_for(out_layout, graph.value_shape(out)[0], world))
     if loss_layout != out_layout:
         lines.append(f"        # the loss is computed with samples split: {out_layout} -> {loss_layout}")
         lines.append(f"        {_var(out)} = self.move({_var(out)}, {out!r}, {out_layout.to_json()}, {loss_layout.to_json()})")

@@ -2,7 +2,7 @@
 
 from .base import REGISTRY, CostContext, Decomposition, LayerCost, ParamShard, decomposition_from_json, register
 from .layout import Layout
-from . import branch, channel_filter, graph, replicate, sample, spatial  # noqa: F401  (registration)
+from . import branch, channel_filter, graph, replicate, sample, spatial, tensor_parallel  # noqa: F401  (registration)
 
 __all__ = ["REGISTRY", "CostContext", "Decomposition", "LayerCost", "ParamShard", "Layout",
            "decomposition_from_json", "register"]

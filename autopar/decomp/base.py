@@ -47,10 +47,17 @@ class ParamShard:
     that splits it, by the ``tensor_split`` rule. ``dims == ()``: the whole parameter on every
     rank. Ranks with equal coordinates on those axes hold the same shard and SUM their
     gradients (``grad_group``): for a whole parameter, the world.
+
+    ``segments`` (a *segmented* shard, e.g. a fused q|k|v weight): the first split dim is the
+    concatenation of segments of these lengths, and each segment is split by the
+    ``tensor_split`` rule on its own; a rank holds its block of every segment, in segment
+    order (rank c of p holds rows ``[q_c | k_c | v_c]``). Such a shard is no box:
+    ``local_bounds`` refuses it, ``index`` gives the indices for every kind of shard.
     """
 
     mesh: Layout = field(default_factory=Layout)
     dims: tuple[tuple[int, int], ...] = ()
+    segments: tuple[int, ...] = ()
 
     def shard_coords(self, rank: int, world: int) -> tuple[int, ...]:
         cs, _ = self.mesh.coords(rank, world)
@@ -58,13 +65,49 @@ class ParamShard:
 
     def local_bounds(self, shape, rank: int, world: int) -> tuple[tuple[int, int], ...]:
         from .layout import block_extent, block_start
+        if self.segments and len(self.segments) > 1:
+            raise ValueError(f"a segmented shard ({self.segments}) is not one box: use ParamShard.index")
         bounds = [(0, int(n)) for n in shape]
         for (d, axis), c in zip(self.dims, self.shard_coords(rank, world)):
             p = self.mesh.splits[axis][1]
             bounds[d] = (block_start(int(shape[d]), p, c), block_extent(int(shape[d]), p, c))
         return tuple(bounds)
 
+    def _segment_rows(self, shape, rank: int, world: int) -> list[int]:
+        """Global indices along the segmented dim that ``rank`` holds, in local order."""
+        from .layout import block_extent, block_start
+        d, axis = self.dims[0]
+        if sum(self.segments) != int(shape[d]):
+            raise ValueError(f"segments {self.segments} do not add up to dim {d} of shape {tuple(shape)}")
+        p = self.mesh.splits[axis][1]
+        c = self.shard_coords(rank, world)[0]
+        rows, base = [], 0
+        for n in self.segments:
+            s0 = base + block_start(n, p, c)
+            rows.extend(range(s0, s0 + block_extent(n, p, c)))
+            base += n
+        return rows
+
+    def index(self, shape, rank: int, world: int) -> tuple:
+        """What to index a full tensor with to get ``rank``'s shard (``full[index]``, also as
+        an assignment target): slices, and a list of indices on a segmented dim."""
+        if not (self.segments and len(self.segments) > 1):
+            return tuple(slice(s, s + e) for s, e in self.local_bounds(shape, rank, world))
+        idx: list = [slice(None)] * len(shape)
+        seg_dim = self.dims[0][0]
+        for (d, axis), c in zip(self.dims[1:], self.shard_coords(rank, world)[1:]):
+            from .layout import block_extent, block_start
+            p = self.mesh.splits[axis][1]
+            s0 = block_start(int(shape[d]), p, c)
+            idx[d] = slice(s0, s0 + block_extent(int(shape[d]), p, c))
+        idx[seg_dim] = self._segment_rows(shape, rank, world)
+        return tuple(idx)
+
     def local_shape(self, shape, rank: int, world: int) -> tuple[int, ...]:
+        if self.segments and len(self.segments) > 1:
+            idx = self.index(shape, rank, world)
+            return tuple(len(i) if isinstance(i, list) else len(range(*i.indices(int(n))))
+                         for i, n in zip(idx, shape))
         return tuple(e for _, e in self.local_bounds(shape, rank, world))
 
     def grad_group(self, rank: int, world: int) -> list[int]:
@@ -147,6 +190,9 @@ class CostContext:
     cost_memo: dict | None = None     # when a dict, pricing results shared across placements
                                       # (``price_once``); contexts that share it must differ
                                       # in nothing but the placement
+    # the model's output value when its loss is one cross-entropy over the output's last dim
+    # (the vocabulary-parallel loss of ``tensor_parallel.vocab.VocabHead`` is possible); None else
+    loss_output: str | None = None
 
     def __post_init__(self) -> None:
         if self.placement is None:

@@ -112,8 +112,7 @@ def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=No
     for safe, p in dm.params.items():
         qual = dm.qualname[safe]
         sh = dm.shards.get(qual, ParamShard())
-        b = sh.local_bounds(after[qual].shape, rank, world)
-        sl = tuple(slice(s, s + e) for s, e in b)
+        sl = sh.index(after[qual].shape, rank, world)
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         for kind, mine, full in (("grad", g, grads[qual]), ("param_after_step", p.detach(), after[qual])):
             full = of_rank0(sh, full)
@@ -130,8 +129,7 @@ def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=No
         if q not in full_bufs:
             continue
         sh = owner.get(q, ParamShard())
-        b = sh.local_bounds(buf.shape, rank, world)
-        sl = tuple(slice(s, s + e) for s, e in b)
+        sl = sh.index(buf.shape, rank, world)
         full = of_rank0(sh, full_bufs[q])
         names.append(f"replica:buffer:{q}")
         diffs.append(float((buf[sl].double() - full[sl].double()).abs().max()) if buf.numel() else 0.0)

@@ -174,8 +174,7 @@ class DistModel(nn.Module):
         self.qualname: dict[str, str] = {}
         for qual, p in full_params.items():
             sh = shards.get(qual, ParamShard())
-            b = sh.local_bounds(p.shape, self.comm.rank, world)
-            local = p.detach()[tuple(slice(s, s + e) for s, e in b)].clone()
+            local = p.detach()[sh.index(p.shape, self.comm.rank, world)].clone()
             self.params[_safe(qual)] = nn.Parameter(local, requires_grad=p.requires_grad)
             self.qualname[_safe(qual)] = qual
         self.bufs: dict[str, torch.Tensor] = {}
@@ -316,9 +315,39 @@ class DistModel(nn.Module):
         return self.decisions[li].out_layout(self.graph.layers[li], self.graph.output)
 
     def loss_layout(self) -> Layout:
-        """Where the generated forward leaves the output (``loss_layout_for``)."""
+        """Where the generated forward leaves the output (``loss_layout_for``; the output's own
+        layout when its producer computes the loss in place, ``loss_in_place``)."""
+        if self._vocab_loss() is not None:
+            return self.output_layout()
         return loss_layout_for(self.output_layout(), self.graph.value_shape(self.graph.output)[0],
                                self.comm.world)
+
+    def _vocab_loss(self):
+        """(tensor group, first global column of this rank's block) when the output's producer
+        computes a vocabulary-parallel loss (``decomp.tensor_parallel.vocab.VocabHead``), else None."""
+        li = self.graph.producer()[self.graph.output]
+        if not getattr(self.decisions[li], "loss_in_place", False):
+            return None
+        lay, shape = self.output_layout(), self.graph.value_shape(self.graph.output)
+        last = len(shape) - 1
+        return (lay.split_group([last], self.comm.rank, self.comm.world),
+                lay.local_bounds(shape, self.comm.rank, self.comm.world)[last][0])
+
+    def loss_context(self):
+        """What the loss must run inside: for a vocabulary-parallel loss, the mode that turns
+        ``F.cross_entropy`` on this rank's logits block into ``vocab_parallel_cross_entropy``."""
+        import contextlib
+        vl = self._vocab_loss()
+        if vl is None:
+            return contextlib.nullcontext()
+        from ..decomp.tensor_parallel.cross_entropy import VocabLoss
+        return VocabLoss(vl[1], self.comm.group(vl[0]))
+
+    def loss_replicas(self) -> int:
+        """Ranks computing the same loss share: the loss layout's replicas, times the tensor
+        group of a vocabulary-parallel loss (every rank of it returns the whole loss)."""
+        vl = self._vocab_loss()
+        return self.loss_layout().replicas(self.comm.world) * (len(vl[0]) if vl is not None else 1)
 
     def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [local_slice(x, self.input_layout(gi.name), self.comm)
@@ -333,9 +362,11 @@ class DistModel(nn.Module):
                                                   self.graph.value_shape(self.graph.output)[0])
         lay, n_global = meta
         n_local = output_tensor(out_local).shape[0]
-        t = local_slice(target_full, lay, self.comm) if target_full is not None else None
-        loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
-        return loss * (n_local / n_global / lay.replicas(self.comm.world))
+        t_lay = Layout(tuple((d, p) for d, p in lay.splits if d == 0)) if self._vocab_loss() else lay
+        t = local_slice(target_full, t_lay, self.comm) if target_full is not None else None
+        with self.loss_context():
+            loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
+        return loss * (n_local / n_global / self.loss_replicas())
 
     def finish_grads(self) -> None:
         self.gradsync.finish()
@@ -382,8 +413,7 @@ class DistModel(nn.Module):
                 continue
             full = torch.zeros_like(b)
             if rank == min(sh.grad_group(rank, world)):
-                bd = sh.local_bounds(b.shape, rank, world)
-                sl = tuple(slice(s, s + e) for s, e in bd)
+                sl = sh.index(b.shape, rank, world)
                 full[sl] = b[sl]
             out[q] = self.comm.all_reduce_(full)
         return out
@@ -401,8 +431,7 @@ class DistModel(nn.Module):
             shape = list(self._global_param_shape(qual, p))
             full = torch.zeros(shape, dtype=p.dtype, device=p.device)
             if rank == min(grp):
-                b = sh.local_bounds(shape, rank, world)
-                full[tuple(slice(s, s + e) for s, e in b)] = get(p)
+                full[sh.index(shape, rank, world)] = get(p)
             out[qual] = self.comm.all_reduce_(full)
         return out
 

@@ -44,21 +44,10 @@ def resolve_target(target: str):
 
 def substitute(template: Any, values: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
                buffers: dict[str, torch.Tensor]) -> Any:
-    if isinstance(template, dict):
-        if "v" in template and len(template) == 1:
-            return values[template["v"]]
-        if "p" in template and len(template) == 1:
-            return params[template["p"]]
-        if "b" in template and len(template) == 1:
-            return buffers[template["b"]]
-        if "dtype" in template and len(template) == 1:
-            return getattr(torch, template["dtype"])
-        if "float" in template and len(template) == 1:
-            return float(template["float"])           # inf/nan, which JSON cannot hold
-        return {k: substitute(v, values, params, buffers) for k, v in template.items()}
-    if isinstance(template, list):
-        return [substitute(v, values, params, buffers) for v in template]
-    return template
+    """An op's argument template with its references filled in: ``{"v": name}`` a value,
+    ``{"p": name}`` a parameter, ``{"b": name}`` a buffer, ``{"dtype": name}`` a torch dtype,
+    ``{"float": "-inf"}`` a float JSON cannot hold; lists and other dicts recursively."""
+    return _builder(template)(values, params, buffers)
 
 
 def _builder(template: Any):
@@ -76,6 +65,9 @@ def _builder(template: Any):
             if k == "dtype":
                 d = getattr(torch, v)
                 return lambda V, P, B: d
+            if k == "float":
+                f = float(v)                           # inf/nan, which JSON cannot hold
+                return lambda V, P, B: f
         items = [(k, _builder(v)) for k, v in template.items()]
         return lambda V, P, B: {k: f(V, P, B) for k, f in items}
     if isinstance(template, list):

@@ -142,7 +142,7 @@ class ParallelModule:
         lay = self.loss_layout()
         shape = self.graph.value_shape(self.graph.output)
         n_local = lay.local_shape(shape, self.comm.rank, self.comm.world)[0]
-        share = loss_local * (n_local / shape[0] / lay.replicas(self.comm.world))
+        share = loss_local * (n_local / shape[0] / self.loss_replicas())
         if self.comm.world == 1:
             return share
         return _GlobalLoss.apply(share, self.comm)
@@ -155,7 +155,9 @@ class ParallelModule:
         xs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
         out = _first_tensor(self(*xs))
         fn = loss_fn or self.loss_fn_default
-        return self.reduce_loss(fn(out, target) if target is not None else fn(out))
+        with self.loss_context():      # a vocabulary-parallel loss: F.cross_entropy on the block
+            loss = fn(out, target) if target is not None else fn(out)
+        return self.reduce_loss(loss)
 
     def reduce_sum(self, local: torch.Tensor | float) -> torch.Tensor:
         """Sum of a per-rank metric computed on this rank's output block (e.g. the number of
