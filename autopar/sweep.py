@@ -59,6 +59,12 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
                             "decompositions": r.plan.decompositions()})
             except AutoparError as e:
                 out["skipped"].append({"series": name, "world": w, "reason": str(e)})
+        kind = kinds[0] if kinds else None
+        if kind is not None and pts and not any(c.split("(")[0] == kind for p in pts for c in p["decompositions"]):
+            # the class applies to no layer of this model (e.g. head parallelism in a CNN)
+            out["skipped"].append({"series": name, "world": None,
+                                   "reason": f"no layer of the model can take {kind}"})
+            continue
         out["series"][name] = pts
     return out
 

@@ -30,7 +30,7 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
     bn_fwd = bn_bwd = 0.0
     item = layer.itemsize
     for op in layer.ops:
-        ins = [layout.max_local_shape(s) for s in op.in_shapes]
+        ins = [layout.max_local_operand_shape(s, len(op.out_shape)) for s in op.in_shapes]
         out = layout.max_local_shape(op.out_shape)
         if compute_shapes is not None:
             ins, out = compute_shapes(op, ins, out)

@@ -203,6 +203,18 @@ class Layout:
             out[d] = block_extent(int(shape[d]), p, 0)
         return tuple(out)
 
+    def max_local_operand_shape(self, shape: Sequence[int], out_rank: int) -> tuple[int, ...]:
+        """``max_local_shape`` of an operand that broadcasts against an output of ``out_rank``
+        dims (numpy rule: trailing dims line up; a dim the operand lacks is not split)."""
+        shift = out_rank - len(shape)
+        if shift == 0:
+            return self.max_local_shape(shape)
+        out = list(int(n) for n in shape)
+        for d, p in self.splits:
+            if 0 <= d - shift < len(out):
+                out[d - shift] = block_extent(out[d - shift], p, 0)
+        return tuple(out)
+
     def min_local_extent(self, shape: Sequence[int]) -> int:
         """Smallest extent of any split dim in any block (0 means some rank holds nothing)."""
         ext = [int(shape[d]) // p for d, p in self.splits]
