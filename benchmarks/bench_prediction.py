@@ -62,7 +62,16 @@ HELDOUT = [
     for name, batch in (("vgg", 16), ("bottleneck", 16), ("cnn3d", 4))
     for world in (2, 4)
     for what, kinds in (("ILP", None), ("sample-only", ["sample"]), ("replicate-only", ["replicate"]))
-]
+] + [
+    # the Transformer and GNN decompositions on their shipped examples (never measured in)
+    (f"{name} {what}", EX / f"{name}.py", world, batch, kinds, None)
+    for name, batch in (("gpt", 8), ("gnn_pcqm4m", 8))
+    for world in (2, 4)
+    for what, kinds in (("ILP", None), ("sample-only", ["sample"]), ("replicate-only", ["replicate"]),
+                        ("tensor/head", ["head", "sequence", "vocab", "filter", "row_parallel", "replicate"]
+                         if name == "gpt" else ["edges", "nodes", "replicate"]))
+] + [("hf_gpt2 ILP", EX / "hf_gpt2.py", 2, 4, None, None),
+     ("pyg_nnconv edges", EX / "pyg_nnconv.py", 2, None, ["edges", "nodes", "replicate"], None)]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
