@@ -104,6 +104,8 @@ def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Modul
     """None when the plan may run ``model`` natively (module docstring), else the reason."""
     for lay in graph.layers:
         dec = decisions[lay.index]
+        if dec.kind == "replicate" and lay.ops and all(op.attrs.get("constant") for op in lay.ops):
+            continue   # made from constants (position ids, masks): the module computes it whole too
         if dec.kind != "sample" or getattr(dec, "parts", None) != world:
             return f"layer {lay.index} ({lay.name}) is {dec}, not sample({world})"
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
