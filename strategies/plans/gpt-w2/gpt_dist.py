@@ -34,89 +34,63 @@ class PlannedModel(DistModel):
         # -- layer 4: blocks.0.ln1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         add__0 = self.move(add, 'add', [], [[0, 2]], layer=4)  # transition R -> N2
         layer_norm = self.op('layer_norm', add__0)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 5: blocks.0.attn.qkv  linear  (8, 16, 96)  -> sample(2)  [N2]
+        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(2)  [N2]
         linear = self.op('linear', layer_norm)  # aten.linear.default  gpt.py:32
-        # -- layer 6: blocks.0.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem = self.op('getitem', linear)  # aten.slice.Tensor  gpt.py:32
-        # -- layer 7: blocks.0.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_1 = self.op('getitem_1', linear)  # aten.slice.Tensor  gpt.py:32
-        # -- layer 8: blocks.0.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_2 = self.op('getitem_2', linear)  # aten.slice.Tensor  gpt.py:32
-        # -- layer 9: blocks.0.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view = self.op('view', getitem)  # aten.view.default  gpt.py:33
-        # -- layer 10: blocks.0.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose = self.op('transpose', view)  # aten.transpose.int  gpt.py:33
-        # -- layer 11: blocks.0.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_1 = self.op('view_1', getitem_1)  # aten.view.default  gpt.py:33
-        # -- layer 12: blocks.0.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_1 = self.op('transpose_1', view_1)  # aten.transpose.int  gpt.py:33
-        # -- layer 13: blocks.0.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_2 = self.op('view_2', getitem_2)  # aten.view.default  gpt.py:33
-        # -- layer 14: blocks.0.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_2 = self.op('transpose_2', view_2)  # aten.transpose.int  gpt.py:33
-        # -- layer 15: blocks.0.attn  attention  (8, 4, 16, 8)  -> sample(2)  [N2]
         scaled_dot_product_attention = self.op('scaled_dot_product_attention', transpose, transpose_1, transpose_2)  # aten.scaled_dot_product_attention.default  gpt.py:34
-        # -- layer 16: blocks.0.attn  permute  (8, 16, 4, 8)  -> sample(2)  [N2]
         transpose_3 = self.op('transpose_3', scaled_dot_product_attention)  # aten.transpose.int  gpt.py:35
-        # -- layer 17: blocks.0.attn  view  (8, 16, 32)  -> sample(2)  [N2]
         reshape = self.op('reshape', transpose_3)  # aten.reshape.default  gpt.py:35
-        # -- layer 18: blocks.0.attn.proj  linear  (8, 16, 32)  -> sample(2)  [N2]
         linear_1 = self.op('linear_1', reshape)  # aten.linear.default  gpt.py:35
-        # -- layer 19: blocks.0  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 6: blocks.0  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_1 = self.op('add_1', add__0, linear_1)  # aten.add.Tensor  gpt.py:48
-        # -- layer 20: blocks.0.ln2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 7: blocks.0.ln2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_1 = self.op('layer_norm_1', add_1)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 21: blocks.0.fc  linear+unary  (8, 16, 128)  -> sample(2)  [N2]
+        # -- layer 8: blocks.0.fc  linear+unary  (8, 16, 128)  -> sample(2)  [N2]
         linear_2 = self.op('linear_2', layer_norm_1)  # aten.linear.default  gpt.py:49
         gelu = self.op('gelu', linear_2)  # aten.gelu.default  gpt.py:49
-        # -- layer 22: blocks.0.out  linear  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 9: blocks.0.out  linear  (8, 16, 32)  -> sample(2)  [N2]
         linear_3 = self.op('linear_3', gelu)  # aten.linear.default  gpt.py:49
-        # -- layer 23: blocks.0  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 10: blocks.0  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_2 = self.op('add_2', add_1, linear_3)  # aten.add.Tensor  gpt.py:49
-        # -- layer 24: blocks.1.ln1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 11: blocks.1.ln1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_2 = self.op('layer_norm_2', add_2)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 25: blocks.1.attn.qkv  linear  (8, 16, 96)  -> sample(2)  [N2]
+        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(2)  [N2]
         linear_4 = self.op('linear_4', layer_norm_2)  # aten.linear.default  gpt.py:32
-        # -- layer 26: blocks.1.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_3 = self.op('getitem_3', linear_4)  # aten.slice.Tensor  gpt.py:32
-        # -- layer 27: blocks.1.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_4 = self.op('getitem_4', linear_4)  # aten.slice.Tensor  gpt.py:32
-        # -- layer 28: blocks.1.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_5 = self.op('getitem_5', linear_4)  # aten.slice.Tensor  gpt.py:32
-        # -- layer 29: blocks.1.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_3 = self.op('view_3', getitem_3)  # aten.view.default  gpt.py:33
-        # -- layer 30: blocks.1.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_4 = self.op('transpose_4', view_3)  # aten.transpose.int  gpt.py:33
-        # -- layer 31: blocks.1.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_4 = self.op('view_4', getitem_4)  # aten.view.default  gpt.py:33
-        # -- layer 32: blocks.1.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_5 = self.op('transpose_5', view_4)  # aten.transpose.int  gpt.py:33
-        # -- layer 33: blocks.1.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_5 = self.op('view_5', getitem_5)  # aten.view.default  gpt.py:33
-        # -- layer 34: blocks.1.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_6 = self.op('transpose_6', view_5)  # aten.transpose.int  gpt.py:33
-        # -- layer 35: blocks.1.attn  attention  (8, 4, 16, 8)  -> sample(2)  [N2]
         scaled_dot_product_attention_1 = self.op('scaled_dot_product_attention_1', transpose_4, transpose_5, transpose_6)  # aten.scaled_dot_product_attention.default  gpt.py:34
-        # -- layer 36: blocks.1.attn  permute  (8, 16, 4, 8)  -> sample(2)  [N2]
         transpose_7 = self.op('transpose_7', scaled_dot_product_attention_1)  # aten.transpose.int  gpt.py:35
-        # -- layer 37: blocks.1.attn  view  (8, 16, 32)  -> sample(2)  [N2]
         reshape_1 = self.op('reshape_1', transpose_7)  # aten.reshape.default  gpt.py:35
-        # -- layer 38: blocks.1.attn.proj  linear  (8, 16, 32)  -> sample(2)  [N2]
         linear_5 = self.op('linear_5', reshape_1)  # aten.linear.default  gpt.py:35
-        # -- layer 39: blocks.1  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 13: blocks.1  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_3 = self.op('add_3', add_2, linear_5)  # aten.add.Tensor  gpt.py:48
-        # -- layer 40: blocks.1.ln2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 14: blocks.1.ln2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_3 = self.op('layer_norm_3', add_3)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 41: blocks.1.fc  linear+unary  (8, 16, 128)  -> sample(2)  [N2]
+        # -- layer 15: blocks.1.fc  linear+unary  (8, 16, 128)  -> sample(2)  [N2]
         linear_6 = self.op('linear_6', layer_norm_3)  # aten.linear.default  gpt.py:49
         gelu_1 = self.op('gelu_1', linear_6)  # aten.gelu.default  gpt.py:49
-        # -- layer 42: blocks.1.out  linear  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 16: blocks.1.out  linear  (8, 16, 32)  -> sample(2)  [N2]
         linear_7 = self.op('linear_7', gelu_1)  # aten.linear.default  gpt.py:49
-        # -- layer 43: blocks.1  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 17: blocks.1  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_4 = self.op('add_4', add_3, linear_7)  # aten.add.Tensor  gpt.py:49
-        # -- layer 44: ln  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 18: ln  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_4 = self.op('layer_norm_4', add_4)  # aten.layer_norm.default  gpt.py:64
-        # -- layer 45: head  linear  (8, 16, 64)  -> sample(2)  [N2]
+        # -- layer 19: head  linear  (8, 16, 64)  -> sample(2)  [N2]
         linear_8 = self.op('linear_8', layer_norm_4)  # aten.linear.default  gpt.py:64
         return self.structured(linear_8)
 

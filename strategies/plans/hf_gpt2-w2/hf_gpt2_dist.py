@@ -2,7 +2,7 @@
 
 Model:      ../../examples/hf_gpt2.py (sha256 0edc6e20e5e9), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 2.822 ms, memory 1.6 MiB per rank
+Predicted:  step 2.822 ms, memory 1.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 hf_gpt2_dist.py --steps 5
@@ -60,13 +60,13 @@ class PlannedModel(DistModel):
         # -- layer 13: transformer  other+binary  (16,)  -> replicate  [R]
         arange_4 = self.op('arange_4')  # aten.arange.default  modeling_gpt2.py:583
         add_3 = self.op('add_3', arange_4)  # aten.add.Tensor  modeling_gpt2.py:583
-        # -- layer 14: transformer  squeeze  (8, 1)  -> replicate  [R]
-        unsqueeze_1 = self.op('unsqueeze_1', arange_1)  # aten.unsqueeze.default  modeling_gpt2.py:583
-        # -- layer 15: transformer  squeeze  (8, 1, 1)  -> replicate  [R]
+        # -- layer 14: transformer  squeeze  (8, 1)  -> sample(2)  [N2]
+        arange_1__0 = self.move(arange_1, 'arange_1', [], [[0, 2]], layer=14)  # transition R -> N2
+        unsqueeze_1 = self.op('unsqueeze_1', arange_1__0)  # aten.unsqueeze.default  modeling_gpt2.py:583
+        # -- layer 15: transformer  squeeze  (8, 1, 1)  -> sample(2)  [N2]
         unsqueeze_2 = self.op('unsqueeze_2', unsqueeze_1)  # aten.unsqueeze.default  modeling_gpt2.py:583
         # -- layer 16: transformer  squeeze  (8, 1, 1, 1)  -> sample(2)  [N2]
-        unsqueeze_2__0 = self.move(unsqueeze_2, 'unsqueeze_2', [], [[0, 2]], layer=16)  # transition R -> N2
-        unsqueeze_3 = self.op('unsqueeze_3', unsqueeze_2__0)  # aten.unsqueeze.default  modeling_gpt2.py:583
+        unsqueeze_3 = self.op('unsqueeze_3', unsqueeze_2)  # aten.unsqueeze.default  modeling_gpt2.py:583
         # -- layer 17: transformer  squeeze  (1, 1)  -> replicate  [R]
         unsqueeze_4 = self.op('unsqueeze_4', arange_2)  # aten.unsqueeze.default  modeling_gpt2.py:583
         # -- layer 18: transformer  squeeze  (1, 1, 1)  -> replicate  [R]

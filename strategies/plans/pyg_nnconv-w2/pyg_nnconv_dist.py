@@ -29,27 +29,27 @@ class PlannedModel(DistModel):
         # -- layer 0: node_embed  linear+unary  (311, 100)  -> replicate  [R]
         linear = self.op('linear', x)  # aten.linear.default  pyg_nnconv.py:54
         relu = self.op('relu', linear)  # aten.relu.default  pyg_nnconv.py:54
-        # -- layer 1: edge_embed  linear+unary  (622, 16)  -> sample(2)  [N2]
+        # -- layer 1: edge_embed  linear+unary  (622, 16)  -> edges(1,2)  [N2]
         linear_1 = self.op('linear_1', edge_attr)  # aten.linear.default  pyg_nnconv.py:55
         relu_1 = self.op('relu_1', linear_1)  # aten.relu.default  pyg_nnconv.py:55
         # -- layer 2: convs.0  slice  (622,)  -> replicate  [R]
         select = self.op('select', edge_index)  # aten.select.int  nn_conv.py:108
-        # -- layer 3: convs.0  slice  (622,)  -> replicate  [R]
-        select_1 = self.op('select_1', edge_index)  # aten.select.int  nn_conv.py:108
+        # -- layer 3: convs.0  slice  (622,)  -> edges(1,2)  [N2]
+        edge_index__0 = self.move(edge_index, 'edge_index', [], [[1, 2]], layer=3)  # transition R -> C2
+        select_1 = self.op('select_1', edge_index__0)  # aten.select.int  nn_conv.py:108
         # -- layer 4: convs.0  gather  (622, 100)  -> edges(1,2)  [N2]
-        select_1__0 = self.move(select_1, 'select_1', [], [[0, 2]], layer=4)  # transition R -> N2
-        index_select = self.op('index_select', relu, select_1__0)  # aten.index_select.default  nn_conv.py:108
+        index_select = self.op('index_select', relu, select_1)  # aten.index_select.default  nn_conv.py:108
         # -- layer 5: convs.0.nn.0  linear+unary  (622, 64)  -> sample(2)  [N2]
         linear_2 = self.op('linear_2', relu_1)  # aten.linear.default  nn_conv.py:108
         relu_2 = self.op('relu_2', linear_2)  # aten.relu.default  nn_conv.py:108
         # -- layer 6: convs.0.nn.2  linear+unary  (622, 32)  -> sample(2)  [N2]
         linear_3 = self.op('linear_3', relu_2)  # aten.linear.default  nn_conv.py:108
         relu_3 = self.op('relu_3', linear_3)  # aten.relu.default  nn_conv.py:108
-        # -- layer 7: convs.0.nn.4  linear  (622, 3200)  -> sample(2)  [N2]
+        # -- layer 7: convs.0.nn.4  linear  (622, 3200)  -> edges(1,2)  [N2]
         linear_4 = self.op('linear_4', relu_3)  # aten.linear.default  nn_conv.py:108
         # -- layer 8: convs.0  view  (622, 100, 32)  -> sample(2)  [N2]
         view = self.op('view', linear_4)  # aten.view.default  nn_conv.py:108
-        # -- layer 9: convs.0  squeeze  (622, 1, 100)  -> sample(2)  [N2]
+        # -- layer 9: convs.0  squeeze  (622, 1, 100)  -> edges(1,2)  [N2]
         unsqueeze = self.op('unsqueeze', index_select)  # aten.unsqueeze.default  nn_conv.py:108
         # -- layer 10: convs.0  matmul  (622, 1, 32)  -> sample(2)  [N2]
         matmul = self.op('matmul', unsqueeze, view)  # aten.matmul.default  nn_conv.py:108
@@ -74,13 +74,14 @@ class PlannedModel(DistModel):
         view_2 = self.op('view_2', batch)  # aten.view.default  pyg_nnconv.py:58
         # -- layer 19: (root)  expand_as  (311, 32)  -> replicate  [R]
         expand_as_1 = self.op('expand_as_1', view_2, relu_4)  # aten.expand_as.default  pyg_nnconv.py:58
-        # -- layer 20: (root)  new_tensor  (8, 32)  -> replicate  [R]
-        new_zeros_1 = self.op('new_zeros_1', relu_4)  # aten.new_zeros.default  pyg_nnconv.py:58
+        # -- layer 20: (root)  new_tensor  (8, 32)  -> nodes(1,2)  [R]
+        relu_4__2 = self.move(relu_4, 'relu_4', [], [[0, 2]], layer=20)  # transition R -> N2
+        new_zeros_1 = self.op('new_zeros_1', relu_4__2)  # aten.new_zeros.default  pyg_nnconv.py:58
         # -- layer 21: (root)  scatter  (8, 32)  -> replicate  [R]
         scatter_add__1 = self.op('scatter_add__1', new_zeros_1, expand_as_1, relu_4)  # aten.scatter_add_.default  pyg_nnconv.py:58
         # -- layer 22: head.0  linear+unary  (8, 256)  -> sample(2)  [N2]
-        scatter_add__1__2 = self.move(scatter_add__1, 'scatter_add__1', [], [[0, 2]], layer=22)  # transition R -> N2
-        linear_6 = self.op('linear_6', scatter_add__1__2)  # aten.linear.default  pyg_nnconv.py:59
+        scatter_add__1__3 = self.move(scatter_add__1, 'scatter_add__1', [], [[0, 2]], layer=22)  # transition R -> N2
+        linear_6 = self.op('linear_6', scatter_add__1__3)  # aten.linear.default  pyg_nnconv.py:59
         relu_5 = self.op('relu_5', linear_6)  # aten.relu.default  pyg_nnconv.py:59
         # -- layer 23: head.2  linear+unary  (8, 128)  -> sample(2)  [N2]
         linear_7 = self.op('linear_7', relu_5)  # aten.linear.default  pyg_nnconv.py:59

@@ -68,11 +68,11 @@ class PlannedModel(DistModel):
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  wide_resnet.py:48
         # -- layer 13: (root)  adaptive_pool  (8, 512, 1, 1)  -> sample(2)  [N2]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_6)  # aten.adaptive_avg_pool2d.default  wide_resnet.py:75
-        # -- layer 14: (root)  flatten  (8, 512)  -> sample(2)  [N2]
-        flatten = self.op('flatten', adaptive_avg_pool2d)  # aten.flatten.using_ints  wide_resnet.py:75
+        # -- layer 14: (root)  flatten  (8, 512)  -> replicate  [R]
+        adaptive_avg_pool2d__3 = self.move(adaptive_avg_pool2d, 'adaptive_avg_pool2d', [[0, 2]], [], layer=14)  # transition N2 -> R
+        flatten = self.op('flatten', adaptive_avg_pool2d__3)  # aten.flatten.using_ints  wide_resnet.py:75
         # -- layer 15: fc1  linear+batch_norm+unary  (8, 1024)  -> filter(1,2)  [C2]
-        flatten__3 = self.move(flatten, 'flatten', [[0, 2]], [], layer=15)  # transition N2 -> R
-        linear = self.op('linear', flatten__3)  # aten.linear.default  wide_resnet.py:76
+        linear = self.op('linear', flatten)  # aten.linear.default  wide_resnet.py:76
         batch_norm_7 = self.op('batch_norm_7', linear)  # aten.batch_norm.default  wide_resnet.py:76
         relu_7 = self.op('relu_7', batch_norm_7)  # aten.relu.default  wide_resnet.py:76
         # -- layer 16: fc2  linear  (8, 10)  -> row_parallel(1,2)  [P2]
