@@ -68,8 +68,8 @@ HELDOUT = [
     for name, batch in (("gpt", 8), ("gnn_pcqm4m", 8))
     for world in (2, 4)
     for what, kinds in (("ILP", None), ("sample-only", ["sample"]), ("replicate-only", ["replicate"]),
-                        ("tensor/head", ["head", "sequence", "vocab", "filter", "row_parallel", "replicate"]
-                         if name == "gpt" else ["edges", "nodes", "replicate"]))
+                        ("tensor/head", ["head", "sequence", "vocab", "filter", "row_parallel", "replicate"])
+                        if name == "gpt" else ("edges/nodes", ["edges", "nodes", "replicate"]))
 ] + [("hf_gpt2 ILP", EX / "hf_gpt2.py", 2, 4, None, None),
      ("pyg_nnconv edges", EX / "pyg_nnconv.py", 2, None, ["edges", "nodes", "replicate"], None)]
 
