@@ -51,6 +51,13 @@ class ModelFile:
     def default_batch_size(self) -> int | None:
         return getattr(self.module, "DEFAULT_BATCH_SIZE", None)
 
+    def ddp_shard(self):
+        """``ddp_shard(inputs, targets, rank, world) -> (inputs, targets, model)``, optional: how a
+        data-parallel user splits a batch whose inputs are not samples along dim 0 (a PyG batch:
+        graphs concatenated), and the model each rank then builds. The DDP baseline of
+        ``autopar execute`` uses it; without it, such a batch has no DDP baseline."""
+        return getattr(self.module, "ddp_shard", None)
+
     def planning_units(self) -> list[str]:
         """``PLANNING_UNITS``: module paths or fnmatch patterns whose whole sub-graph is planned
         as one unit (``autopar.trace.units``); none by default."""

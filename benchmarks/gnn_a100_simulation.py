@@ -173,8 +173,8 @@ def markdown(out) -> str:
           f"sampling; it changes which graphs share a batch) run smaller shapes: the planner chooses "
           f"{' / '.join(d['policy'] + ' over ' + str(d['steps']) + ' steps' for d in grp)}, since each extra shape "
           "costs a plan, trace and warm-up once (2 s ASSUMED) and pays only over enough steps.",
-          "* **The 2-D (graphs x edges) grid** and the channel split of the edge MLP are decompositions of "
-          "another part of the project; the `plan` columns name what the registry offered and the ILP chose.", ""]
+          "* **The 2-D (graphs x edges) grid** (`edges(S, P)` with S > 1) and the filter split of the edge "
+          "MLP are offered to the ILP with every other kind; the `plan` columns name what it chose.", ""]
     return "\n".join(L)
 
 

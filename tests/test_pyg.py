@@ -86,3 +86,31 @@ def test_cli_plan_and_execute_non_replicated(root, tmp_path, world):
     assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["validation"]["passed"]
+    # a DDP baseline over whole graphs per rank (the model file's ddp_shard), same function
+    assert run["baseline"]["equivalent"] and "ddp_shard" in run["baseline"]["note"]
+    assert run["ratio_to_ddp"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_shard_is_the_same_function(root, world):
+    """The DDP baseline's split (whole graphs per rank, edges re-indexed, a model for G / world
+    graphs): the mean over ranks of each rank's loss gradient (what DDP computes) equals the
+    full batch's gradient on one process, in float64 to rounding (rtol 1e-10)."""
+    import torch
+    from autopar.modelfile import load_model_file
+    mf = load_model_file(root / f"strategies/examples/{MODEL}.py")
+    torch.manual_seed(0)
+    xs = [x.double() if x.is_floating_point() else x for x in mf.example_inputs(4)]
+    ys = mf.example_targets(4).double()
+    full = mf.build_model().double()
+    loss = mf.loss_fn()(full(*xs), ys)
+    ref = torch.autograd.grad(loss, list(full.parameters()))
+    acc = [torch.zeros_like(g) for g in ref]
+    for r in range(world):
+        local, t, model = mf.ddp_shard()(tuple(xs), ys, r, world)
+        model = model.double()
+        model.load_state_dict(full.state_dict())
+        gs = torch.autograd.grad(mf.loss_fn()(model(*local), t), list(model.parameters()))
+        acc = [a + g / world for a, g in zip(acc, gs)]
+    for a, g in zip(acc, ref):
+        torch.testing.assert_close(a, g, rtol=1e-10, atol=1e-12)

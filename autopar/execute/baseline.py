@@ -30,18 +30,29 @@ def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: floa
 
     device = comm.device
     torch.manual_seed(seed)
-    base = mf.build_model().to(device)
+    shard = mf.ddp_shard()
+    if shard is not None:
+        # the model file splits its own batch (e.g. whole graphs of a PyG batch per rank)
+        bx, by, base = shard(tuple(xs), ys, comm.rank, comm.world)
+        bx = [x.to(device) for x in bx]
+        by = by.to(device) if by is not None else None
+        base = base.to(device)
+    else:
+        base = mf.build_model().to(device)
     base.train()
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
     equivalent, note, sync_bn = same_function(has_bn, bn_stats, int(xs[0].shape[0]), comm.world,
                                               device.type == "cuda")
+    if shard is not None:
+        note += "; the batch split by the model file's ddp_shard"
     if sync_bn:
         base = torch.nn.SyncBatchNorm.convert_sync_batchnorm(base, process_group=comm.mesh_group)
     ddp = DDP(base, device_ids=[device.index] if device.type == "cuda" else None,
               process_group=comm.mesh_group)
-    lay = Layout(((0, comm.world),))
-    bx = [local_slice(x, lay, comm) for x in xs]
-    by = local_slice(ys, lay, comm) if ys is not None else None
+    if shard is None:
+        lay = Layout(((0, comm.world),))
+        bx = [local_slice(x, lay, comm) for x in xs]
+        by = local_slice(ys, lay, comm) if ys is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
     timed_steps(ddp, opt, bx, loss_of, lambda: None, warmup, comm, sync, barrier)

@@ -146,9 +146,10 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
 
     # 3. DDP baseline
     baseline = None
-    # DDP splits every input along dim 0: only for a batch of samples (a PyG batch's x [N, F]
-    # and edge_index [2, E] are not: splitting it needs graph boundaries, so no baseline)
-    samples = len({int(x.shape[0]) for x in xs if x.dim()}) == 1
+    # DDP splits every input along dim 0: only for a batch of samples, unless the model file
+    # says how to split its batch (``ddp_shard``: a PyG batch's x [N, F] and edge_index [2, E]
+    # split by whole graphs); otherwise no baseline
+    samples = len({int(x.shape[0]) for x in xs if x.dim()}) == 1 or mf.ddp_shard() is not None
     if opts.ddp and world > 1 and plan.model.batch_size >= world and samples:
         baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
                                 opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats())
