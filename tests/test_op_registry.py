@@ -362,7 +362,11 @@ def test_independent_dims_of_hand_made_ops():
     view = _spec("view", "aten.view.default", [v(0), [4, 6, 2, 8]], [[4, 6, 16]], [4, 6, 2, 8])
     assert family_of("view").independent_dims(view) == {0, 1}
     merge = _spec("view", "aten.view.default", [v(0), [24, 16]], [[4, 6, 16]], [24, 16])
-    assert family_of("view").independent_dims(merge) == frozenset()   # dim 1 was dim 2
+    # dim 1 was dim 2; dim 0 holds whole rows of dim-0 blocks of the input (the batch merged
+    # with the next dim): independent, the alignment checked by decomp.common.batch_dim_ok
+    assert family_of("view").independent_dims(merge) == frozenset({0})
+    mixed = _spec("view", "aten.view.default", [v(0), [6, 4, 16]], [[4, 6, 16]], [6, 4, 16])
+    assert family_of("view").independent_dims(mixed) == frozenset({2})   # rows regrouped
     exp = _spec("expand", "aten.expand.default", [v(0), [-1, 8]], [[4, 1]], [4, 8])
     assert family_of("expand").independent_dims(exp) == {0}
     named = _spec("expand", "aten.expand.default", [v(0), [4, 8]], [[4, 1]], [4, 8])

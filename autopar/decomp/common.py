@@ -87,20 +87,36 @@ def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int
     return prim.allreduce_s(ctx, g * (2 * c + 1) * 4, group), prim.allreduce_s(ctx, 2 * c * 4, group)
 
 
-def batch_dim_ok(layer: Layer) -> str | None:
+def batch_dim_ok(layer: Layer, merged_parts: int | None = None) -> str | None:
     """Sample splitting needs dim 0 to be the batch in every tensor of the layer, and every op
     to run on blocks of samples: dim 0 among its family's ``independent_dims`` (run unchanged
     by ``runtime.ops.call_local``) or ``synced_dims`` (batch norm: ``sync_batch_norm``).
-    Unregistered ops (kind ``other``) are independent along no dim."""
+    Unregistered ops (kind ``other``) are independent along no dim.
+
+    ``merged_parts``: also accept tensors whose dim 0 is the batch merged with the dims after
+    it (``x.view(-1, E)`` of a ``(N, S, E)`` activation: ``N S`` rows, as Hugging Face's
+    Conv1D does), when ``merged_parts`` divides the batch N (the smallest dim 0 of the layer):
+    block c of the ``N S`` rows is then exactly the rows of sample block c, so a view between
+    the two forms is local. Not with batch norm (its statistics are per sample group)."""
     n = None
+    dims0 = []
     for op in layer.ops:
         for s in list(op.in_shapes) + [op.out_shape]:
             if not s:
                 return f"op {op.name} has a scalar tensor"
-            if n is None:
-                n = s[0]
-            elif s[0] != n:
-                return f"op {op.name} changes dim 0 ({n} -> {s[0]}): dim 0 is not the batch"
+            if merged_parts is not None and math.prod(int(n) for n in s) == 0 and s is not op.out_shape:
+                continue        # an empty operand (an empty cache concatenated to): no rows
+            dims0.append((op, int(s[0])))
+    if dims0:
+        n = min(d for _, d in dims0) if merged_parts is not None else dims0[0][1]
+        for op, d in dims0:
+            if d == n:
+                continue
+            merged = (merged_parts is not None and n > 0 and d % n == 0 and n % merged_parts == 0
+                      and not any(o.kind == BATCH_NORM for o in layer.ops))
+            if not merged:
+                return f"op {op.name} changes dim 0 ({n} -> {d}): dim 0 is not the batch"
+    for op in layer.ops:
         fam = family_of(op.kind)
         if 0 not in fam.independent_dims(op) and 0 not in fam.synced_dims(op):
             if op.kind == OTHER:

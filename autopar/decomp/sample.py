@@ -34,6 +34,12 @@ class Sample(Decomposition):
         return Layout(((0, self.parts),))
 
     def in_layout(self, layer: Layer, value: str) -> Layout:
+        try:
+            shape = layer.in_shape(value)
+        except KeyError:
+            return self.layout()
+        if not shape or any(int(n) == 0 for n in shape):
+            return Layout()      # an empty operand (an empty cache): whole, there is nothing to split
         return self.layout()
 
     def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
@@ -57,10 +63,11 @@ class Sample(Decomposition):
             return why
         if ctx.world % self.parts:
             return f"{self.parts} parts do not divide world size {ctx.world}"
-        why = batch_dim_ok(layer)
+        why = batch_dim_ok(layer, merged_parts=self.parts)
         if why:
             return why
-        n = layer.out_shape[0]
+        n = min([int(layer.out_shape[0])] + [int(s[0]) for op in layer.ops for s in op.in_shapes
+                                             if s and all(int(k) for k in s)])
         if n < self.parts:
             return f"batch {n} < {self.parts} sample parts (some rank would hold no sample)"
         return None

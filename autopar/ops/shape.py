@@ -6,6 +6,8 @@ Views (every kind here but ``cat`` and ``stack``) cost nothing and save nothing.
 
 from __future__ import annotations
 
+import math
+
 from .registry import (OpFamily, arg, kept_view_dims, numel, register_family,
                        register_multi_output, same_index_dims)
 
@@ -50,7 +52,24 @@ class View(_View):
     aten = frozenset({"view", "reshape", "_unsafe_view"})
 
     def independent_dims(self, op):
-        return kept_view_dims(op.in_shapes[0], op.out_shape) & same_index_dims(op, range(len(op.out_shape)))
+        dims = kept_view_dims(op.in_shapes[0], op.out_shape) & same_index_dims(op, range(len(op.out_shape)))
+        if _merges_into_dim0(op.in_shapes[0], op.out_shape) or _merges_into_dim0(op.out_shape, op.in_shapes[0]):
+            dims = dims | {0}
+        return dims
+
+
+def _merges_into_dim0(a, b) -> bool:
+    """Whether ``b`` is ``a`` with its leading dims merged into dim 0 (``(N, S, E) -> (N S, E)``,
+    Hugging Face's Conv1D): a block of rows of ``b`` whose size is a multiple of ``prod(a[1:j])``
+    is the view of a block of ``a`` along dim 0, so the view runs unchanged on such blocks (the
+    decompositions that accept it check the alignment: ``decomp.common.batch_dim_ok``)."""
+    a, b = [int(n) for n in a], [int(n) for n in b]
+    if not a or not b or a[0] == b[0]:
+        return False
+    for j in range(2, len(a) + 1):
+        if math.prod(a[:j]) == b[0] and a[j:] == b[1:]:
+            return True
+    return False
 
 
 @register_family
@@ -176,8 +195,13 @@ class Cat(OpFamily):
         return sum(numel(s) for s in in_shapes) * itemsize
 
     def independent_dims(self, op):
-        d = op.attrs.get("dim", 0) % max(1, len(op.out_shape))
-        return same_index_dims(op, [i for i in range(len(op.out_shape)) if i != d])
+        """Empty operands (a legacy empty cache, ``torch.cat([tensor([]), k])``) add nothing
+        and are ignored; the others must line up with the output's blocks."""
+        out = [int(n) for n in op.out_shape]
+        d = op.attrs.get("dim", 0) % max(1, len(out))
+        full = [s for s in op.in_shapes if math.prod(int(n) for n in s) != 0]
+        return frozenset(i for i in range(len(out)) if i != d
+                         and all(i < len(s) and int(s[i]) == out[i] for s in full))
 
 
 @register_family
