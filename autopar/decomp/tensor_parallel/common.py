@@ -72,5 +72,19 @@ def two_axis_candidates(cls, ctx: CostContext) -> list:
     return [cls(ctx.world // p, p) for p in range(2, min(ctx.world, top) + 1) if ctx.world % p == 0]
 
 
+def mesh_check(dec, layer, ctx: CostContext) -> str | None:
+    """The checks every (sample, parts) kind starts with, prefixed with the unit's name: the
+    protocol's own (``Decomposition.check``: registered ops, no constants) and the mesh
+    covering the world."""
+    from ..base import Decomposition
+    name = layer.module or layer.name
+    why = Decomposition.check(dec, layer, ctx)
+    if why:
+        return f"{name}: {why}"
+    if dec.sample * dec.parts != ctx.world:
+        return f"{name}: {dec.sample} x {dec.parts} ranks, world size is {ctx.world}"
+    return None
+
+
 def nbytes(shape, itemsize: int) -> float:
     return float(math.prod(int(n) for n in shape) * itemsize)

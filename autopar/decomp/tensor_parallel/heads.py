@@ -44,7 +44,7 @@ from ..common import batch_dim_ok
 from ..ir import (ATTENTION, BINARY, CAT, DROPOUT, EXPAND, FLATTEN, LAYER_NORM, LINEAR, MATMUL,
                   PERMUTE, RMS_NORM, SLICE, SOFTMAX, SQUEEZE, UNARY, VIEW, Layer, OpSpec)
 from ..layout import Layout, block_extent
-from .common import grad_sync, mesh, two_axis_candidates
+from .common import grad_sync, mesh, mesh_check, two_axis_candidates
 
 _RESHAPES = (VIEW, FLATTEN, SQUEEZE)
 SUPPORTED = frozenset({LINEAR, SLICE, VIEW, FLATTEN, SQUEEZE, EXPAND, PERMUTE, ATTENTION, UNARY,
@@ -328,12 +328,10 @@ class HeadParallel(Decomposition):
         return out
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
-        name = layer.module or layer.name
-        why = super().check(layer, ctx)
+        why = mesh_check(self, layer, ctx)
         if why:
-            return f"{name}: {why}"
-        if self.sample * self.parts != ctx.world:
-            return f"{name}: {self.sample} x {self.parts} ranks, world size is {ctx.world}"
+            return why
+        name = layer.module or layer.name
         an, why = cached_analysis(layer, self.parts)
         if why:
             return f"{name}: head parallelism over {self.parts}: {why}"

@@ -28,7 +28,7 @@ from ..base import CostContext, Decomposition, LayerCost, register
 from ..common import price_replicated_weights
 from ..ir import BINARY, DROPOUT, LAYER_NORM, RMS_NORM, UNARY, Layer
 from ..layout import Layout, block_extent, block_start
-from .common import two_axis_candidates
+from .common import mesh_check, two_axis_candidates
 
 SUPPORTED = frozenset({LAYER_NORM, RMS_NORM, UNARY, BINARY, DROPOUT})
 
@@ -63,12 +63,10 @@ class SequenceParallel(Decomposition):
         return two_axis_candidates(cls, ctx)
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
-        name = layer.module or layer.name
-        why = super().check(layer, ctx)
+        why = mesh_check(self, layer, ctx)
         if why:
-            return f"{name}: {why}"
-        if self.sample * self.parts != ctx.world:
-            return f"{name}: {self.sample} x {self.parts} ranks, world size is {ctx.world}"
+            return why
+        name = layer.module or layer.name
         n, seq = int(layer.out_shape[0]), int(layer.out_shape[1])
         for op in layer.ops:
             if list(op.out_shape) != list(layer.out_shape):

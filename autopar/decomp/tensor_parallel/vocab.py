@@ -19,7 +19,7 @@ from ..base import CostContext, Decomposition, LayerCost, ParamShard, register
 from ..common import batch_dim_ok
 from ..ir import EMBEDDING, Layer, OpSpec
 from ..layout import Layout, block_extent, block_start
-from .common import grad_sync, mesh, two_axis_candidates
+from .common import grad_sync, mesh, mesh_check, two_axis_candidates
 
 
 @register
@@ -54,12 +54,10 @@ class VocabParallel(Decomposition):
         return two_axis_candidates(cls, ctx)
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
-        name = layer.module or layer.name
-        why = super().check(layer, ctx)
+        why = mesh_check(self, layer, ctx)
         if why:
-            return f"{name}: {why}"
-        if self.sample * self.parts != ctx.world:
-            return f"{name}: {self.sample} x {self.parts} ranks, world size is {ctx.world}"
+            return why
+        name = layer.module or layer.name
         if len(layer.ops) != 1:
             return f"{name}: an op after the embedding would run on a partial sum"
         op = layer.anchor
