@@ -40,11 +40,10 @@ import functools
 from dataclasses import dataclass
 
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
-from ..common import batch_dim_ok
 from ..ir import REGISTERED, Layer, OpSpec
 from ..layout import Layout
-from .graph import PARTIAL, SHARED, SPLIT, BranchAnalysis, analysis
-from .heads import HeadGroups, data_degree, head_plan  # noqa: F401  (registration)
+from .graph import PARTIAL, SHARED, SPLIT, BranchAnalysis, analysis, refuse_batch_norm
+from .heads import HeadGroups, data_degree, groups_check, head_plan  # noqa: F401  (registration)
 
 __all__ = ["Branch", "BranchParamShard", "HeadGroups", "analysis", "head_plan", "SHARED", "PARTIAL",
            "SPLIT"]
@@ -165,23 +164,15 @@ class Branch(Decomposition):
         why = super().check(layer, ctx)
         if why:
             return why
-        bn = next((op.name for op in layer.ops if op.kind == "batch_norm"), None)
-        if bn:      # its statistics and running buffers would follow one group's samples only
-            return f"{bn}: batch norm inside a branch unit is not supported"
+        why = refuse_batch_norm(layer)
+        if why:
+            return why
         an = analysis(layer)
         if an.problem:
             return an.problem
         if an.count % self.groups:
             return f"{self.groups} branch groups do not divide the unit's {an.count} branches"
-        if self.data * self.groups * self.replicas != ctx.world:
-            return (f"{self.data} data x {self.groups} branch groups x {self.replicas} replicas is not "
-                    f"world size {ctx.world}")
-        why = batch_dim_ok(layer)
-        if why:
-            return why
-        if layer.out_shape[0] < self.data:
-            return f"batch {layer.out_shape[0]} < {self.data} sample blocks"
-        return None
+        return groups_check(self, layer, ctx, "branch groups")
 
     # ---- cost ----------------------------------------------------------------------------
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
@@ -201,7 +192,6 @@ class Branch(Decomposition):
         """
         from ...cost import primitives as prim
         an = analysis(layer)
-        lay = self._layout()
         item = layer.itemsize
         common_f = common_b = common_saved = 0.0
         grp_f = [0.0] * self.groups

@@ -72,9 +72,8 @@ def _heavy(op) -> bool:
         or op.kind in _HEAVY_KINDS
 
 
-def analyse(layer: Layer) -> BranchAnalysis:
-    """Branches, roles and states of ``layer``'s ops (see the module docstring)."""
-    ops = layer.ops
+def ancestors(ops) -> dict[str, set[str]]:
+    """op name -> the ops of ``ops`` (in graph order) it depends on, directly or not."""
     mine = {op.name for op in ops}
     anc: dict[str, set[str]] = {}
     for op in ops:
@@ -84,6 +83,20 @@ def analyse(layer: Layer) -> BranchAnalysis:
                 a.add(v)
                 a |= anc[v]
         anc[op.name] = a
+    return anc
+
+
+def refuse_batch_norm(layer: Layer) -> str | None:
+    """Why a branch unit cannot hold batch norm: its statistics and running buffers would
+    follow one group's samples only."""
+    bn = next((op.name for op in layer.ops if op.kind == "batch_norm"), None)
+    return f"{bn}: batch norm inside a branch unit is not supported" if bn else None
+
+
+def analyse(layer: Layer) -> BranchAnalysis:
+    """Branches, roles and states of ``layer``'s ops (see the module docstring)."""
+    ops = layer.ops
+    anc = ancestors(ops)
     heavy = [op.name for op in ops if _heavy(op)]
 
     def comparable(x: str, y: str) -> bool:

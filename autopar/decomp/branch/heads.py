@@ -37,7 +37,7 @@ from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, 
 from ..common import batch_dim_ok
 from ..ir import REGISTERED, Layer, OpSpec
 from ..layout import Layout
-from .graph import _number_operand
+from .graph import _number_operand, ancestors, refuse_batch_norm
 
 P = "P"
 _SUMS = ("aten.add.Tensor", "aten.sub.Tensor")
@@ -82,15 +82,7 @@ def head_plan(layer: Layer, groups: int, ffn: bool) -> HeadPlan:
     """States and op modes of ``layer`` under G = ``groups`` (module docstring); ``problem``
     says why the unit cannot take the split."""
     hp = HeadPlan()
-    mine = {op.name for op in layer.ops}
-    anc: dict[str, set[str]] = {}
-    for op in layer.ops:
-        a: set[str] = set()
-        for v in op.inputs:
-            if v in mine:
-                a.add(v)
-                a |= anc[v]
-        anc[op.name] = a
+    anc = ancestors(layer.ops)
     attn = [op.name for op in layer.ops if op.kind == "attention"]
     if not attn:
         hp.problem = f"unit {layer.module or layer.name} has no attention op (no heads to group)"
@@ -177,6 +169,20 @@ def plan_of(layer: Layer, groups: int, ffn: bool) -> HeadPlan:
     hp = head_plan(layer, groups, ffn)
     _CACHE[key] = (layer, hp)
     return hp
+
+
+def groups_check(dec, layer: Layer, ctx: CostContext, what: str) -> str | None:
+    """The checks a (data, groups, replicas) kind ends with: the three cover the world, every
+    op runs on blocks of samples, and every sample block holds a sample."""
+    if dec.data * dec.groups * dec.replicas != ctx.world:
+        return (f"{dec.data} data x {dec.groups} {what} x {dec.replicas} replicas is not "
+                f"world size {ctx.world}")
+    why = batch_dim_ok(layer)
+    if why:
+        return why
+    if layer.out_shape[0] < dec.data:
+        return f"batch {layer.out_shape[0]} < {dec.data} sample blocks"
+    return None
 
 
 def data_degree(world: int, groups: int, batch: int) -> tuple[int, int]:
@@ -268,21 +274,13 @@ class HeadGroups(Decomposition):
         why = super().check(layer, ctx)
         if why:
             return why
-        bn = next((op.name for op in layer.ops if op.kind == "batch_norm"), None)
-        if bn:      # its statistics and running buffers would follow one group's samples only
-            return f"{bn}: batch norm inside a branch unit is not supported"
+        why = refuse_batch_norm(layer)
+        if why:
+            return why
         hp = self._plan(layer)
         if hp.problem:
             return hp.problem
-        if self.data * self.groups * self.replicas != ctx.world:
-            return (f"{self.data} data x {self.groups} head groups x {self.replicas} replicas is "
-                    f"not world size {ctx.world}")
-        why = batch_dim_ok(layer)
-        if why:
-            return why
-        if layer.out_shape[0] < self.data:
-            return f"batch {layer.out_shape[0]} < {self.data} sample blocks"
-        return None
+        return groups_check(self, layer, ctx, "head groups")
 
     # ---- cost ----------------------------------------------------------------------------
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
