@@ -341,33 +341,17 @@ def _layer_options_once(memo: dict, sig: str, lay: Layer, ctx: CostContext, kind
     link level of every group its pricing asked about (as ``decomp.base.price_once`` does per
     call): a placement that leaves all those levels as they were gets the same options without
     walking its candidates again."""
-    from ..decomp.base import _level_into, _levels_known
+    from ..decomp.base import memo_lookup, record_levels
     key = ("layer options", sig, tuple(kinds) if kinds is not None else None, prune, id(choice_filter))
-    entries = memo.get(key)
-    if entries:
-        known = _levels_known(memo, ctx)
-        for groups, levels, opts, specs in entries:
-            if all((known.get(g) or _level_into(known, ctx, g)) == lv for g, lv in zip(groups, levels)):
-                if ctx.level_log is not None:
-                    ctx.level_log.update(groups)
-                if specs and ctx.spec_log is not None:
-                    ctx.spec_log.extend(specs)
-                return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,
-                                    list(opts.exact_keys), list(opts.illegal_choices),
-                                    opts._check_ctx)
-    outer = ctx.level_log
+    hit = memo_lookup(memo, ctx, memo.get(key))
+    if hit is not None:
+        _, _, opts, specs = hit
+        if specs and ctx.spec_log is not None:
+            ctx.spec_log.extend(specs)
+        return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,
+                            list(opts.exact_keys), list(opts.illegal_choices), opts._check_ctx)
     n_specs = len(ctx.spec_log) if ctx.spec_log is not None else 0
-    ctx.level_log = set()
-    try:
-        opts = layer_options(lay, ctx, kinds, prune, choice_filter)
-        asked = ctx.level_log
-    finally:
-        ctx.level_log = outer
-    if outer is not None:
-        outer |= asked
-    groups = tuple(asked)
-    known = _levels_known(memo, ctx)
-    levels = tuple(known.get(g) or _level_into(known, ctx, g) for g in groups)
+    opts, groups, levels = record_levels(memo, ctx, lambda: layer_options(lay, ctx, kinds, prune, choice_filter))
     specs = list(ctx.spec_log[n_specs:]) if ctx.spec_log is not None else []
     memo.setdefault(key, []).append((groups, levels, opts, specs))
     return LayerOptions(lay, list(opts.choices), list(opts.costs), opts.illegal_reasons,

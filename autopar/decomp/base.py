@@ -395,32 +395,17 @@ def price_once(fn, name: str):
         if memo is None:
             return fn(obj, layer, ctx)
         key = (name, fn, obj, id(layer))     # fn: a subclass method calling super() has its own entry
-        entries = memo.get(key)
-        if entries:
-            known = _levels_known(memo, ctx)
-            for groups, levels, value, keys, specs in entries:
-                if all((known.get(g) or _level_into(known, ctx, g)) == lv for g, lv in zip(groups, levels)):
-                    if ctx.level_log is not None:      # an enclosing call records them too
-                        ctx.level_log.update(groups)
-                    if keys and ctx.key_log is not None:
-                        ctx.key_log.extend(keys)
-                    if specs and ctx.spec_log is not None:
-                        ctx.spec_log.extend(specs)
-                    return list(value) if isinstance(value, list) else value
-        outer = ctx.level_log
+        hit = memo_lookup(memo, ctx, memo.get(key))
+        if hit is not None:
+            _, _, value, keys, specs = hit
+            if keys and ctx.key_log is not None:
+                ctx.key_log.extend(keys)
+            if specs and ctx.spec_log is not None:
+                ctx.spec_log.extend(specs)
+            return list(value) if isinstance(value, list) else value
         n_keys = len(ctx.key_log) if ctx.key_log is not None else 0
         n_specs = len(ctx.spec_log) if ctx.spec_log is not None else 0
-        ctx.level_log = set()
-        try:
-            value = fn(obj, layer, ctx)
-            asked = ctx.level_log
-        finally:
-            ctx.level_log = outer
-        if outer is not None:
-            outer |= asked
-        groups = tuple(asked)
-        known = _levels_known(memo, ctx)
-        levels = tuple(known.get(g) or _level_into(known, ctx, g) for g in groups)
+        value, groups, levels = record_levels(memo, ctx, lambda: fn(obj, layer, ctx))
         keys = list(ctx.key_log[n_keys:]) if ctx.key_log is not None else []
         specs = list(ctx.spec_log[n_specs:]) if ctx.spec_log is not None else []
         memo.setdefault(key, []).append((groups, levels, list(value) if isinstance(value, list) else value,
@@ -428,6 +413,40 @@ def price_once(fn, name: str):
         return value
     memoized._price_once = True
     return memoized
+
+
+def memo_lookup(memo: dict, ctx: CostContext, entries):
+    """The first of ``entries`` (tuples starting ``groups, levels``) whose every recorded group
+    has the same link level under ``ctx.placement``, or None; its groups are added to an
+    enclosing call's ``ctx.level_log`` (that call depends on them too)."""
+    if not entries:
+        return None
+    known = _levels_known(memo, ctx)
+    for entry in entries:
+        groups, levels = entry[0], entry[1]
+        if all((known.get(g) or _level_into(known, ctx, g)) == lv for g, lv in zip(groups, levels)):
+            if ctx.level_log is not None:
+                ctx.level_log.update(groups)
+            return entry
+    return None
+
+
+def record_levels(memo: dict, ctx: CostContext, compute):
+    """``(compute(), groups, levels)``: the groups whose link level ``compute`` asked about
+    (``ctx.level_log``) and their levels under ``ctx.placement``, also passed on to an
+    enclosing call's log."""
+    outer = ctx.level_log
+    ctx.level_log = set()
+    try:
+        value = compute()
+        asked = ctx.level_log
+    finally:
+        ctx.level_log = outer
+    if outer is not None:
+        outer |= asked
+    groups = tuple(asked)
+    known = _levels_known(memo, ctx)
+    return value, groups, tuple(known.get(g) or _level_into(known, ctx, g) for g in groups)
 
 
 def _levels_known(memo: dict, ctx: CostContext) -> dict:
