@@ -7,6 +7,7 @@ messages' dtype and device only)."""
 from __future__ import annotations
 
 from .registry import OpFamily, arg, numel, register_family, same_index_dims
+from .shape import _View
 
 
 @register_family
@@ -42,24 +43,13 @@ class Pad(OpFamily):
 
 
 @register_family
-class ExpandAs(OpFamily):
+class ExpandAs(_View):
     """``aten.expand_as(x, other)``: a view (free), independent along every dim where ``x``
     is not broadcast (both operands then have the output's extent there)."""
 
     kind = "expand_as"
     aten = frozenset({"expand_as"})
     n_act = (2,)
-    free = True
-    exact_measured = False
-
-    def flops(self, op):
-        return 0.0, 0.0
-
-    def local_flops(self, op, in_shapes, out_shape, w_shape=None):
-        return 0.0
-
-    def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
-        return 0.0
 
     def independent_dims(self, op):
         return same_index_dims(op, range(len(op.out_shape)))
