@@ -357,10 +357,10 @@ def _anchor(op: OpSpec, inputs: list[Any], params: dict[str, Any], buffers: dict
             keep_bias: bool):
     """(the anchor's local result, its bias or None): with ``keep_bias`` False the anchor runs
     without its bias, for layers whose partial sums must not each add it."""
-    from ...runtime.ops import resolve_target, substitute
+    from ...runtime.ops import resolve_target, substitute_cached
     values = dict(zip(op.inputs, inputs))
-    args = substitute(op.args, values, params, buffers)
-    kwargs = substitute(op.kwargs, values, params, buffers)
+    args = substitute_cached(op.args, values, params, buffers)
+    kwargs = substitute_cached(op.kwargs, values, params, buffers)
     bias = None
     if not keep_bias:
         if len(args) > 2:

@@ -231,7 +231,7 @@ class ItemSplit(Decomposition):
     # ---- runtime ---------------------------------------------------------------------------
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
             buffers: dict[str, Any]):
-        from ...runtime.ops import call_local, resolve_target, substitute
+        from ...runtime.ops import call_local, resolve_target, substitute_cached
         lays = self.value_layouts(layer)
         out_lay = lays[op.name]
         local_out = out_lay.local_shape(op.out_shape, comm.rank, comm.world)
@@ -242,8 +242,8 @@ class ItemSplit(Decomposition):
                 inputs = [x.new_zeros(x.shape) if v == base else x for v, x in zip(op.inputs, inputs)]
         if op.kind in ("expand", "new_tensor") and local_out != tuple(op.out_shape):
             values = dict(zip(op.inputs, inputs))
-            args = substitute(op.args, values, params, buffers)
-            kwargs = substitute(op.kwargs, values, params, buffers)
+            args = substitute_cached(op.args, values, params, buffers)
+            kwargs = substitute_cached(op.kwargs, values, params, buffers)
             args[1] = [lo if int(s) == int(g) else s for s, g, lo in zip(args[1], op.out_shape, local_out)]
             return resolve_target(op.target)(*args, **kwargs)
         return call_local(op, inputs, params, buffers, local_out_shape=local_out)

@@ -411,7 +411,7 @@ class HeadParallel(Decomposition):
     # ---- runtime ----------------------------------------------------------------------------
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
             buffers: dict[str, Any]):
-        from ...runtime.ops import local_sizes, resolve_target, substitute
+        from ...runtime.ops import local_sizes, resolve_target, substitute_cached
         from ..channel_filter import _add_bias, _anchor
         an, why = cached_analysis(layer, self.parts)
         if an is None:
@@ -421,8 +421,8 @@ class HeadParallel(Decomposition):
             y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
             return _add_bias(y, bias if ct == 0 else None, op)
         values = dict(zip(op.inputs, inputs))
-        args = substitute(op.args, values, params, buffers)
-        kwargs = substitute(op.kwargs, values, params, buffers)
+        args = substitute_cached(op.args, values, params, buffers)
+        kwargs = substitute_cached(op.kwargs, values, params, buffers)
         if op.name in an.slices:
             s0, s1 = an.slices[op.name]
             if op.target.startswith("aten.narrow"):
