@@ -210,6 +210,20 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
             placed = search_placement(ctx, placement, build, solve_table, evaluate)
             search_s = time.perf_counter() - t
     table, sol, pred = placed.table, placed.solution, placed.prediction
+    # the plan-wide price of running op by op (``cost.native``): the native data-parallel plan
+    # is taken when it is predicted at least as fast (never against pinned layers or a filter)
+    from .cost.native import choose_runtime
+    runtime, rt_pred = choose_runtime(table, sol.choice, evaluate, memory_limit_bytes)
+    if runtime.choice != list(sol.choice) and (force or choice_filter is not None):
+        runtime = dataclasses.replace(runtime, choice=list(sol.choice), runtime="traced",
+                                      step_time_s=runtime.ilp_step_time_s,
+                                      reason="layers pinned or filtered: the ILP's plan is kept")
+    else:
+        if runtime.choice != list(sol.choice):
+            sol = dataclasses.replace(sol, choice=runtime.choice, notes=list(sol.notes) + [
+                f"replaced by the native data-parallel plan: {runtime.reason}"])
+        pred = rt_pred
+    say(f"runtime: {runtime.runtime} ({runtime.reason})")
     timings["cost_s"] = sum(tables_s) + sum(edges_s)
     timings["solve_s"] = sum(t for t, _ in solves)
     # where the time went (``--verbose``, plan.json): the first table with its transitions,
@@ -228,7 +242,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     out_dir = Path(o.out_dir) if o.out_dir is not None else default_plan_dir(mf.name, world_size)
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
-    plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json())
+    plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json(),
+                               extra={**plan.extra, "runtime": runtime.to_json()})
     if ondemand is not None:
         plan = dataclasses.replace(plan, calibration={**plan.calibration,
                                                       "shapes_on_demand": ondemand.to_json()})

@@ -288,10 +288,11 @@ def test_tiny_calibration_end_to_end(tmp_path):
         warnings.simplefilter("error")
         prof = load_profile(out)  # this machine: no fingerprint warning
     assert prof.provenance["kind"] == "measured" and prof.provenance["command"] == "pytest"
-    assert set(prof.kernels) == set(OP_CLASSES) | {"runtime_op", "optimizer_step"}
+    assert set(prof.kernels) == set(OP_CLASSES) | {"runtime_op", "runtime_traced_op", "optimizer_step"}
     assert prof.kernels["runtime_op"]["t0_s"] >= 0   # measured, not fitted
+    assert prof.kernels["runtime_traced_op"]["t0_s"] >= 0
     for op, k in prof.kernels.items():
-        if op == "runtime_op":
+        if op in ("runtime_op", "runtime_traced_op"):
             continue
         assert k["heldout_median_rel_err"] is not None, op
         assert prof.kernel_time_s(op, 1e6, 1e6) > 0

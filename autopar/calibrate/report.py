@@ -102,6 +102,9 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
     if "runtime_op" in profile.kernels:
         lines += ["", f"Runtime per-op cost beyond the kernels: "
                   f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]
+    if "runtime_traced_op" in profile.kernels:
+        lines += ["", f"Op-by-op runtime beyond the native module (the planner's discount for plans "
+                  f"that run the user's module): {profile.kernels['runtime_traced_op']['t0_s'] * 1e6:.1f} us per op."]
     opt = profile.kernels.get("optimizer_step")
     if opt:
         lines += ["", f"Optimizer step (SGD, momentum): {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "

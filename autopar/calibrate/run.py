@@ -129,6 +129,11 @@ def _overhead_rank(rank, world, prof):
     return measure_runtime_overhead_s(profile=prof)
 
 
+def _traced_gap_rank(rank, world):
+    from .traced_gap import measure_traced_gap_s
+    return measure_traced_gap_s()
+
+
 def _check_backend(backend: str, world_size: int) -> str:
     """Return the device for ``backend``; CalibrationError if it cannot run here."""
     if backend == "gloo":
@@ -319,6 +324,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     overhead_s = launch(_overhead_rank, 1, (prof,))[0]
     add_runtime_overhead(prof, overhead_s)
     progress(f"{stamp()} runtime per-op cost beyond the kernel model: {overhead_s * 1e6:.1f} us")
+    from .traced_gap import add_traced_gap
+    gap_s = launch(_traced_gap_rank, 1, ())[0]
+    add_traced_gap(prof, gap_s)
+    progress(f"{stamp()} op-by-op runtime beyond the native module: {gap_s * 1e6:.1f} us per op")
     save_profile(prof, out)
     progress(f"{stamp()} wrote {out} (calibration took {elapsed:.1f} s)")
     return out

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .base import CostContext, LayerCost
 from ..ops import family_of
+from ..ops.registry import batch_free_operand
 from .ir import BATCH_NORM, OTHER, Layer
 from .layout import Layout
 
@@ -97,11 +99,15 @@ def batch_dim_ok(layer: Layer, merged_parts: int | None = None) -> str | None:
     it (``x.view(-1, E)`` of a ``(N, S, E)`` activation: ``N S`` rows, as Hugging Face's
     Conv1D does), when ``merged_parts`` divides the batch N (the smallest dim 0 of the layer):
     block c of the ``N S`` rows is then exactly the rows of sample block c, so a view between
-    the two forms is local. Not with batch norm (its statistics are per sample group)."""
+    the two forms is local. Not with batch norm (its statistics are per sample group).
+
+    Operands a broadcasting op reads whole on every block (``batch_free_operand``: a position
+    embedding, a ``[1, 1, S, S]`` mask) have no batch dim to check; ``Sample.in_layout``
+    keeps them whole."""
     n = None
     dims0 = []
     for op in layer.ops:
-        for s in list(op.in_shapes) + [op.out_shape]:
+        for s in [s for s in op.in_shapes if not batch_free_operand(op, s)] + [op.out_shape]:
             if not s:
                 return f"op {op.name} has a scalar tensor"
             if merged_parts is not None and math.prod(int(n) for n in s) == 0 and s is not op.out_shape:
@@ -118,6 +124,7 @@ def batch_dim_ok(layer: Layer, merged_parts: int | None = None) -> str | None:
                 return f"op {op.name} changes dim 0 ({n} -> {d}): dim 0 is not the batch"
     for op in layer.ops:
         fam = family_of(op.kind)
+        op = without_batch_free_operands(op)
         if 0 not in fam.independent_dims(op) and 0 not in fam.synced_dims(op):
             if op.kind == OTHER:
                 return f"op {op.name} ({op.target}) is not registered (autopar.ops): it runs replicated"
@@ -127,3 +134,23 @@ def batch_dim_ok(layer: Layer, merged_parts: int | None = None) -> str | None:
                 return f"op {op.name} concatenates along the batch dim"
             return f"op {op.name} ({op.kind}) does not run unchanged on blocks of samples"
     return None
+
+
+def without_batch_free_operands(op):
+    """``op`` as its blocks of samples see it: the operands read whole (``batch_free_operand``)
+    left out, so the family's ``independent_dims`` judges the batched operands alone."""
+    keep = [i for i, s in enumerate(op.in_shapes) if not batch_free_operand(op, s)]
+    if len(keep) == len(op.in_shapes):
+        return op
+    return dataclasses.replace(op, inputs=[op.inputs[i] for i in keep if i < len(op.inputs)],
+                               in_shapes=[op.in_shapes[i] for i in keep])
+
+
+def batch_free_inputs(layer: Layer) -> frozenset[str]:
+    """Values entering ``layer`` that every op consuming them reads whole under sample
+    parallelism (``batch_free_operand``)."""
+    whole, batched = set(), set()
+    for op in layer.ops:
+        for v, s in zip(op.inputs, op.in_shapes):
+            (whole if batch_free_operand(op, s) else batched).add(v)
+    return frozenset(whole - batched)

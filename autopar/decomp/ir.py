@@ -233,3 +233,18 @@ class LayerGraphData:
                               buffer_updates=[OpSpec.from_json(o) for o in obj.get("buffer_updates", [])],
                               tracer=obj.get("tracer", ""),
                               unregistered=list(obj.get("unregistered", [])))
+
+
+def batch_free_layers(graph) -> frozenset[int]:
+    """Indices of the layers no graph input reaches (computed from constants and weights
+    only): every rank computes them whole, in the module as in a ``replicate`` layer."""
+    batched = {gi.name for gi in graph.inputs}
+    free = set()
+    for lay in graph.layers:
+        if lay.ops and not any(v in batched for v in lay.inputs) and not any(
+                v in batched for op in lay.ops for v in op.inputs):
+            free.add(lay.index)
+        else:
+            batched.update(lay.outputs)
+            batched.update(op.name for op in lay.ops)
+    return frozenset(free)

@@ -14,7 +14,8 @@ import functools
 from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, divisors, register
-from .common import batch_dim_ok, price_replicated_weights
+from .common import batch_dim_ok, batch_free_inputs, price_replicated_weights
+from ..ops.registry import batch_free_operand
 from .ir import BATCH_NORM, REGISTERED, Layer
 from .layout import Layout
 
@@ -40,6 +41,8 @@ class Sample(Decomposition):
             return self.layout()
         if not shape or any(int(n) == 0 for n in shape):
             return Layout()      # an empty operand (an empty cache): whole, there is nothing to split
+        if value in batch_free_inputs(layer):
+            return Layout()      # read whole by a broadcasting op on every block (a position embedding)
         return self.layout()
 
     def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
@@ -67,7 +70,7 @@ class Sample(Decomposition):
         if why:
             return why
         n = min([int(layer.out_shape[0])] + [int(s[0]) for op in layer.ops for s in op.in_shapes
-                                             if s and all(int(k) for k in s)])
+                                             if s and all(int(k) for k in s) and not batch_free_operand(op, s)])
         if n < self.parts:
             return f"batch {n} < {self.parts} sample parts (some rank would hold no sample)"
         return None

@@ -33,6 +33,25 @@ DEFAULT_TOL = {"float64": (1e-9, 1e-12), "float32": (2e-5, 1e-7)}
 RULE = "max|a-b| <= rtol*max|ref| + atol per tensor"
 
 
+def max_abs_diff(a, b) -> float:
+    """max |a - b| with equal elements counted as 0 (equal infinities: a ``-inf`` causal mask
+    held by both sides is no difference)."""
+    if not a.numel():
+        return 0.0
+    a, b = a.double(), b.double()
+    d = (a - b).abs()
+    return float(d.masked_fill(a == b, 0.0).max())
+
+
+def max_abs_finite(t) -> float:
+    """max |t| over the finite elements (the scale of the relative tolerance)."""
+    import torch
+    if not t.numel():
+        return 0.0
+    a = t.detach().double().abs()
+    return float(a.masked_fill(~torch.isfinite(a), 0.0).max())
+
+
 def compare(name: str, got, ref, rtol: float, atol: float) -> Check:
     """One tensor against its single-process reference."""
     got = got.detach().double()
@@ -40,8 +59,8 @@ def compare(name: str, got, ref, rtol: float, atol: float) -> Check:
     if tuple(got.shape) != tuple(ref.shape):
         return Check(tensor=name, passed=False, max_abs_diff=math.inf, max_abs_ref=0.0, rel=math.inf,
                      note=f"shape {tuple(got.shape)} != {tuple(ref.shape)}")
-    diff = float((got - ref).abs().max()) if got.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    diff = max_abs_diff(got, ref)
+    scale = max_abs_finite(ref)
     ok = diff <= rtol * scale + atol
     return Check(tensor=name, passed=bool(ok), max_abs_diff=diff, max_abs_ref=scale,
                  rel=diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
@@ -107,7 +126,7 @@ def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=No
         b = dm.loss_layout().local_bounds(ref0.shape, rank, world)
         sl = tuple(slice(s, s + e) for s, e in b)
         names.append("replica:output")
-        diffs.append(float((out_local.double() - ref0[sl].double()).abs().max()) if out_local.numel() else 0.0)
+        diffs.append(max_abs_diff(out_local, ref0[sl]))
 
     for safe, p in dm.params.items():
         qual = dm.qualname[safe]
@@ -117,7 +136,7 @@ def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=No
         for kind, mine, full in (("grad", g, grads[qual]), ("param_after_step", p.detach(), after[qual])):
             full = of_rank0(sh, full)
             names.append(f"replica:{kind}:{qual}")
-            diffs.append(float((mine.double() - full[sl].double()).abs().max()) if mine.numel() else 0.0)
+            diffs.append(max_abs_diff(mine, full[sl]))
     owner = {}
     for lay in dm.graph.layers:
         dec = dm.decisions[lay.index]
@@ -132,7 +151,7 @@ def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=No
         sl = sh.index(buf.shape, rank, world)
         full = of_rank0(sh, full_bufs[q])
         names.append(f"replica:buffer:{q}")
-        diffs.append(float((buf[sl].double() - full[sl].double()).abs().max()) if buf.numel() else 0.0)
+        diffs.append(max_abs_diff(buf[sl], full[sl]))
     t = torch.tensor(diffs, dtype=torch.float64, device=comm.device)
     if world > 1 and t.numel():
         comm.all_reduce_(t, dist.ReduceOp.MAX)
@@ -210,7 +229,7 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
         else:
             kind, qual = ref_name.split(":", 1)
             full = {"grad": grads, "param_after_step": after, "buffer": full_bufs}[kind][qual]
-        scale = float(full.detach().double().abs().max()) if full.numel() else 0.0
+        scale = max_abs_finite(full)
         checks.append(Check(tensor=name, passed=bool(d <= rtol * scale + atol), max_abs_diff=d,
                             max_abs_ref=scale, rel=d / scale if scale > 0 else (0.0 if d == 0 else math.inf),
                             note="every rank's block against the assembled tensor"))

@@ -51,6 +51,7 @@ class Binary(OpFamily):
     aten = BINARY_OPS
     n_act = (1, 2)
     transparent = True
+    broadcasts = True
 
     def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
         if op.target.startswith(("aten.mul", "aten.div")):

@@ -97,6 +97,10 @@ class OpFamily:
     parametric: ClassVar[bool] = False
     free: ClassVar[bool] = False
     exact_measured: ClassVar[bool] = True
+    #: operands broadcast against the output by torch's rules (trailing dims aligned, extent 1
+    #: stretched): an operand without the output's dim 0 is then used whole on every block of
+    #: samples (``batch_free_operand``)
+    broadcasts: ClassVar[bool] = False
 
     # ---- matching -----------------------------------------------------------------------
     def matches(self, base: str, n_act: int, node: Any = None) -> bool:
@@ -276,6 +280,19 @@ def same_index_dims(op, candidates) -> frozenset[int]:
         if all(d < len(s) and int(s[d]) == int(out[d]) for s in op.in_shapes):
             keep.add(d)
     return frozenset(keep)
+
+
+def batch_free_operand(op, shape: Shape) -> bool:
+    """True when ``op`` broadcasts (``OpFamily.broadcasts``) and its operand of ``shape`` has no
+    extent along the output's dim 0: fewer dims than the output (aligned to its trailing dims),
+    or extent 1 where the output has more. Every block of samples then reads the whole operand
+    (a position embedding added to token embeddings, a ``[1, 1, S, S]`` mask), and its gradient
+    on a rank is that block's share, summed over the ranks like a weight's."""
+    out = list(op.out_shape)
+    if not out or not family_of(op.kind).broadcasts:
+        return False
+    s = list(shape)
+    return len(s) < len(out) or (len(s) == len(out) and int(s[0]) == 1 and int(out[0]) != 1)
 
 
 def all_dims(op) -> range:

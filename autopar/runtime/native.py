@@ -102,10 +102,14 @@ def native_enabled() -> bool:
 def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Module,
                    batch: int) -> str | None:
     """None when the plan may run ``model`` natively (module docstring), else the reason."""
+    from ..decomp.ir import batch_free_layers
+    free = batch_free_layers(graph)
     for lay in graph.layers:
         dec = decisions[lay.index]
-        if dec.kind == "replicate" and lay.ops and all(op.attrs.get("constant") for op in lay.ops):
-            continue   # made from constants (position ids, masks): the module computes it whole too
+        if dec.kind == "replicate" and lay.index in free:
+            continue   # made from constants and weights only (position ids and their embedding,
+                       # masks): the module computes it whole too, its weights' gradients are the
+                       # rank's share, summed like every other weight's
         if dec.kind != "sample" or getattr(dec, "parts", None) != world:
             return f"layer {lay.index} ({lay.name}) is {dec}, not sample({world})"
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

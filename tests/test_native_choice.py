@@ -1,0 +1,164 @@
+"""Data parallelism through broadcast operands and batch-free layers, and the planner's choice of
+the native runtime (``autopar.cost.native``).
+
+A GPT adds a position embedding (computed from ``torch.arange`` and a weight: no sample in it)
+to its token embeddings, and a causal mask of shape ``[1, 1, S, S]`` to its attention scores.
+Under sample parallelism each block of samples reads those operands whole and sends back its
+share of their gradient, summed over the ranks like a weight's. These tests check that such a
+model gets a pure data-parallel plan, that the plan equals one process (float64) through the
+native module and through the traced program, at world 2 and 4, and that the planner prefers
+the native plan exactly when the model says it is at least as fast.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+
+from autopar.artifacts import PlanHooks, PlanOptions
+from autopar.execute.runner import ExecuteOptions, execute
+from autopar.pipeline import make_plan
+
+TINY_GPT = """
+import math
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+V, S, E = 16, 6, 8
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(V, E)
+        self.pos = nn.Embedding(S, E)
+        self.qk = nn.Linear(E, 2 * E)
+        self.head = nn.Linear(E, V)
+        self.register_buffer("mask", torch.triu(torch.full((1, 1, S, S), float("-inf")), 1))
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        q, k = self.qk(x).split(E, dim=-1)
+        att = (q.unsqueeze(1) @ k.unsqueeze(1).transpose(-1, -2)) / math.sqrt(E) + self.mask
+        y = (att.softmax(-1) @ x.unsqueeze(1)).squeeze(1)
+        return self.head(y)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size):
+    return (torch.randint(0, V, (batch_size, S)),)
+
+
+def example_targets(batch_size):
+    return torch.randint(0, V, (batch_size, S))
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.reshape(-1, V), y.reshape(-1))
+"""
+
+
+@pytest.fixture
+def tiny_gpt(tmp_path):
+    f = tmp_path / "tiny_gpt.py"
+    f.write_text(textwrap.dedent(TINY_GPT))
+    return f
+
+
+def _plan(model, world, tmp_path, profile, name="plan", **kw):
+    return make_plan(model, PlanOptions(world_size=world, out_dir=tmp_path / name, **kw),
+                     PlanHooks(profile=profile))
+
+
+def test_broadcast_operands_are_read_whole_by_every_block_of_samples(tiny_gpt, tmp_path, profile):
+    from autopar.decomp.ir import batch_free_layers
+    from autopar.decomp.layout import Layout
+    from autopar.decomp.sample import Sample
+    r = _plan(tiny_gpt, 2, tmp_path, profile, batch_size=4, kinds=["sample", "replicate"])
+    g = r.plan.graph()
+    free = batch_free_layers(g)
+    names = {g.layers[i].name for i in free}
+    assert "arange" in names and any(g.layers[i].module == "pos" for i in free)
+    for lay, d in zip(g.layers, r.plan.layers):
+        if lay.index in free:
+            assert d.choice == "replicate", (lay.name, d.choice)
+            continue
+        assert d.choice == "sample(2)", (lay.name, d.choice, lay.ops[0].in_shapes)
+    # the add of the position embedding: the token embeddings split, the position embedding whole
+    add = next(l for l in g.layers if any(op.kind == "binary" and [6, 8] in op.in_shapes for op in l.ops))
+    pos_value = next(v for op in add.ops for v, s in zip(op.inputs, op.in_shapes) if list(s) == [6, 8])
+    assert Sample(2).in_layout(add, pos_value) == Layout()
+    assert r.plan.extra["runtime"]["expected"] == "native"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_gpt_equals_one_process_native_and_traced(world, tiny_gpt, tmp_path, profile, monkeypatch):
+    """float64, every output, the loss, every gradient and parameter after a step
+    (``execute``'s validation, rtol 1e-9), once through the user's module and once op by op."""
+    r = _plan(tiny_gpt, world, tmp_path, profile, batch_size=8, kinds=["sample", "replicate"])
+    for native in ("1", "0"):
+        monkeypatch.setenv("AUTOPAR_NATIVE", native)
+        run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1, timeout_s=240),
+                         out_dir=tmp_path / f"run{native}", progress=lambda s: None)
+        assert run.validation.passed and run.validation.dtype == "float64", \
+            (native, [c.tensor for c in run.validation.failures])
+        assert run.extra["native_runtime"] is (native == "1"), run.notes[0]
+        assert run.baseline.equivalent
+
+
+def _table_and_choices(tiny_gpt, tmp_path, profile):
+    from autopar.cost.native import native_choice
+    from autopar.cost.table import build_cost_table
+    from autopar.decomp.base import CostContext
+    from autopar.modelfile import load_model_file
+    from autopar.trace.cache import trace_cached
+    mf = load_model_file(tiny_gpt)
+    graph, _ = trace_cached(mf, 4, use_cache=False)
+    ctx = CostContext(profile=profile, world=2, ranks_per_node=2, batch_size=4)
+    table = build_cost_table(graph, ctx, kinds=["sample", "replicate"])
+    rep = [next(i for i, d in enumerate(o.choices) if d.kind == "replicate") for o in table.layers]
+    return table, rep, native_choice(table)
+
+
+def test_the_native_plan_replaces_an_op_by_op_plan_only_when_predicted_faster(tiny_gpt, tmp_path, profile):
+    from autopar.calibrate.traced_gap import add_traced_gap
+    from autopar.cost.native import choose_runtime, runs_native
+    from autopar.cost.table import evaluate
+    table, rep, nat = _table_and_choices(tiny_gpt, tmp_path, profile)
+    assert nat is not None and nat != rep and runs_native(table, nat) and not runs_native(table, rep)
+    t_rep, t_nat = evaluate(table, rep).step_time_s, evaluate(table, nat).step_time_s
+    from autopar.ops import family_of
+    n_ops = sum(1 for l in table.graph.layers for op in l.ops if not family_of(op.kind).free)
+    # a gap large enough to pay for the difference: the native plan is taken
+    add_traced_gap(profile, 2.0 * max(0.0, t_nat - t_rep) / n_ops + 1e-3)
+    rt, pred = choose_runtime(table, rep, evaluate, None)
+    assert rt.runtime == "native" and rt.choice == nat and pred.step_time_s == rt.step_time_s
+    assert rt.step_time_s <= rt.ilp_step_time_s == pytest.approx(t_rep)
+    # ... unless it does not fit the memory limit
+    rt2, pred2 = choose_runtime(table, rep, evaluate, 1.0)
+    assert rt2.runtime == "traced" and rt2.choice == rep and "memory" in rt2.reason
+    # no gap measured: the native plan is taken only if it is at least as fast as priced
+    add_traced_gap(profile, 0.0)
+    rt3, _ = choose_runtime(table, rep, evaluate, None)
+    assert (rt3.runtime == "native") == (t_nat <= t_rep)
+    # an ILP plan that is already native is predicted without the op-by-op gap
+    add_traced_gap(profile, 1e-9)
+    rt4, pred4 = choose_runtime(table, nat, evaluate, None)
+    assert rt4.runtime == "native" and rt4.choice == nat
+    assert pred4.fwd_s + pred4.bwd_s == pytest.approx(
+        evaluate(table, nat).fwd_s + evaluate(table, nat).bwd_s - n_ops * 1e-9 * _slow(table), rel=1e-9)
+    assert math.isfinite(pred4.step_time_s)
+
+
+def _slow(table):
+    from autopar.cost.primitives import compute_drift, straggler
+    p, ctx = table.ctx.profile, table.ctx
+    return p.slowdown(ctx.ranks_on_node) * (1.0 + straggler(p, ctx.ranks_on_node)) * compute_drift(p, ctx.ranks_on_node)
