@@ -301,11 +301,13 @@ def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
 
 
 def attention_units(graph):
-    """``graph`` with every attention block (``decomp.tensor_parallel.detect``) merged into one
-    sub-graph unit, so that head parallelism can be priced for it."""
-    from .decomp.tensor_parallel.detect import attention_modules
+    """``graph`` with every attention block and every Conv1D MLP
+    (``decomp.tensor_parallel.detect``) merged into one sub-graph unit, so that head
+    parallelism and the Megatron MLP pair can be priced for it."""
+    from .decomp.tensor_parallel.detect import attention_modules, mlp_modules
     from .trace.units import merge_units
-    return merge_units(graph, attention_modules(graph))
+    att = attention_modules(graph)
+    return merge_units(graph, att + mlp_modules(graph, att))
 
 
 def _pin(table, force: dict[int, str]) -> None:

@@ -49,7 +49,11 @@ def merge_units(graph: LayerGraphData, patterns: Sequence[str]) -> LayerGraphDat
     groups: dict[str, list[Layer]] = {}
     key_of: dict[int, str] = {}
     for lay in graph.layers:
-        u = unit_of(lay.module or lay.anchor.module, patterns)
+        # a layer made from constants only (an empty cache tensor lifted into an attention
+        # module) is computed whole on every rank: inside a unit it would make the unit's
+        # every split illegal, so it stays a layer of its own
+        const = not lay.inputs and any(op.attrs.get("constant") for op in lay.ops)
+        u = None if const else unit_of(lay.module or lay.anchor.module, patterns)
         key = f"unit:{u}" if u is not None else f"layer:{lay.index}"
         groups.setdefault(key, []).append(lay)
         key_of[lay.index] = key
