@@ -12,8 +12,12 @@ features LAST), and a fused ``c_attn`` (q|k|v in one ``[E, 3E]`` weight, sliced 
 
 Every run is checked by ``autopar execute``'s validation: float64 model and batch; output, loss,
 every parameter gradient and every parameter after one SGD step against one process, per tensor
-``max|a-b| <= 1e-9 max|ref| + 1e-12``. The embeddings and the tied LM head stay whole (sample
-or replicate): splitting a tied weight is not offered (``cost.table.tied_reason``).
+``max|a-b| <= 1e-9 max|ref| + 1e-12``.
+
+The LM head's weight IS the token embedding's (tied): it may be split when both uses take the
+same shard of it (``vocab(s, p)`` rows of the embedding == ``vocab_head(s, p)`` logit columns,
+the loss run vocabulary-parallel), which the ILP enforces (``solve.ilp._add_tied``); the
+runtime holds one shard whose gradient sums both uses.
 """
 
 from __future__ import annotations
@@ -146,6 +150,40 @@ def test_heads_not_divisible_are_rejected_at_plan_time(model, tmp_path, profile,
         _plan(model, tmp_path, profile, 4, {"transformer.h.0.attn": "head(1,4)"})
 
 
+def test_tied_weight_is_split_only_the_same_way_in_both_uses(model, tmp_path, profile):
+    """The ILP ties the choices of the two layers that use ``transformer.wte.weight``: pinning
+    the embedding to a vocabulary split makes the head take the same split; pinning it whole
+    keeps the head whole; no solution mixes them (``solve.ilp.tied_ok``)."""
+    from autopar.cost.table import tied_choice_sets
+    from autopar.runtime.model import param_shards
+    from autopar.solve.ilp import solve, tied_ok
+    for pin, head in (("vocab(1,4)", "vocab_head(1,4)"), ("vocab(2,2)", "vocab_head(2,2)")):
+        r = _plan(model, tmp_path, profile, 4, {"transformer.wte": pin})
+        g = r.plan.graph()
+        assert r.plan.layer(_unit(g, "lm_head").index).choice == head
+        shards = param_shards(g, {d.layer: d.decomposition() for d in r.plan.layers})
+        assert shards["transformer.wte.weight"].local_shape((64, 32), 1, 4) == ((32 if pin == "vocab(2,2)" else 16), 32)
+    r = _plan(model, tmp_path, profile, 4, {"transformer.wte": "sample(4)"})
+    g = r.plan.graph()
+    assert r.plan.layer(_unit(g, "lm_head").index).choice in ("sample(4)", "replicate")
+    # the sets themselves: the embedding's and the head's choices grouped by how they hold it
+    r = _plan(model, tmp_path, profile, 4, {})
+    sets = dict(tied_choice_sets(r.table))
+    per_shard = sets["transformer.wte.weight"]
+    wte, head = _unit(g, "transformer.wte").index, _unit(g, "lm_head").index
+    names = [({str(r.table.layers[wte].choices[i]) for i in by[wte]},
+              {str(r.table.layers[head].choices[i]) for i in by[head]}) for by in per_shard]
+    assert ({"vocab(1,4)"}, {"vocab_head(1,4)"}) in names and ({"vocab(2,2)"}, {"vocab_head(2,2)"}) in names
+    assert any("sample(4)" in a and "sample(4)" in b for a, b in names)
+    assert tied_ok(r.table, r.solution.choice)
+    # the cheapest choice per layer that mixes the two is not a plan; the solver never returns one
+    bad = list(r.solution.choice)
+    bad[wte] = next(i for i, d in enumerate(r.table.layers[wte].choices) if str(d) == "vocab(1,4)")
+    bad[head] = next(i for i, d in enumerate(r.table.layers[head].choices) if str(d) == "sample(4)")
+    assert not tied_ok(r.table, bad)
+    assert tied_ok(r.table, solve(r.table).choice)
+
+
 # ---- gloo ranks, float64, everything compared -----------------------------------------------
 
 CASES = [
@@ -157,14 +195,23 @@ CASES = [
     (4, {"transformer.h.0.attn": "head(1,4)", "transformer.h.0.mlp": "mlp(2,2)",
          "transformer.h.0.ln_1": "sequence(1,4)", "transformer.h.0.ln_2": "sequence(2,2)",
          "transformer.h.1.attn": "sample(4)", "transformer.h.1.mlp": "mlp(1,4)"}),
+    # the tied table split by vocabulary: only the embedding is pinned, the ILP ties the head
+    (2, {"transformer.wte": "vocab(1,2)", "transformer.h.0.attn": "head(1,2)", "transformer.h.1.mlp": "mlp(1,2)"}),
+    (4, {"transformer.wte": "vocab(2,2)", "lm_head": "vocab_head(2,2)", "transformer.h.0.attn": "head(2,2)",
+         "transformer.h.0.mlp": "mlp(2,2)", "transformer.h.1.attn": "head(2,2)", "transformer.h.1.mlp": "mlp(2,2)",
+         "transformer.ln_f": "sequence(2,2)"}),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,force", CASES, ids=["w2-head-mlp", "w4-2x2-head-mlp", "w4-mixed-seq"])
+@pytest.mark.parametrize("world,force", CASES, ids=["w2-head-mlp", "w4-2x2-head-mlp", "w4-mixed-seq",
+                                                   "w2-tied-vocab", "w4-2x2-everything"])
 def test_hf_gpt2_tensor_parallel_equals_one_process(model, tmp_path, profile, world, force):
     r = _plan(model, tmp_path, profile, world, force)
     g = r.plan.graph()
     for m, want in force.items():
         assert r.plan.layer(_unit(g, m).index).choice == want, m
+    if "transformer.wte" in force:              # the tied head follows the embedding's split
+        p = r.plan.layer(_unit(g, "transformer.wte").index).choice.split("(")[1]
+        assert r.plan.layer(_unit(g, "lm_head").index).choice == f"vocab_head({p}"
     _execute_all_checked(r, model, tmp_path)

@@ -183,13 +183,47 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int):
 
 def tied_reason(dec: Decomposition, layer: Layer) -> str:
     """Why ``dec`` is illegal for a layer using a tied parameter (``attrs["tied"]``, marked by
-    the tracer: several layers use it) that ``dec`` would shard; "" when it keeps them whole."""
+    the tracer: several layers use it); "" when it is not. A tied parameter may be split: the
+    runtime holds ONE shard of it per rank, used by every layer and its gradient the sum of
+    their uses, so every layer must choose the SAME shard of it. Across layers the ILP enforces
+    that (``tied_choice_sets``, ``solve.ilp._add_tied``); within one layer, two uses of the
+    parameter that ``dec`` would shard differently make ``dec`` illegal here."""
+    seen: dict[str, object] = {}
     for op in layer.ops:
         for role in op.attrs.get("tied", ()):
-            if dec.param_shard(op, role).dims:
-                return (f"parameter {op.param_names[role]} is tied (used by several layers): "
-                        "only decompositions that keep it whole")
+            q = op.param_names[role]
+            sh = dec.layer_param_shard(layer, op, role)
+            if seen.setdefault(q, sh) != sh:
+                return f"parameter {q} is tied and {dec} would shard its uses in this layer differently"
     return ""
+
+
+def tied_choice_sets(table: "CostTable") -> list[tuple[str, list[dict[int, list[int]]]]]:
+    """For every tied parameter used by several layers of ``table``: (its name, one dict per
+    way of holding it, ``ParamShard`` value, whole included, that any kept choice uses:
+    {table layer position: the choices of that layer that hold it so}). A plan must pick, in
+    every layer using the parameter, a choice of the same dict (``solve.ilp._add_tied``).
+    Shards are compared as values, as ``runtime.model.param_shards`` does: two choices that
+    cut the same blocks on differently spelled meshes count as different (conservative)."""
+    uses: dict[str, dict[int, dict[object, list[int]]]] = {}
+    for l, o in enumerate(table.layers):
+        for op in o.layer.ops:
+            for role in op.attrs.get("tied", ()):
+                q = op.param_names[role]
+                per = uses.setdefault(q, {}).setdefault(l, {})
+                if per:
+                    continue                     # one use per layer (tied_reason: all equal)
+                for i, d in enumerate(o.choices):
+                    per.setdefault(d.layer_param_shard(o.layer, op, role), []).append(i)
+    out = []
+    for q, by_layer in uses.items():
+        if len(by_layer) < 2:
+            continue
+        shards: list[object] = []
+        for per in by_layer.values():
+            shards.extend(sh for sh in per if sh not in shards)
+        out.append((q, [{l: per.get(sh, []) for l, per in by_layer.items()} for sh in shards]))
+    return out
 
 
 def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None,

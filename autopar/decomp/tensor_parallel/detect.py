@@ -8,16 +8,22 @@ stored transposed: output features LAST).
 
 An attention block is the module that encloses, for one SDPA op, the projections that make its
 q, k and v and the projection that consumes its result: walking back from q, k and v (and
-forward from the result) through views, permutations, slices, concatenations (a key/value
-cache) and elementwise ops (rotary embeddings) to the nearest projections, the deepest module
-path that holds all of those projections.
+forward from the result) through views, permutations, slices, concatenations and elementwise
+ops (rotary embeddings) to the nearest projections, the deepest module path that holds all of
+those projections. Forward, the walk also passes a ``contiguous`` (unary) op, but only to a
+Conv1D projection (GPT-2's ``c_proj``): Hugging Face Llama's ``o_proj`` is reached the same
+way, and planning its attention as a unit is left for later (its explicit float32 RMSNorm turns
+the float64 reordering of a head-parallel input gradient into a one-float32-ulp difference of
+the embedding gradient, which float64 validation flags).
 
 A Conv1D MLP (``mlp_modules``) is the module that encloses two Conv1D projections joined
 through views and elementwise ops only (c_fc -> activation -> c_proj of GPT-2): its views and
 its activation are separate traced layers, so the Megatron pair cannot be planned layer by
 layer as ``filter`` -> ``row_parallel`` is for ``nn.Linear`` MLPs (whose activation folds into
-the first layer); as one unit it takes ``mlp(s, p)`` (``heads.MlpParallel``). ``tests`` and the planner merge these modules with ``autopar.trace.units.merge_units``
-(the same merge a model file's ``PLANNING_UNITS`` gets). Pure: no torch, no tracer import.
+the first layer); as one unit it takes ``mlp(s, p)`` (``heads.MlpParallel``).
+
+``tests`` and the planner merge these modules with ``autopar.trace.units.merge_units`` (the
+same merge a model file's ``PLANNING_UNITS`` gets). Pure: no torch, no tracer import.
 """
 
 from __future__ import annotations
@@ -98,18 +104,19 @@ def attention_modules(graph: LayerGraphData) -> list[str]:
                 if projection(src):
                     linears.append(src.module)
                 elif src.kind in _THROUGH:
-                    todo.extend(src.inputs[:1] if src.kind not in (BINARY, CAT) else src.inputs)
-        todo, seen = [name], set()           # forward to the output projection
+                    todo.extend(src.inputs[:1] if src.kind != BINARY else src.inputs)
+        todo, seen = [(name, False)], set()  # forward to the output projection
         while todo:
-            u = todo.pop()
+            u, via_unary = todo.pop()
             if u in seen:
                 continue
             seen.add(u)
             for w in users.get(u, []):
-                if projection(w):
+                pw = projection(w)
+                if pw and (pw.conv1d or not via_unary):
                     linears.append(w.module)
                 elif w.kind in (VIEW, FLATTEN, PERMUTE, SQUEEZE, UNARY):
-                    todo.append(w.name)
+                    todo.append((w.name, via_unary or w.kind == UNARY))
         if len(linears) < 2:
             continue
         mod = _common_module(linears)
