@@ -200,12 +200,15 @@ CASES = [
     (4, {"transformer.wte": "vocab(2,2)", "lm_head": "vocab_head(2,2)", "transformer.h.0.attn": "head(2,2)",
          "transformer.h.0.mlp": "mlp(2,2)", "transformer.h.1.attn": "head(2,2)", "transformer.h.1.mlp": "mlp(2,2)",
          "transformer.ln_f": "sequence(2,2)"}),
+    # world 8: 4 heads over 4 tensor ranks x 2 sample blocks, the MLP over 2 x 4
+    (8, {"transformer.wte": "vocab(2,4)", "transformer.h.0.attn": "head(2,4)", "transformer.h.0.mlp": "mlp(4,2)",
+         "transformer.h.1.attn": "head(4,2)", "transformer.h.1.mlp": "mlp(2,4)", "transformer.h.1.ln_2": "sequence(2,4)"}),
 ]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world,force", CASES, ids=["w2-head-mlp", "w4-2x2-head-mlp", "w4-mixed-seq",
-                                                   "w2-tied-vocab", "w4-2x2-everything"])
+                                                   "w2-tied-vocab", "w4-2x2-everything", "w8-2d-mixed"])
 def test_hf_gpt2_tensor_parallel_equals_one_process(model, tmp_path, profile, world, force):
     r = _plan(model, tmp_path, profile, world, force)
     g = r.plan.graph()
@@ -214,4 +217,25 @@ def test_hf_gpt2_tensor_parallel_equals_one_process(model, tmp_path, profile, wo
     if "transformer.wte" in force:              # the tied head follows the embedding's split
         p = r.plan.layer(_unit(g, "transformer.wte").index).choice.split("(")[1]
         assert r.plan.layer(_unit(g, "lm_head").index).choice == f"vocab_head({p}"
+    _execute_all_checked(r, model, tmp_path)
+
+
+@pytest.mark.dist
+def test_memory_limit_forces_tensor_parallelism_that_validates(model, tmp_path, profile, monkeypatch):
+    """A wider GPT-2 (E = 128, V = 512) under 3 MiB per rank at world 4 (synthetic profile):
+    data parallelism and replication alone do not fit, and the planner, unpinned, picks head
+    and MLP tensor parallelism and splits the tied table by vocabulary in both its uses; the
+    plan equals one process."""
+    from autopar.errors import InfeasiblePlan
+    monkeypatch.setenv("AUTOPAR_HF_EMBED", "128")
+    monkeypatch.setenv("AUTOPAR_HF_VOCAB", "512")
+    with pytest.raises(InfeasiblePlan):
+        _plan(model, tmp_path / "dp", profile, 4, {}, memory_limit_bytes=3 * 2**20, kinds=["sample", "replicate"])
+    r = _plan(model, tmp_path, profile, 4, {}, memory_limit_bytes=3 * 2**20)
+    kinds = {d.choice.split("(")[0] for d in r.plan.layers}
+    assert {"head", "mlp"} <= kinds, kinds
+    g = r.plan.graph()
+    emb, head = r.plan.layer(_unit(g, "transformer.wte").index).choice, r.plan.layer(_unit(g, "lm_head").index).choice
+    assert emb.startswith("vocab(") and head == "vocab_head(" + emb.split("(")[1], (emb, head)
+    assert r.plan.predicted.memory_per_rank_bytes <= 3 * 2**20
     _execute_all_checked(r, model, tmp_path)
