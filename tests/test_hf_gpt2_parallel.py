@@ -44,8 +44,9 @@ def _graph(model, batch=4):
 
 
 def _unit(graph, module):
-    """The planning unit of ``module`` (the largest layer of it: constant layers such as the
-    empty key/value cache tensors lifted into the attention module stay layers of their own)."""
+    """The planning unit of ``module``: its largest layer, the first of equals (constant layers
+    such as the empty key/value cache tensors lifted into the attention module stay layers of
+    their own)."""
     lays = [lay for lay in graph.layers if lay.module == module]
     return max(lays, key=lambda lay: len(lay.ops))
 
@@ -194,6 +195,7 @@ CASES = [
          "transformer.h.0.mlp": "mlp(2,2)", "transformer.h.1.mlp": "mlp(2,2)"}),
     (4, {"transformer.h.0.attn": "head(1,4)", "transformer.h.0.mlp": "mlp(2,2)",
          "transformer.h.0.ln_1": "sequence(1,4)", "transformer.h.0.ln_2": "sequence(2,2)",
+         "transformer.h.0": "sequence(1,4)",                    # the residual add after attention
          "transformer.h.1.attn": "sample(4)", "transformer.h.1.mlp": "mlp(1,4)"}),
     # the tied table split by vocabulary: only the embedding is pinned, the ILP ties the head
     (2, {"transformer.wte": "vocab(1,2)", "transformer.h.0.attn": "head(1,2)", "transformer.h.1.mlp": "mlp(1,2)"}),
