@@ -124,6 +124,26 @@ def test_head_parallel_shards_the_transposed_fused_weight_by_segment(model, prof
     assert c4.param_bytes == pytest.approx(((whole - 32) / 4 + 32) * item)
 
 
+def test_local_conv1d_shapes_for_pricing_and_exact_measurement(model):
+    """A row-parallel Conv1D ``addmm`` on p = 4 runs x (N S, C/4) @ w (C/4, F): the spec an
+    exact measurement builds holds that local weight, and the priced bytes count it, not the
+    whole weight."""
+    import torch
+
+    from autopar.calibrate.exact_ops import op_spec
+    from autopar.ops import family_of
+    unit = _unit(_graph(model), "transformer.h.0.mlp")
+    c_fc, c_proj = [op for op in unit.ops if op.target.startswith("aten.addmm")]
+    spec = op_spec(c_proj, [[64, 32]], [64, 32])
+    assert spec["params"]["mat2"] == [32, 32] and spec["params"]["self"] == [32]
+    x, w, b = torch.randn(64, 32), torch.randn(*spec["params"]["mat2"]), torch.randn(32)
+    assert torch.addmm(b, x, w).shape == (64, 32)
+    fam = family_of(c_fc.kind)
+    whole = fam.local_bytes(c_fc, [[64, 32]], [64, 128], None, 8)
+    split = fam.local_bytes(c_fc, [[64, 32]], [64, 32], (32, 32), 8)
+    assert whole - split == ((64 * 128 - 64 * 32) + (32 * 128 - 32 * 32) + (128 - 32)) * 8
+
+
 def test_mlp_pair_is_offered_on_the_conv1d_mlp(model, profile):
     from autopar.cost.table import layer_options
     from autopar.decomp.base import CostContext

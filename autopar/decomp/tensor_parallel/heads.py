@@ -21,7 +21,17 @@ grouping of query head h onto KV head h // (H/K) stays inside the rank. The weig
 * the output projection's weight columns are split in p blocks (the columns of the local
   heads), its bias is whole and added by tensor rank 0 only; its output is a partial sum
   (``Layout(((0, s),), partial=p)``), resolved by the consumer's edge: an all-reduce into a
-  replicated layer, a reduce-scatter into a sequence-parallel one.
+  replicated layer, a reduce-scatter into a sequence-parallel one. Reshapes and identity
+  dropout (p = 0) may follow it inside the unit: they are linear, so they commute with the sum.
+
+A projection is ``nn.Linear`` (weight w_FC: "rows" above are dim 0, "columns" dim 1) or
+Hugging Face's ``Conv1D`` (``detect.projection``: ``view(-1, E)`` -> ``addmm(b, x, w_CF)`` ->
+``view(N, S, F)``, the weight stored transposed): the same split on the transposed dims (a
+column projection's w_CF by its LAST dim, by segment for GPT-2's fused ``c_attn`` [E, 3E]
+whose output is sliced after the view back to (N, S, 3E); the output projection's by its
+first), its ``N S`` rows split by samples as merged-batch rows (``common.batch_dim_ok``).
+``MlpParallel`` (``mlp(s, p)``) runs the same analysis on a Conv1D MLP unit: column ``c_fc``,
+the activation on the split features, row ``c_proj``.
 
 Which dim of every value inside the unit holds the split is found by following it op by op
 (``analyse``): through views by the prefix-product rule (a block of p along input dim d is a
@@ -437,10 +447,11 @@ class HeadParallel(Decomposition):
             ins = [shapes.get(v) or self.local_shape(an, v, s) for v, s in zip(op.inputs, op.in_shapes)]
             out = shapes[op.name] = self.local_shape(an, op.name, op.out_shape)
             w_loc = None
+            proj = projection(op)
             for role, shape in op.params.items():
                 sh = self.param_shard(op, role)
                 local = sh.local_shape(shape, 0, self.sample * self.parts)
-                if role == "weight":
+                if proj is not None and role == proj.weight:
                     w_loc = local
                 if sh.dims:
                     sharded += math.prod(local) * item
