@@ -225,6 +225,25 @@ def test_tied_table_is_priced_once(model, profile):
         assert c.param_bytes == 0.0 and c.grad_sync_s == 0.0 and c.grad_sync_bytes == 0.0, d
 
 
+def test_residual_dropout_on_the_partial_sum_is_refused_with_the_reason(model, tmp_path, profile):
+    """GPT-2's default ``resid_pdrop = 0.1`` drops out the output projection's result: under a
+    row split that is a partial sum, and per-rank masks on partial sums do not add up to the
+    masked sum, so head and MLP parallelism are refused, naming the dropout."""
+    from autopar.decomp.base import CostContext
+    from autopar.decomp.tensor_parallel.heads import HeadParallel, MlpParallel
+    src = model.read_text().replace("resid_pdrop=0.0", "resid_pdrop=0.1")
+    assert "resid_pdrop=0.1" in src
+    f = tmp_path / "gpt2_dropout.py"
+    f.write_text(src)
+    g = _graph(f)
+    ctx = CostContext(profile=profile, world=2, ranks_per_node=2, batch_size=4)
+    why = HeadParallel(1, 2, "c_proj", "c_attn", (32, 32, 32)).check(_unit(g, "transformer.h.0.attn"), ctx)
+    assert why and "transformer.h.0.attn: head parallelism over 2" in why and "dropout" in why and \
+        "after the row-parallel projection" in why, why
+    why = MlpParallel(1, 2, "c_proj").check(_unit(g, "transformer.h.0.mlp"), ctx)
+    assert why and "MLP tensor parallelism over 2" in why and "dropout" in why, why
+
+
 # ---- gloo ranks, float64, everything compared -----------------------------------------------
 
 CASES = [
