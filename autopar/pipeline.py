@@ -312,15 +312,34 @@ def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
         target = mf.example_targets(batch_size)
     except Exception:
         return None
-    return out if loss_is_cross_entropy(mf.loss_fn(), lay.out_shape, target) is None else None
+    from .trace.tracer import STEP_TRACER
+    loss = mf.loss_fn()
+    if graph.tracer == STEP_TRACER:
+        # the model returns a structure (a ModelOutput) and the loss reads the logits from it:
+        # feed the loss the same structure, found on a model built on the meta device
+        import torch
+
+        from .runtime.model import output_structure, rebuild_output
+        try:
+            with torch.device("meta"):
+                structure = output_structure(mf.build_model(), graph)
+        except Exception:
+            return None
+        user_loss = loss
+
+        def loss(x, *t):
+            return user_loss(rebuild_output(structure, x), *t)
+    return out if loss_is_cross_entropy(loss, lay.out_shape, target) is None else None
 
 
 def attention_units(graph):
-    """``graph`` with every attention block (``decomp.tensor_parallel.detect``) merged into one
-    sub-graph unit, so that head parallelism can be priced for it."""
-    from .decomp.tensor_parallel.detect import attention_modules
+    """``graph`` with every attention block and every Conv1D MLP
+    (``decomp.tensor_parallel.detect``) merged into one sub-graph unit, so that head
+    parallelism and the Megatron MLP pair can be priced for it."""
+    from .decomp.tensor_parallel.detect import attention_modules, mlp_modules
     from .trace.units import merge_units
-    return merge_units(graph, attention_modules(graph))
+    att = attention_modules(graph)
+    return merge_units(graph, att + mlp_modules(graph, att))
 
 
 def _pin(table, force: dict[int, str]) -> None:

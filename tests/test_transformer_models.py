@@ -201,17 +201,20 @@ def test_a_loss_reading_two_output_tensors_is_named(tmp_path):
         trace_model(load_model_file(f), 2)
 
 
-def test_tied_weights_are_kept_whole(root, tmp_path, profile):
+def test_tied_weights_split_only_the_same_way(root, tmp_path, profile):
     """GPT-2's head is its token embedding's weight: one parameter, used by two layers. The
-    runtime holds one sharding per parameter, so neither layer may shard it (a named reason)."""
+    runtime holds one sharding per parameter, so both layers must hold it the same way (the
+    ILP's tied constraint, ``tests/test_hf_gpt2_parallel.py``); a head pinned to a split that
+    no choice of the embedding matches is a named error."""
     from autopar.errors import AutoparError
+    from autopar.pipeline import attention_units
     model = _example(root, "hf_gpt2")
-    g = trace_model(load_model_file(model), 8)
+    g = attention_units(trace_model(load_model_file(model), 8))
     head = next(lay.index for lay in g.layers if lay.module == "lm_head")
     assert any(op.attrs.get("tied") == ["weight"] for op in g.layers[head].ops)
-    with pytest.raises(AutoparError, match=r"transformer.wte.weight is tied"):
+    with pytest.raises(AutoparError, match=r"transformer.wte.weight is tied: lm_head"):
         make_plan(model, PlanOptions(world_size=2, batch_size=8, out_dir=tmp_path / "plan", max_candidates=30),
-                  PlanHooks(profile=profile, force={head: "filter(1,2)"}))
+                  PlanHooks(profile=profile, force={head: "row_parallel(1,2)"}))
 
 
 NO_LOSS = """

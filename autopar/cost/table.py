@@ -183,13 +183,47 @@ def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int):
 
 def tied_reason(dec: Decomposition, layer: Layer) -> str:
     """Why ``dec`` is illegal for a layer using a tied parameter (``attrs["tied"]``, marked by
-    the tracer: several layers use it) that ``dec`` would shard; "" when it keeps them whole."""
+    the tracer: several layers use it); "" when it is not. A tied parameter may be split: the
+    runtime holds ONE shard of it per rank, used by every layer and its gradient the sum of
+    their uses, so every layer must choose the SAME shard of it. Across layers the ILP enforces
+    that (``tied_choice_sets``, ``solve.ilp._add_tied``); within one layer, two uses of the
+    parameter that ``dec`` would shard differently make ``dec`` illegal here."""
+    seen: dict[str, object] = {}
     for op in layer.ops:
         for role in op.attrs.get("tied", ()):
-            if dec.param_shard(op, role).dims:
-                return (f"parameter {op.param_names[role]} is tied (used by several layers): "
-                        "only decompositions that keep it whole")
+            q = op.param_names[role]
+            sh = dec.layer_param_shard(layer, op, role)
+            if seen.setdefault(q, sh) != sh:
+                return f"parameter {q} is tied and {dec} would shard its uses in this layer differently"
     return ""
+
+
+def tied_choice_sets(table: "CostTable") -> list[tuple[str, list[dict[int, list[int]]]]]:
+    """For every tied parameter used by several layers of ``table``: (its name, one dict per
+    way of holding it, ``ParamShard`` value, whole included, that any kept choice uses:
+    {table layer position: the choices of that layer that hold it so}). A plan must pick, in
+    every layer using the parameter, a choice of the same dict (``solve.ilp._add_tied``).
+    Shards are compared as values, as ``runtime.model.param_shards`` does: two choices that
+    cut the same blocks on differently spelled meshes count as different (conservative)."""
+    uses: dict[str, dict[int, dict[object, list[int]]]] = {}
+    for l, o in enumerate(table.layers):
+        for op in o.layer.ops:
+            for role in op.attrs.get("tied", ()):
+                q = op.param_names[role]
+                per = uses.setdefault(q, {}).setdefault(l, {})
+                if per:
+                    continue                     # one use per layer (tied_reason: all equal)
+                for i, d in enumerate(o.choices):
+                    per.setdefault(d.layer_param_shard(o.layer, op, role), []).append(i)
+    out = []
+    for q, by_layer in uses.items():
+        if len(by_layer) < 2:
+            continue
+        shards: list[object] = []
+        for per in by_layer.values():
+            shards.extend(sh for sh in per if sh not in shards)
+        out.append((q, [{l: per.get(sh, []) for l, per in by_layer.items()} for sh in shards]))
+    return out
 
 
 def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None,
@@ -330,9 +364,46 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
                 f"layer {o.layer.index} ({o.layer.module or o.layer.name}) has no legal decomposition"
                 f" among {kinds or sorted(REGISTRY)} ({reasons})",
                 "allow more decomposition kinds, or change the world size or batch size")
+    opts = _count_tied_once(opts, ctx)
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
     table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets)
     return table.ensure_edges() if edges else table
+
+
+def _count_tied_once(opts: list[LayerOptions], ctx: CostContext) -> list[LayerOptions]:
+    """A tied parameter is one tensor (one shard per rank, ``tied_choice_sets``): its bytes,
+    gradient, optimizer state and gradient all-reduce are priced in the first layer using it
+    (in execution order: its gradient is complete when that layer's backward ends, where the
+    runtime's bucket all-reduces it), and taken out of every later user's prices: bytes
+    exactly, the all-reduce and the optimizer step in proportion to the bytes removed (the
+    latency terms go with the last synced byte). Later users get new option objects: the
+    priced ones may be shared with repeated layers and other placements."""
+    seen: set[str] = set()
+    out = list(opts)
+    for k, o in enumerate(opts):
+        tied = [(op, role) for op in o.layer.ops for role in op.attrs.get("tied", ())]
+        later = [(op, role) for op, role in tied if op.param_names[role] in seen]
+        seen.update(op.param_names[role] for op, role in tied)
+        if not later:
+            continue
+        costs = []
+        for d, c in zip(o.choices, o.costs):
+            nbytes = synced = 0.0
+            for op, role in later:
+                sh = d.layer_param_shard(o.layer, op, role)
+                b = math.prod(sh.local_shape(op.params[role], 0, ctx.world)) * o.layer.itemsize
+                nbytes += b
+                synced += b if len(sh.grad_group(0, ctx.world)) > 1 else 0.0
+            keep = max(0.0, c.param_bytes - nbytes)
+            frac = keep / c.param_bytes if c.param_bytes else 1.0
+            sync_keep = max(0.0, c.grad_sync_bytes - synced)
+            sfrac = sync_keep / c.grad_sync_bytes if c.grad_sync_bytes else 1.0
+            costs.append(replace(c, param_bytes=keep, grad_bytes=max(0.0, c.grad_bytes - nbytes),
+                                 optim_bytes=c.optim_bytes * frac, optim_step_s=c.optim_step_s * frac,
+                                 grad_sync_s=c.grad_sync_s * sfrac, grad_sync_bytes=sync_keep,
+                                 grad_sync_latency=c.grad_sync_latency if sync_keep else ()))
+        out[k] = replace(o, costs=costs)
+    return out
 
 
 def _layer_options_once(memo: dict, sig: str, lay: Layer, ctx: CostContext, kinds, prune,

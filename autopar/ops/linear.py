@@ -115,8 +115,22 @@ class Matmul(OpFamily):
         return self._flops(op, in_shapes, out_shape)
 
     def local_bytes(self, op, in_shapes, out_shape, w_shape=None, itemsize=4):
-        pbytes = sum(numel(s) for s in op.params.values())
+        """``w_shape``: the local weight of a Conv1D ``addmm(b, x, w_CF)`` split by a tensor-parallel
+        decomposition (its local bias has ``w_shape[-1]`` entries)."""
+        if w_shape is not None and "mat2" in op.params:
+            pbytes = numel(w_shape) + (int(w_shape[-1]) if "self" in op.params else 0)
+        else:
+            pbytes = sum(numel(s) for s in op.params.values())
         return float((sum(numel(s) for s in in_shapes) + numel(out_shape) + pbytes) * itemsize)
+
+    def local_params(self, op, in_shapes):
+        """A Conv1D ``addmm(b, x, w_CF)`` on a block whose features are split (a row-parallel
+        projection: x holds C/p features) has C/p weight rows; otherwise whole."""
+        out = {r: list(s) for r, s in op.params.items()}
+        w = op.params.get("mat2")
+        if w is not None and len(w) == 2 and in_shapes and in_shapes[0]:
+            out["mat2"] = [int(in_shapes[0][-1]), int(w[1])]
+        return out
 
     def saved_bytes(self, op, in_shapes, out_shape, itemsize=4):
         return float(sum(numel(s) for s in in_shapes) * itemsize)

@@ -30,6 +30,10 @@ Constraints:
                     allreduces, each starting when all its gradients exist, one at a time
                                                                              (_add_overlap)
     memory          sum_{l,i} mem[l,i] x[l,i] <= M per rank                   (_add_memory)
+    tied            for a parameter used by layers l0, l1, ... (GPT-2's lm_head is wte) and
+                    each way k of holding it: sum_(i in S[l0,k]) x[l0,i] = sum_(j in S[l,k])
+                    x[l,j] for every other l, S[l,k] the choices of l that hold it so
+                    (``cost.table.tied_choice_sets``): one shard serves every use (_add_tied)
 
 Minimisation makes every max tight, so the optimum equals ``cost.table.evaluate`` of the
 chosen plan (tests check this against brute-force enumeration).
@@ -63,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cost.table import CostTable, evaluate
+from ..cost.table import CostTable, evaluate, tied_choice_sets
 from ..errors import InfeasiblePlan, SolverError
 
 
@@ -335,7 +339,62 @@ def build_model(table: CostTable, memory_limit_bytes: float | None = None):
     t_fwd = _add_step(m, table, x, edges, step)
     _add_overlap(m, table, x, edges, step, t_fwd)
     _add_memory(m, table, x, memory_limit_bytes)
+    _add_tied(m, x, tied_choice_sets(table))
     return m, x, sum(e.pairs for e in edges)
+
+
+def _add_tied(m: _Model, x: dict, sets) -> None:
+    """"These option sets must be chosen together": for each tied parameter and each way k of
+    holding it, every layer using it picks a choice of its set k or none does (module
+    docstring). A set that one layer lacks forces the others' set k to 0."""
+    for q, per_shard in sets:
+        for k, by_layer in enumerate(per_shard):
+            layers = list(by_layer)
+            l0 = layers[0]
+            for l in layers[1:]:
+                t: dict[int, float] = {}
+                for i in by_layer[l0]:
+                    _add(t, x[l0, i], 1.0)
+                for j in by_layer[l]:
+                    _add(t, x[l, j], -1.0)
+                if t:
+                    m.row(t, 0.0, 0.0, f"tied_{q}_{k}_{l0}_{l}")
+
+
+def tied_ok(table: CostTable, choice: list[int], sets=None) -> bool:
+    """Whether ``choice`` holds every tied parameter the same way in all its layers."""
+    for _, per_shard in (tied_choice_sets(table) if sets is None else sets):
+        picked = {next((k for k, by in enumerate(per_shard) if choice[l] in by[l]), None)
+                  for l in per_shard[0]}
+        if len(picked) != 1:
+            return False
+    return True
+
+
+def _repair_tied(table: CostTable, choice: list[int], sets) -> list[int] | None:
+    """``choice`` with the layers of each tied parameter it holds inconsistently moved to the
+    cheapest way of holding it that every one of them can take (None when there is none)."""
+    def t(c):
+        return c.fwd_s + c.bwd_s + c.grad_sync_s + c.optim_step_s
+    out = list(choice)
+    for _, per_shard in sets:
+        layers = list(per_shard[0])
+        ks = {next((k for k, by in enumerate(per_shard) if out[l] in by[l]), None) for l in layers}
+        if len(ks) == 1:
+            continue
+        best, best_t = None, math.inf
+        for by in per_shard:
+            if not all(by[l] for l in layers):
+                continue
+            pick = {l: min(by[l], key=lambda i: t(table.layers[l].costs[i])) for l in layers}
+            tt = sum(t(table.layers[l].costs[i]) for l, i in pick.items())
+            if tt < best_t:
+                best, best_t = pick, tt
+        if best is None:
+            return None
+        for l, i in best.items():
+            out[l] = i
+    return out
 
 
 def check_memory(table: CostTable, memory_limit_bytes: float | None) -> None:
@@ -354,6 +413,26 @@ def check_memory(table: CostTable, memory_limit_bytes: float | None) -> None:
         f"{need / 2**20:.1f} MiB; the largest layers are {names}",
         f"raise --memory-limit to at least {math.ceil(need / 2**20)}MiB, add ranks, "
         f"or lower the batch size")
+
+
+def check_tied(table: CostTable, sets=None) -> None:
+    """Raise InfeasiblePlan when a layer using a tied parameter can only hold it in ways that
+    another layer using it cannot (a pinned choice, say), naming the parameter and the layers."""
+    for q, per_shard in (tied_choice_sets(table) if sets is None else sets):
+        layers = list(per_shard[0])
+        common = [by for by in per_shard if all(by[l] for l in layers)]
+        stuck = [l for l in layers if not any(by[l] for by in common)]
+        if not stuck:
+            continue
+        l = min(stuck, key=lambda k: len(table.layers[k].choices))    # a pinned layer first
+
+        def name(k):
+            return table.layers[k].layer.module or table.layers[k].layer.name
+        others = "; ".join(f"{name(k)}: {[str(d) for d in table.layers[k].choices]}" for k in layers if k != l)
+        raise InfeasiblePlan(
+            f"parameter {q} is tied: {name(l)} would hold it as {[str(d) for d in table.layers[l].choices]} "
+            f"do, which no choice of the other layers using it matches ({others})",
+            "pin the layers sharing it to matching splits (vocab(s,p) with vocab_head(s,p)) or keep it whole")
 
 
 class _quiet:
@@ -395,6 +474,9 @@ def _start_choices(table: CostTable, memory_limit_bytes, hint) -> list[int] | No
             names = [str(d) for d in o.choices]
             h.append(names.index(want) if want in names else c0)
         starts.append(h)
+    sets = tied_choice_sets(table)
+    if sets:
+        starts = [r for r in (_repair_tied(table, ch, sets) for ch in starts) if r is not None]
     best, best_t = None, math.inf
     for ch in starts:
         mem = sum(table.layers[l].costs[i].memory_bytes for l, i in enumerate(ch))
@@ -514,6 +596,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     """The optimal plan of ``table`` (module docstring). ``hint``: a decomposition string per
     layer to start HiGHS from (e.g. the optimum under another placement)."""
     check_memory(table, memory_limit_bytes)
+    check_tied(table)
     table.ensure_edges()
     t0 = time.perf_counter()
     m, x, pairs = build_model(table, memory_limit_bytes)
@@ -581,6 +664,9 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     for l, o in enumerate(table.layers if not start_won else []):
         vals = [col[x[l, i]] for i in range(len(o.choices))]
         choice.append(max(range(len(vals)), key=lambda i: vals[i]))
+    if not tied_ok(table, choice):
+        raise SolverError("the plan found holds a tied parameter differently in the layers using it",
+                          "report it with the model file; --kinds without vocab,vocab_head avoids it")
     obj = evaluate(table, choice).step_time_s
     return Solution(choice=choice, status=status, sol_status=sol_status, solver=used,
                     time_s=elapsed, gap=gap, objective_s=obj,

@@ -567,9 +567,9 @@ def _unambiguous(node, kwargs: dict) -> dict:
 
 def _mark_tied(data: LayerGraphData) -> None:
     """Mark, in ``attrs["tied"]``, the roles of parameters that ops of several layers use (tied
-    weights: GPT-2's and Llama's output head is the token embedding's weight). Pricing then
-    keeps such a parameter whole in every layer (``cost.table.tied_reason``): the runtime holds
-    one sharding per parameter, and the ILP does not tie two layers' choices."""
+    weights: GPT-2's and Llama's output head is the token embedding's weight). The runtime
+    holds one sharding per parameter, so the ILP makes every layer using it hold it the same
+    way (``cost.table.tied_choice_sets``, ``solve.ilp._add_tied``)."""
     users: dict[str, set[int]] = {}
     for lay in data.layers:
         for op in lay.ops:

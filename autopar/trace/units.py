@@ -11,6 +11,10 @@ module is the named one or inside it joins that unit. The unit's
 * ``outputs`` are the values it produces that an op outside it reads, or the graph's output
   (``Layer.output`` is the last of them, the others are ``side_outputs``).
 
+A layer made from constants only (no input from another layer: an empty key/value cache tensor
+lifted into an attention module) joins no unit: it is computed whole on every rank, and inside
+a unit it would leave the unit no split but replication.
+
 Merging must not create a cycle: when a layer outside the unit both reads from it and feeds
 it (``u1 -> x -> u2``), the unit cannot run as one step and ``UnitError`` names the unit and
 the layer in between. Units are placed in a topological order of the merged graph, and layers
@@ -49,7 +53,11 @@ def merge_units(graph: LayerGraphData, patterns: Sequence[str]) -> LayerGraphDat
     groups: dict[str, list[Layer]] = {}
     key_of: dict[int, str] = {}
     for lay in graph.layers:
-        u = unit_of(lay.module or lay.anchor.module, patterns)
+        # a layer made from constants only (an empty cache tensor lifted into an attention
+        # module) is computed whole on every rank: inside a unit it would make the unit's
+        # every split illegal, so it stays a layer of its own
+        const = not lay.inputs and any(op.attrs.get("constant") for op in lay.ops)
+        u = None if const else unit_of(lay.module or lay.anchor.module, patterns)
         key = f"unit:{u}" if u is not None else f"layer:{lay.index}"
         groups.setdefault(key, []).append(lay)
         key_of[lay.index] = key

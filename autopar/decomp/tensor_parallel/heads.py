@@ -21,7 +21,17 @@ grouping of query head h onto KV head h // (H/K) stays inside the rank. The weig
 * the output projection's weight columns are split in p blocks (the columns of the local
   heads), its bias is whole and added by tensor rank 0 only; its output is a partial sum
   (``Layout(((0, s),), partial=p)``), resolved by the consumer's edge: an all-reduce into a
-  replicated layer, a reduce-scatter into a sequence-parallel one.
+  replicated layer, a reduce-scatter into a sequence-parallel one. Reshapes and identity
+  dropout (p = 0) may follow it inside the unit: they are linear, so they commute with the sum.
+
+A projection is ``nn.Linear`` (weight w_FC: "rows" above are dim 0, "columns" dim 1) or
+Hugging Face's ``Conv1D`` (``detect.projection``: ``view(-1, E)`` -> ``addmm(b, x, w_CF)`` ->
+``view(N, S, F)``, the weight stored transposed): the same split on the transposed dims (a
+column projection's w_CF by its LAST dim, by segment for GPT-2's fused ``c_attn`` [E, 3E]
+whose output is sliced after the view back to (N, S, 3E); the output projection's by its
+first), its ``N S`` rows split by samples as merged-batch rows (``common.batch_dim_ok``).
+``MlpParallel`` (``mlp(s, p)``) runs the same analysis on a Conv1D MLP unit: column ``c_fc``,
+the activation on the split features, row ``c_proj``.
 
 Which dim of every value inside the unit holds the split is found by following it op by op
 (``analyse``): through views by the prefix-product rule (a block of p along input dim d is a
@@ -45,6 +55,7 @@ from ..ir import (ATTENTION, BINARY, CAT, DROPOUT, EXPAND, FLATTEN, LAYER_NORM, 
                   PERMUTE, RMS_NORM, SLICE, SOFTMAX, SQUEEZE, UNARY, VIEW, Layer, OpSpec)
 from ..layout import Layout, block_extent
 from .common import grad_sync, mesh, mesh_check, two_axis_candidates
+from .detect import projection
 
 _RESHAPES = (VIEW, FLATTEN, SQUEEZE)
 SUPPORTED = frozenset({LINEAR, SLICE, VIEW, FLATTEN, SQUEEZE, EXPAND, PERMUTE, ATTENTION, UNARY,
@@ -98,11 +109,33 @@ def _reshape_dim(in_shape, out_shape, d: int, p: int) -> int | None:
     return None
 
 
+def _slice_readers(name: str, users: dict[str, list[OpSpec]], last: int) -> list[OpSpec]:
+    """The slices of dim ``last`` (the last dim) of value ``name``, also through reshapes that
+    keep the last dim whole (Conv1D's ``view(N, S, 3E)`` of its ``(N S, 3E)`` result)."""
+    out, todo = [], [(name, last)]
+    while todo:
+        v, d = todo.pop()
+        for u in users.get(v, []):
+            if u.kind == SLICE and u.attrs.get("dim") % len(u.in_shapes[0]) == d and not u.attrs.get("select"):
+                out.append(u)
+            elif u.kind in _RESHAPES and int(u.out_shape[-1]) == int(u.in_shapes[0][d]) and d == len(u.in_shapes[0]) - 1:
+                todo.append((u.name, len(u.out_shape) - 1))
+    return out
+
+
+def _linear_in_partial(op: OpSpec) -> bool:
+    """Ops that may run on the row-parallel projection's partial sum (each rank's share, summed
+    later): reshapes, and dropout that is the identity (p = 0 or eval). A dropout with p > 0
+    draws its mask per rank, and masked partial sums do not add up to the masked sum."""
+    if op.kind in _RESHAPES:
+        return True
+    return op.kind == DROPOUT and (not float(op.attrs.get("p", 0.0)) or not op.attrs.get("train", True))
+
+
 def analyse(layer: Layer, p: int) -> tuple[HeadSplit | None, str | None]:
-    """(the head split of ``layer`` under ``p`` tensor parts, None) or (None, why not)."""
+    """(the head split of ``layer`` under ``p`` tensor parts, None) or (None, why not).
+    Without an attention op this is the Megatron MLP pair's split (``MlpParallel``)."""
     attn = [op for op in layer.ops if op.kind == ATTENTION]
-    if not attn:
-        return None, "no attention op in the unit (head parallelism splits attention heads)"
     for op in attn:
         q, k = op.in_shapes[0], op.in_shapes[1]
         if len(q) < 3 or len(k) < 3:
@@ -122,27 +155,31 @@ def analyse(layer: Layer, p: int) -> tuple[HeadSplit | None, str | None]:
     slices: dict[str, tuple[int, int]] = {}
     columns: list[str] = []
     row = fused = ""
+    partial = ""                                            # the value holding the partial sum
     segments: tuple[int, ...] = ()
     for op in layer.ops:
         if row:
+            if op.inputs[:1] == [partial] and len(op.inputs) == 1 and _linear_in_partial(op):
+                partial = op.name
+                continue
             return None, f"op {op.name} runs after the row-parallel projection {row} (on a partial sum)"
         k = op.kind
         d_in = [split.get(v) for v in op.inputs]
-        if k == LINEAR:
-            w = op.params.get("weight")
-            if not w or len(w) != 2:
-                return None, f"{op.name}: a linear op without a 2-d weight"
+        proj = projection(op)
+        if k == LINEAR and proj is None:
+            return None, f"{op.name}: a linear op without a 2-d weight"
+        if proj is not None:
+            w = op.params[proj.weight]
             d = d_in[0] if d_in else None
             last = len(op.in_shapes[0]) - 1
             if d is None:
-                f_out = int(w[0])
+                f_out = int(w[proj.out_dim])
                 bounds = {0, f_out}
-                for u in users.get(op.name, []):
-                    if u.kind == SLICE and u.attrs.get("dim") == len(op.out_shape) - 1 and not u.attrs.get("select"):
-                        s0, s1, st = _slice_args(u)
-                        if st != 1:
-                            return None, f"{u.name}: a strided slice of the projection {op.name}"
-                        bounds |= {s0, s1}
+                for u in _slice_readers(op.name, users, len(op.out_shape) - 1):
+                    s0, s1, st = _slice_args(u)
+                    if st != 1:
+                        return None, f"{u.name}: a strided slice of the projection {op.name}"
+                    bounds |= {s0, s1}
                 sg = tuple(b - a for a, b in zip(sorted(bounds), sorted(bounds)[1:]))
                 bad = [n for n in sg if n % p]
                 if bad:
@@ -156,18 +193,23 @@ def analyse(layer: Layer, p: int) -> tuple[HeadSplit | None, str | None]:
                 split[op.name] = len(op.out_shape) - 1
                 columns.append(op.name)
             elif d == last and op.inputs[0] not in segs:
-                if int(w[1]) % p:
-                    return None, f"{op.name}: {w[1]} input features not divisible by {p}"
-                row = op.name
+                if int(w[proj.in_dim]) % p:
+                    return None, f"{op.name}: {w[proj.in_dim]} input features not divisible by {p}"
+                row = partial = op.name
             else:
                 return None, f"{op.name}: its input is split along dim {d}, not its features"
             continue
         if all(d is None for d in d_in):
-            if k in (LINEAR, ATTENTION):
+            if k in (LINEAR, ATTENTION) or proj is not None:
                 return None, f"{op.name}: runs on whole operands inside the unit"
             continue                                        # whole values stay whole
         src = op.inputs[0]
         d = d_in[0]
+        if src in segs and k in _RESHAPES and d == len(op.in_shapes[0]) - 1 \
+                and int(op.out_shape[-1]) == int(op.in_shapes[0][d]):
+            segs[op.name] = segs[src]                       # Conv1D's view back to (N, S, 3E)
+            split[op.name] = len(op.out_shape) - 1
+            continue
         if src in segs and k != SLICE:
             return None, f"{op.name} ({k}) reads the fused projection {src} other than by slicing it"
         if k == SLICE:
@@ -239,12 +281,12 @@ def analyse(layer: Layer, p: int) -> tuple[HeadSplit | None, str | None]:
             split[op.name] = e
         else:
             return None, f"op {op.name} ({k}) is not supported inside a head-parallel unit"
-    lin = [op.module for op in layer.ops if op.kind == LINEAR]
+    lin = [op.module for op in layer.ops if projection(op) is not None]
     if len(set(lin)) != len(lin) or "" in lin:
-        return None, "two projections share one module (each needs its own nn.Linear)"
+        return None, "two projections share one module (each needs its own nn.Linear or Conv1D)"
     if not row:
-        return None, "no row-parallel output projection (a linear on the heads' features) ends the unit"
-    if layer.output != row or layer.side_outputs:
+        return None, "no row-parallel output projection (a linear on the split features) ends the unit"
+    if layer.output != partial or layer.side_outputs:
         return None, f"the unit's output must be the output projection {row} alone"
     return HeadSplit(split, tuple(columns), row, fused, segments, slices), None
 
@@ -285,6 +327,7 @@ class HeadParallel(Decomposition):
     fused: str = ""
     segments: tuple[int, ...] = ()
     kind = "head"
+    _what = "head parallelism"
     supported_ops = SUPPORTED
     scaling_series = "tensor-only"
 
@@ -296,20 +339,30 @@ class HeadParallel(Decomposition):
 
     # ---- layouts ----------------------------------------------------------------------------
     def in_layout(self, layer: Layer, value: str) -> Layout:
+        try:
+            shape = layer.in_shape(value)
+        except KeyError:
+            shape = None
+        if shape is not None and (not shape or any(int(n) == 0 for n in shape)):
+            return Layout()      # an empty operand (a legacy empty cache): whole, nothing to split
         return Layout(((0, self.sample),))
 
     def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
         return Layout(((0, self.sample),), partial=self.parts)
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
-        if op.kind != LINEAR or role not in ("weight", "bias"):
+        """Row projection: the weight's input-feature dim split (dim 1 of nn.Linear's w_FC, dim
+        0 of Conv1D's w_CF), the bias whole. Column projections: the weight's output-feature
+        dim (0 of w_FC, 1 of w_CF) and the bias split, by segment for the fused one."""
+        proj = projection(op)
+        if proj is None or role not in (proj.weight, proj.bias):
             return ParamShard()
         m = mesh(self.sample, self.parts)
         axis = 0 if self.sample == 1 else 1
         if _is(op, self.row):
-            return ParamShard(m, ((1, axis),)) if role == "weight" else ParamShard()
+            return ParamShard(m, ((proj.in_dim, axis),)) if role == proj.weight else ParamShard()
         segs = self.segments if _is(op, self.fused) else ()
-        return ParamShard(m, ((0, axis),), segs)
+        return ParamShard(m, ((proj.out_dim if role == proj.weight else 0, axis),), segs)
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         from .common import partition
@@ -317,8 +370,15 @@ class HeadParallel(Decomposition):
 
     # ---- legality ---------------------------------------------------------------------------
     @classmethod
+    def _unit_kind_ok(cls, layer: Layer) -> str | None:
+        """Why ``layer`` is not the kind of unit this decomposition splits (None: it is)."""
+        if not any(op.kind == ATTENTION for op in layer.ops):
+            return "no attention op in the unit (head parallelism splits attention heads)"
+        return None
+
+    @classmethod
     def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
-        if not any(op.kind == ATTENTION for op in layer.ops) or not any(op.kind == LINEAR for op in layer.ops):
+        if cls._unit_kind_ok(layer) or not any(projection(op) for op in layer.ops):
             return []
         out = []
         for c in two_axis_candidates(cls, ctx):
@@ -333,13 +393,14 @@ class HeadParallel(Decomposition):
             return why
         name = layer.module or layer.name
         an, why = cached_analysis(layer, self.parts)
+        why = self._unit_kind_ok(layer) or why
         if why:
-            return f"{name}: head parallelism over {self.parts}: {why}"
+            return f"{name}: {self._what} over {self.parts}: {why}"
         mine = (relative_module(layer, an.row), relative_module(layer, an.fused) if an.fused else "", an.segments)
         if mine != (self.row, self.fused, self.segments):
             return f"{name}: {self} was made for another unit (projection {self.row})"
         if self.sample > 1:
-            why = batch_dim_ok(layer)
+            why = batch_dim_ok(layer, merged_parts=self.sample)    # Conv1D's view(-1, E): N S rows
             if why:
                 return f"{name}: {why}"
             if int(layer.ops[0].in_shapes[0][0]) < self.sample:
@@ -386,10 +447,11 @@ class HeadParallel(Decomposition):
             ins = [shapes.get(v) or self.local_shape(an, v, s) for v, s in zip(op.inputs, op.in_shapes)]
             out = shapes[op.name] = self.local_shape(an, op.name, op.out_shape)
             w_loc = None
+            proj = projection(op)
             for role, shape in op.params.items():
                 sh = self.param_shard(op, role)
                 local = sh.local_shape(shape, 0, self.sample * self.parts)
-                if role == "weight":
+                if proj is not None and role == proj.weight:
                     w_loc = local
                 if sh.dims:
                     sharded += math.prod(local) * item
@@ -418,7 +480,12 @@ class HeadParallel(Decomposition):
             raise RuntimeError(f"{layer.module or layer.name}: {why}")
         cs, ct = divmod(comm.rank, self.parts)
         if op.name == an.row:
-            y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
+            if projection(op).conv1d:                      # addmm(bias, x, w): x @ w, bias once
+                import torch
+                a = substitute_cached(op.args, dict(zip(op.inputs, inputs)), params, buffers)
+                y, bias = torch.mm(a[1], a[2]), a[0]
+            else:
+                y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
             return _add_bias(y, bias if ct == 0 else None, op)
         values = dict(zip(op.inputs, inputs))
         args = substitute_cached(op.args, values, params, buffers)
@@ -434,3 +501,27 @@ class HeadParallel(Decomposition):
         elif op.kind in (VIEW, EXPAND) and len(args) >= 2 and isinstance(args[1], list):
             args[1] = local_sizes(args[1], op.out_shape, self.local_shape(an, op.name, op.out_shape, cs))
         return resolve_target(op.target)(*args, **kwargs)
+
+
+@register
+@dataclass(frozen=True)
+class MlpParallel(HeadParallel):
+    """The Megatron MLP pair as one unit (a Conv1D MLP, ``detect.mlp_modules``): the first
+    projection column-parallel (weight split by output features, its output and the activation
+    after it split along the features), the second row-parallel (weight split by input
+    features, output a partial sum resolved on the outgoing edge), samples over ``sample``.
+    The same split-following analysis, layouts, cost and runtime as ``head(s, p)`` (module
+    docstring), on a unit without attention: ``mlp(s, p)``. (An ``nn.Linear`` MLP whose
+    activation folds into the first layer is planned layer by layer instead, ``filter`` ->
+    ``row_parallel``.)"""
+
+    kind = "mlp"
+    _what = "MLP tensor parallelism"
+
+    @classmethod
+    def _unit_kind_ok(cls, layer: Layer) -> str | None:
+        if any(op.kind == ATTENTION for op in layer.ops):
+            return "the unit holds attention (head(s, p) splits it)"
+        if sum(1 for op in layer.ops if projection(op)) < 2:
+            return "fewer than two projections in the unit (a column- and a row-parallel one)"
+        return None

@@ -152,6 +152,16 @@ class VocabHead(Filter):
                     f"and a cross-entropy loss_fn")
         return None
 
+    def param_shard(self, op: OpSpec, role: str) -> ParamShard:
+        """Filter's shard (the weight's rows and the bias, by vocabulary block ``c_t``), spelled
+        on the (s, p) mesh of ``vocab(s, p)``: the same value as the embedding table's shard,
+        so a tied table (GPT-2's lm_head weight is wte's) split by both is one shard
+        (``cost.table.tied_choice_sets``). Filter's (s, 1, p) grid puts the same rank on the
+        same block: ``rank = c_s p + c_f``."""
+        if op.kind == "linear" and role in ("weight", "bias"):
+            return ParamShard(mesh(self.sample, self.parts), ((0, 0 if self.sample == 1 else 1),))
+        return ParamShard()
+
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         """Filter's groups and the tensor groups the loss all-reduces over."""
         return super().partitions(layer, world) + [[list(g) for g in self.partition("f")]]
