@@ -1,7 +1,7 @@
 """Benchmark: is the ILP's plan the fastest one we can find, and never slower than DDP?
 
 For every shipped CPU example (the models `scripts/regenerate.sh` executes, and the README's
-example) at world 2 and 4, the plan the ILP chooses and its strongest alternatives are executed
+example; the PyG model, whose DDP baseline splits whole graphs, has its own runs) at world 2 and 4, the plan the ILP chooses and its strongest alternatives are executed
 SIDE BY SIDE in one run (the same processes, steps interleaved round by round, so machine drift
 hits all alike), together with torch DDP on the same model:
 
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ["resnet2d", "wide_resnet", "cnn3d_large"]
+MODELS = ["resnet2d", "wide_resnet", "cnn3d_large", "gpt", "hf_gpt2", "gnn_pcqm4m"]
 
 
 # ---- planning the candidates -----------------------------------------------------------------
