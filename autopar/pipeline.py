@@ -115,6 +115,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     world_size, batch_size, kinds = o.world_size, o.batch_size, (list(o.kinds) if o.kinds else None)
     memory_limit_bytes, placement = o.memory_limit_bytes, o.placement
     profile, graph, force, choice_filter = hooks.profile, hooks.graph, hooks.force, hooks.choice_filter
+    # ``force`` naming graphs(P) on every layer: the plan-level graph-parallel plan, whatever it costs
+    force_graphs = bool(force) and all(str(v).split("(")[0] == "graphs" for v in force.values())
+    if force_graphs:
+        force = None
     say = hooks.progress or (lambda s: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -210,6 +214,12 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
             placed = search_placement(ctx, placement, build, solve_table, evaluate)
             search_s = time.perf_counter() - t
     table, sol, pred = placed.table, placed.solution, placed.prediction
+    if not force:
+        sol, pred = _prefer_pure_sample(table, sol, pred, memory_limit_bytes, say)
+    graph_record = None
+    if not force and (kinds is None or "graphs" in kinds or force_graphs):
+        table, sol, pred, graph_record = _graph_parallel_choice(graph, ctx, table, sol, pred,
+                                                                memory_limit_bytes, force_graphs, say)
     timings["cost_s"] = sum(tables_s) + sum(edges_s)
     timings["solve_s"] = sum(t for t, _ in solves)
     # where the time went (``--verbose``, plan.json): the first table with its transitions,
@@ -229,6 +239,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
     plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json())
+    if graph_record is not None:
+        from .artifacts import SolverInfo
+        plan = dataclasses.replace(plan, solver=SolverInfo.from_json(
+            {**plan.solver.to_json(), "graph_parallel": graph_record}))
     if ondemand is not None:
         plan = dataclasses.replace(plan, calibration={**plan.calibration,
                                                       "shapes_on_demand": ondemand.to_json()})
@@ -247,6 +261,73 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         timings["total_s"] = time.perf_counter() - t0
 
     return PlanResult(plan, plan_path, module_path, table, sol, timings)
+
+
+def _prefer_pure_sample(table, sol, pred, memory_limit_bytes, say):
+    """Ties broken towards pure data parallelism: when every layer that is not ``sample(W)``
+    could be (constant-only layers keep their choice) and the all-``sample(W)`` plan is
+    predicted no slower (``evaluate``, the ILP's own model) and fits the memory limit, keep it:
+    it then runs natively (``runtime.native``). The ILP is indifferent between equal-cost
+    optima, e.g. free views of an index input at ``sample(2)`` or ``sample(4)`` at world 4,
+    and a mixed optimum keeps the op-by-op runtime. Returns (solution, prediction)."""
+    from .cost.table import evaluate
+    world = table.ctx.world
+    choice = list(sol.choice)
+    for li, o in enumerate(table.layers):
+        if o.choices[choice[li]].kind == "sample" and getattr(o.choices[choice[li]], "parts", 0) == world:
+            continue
+        full = [i for i, d in enumerate(o.choices) if d.kind == "sample" and getattr(d, "parts", 0) == world]
+        if full:
+            choice[li] = full[0]
+        elif not (o.layer.ops and all(op.attrs.get("constant") for op in o.layer.ops)):
+            return sol, pred
+    if choice == list(sol.choice):
+        return sol, pred
+    p2 = evaluate(table, choice)
+    if p2.step_time_s > pred.step_time_s * (1 + 1e-9) + 1e-12 or \
+            (memory_limit_bytes is not None and p2.memory_per_rank_bytes > memory_limit_bytes):
+        return sol, pred
+    say(f"pure sample({world}) kept: predicted {p2.step_time_s * 1e3:.4g} ms, as fast as the ILP's mixed optimum")
+    return dataclasses.replace(sol, choice=choice, notes=list(sol.notes) + [
+        f"ties broken towards pure sample({world}) (runs natively): predicted {p2.step_time_s:.6g} s "
+        f"against the solver's {pred.step_time_s:.6g} s"]), p2
+
+
+def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, forced: bool, say):
+    """The plan-level alternative ``graphs(P)`` of a PyG batch (``decomp.graph.graphs``: whole
+    graphs per rank, the user's module run natively) against the ILP's best op-by-op plan
+    (which pays the runtime's per-op overhead): the cheaper one is kept (``forced``: graphs
+    whenever legal). Returns (table, solution, prediction, the record plan.json keeps under
+    ``solver.graph_parallel``: both predictions, the choice and why), the ILP's when graphs(P)
+    does not apply (no PyG batch: no record)."""
+    from .decomp.graph.graphs import graphs_alternative
+    alt = graphs_alternative(graph, table.ctx, table, memory_limit_bytes)
+    if alt.roles is None and not forced:     # not a PyG batch: nothing to compare
+        return table, sol, pred, None
+    rec = {"parts": alt.parts, "op_by_op_step_time_s": pred.step_time_s,
+           "graphs_step_time_s": alt.prediction.step_time_s if alt.prediction is not None else None,
+           "graphs_memory_per_rank_bytes": (alt.prediction.memory_per_rank_bytes
+                                            if alt.prediction is not None else None),
+           "illegal": alt.illegal}
+    if forced and alt.illegal is not None:
+        raise AutoparError(f"graphs({alt.parts}) was asked for every layer but is illegal: {alt.illegal}",
+                           "plan without forcing it")
+    if alt.illegal is None and (forced or alt.prediction.step_time_s < pred.step_time_s):
+        rec["chosen"] = f"graphs({alt.parts})"
+        rec["why"] = ("forced" if forced else
+                      f"graphs({alt.parts}) predicted {alt.prediction.step_time_s * 1e3:.3f} ms < the best "
+                      f"op-by-op plan's {pred.step_time_s * 1e3:.3f} ms")
+        say(f"graph parallelism: {rec['why']}: whole graphs per rank, run natively")
+        gsol = dataclasses.replace(sol, choice=[0] * len(alt.table.layers),
+                                   notes=list(sol.notes) + [f"plan-level alternative graphs({alt.parts}) chosen: "
+                                                            + rec["why"]])
+        return alt.table, gsol, alt.prediction, rec
+    rec["chosen"] = "op-by-op"
+    rec["why"] = (alt.illegal if alt.illegal is not None else
+                  f"the op-by-op plan predicted {pred.step_time_s * 1e3:.3f} ms <= graphs({alt.parts})'s "
+                  f"{alt.prediction.step_time_s * 1e3:.3f} ms")
+    say(f"graph parallelism not chosen: {rec['why']}")
+    return table, sol, pred, rec
 
 
 def batch_norm_stats(o: PlanOptions, graph, batch_size: int, world_size: int):

@@ -99,9 +99,25 @@ def native_enabled() -> bool:
     return os.environ.get("AUTOPAR_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def graph_parallel(decisions: dict) -> int | None:
+    """B (graphs in the batch) when every layer is ``graphs(P, B)`` (a graph-parallel plan of a
+    PyG batch, ``decomp.graph.graphs``: whole graphs per rank, run natively), else None."""
+    decs = list(decisions.values())
+    if decs and all(d.kind == "graphs" for d in decs):
+        return int(decs[0].graphs)
+    return None
+
+
 def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Module,
                    batch: int) -> str | None:
     """None when the plan may run ``model`` natively (module docstring), else the reason."""
+    if graph_parallel(decisions) is not None:
+        # whole graphs per rank (``runtime.graphs.split_graph_batch``): the module runs on a
+        # rank's sub-batch as written; only training batch norm would change the function
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+                return f"batch norm {type(m).__name__} under graph parallelism (statistics per rank)"
+        return None
     for lay in graph.layers:
         dec = decisions[lay.index]
         if dec.kind == "replicate" and lay.ops and all(op.attrs.get("constant") for op in lay.ops):
@@ -151,11 +167,12 @@ class NativeDataParallel:
     """Runs ``model`` (its parameters and buffers rebound to the ``DistModel``'s own) as the
     rank's forward; averages the batch-norm running statistics over the mesh once per step."""
 
-    def __init__(self, dm, model: nn.Module, canonical: dict[str, str]) -> None:
+    def __init__(self, dm, model: nn.Module, canonical: dict[str, str], out_rows=None) -> None:
         import copy
 
         from .model import _safe
         self.dm = dm
+        self.out_rows = out_rows      # graph parallelism: the rank's rows of the output
         # a copy of the module whose parameters ARE the DistModel's Parameter objects (tied ones
         # included) and whose buffers are its buffers; the user's module is left untouched
         memo: dict[int, Any] = {}
@@ -233,6 +250,8 @@ class NativeDataParallel:
         finally:
             for h in handles:
                 h.remove()
+        if self.out_rows is not None and isinstance(out, torch.Tensor):
+            out = self.out_rows(out)
         if self.model.training:
             self.start(self.dm.comm)
         return out
@@ -312,7 +331,13 @@ def build_native(dm, model: nn.Module, batch: int, allowed: bool | None = None
         copy.deepcopy(model, {id(t): t for t in list(model.parameters()) + list(model.buffers())})
     except Exception as e:  # noqa: BLE001
         return None, f"the module cannot be copied ({type(e).__name__}: {e})"
-    return NativeDataParallel(dm, model, names), None
+    rows = None
+    b = graph_parallel(dm.decisions)
+    if b is not None:
+        from .graphs import graph_rows
+        world = dm.comm.world
+        rows = lambda out: graph_rows(out, b, world)  # noqa: E731
+    return NativeDataParallel(dm, model, names, out_rows=rows), None
 
 
 __all__: Sequence[Any] = ("NativeDataParallel", "build_native", "why_not_native", "native_enabled")

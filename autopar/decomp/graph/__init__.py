@@ -7,8 +7,9 @@ grids graphs x edges and graphs x nodes of the dense padded form. Graphs alone a
 tracer (``autopar.trace.graph_items``). ``inputs`` checks a batch's edge indices before
 training."""
 
-from . import edges, nodes  # noqa: F401  (registration)
+from . import edges, graphs, nodes  # noqa: F401  (registration)
 from .edges import Edges
+from .graphs import Graphs
 from .nodes import Nodes
 
-__all__ = ["Edges", "Nodes"]
+__all__ = ["Edges", "Graphs", "Nodes"]
