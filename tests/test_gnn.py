@@ -217,3 +217,20 @@ def test_padded_example_plans_pure_sample_that_runs_natively(root, world):
         assert [lay.name for lay in graph.layers if lay.ops[0].kind == "expand"]
         mf = load_model_file(model)
         assert why_not_native(graph, decisions, world, r.plan.bn_stats(), mf.build_model(), 8) is None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_sample_through_the_index_expand_op_by_op(root, tmp_path, profile, monkeypatch, world):
+    """``src.unsqueeze(-1).expand(b, e, f)`` (literal global sizes) under sample(world) on the
+    traced path (``AUTOPAR_NATIVE=0``): the runtime rewrites the sizes to the block's; equal to
+    one process in float64."""
+    monkeypatch.setenv("AUTOPAR_NATIVE", "0")
+    g = trace(root, MODEL)
+    force = forced(g, profile, world, "graphs", f"({world})")
+    exp = [lay.index for lay in g.layers if lay.ops[0].kind == "expand"]
+    assert exp and all(force.get(i) == f"sample({world})" for i in exp), (exp, force)
+    r, run = plan_and_validate(root, tmp_path, profile, MODEL, world, force)
+    assert all(str(d.decomposition()) == f"sample({world})" for d in r.plan.layers if d.layer in exp)
+    assert_validated(run, _params(g))
+    assert run.extra["native_runtime"] is False
