@@ -21,6 +21,11 @@ index and sizes; never truncated); an edge index outside its graph's nodes is
 ``EdgeIndexOutOfRange`` (graph index, edge column and value); a graph of the wrong form is
 ``MalformedGraph``. ``check_graphs`` scans a whole data set for these before training.
 
+Graph parallelism of a concatenated PyG batch (the second half of this module,
+``split_graph_batch``): every rank takes B / P whole graphs (``autopar.decomp.graph.graphs``),
+its node range, the edges whose source is in it, ``edge_index`` and ``batch`` re-based; an
+unsorted ``batch`` or B not divisible by P is ``GraphBatchError`` naming the graph.
+
 Runtime side: imports torch and ``autopar.errors`` only (no solver, tracer or cost model).
 """
 

@@ -30,6 +30,11 @@ checkpoints see one set of tensors), and keeps the plan's function:
   an output whose local shape differs from the plan's, a model the meta run cannot execute)
   keeps the traced path; ``why_not`` says which.
 
+A graph-parallel plan of a PyG batch (every layer ``graphs(P, B)``, ``decomp.graph.graphs``)
+runs here too, and only here: each rank's sub-batch of whole graphs comes from
+``runtime.graphs.split_graph_batch`` (``DistModel.shard_inputs``), the module's output is cut to
+the rank's B / P graph rows (``runtime.graphs.graph_rows``), gradients as above.
+
 ``AUTOPAR_NATIVE=0`` turns the fast path off (the benchmarks compare both). Per-layer times
 (``LayerTimer``) come from hooks on the leaf modules that name a layer: an op outside a module
 (a functional relu, an add) counts for the layer measured before it.
