@@ -88,14 +88,25 @@ def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
 
 def _meta_inputs(model: nn.Module, graph, world: int) -> list[torch.Tensor]:
     """One rank's block of every graph input on meta; floating inputs take the dtype of the
-    module's floating parameters (``execute`` validates in float64 a model traced in float32)."""
+    module's floating parameters (``execute`` validates in float64 a model traced in float32).
+    The inputs of a PyG batch (``decomp.graph.graphs.graph_roles``: nodes and edges along dim 0,
+    ``edge_index [2, E]`` along dim 1) are cut along their item dim, others along dim 0."""
+    from ..decomp.graph.graphs import graph_roles
     fdt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    items = {}
+    if graph_roles(graph)[0] is not None:
+        items = {v: int(d) for lay in graph.layers for op in lay.ops
+                 for v, (d, _) in (op.attrs.get("items") or {}).items()}
     xs = []
     for gi in graph.inputs:
         dt = getattr(torch, gi.dtype, torch.float32)
         if dt.is_floating_point and fdt is not None:
             dt = fdt
-        xs.append(torch.empty([gi.shape[0] // world] + list(gi.shape[1:]), dtype=dt, device="meta"))
+        shape = list(gi.shape)
+        d = items.get(gi.name, 0) if shape else 0
+        if shape:
+            shape[d] = shape[d] // world
+        xs.append(torch.empty(shape, dtype=dt, device="meta"))
     return xs
 
 
