@@ -119,6 +119,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     force_graphs = bool(force) and all(str(v).split("(")[0] == "graphs" for v in force.values())
     if force_graphs:
         force = None
+    # graphs(P) is plan-level (no layer choice of the ILP): ``--kinds graphs`` alone asks for it
+    table_kinds = [k for k in kinds if k != "graphs"] if kinds else None
+    if kinds and not table_kinds:
+        force_graphs, table_kinds = True, None
     say = hooks.progress or (lambda s: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -174,7 +178,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     def build(c):
         t = time.perf_counter()
         # transitions are priced when a table is solved (most placements are only bounded)
-        tab = build_cost_table(graph, c, kinds=kinds, choice_filter=choice_filter, edges=bool(force))
+        tab = build_cost_table(graph, c, kinds=table_kinds, choice_filter=choice_filter, edges=bool(force))
         if force:
             _pin(tab, force)
         tables_s.append(time.perf_counter() - t)
@@ -310,8 +314,9 @@ def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, for
                                             if alt.prediction is not None else None),
            "illegal": alt.illegal}
     if forced and alt.illegal is not None:
-        raise AutoparError(f"graphs({alt.parts}) was asked for every layer but is illegal: {alt.illegal}",
-                           "plan without forcing it")
+        raise AutoparError(f"graphs({alt.parts}) was asked for (--kinds graphs, or forced on every layer) "
+                           f"but is illegal: {alt.illegal}",
+                           "plan with other --kinds (a padded batch's graphs are sample(P))")
     if alt.illegal is None and (forced or alt.prediction.step_time_s < pred.step_time_s):
         rec["chosen"] = f"graphs({alt.parts})"
         rec["why"] = ("forced" if forced else

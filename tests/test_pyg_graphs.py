@@ -173,3 +173,19 @@ def test_ddp_baseline_without_ddp_shard_splits_whole_graphs(root, tmp_path):
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["validation"]["passed"]
     assert run["baseline"]["equivalent"] and "generic graph split" in run["baseline"]["note"]
+
+
+def test_kinds_graphs_alone_asks_for_it_and_a_padded_batch_refuses(root):
+    from autopar.artifacts import PlanOptions
+    from autopar.errors import AutoparError
+    from autopar.pipeline import make_plan
+    cal = str(root / "calibration/cpu-2core-gloo.json")
+    r = make_plan(root / f"strategies/examples/{MODEL}.py",
+                  PlanOptions(world_size=2, batch_size=4, calibration=cal, measure_shapes=False, write=False,
+                              kinds=("graphs",)))
+    assert {d.choice for d in r.plan.layers} == {"graphs(2,4)"}
+    assert r.plan.solver.extra["graph_parallel"]["why"] == "forced"
+    with pytest.raises(AutoparError, match="a padded batch: sample"):
+        make_plan(root / "strategies/examples/gnn_pcqm4m.py",
+                  PlanOptions(world_size=2, batch_size=4, calibration=cal, measure_shapes=False, write=False,
+                              kinds=("graphs",)))
