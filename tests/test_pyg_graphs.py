@@ -189,3 +189,24 @@ def test_kinds_graphs_alone_asks_for_it_and_a_padded_batch_refuses(root):
         make_plan(root / "strategies/examples/gnn_pcqm4m.py",
                   PlanOptions(world_size=2, batch_size=4, calibration=cal, measure_shapes=False, write=False,
                               kinds=("graphs",)))
+
+
+@pytest.mark.dist
+def test_small_batch_under_a_memory_limit_splits_edges(root, tmp_path, monkeypatch):
+    """LBANN's PCQM4M sizes in the PyG model, 2 graphs at world 4, 4 MiB per rank: graphs(4)
+    is illegal (fewer graphs than ranks), so the planner splits edges; ``autopar execute``
+    validates it against PyG on one process (committed CPU profile)."""
+    from autopar.cli import main
+    for k in ("AUTOPAR_GNN_NODE_EMBED", "AUTOPAR_GNN_OUT", "AUTOPAR_GNN_NODES", "AUTOPAR_GNN_EDGES"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AUTOPAR_GNN_GRAPHS", "2")
+    out = tmp_path / "plan"
+    assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", "4",
+                 "--batch-size", "2", "--memory-limit", "4MiB", "--no-measure",
+                 "--calibration", str(root / "calibration/cpu-2core-gloo.json"), "-o", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert "2 graphs < 4 ranks" in plan["solver"]["graph_parallel"]["illegal"]
+    kinds = {d["decomposition"]["kind"] for d in plan["layers"]}
+    assert kinds & {"edges", "nodes"}, kinds
+    assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["validation"]["passed"]
