@@ -223,7 +223,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     graph_record = None
     if not force and (kinds is None or "graphs" in kinds or force_graphs):
         table, sol, pred, graph_record = _graph_parallel_choice(graph, ctx, table, sol, pred,
-                                                                memory_limit_bytes, force_graphs, say)
+                                                                memory_limit_bytes, force_graphs, say,
+                                                                _example_shares(mf, batch_size, world_size))
     timings["cost_s"] = sum(tables_s) + sum(edges_s)
     timings["solve_s"] = sum(t for t, _ in solves)
     # where the time went (``--verbose``, plan.json): the first table with its transitions,
@@ -297,7 +298,18 @@ def _prefer_pure_sample(table, sol, pred, memory_limit_bytes, say):
         f"against the solver's {pred.step_time_s:.6g} s"]), p2
 
 
-def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, forced: bool, say):
+def _example_shares(mf, batch_size: int, world: int):
+    """For ``graphs_alternative``: the largest rank's node / edge fractions of the model file's
+    example batch under the graph split (imports the model file and torch, only when a PyG
+    batch is priced)."""
+    def shares(roles):
+        from .runtime.graphs import largest_shares
+        return largest_shares(roles, list(mf.example_inputs(batch_size)), world)
+    return shares
+
+
+def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, forced: bool, say,
+                           shares=None):
     """The plan-level alternative ``graphs(P)`` of a PyG batch (``decomp.graph.graphs``: whole
     graphs per rank, the user's module run natively) against the ILP's best op-by-op plan
     (which pays the runtime's per-op overhead): the cheaper one is kept (``forced``: graphs
@@ -305,14 +317,16 @@ def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, for
     ``solver.graph_parallel``: both predictions, the choice and why), the ILP's when graphs(P)
     does not apply (no PyG batch: no record)."""
     from .decomp.graph.graphs import graphs_alternative
-    alt = graphs_alternative(graph, table.ctx, table, memory_limit_bytes)
+    alt = graphs_alternative(graph, table.ctx, table, memory_limit_bytes, shares)
     if alt.roles is None and not forced:     # not a PyG batch: nothing to compare
         return table, sol, pred, None
     rec = {"parts": alt.parts, "op_by_op_step_time_s": pred.step_time_s,
            "graphs_step_time_s": alt.prediction.step_time_s if alt.prediction is not None else None,
            "graphs_memory_per_rank_bytes": (alt.prediction.memory_per_rank_bytes
                                             if alt.prediction is not None else None),
-           "illegal": alt.illegal}
+           "illegal": alt.illegal,
+           "priced_shares": (dict(alt.shares, source="the largest rank of the model file's example batch")
+                             if alt.shares else {"source": "the mean share 1 / P"})}
     if forced and alt.illegal is not None:
         raise AutoparError(f"graphs({alt.parts}) was asked for (--kinds graphs, or forced on every layer) "
                            f"but is illegal: {alt.illegal}",

@@ -126,6 +126,9 @@ def test_planner_records_both_predictions_and_refuses_too_few_graphs(root, monke
                   PlanOptions(world_size=2, batch_size=4, calibration=cal, measure_shapes=False, write=False))
     rec = r.plan.solver.extra["graph_parallel"]
     assert rec["illegal"] is None and rec["graphs_step_time_s"] > 0 and rec["op_by_op_step_time_s"] > 0
+    # priced at the largest rank's share of the example batch's nodes and edges (graphs differ)
+    sh = rec["priced_shares"]
+    assert 0.5 <= sh["node"] < 1 and 0.5 <= sh["edge"] < 1 and "largest rank" in sh["source"]
     chosen_graphs = rec["chosen"] == "graphs(2)"
     assert chosen_graphs == (rec["graphs_step_time_s"] < rec["op_by_op_step_time_s"])
     if chosen_graphs:
@@ -210,3 +213,17 @@ def test_small_batch_under_a_memory_limit_splits_edges(root, tmp_path, monkeypat
     assert kinds & {"edges", "nodes"}, kinds
     assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
     assert json.loads((tmp_path / "run" / "run.json").read_text())["validation"]["passed"]
+
+
+def test_largest_shares_are_the_biggest_rank_of_the_split(root):
+    import torch
+    from autopar.runtime.graphs import largest_shares, split_graph_batch
+    _, roles = _roles(root)
+    mf = _load(root)
+    xs = list(mf.example_inputs(4))
+    for world in (2, 4):
+        sh = largest_shares(roles, xs, world)
+        parts = [split_graph_batch(roles, xs, None, r, world)[0] for r in range(world)]
+        assert sh["node"] == max(p[0].shape[0] for p in parts) / xs[0].shape[0]
+        assert sh["edge"] == max(p[2].shape[0] for p in parts) / xs[2].shape[0]
+        assert sh["node"] >= 1 / world and torch.is_tensor(xs[0])

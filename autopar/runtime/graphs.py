@@ -312,3 +312,17 @@ def graph_rows(out: torch.Tensor, graphs: int, world: int) -> torch.Tensor:
         return out[:mine]
     raise GraphBatchError(f"the module returned {n} rows for a sub-batch of {mine} graphs (batch of {graphs})",
                           "return one row per graph of the batch it is given (graph-level output)")
+
+
+def largest_shares(roles, inputs: Sequence[torch.Tensor], world: int) -> dict[str, float]:
+    """The largest rank's fraction of the batch's nodes and of its edges under the graph split
+    (the planner prices that rank: whole graphs of different sizes do not split evenly)."""
+    batch = inputs[roles.batch]
+    src = inputs[roles.edge_index][0] if roles.edge_index is not None else None
+    n, e = max(1, int(batch.numel())), max(1, int(src.numel())) if src is not None else 1
+    node = edge = 0.0
+    for r in range(world):
+        sh = graph_shard(batch, src, roles.graphs, r, world)
+        node = max(node, (sh.n1 - sh.n0) / n)
+        edge = max(edge, int(sh.edges.sum()) / e if src is not None else 1.0 / world)
+    return {"node": node, "edge": edge}

@@ -22,10 +22,11 @@ Legal when: the batch is a PyG batch (node and edge items along dim 0, an intege
 vector among the node inputs), the output is graph-level (dim 0 = B), B >= P and P divides B,
 and no batch norm trains (a rank's statistics would be over its graphs' nodes only).
 
-Cost (written once, ``Graphs.cost``): ``price_replicated_weights`` with every op on its mean
+Cost (written once, ``graphs_cost``): ``price_replicated_weights`` with every op on a rank's
 local share -- node-indexed values N / P rows, edge-indexed values E / P, graph-level values
-B / P (block 0 of an even split: the mean, not the largest rank; ``--graph-sizes`` imbalance is
-not priced) -- with no per-op runtime overhead (``runtime_op``: the user's module runs
+B / P (the mean); when the planner has the model file's example batch, node and edge values at
+the largest rank's fractions of that batch's nodes and edges instead (the imbalance of whole
+graphs of different sizes; ``runtime.graphs.largest_shares``) -- with no per-op runtime overhead (``runtime_op``: the user's module runs
 natively, as under DDP); weights whole, gradient all-reduce over the world as ``sample(P)``;
 memory: whole weights, gradients, optimizer state and B / P graphs' saved activations.
 Pure: no torch.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,16 +163,35 @@ class Graphs(Decomposition):
 
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
         """Module docstring: every op on its mean local share, no runtime_op overhead."""
-        def local(op, ins, out):
-            return ([self.value_layout(layer, v, s).max_local_operand_shape(s, len(op.out_shape))
-                     for v, s in zip(op.inputs, op.in_shapes)],
-                    self.value_layout(layer, op.name, op.out_shape).max_local_shape(op.out_shape))
-        return price_replicated_weights(layer, Layout(), _native_ctx(ctx), compute_shapes=local)
+        return graphs_cost(self, layer, ctx)
 
     def run(self, comm, layer, op, inputs, params, buffers):
         from ...errors import AutoparError
         raise AutoparError(f"graphs({self.parts}) runs the user's module natively, not op by op "
                            f"({op.name})", "run the plan with AUTOPAR_NATIVE unset (the native path)")
+
+
+def graphs_cost(dec: Graphs, layer: Layer, ctx: CostContext,
+                shares: dict[str, float] | None = None) -> LayerCost:
+    """``price_replicated_weights`` with every op on a rank's share (module docstring), no
+    per-op runtime overhead. ``shares`` ({"node": f, "edge": f}): the largest rank's fraction of
+    the batch's nodes / edges (``runtime.graphs.largest_shares`` of an actual batch), priced
+    instead of the mean 1 / P for values of that item kind."""
+    items = {v: (int(d), str(k)) for op in layer.ops for v, (d, k) in (op.attrs.get("items") or {}).items()}
+
+    def block(v, s, operand_rank=None):
+        it = items.get(v)
+        if shares and it is not None and it[1] in shares and it[0] < len(s):
+            out = [int(n) for n in s]
+            out[it[0]] = max(1, math.ceil(int(s[it[0]]) * float(shares[it[1]])))
+            return tuple(out)
+        lay = dec.value_layout(layer, v, s)
+        return lay.max_local_shape(s) if operand_rank is None else lay.max_local_operand_shape(s, operand_rank)
+
+    def local(op, ins, out):
+        return ([block(v, s, len(op.out_shape)) for v, s in zip(op.inputs, op.in_shapes)],
+                block(op.name, op.out_shape))
+    return price_replicated_weights(layer, Layout(), _native_ctx(ctx), compute_shapes=local)
 
 
 def _native_ctx(ctx: CostContext) -> CostContext:
@@ -193,13 +214,16 @@ class GraphAlternative:
     prediction: Any = None
     illegal: str | None = None
     roles: GraphRoles | None = None
+    shares: dict[str, float] | None = None     # the largest rank's node / edge fractions priced
 
 
 def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
-                       memory_limit_bytes: float | None) -> GraphAlternative:
+                       memory_limit_bytes: float | None, shares=None) -> GraphAlternative:
     """Price ``graphs(world)`` for every layer (module docstring) as a one-choice cost table on
     ``table``'s layer order and gradient buckets, evaluated like the ILP's plans
-    (``cost.table.evaluate``); ``illegal`` says why not when it cannot run."""
+    (``cost.table.evaluate``); ``illegal`` says why not when it cannot run. ``shares``: None
+    (the mean share), or a function of the roles giving the largest rank's node / edge
+    fractions of an actual batch (``graphs_cost``)."""
     from ...cost.table import CostTable, LayerOptions, _optimizer_step_s, evaluate
     p = ctx.world
     roles, why = graph_roles(graph)
@@ -213,18 +237,25 @@ def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
     if b % p:
         return GraphAlternative(p, illegal=f"{b} graphs do not split evenly over {p} ranks", roles=roles)
     dec = Graphs(p, b)
+    fractions = None
+    if shares is not None:
+        try:
+            fractions = shares(roles)
+        except Exception:  # noqa: BLE001 - no batch to measure: the mean share
+            fractions = None
     opts = []
     for lay in graph.layers:
         why = dec.check(lay, ctx)
         if why:
             return GraphAlternative(p, illegal=f"layer {lay.index} ({lay.module or lay.name}): {why}",
                                     roles=roles)
-        c = dec.cost(lay, ctx)
+        c = dec.cost(lay, ctx) if fractions is None else graphs_cost(dec, lay, ctx, fractions)
         c = dataclasses.replace(c, optim_step_s=_optimizer_step_s(c, ctx, sum(len(op.params) for op in lay.ops)))
         opts.append(LayerOptions(lay, [dec], [c]))
     gt = CostTable(graph, ctx, opts, None, list(table.topo), table.buckets)
     pred = evaluate(gt, [0] * len(opts))
     if memory_limit_bytes is not None and pred.memory_per_rank_bytes > memory_limit_bytes:
         return GraphAlternative(p, gt, pred, illegal=f"{pred.memory_per_rank_bytes / 2**20:.2f} MiB per rank "
-                                f"over the memory limit {memory_limit_bytes / 2**20:.2f} MiB", roles=roles)
-    return GraphAlternative(p, gt, pred, roles=roles)
+                                f"over the memory limit {memory_limit_bytes / 2**20:.2f} MiB", roles=roles,
+                                shares=fractions)
+    return GraphAlternative(p, gt, pred, roles=roles, shares=fractions)
