@@ -115,6 +115,14 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     world_size, batch_size, kinds = o.world_size, o.batch_size, (list(o.kinds) if o.kinds else None)
     memory_limit_bytes, placement = o.memory_limit_bytes, o.placement
     profile, graph, force, choice_filter = hooks.profile, hooks.graph, hooks.force, hooks.choice_filter
+    # ``force`` naming graphs(P) on every layer: the plan-level graph-parallel plan, whatever it costs
+    force_graphs = bool(force) and all(str(v).split("(")[0] == "graphs" for v in force.values())
+    if force_graphs:
+        force = None
+    # graphs(P) is plan-level (no layer choice of the ILP): ``--kinds graphs`` alone asks for it
+    table_kinds = [k for k in kinds if k != "graphs"] if kinds else None
+    if kinds and not table_kinds:
+        force_graphs, table_kinds = True, None
     say = hooks.progress or (lambda s: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -170,7 +178,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     def build(c):
         t = time.perf_counter()
         # transitions are priced when a table is solved (most placements are only bounded)
-        tab = build_cost_table(graph, c, kinds=kinds, choice_filter=choice_filter, edges=bool(force))
+        tab = build_cost_table(graph, c, kinds=table_kinds, choice_filter=choice_filter, edges=bool(force))
         if force:
             _pin(tab, force)
         tables_s.append(time.perf_counter() - t)
@@ -224,6 +232,11 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
                 f"replaced by the native data-parallel plan: {runtime.reason}"])
         pred = rt_pred
     say(f"runtime: {runtime.runtime} ({runtime.reason})")
+    graph_record = None
+    if not force and (kinds is None or "graphs" in kinds or force_graphs):
+        table, sol, pred, graph_record = _graph_parallel_choice(graph, ctx, table, sol, pred,
+                                                                memory_limit_bytes, force_graphs, say,
+                                                                _example_shares(mf, batch_size, world_size))
     timings["cost_s"] = sum(tables_s) + sum(edges_s)
     timings["solve_s"] = sum(t for t, _ in solves)
     # where the time went (``--verbose``, plan.json): the first table with its transitions,
@@ -244,6 +257,13 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
                        profile, table, sol, pred, memory_limit_bytes, placed)
     plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json(),
                                extra={**plan.extra, "runtime": runtime.to_json()})
+    if graph_record is not None:
+        from .artifacts import SolverInfo
+        plan = dataclasses.replace(plan, solver=SolverInfo.from_json(
+            {**plan.solver.to_json(), "graph_parallel": graph_record}))
+        if graph_record.get("chosen", "").startswith("graphs"):
+            plan = dataclasses.replace(plan, extra={**plan.extra, "runtime": {
+                "expected": "native", "step_time_s": pred.step_time_s, "reason": graph_record["why"]}})
     if ondemand is not None:
         plan = dataclasses.replace(plan, calibration={**plan.calibration,
                                                       "shapes_on_demand": ondemand.to_json()})
@@ -262,6 +282,57 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         timings["total_s"] = time.perf_counter() - t0
 
     return PlanResult(plan, plan_path, module_path, table, sol, timings)
+
+
+def _example_shares(mf, batch_size: int, world: int):
+    """For ``graphs_alternative``: the largest rank's node / edge fractions of the model file's
+    example batch under the graph split (imports the model file and torch, only when a PyG
+    batch is priced)."""
+    def shares(roles):
+        from .runtime.graphs import largest_shares
+        return largest_shares(roles, list(mf.example_inputs(batch_size)), world)
+    return shares
+
+
+def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, forced: bool, say,
+                           shares=None):
+    """The plan-level alternative ``graphs(P)`` of a PyG batch (``decomp.graph.graphs``: whole
+    graphs per rank, the user's module run natively) against the ILP's best op-by-op plan
+    (which pays the runtime's per-op overhead): the cheaper one is kept (``forced``: graphs
+    whenever legal). Returns (table, solution, prediction, the record plan.json keeps under
+    ``solver.graph_parallel``: both predictions, the choice and why), the ILP's when graphs(P)
+    does not apply (no PyG batch: no record)."""
+    from .decomp.graph.graphs import graphs_alternative
+    alt = graphs_alternative(graph, table.ctx, table, memory_limit_bytes, shares)
+    if alt.roles is None and not forced:     # not a PyG batch: nothing to compare
+        return table, sol, pred, None
+    rec = {"parts": alt.parts, "op_by_op_step_time_s": pred.step_time_s,
+           "graphs_step_time_s": alt.prediction.step_time_s if alt.prediction is not None else None,
+           "graphs_memory_per_rank_bytes": (alt.prediction.memory_per_rank_bytes
+                                            if alt.prediction is not None else None),
+           "illegal": alt.illegal,
+           "priced_shares": (dict(alt.shares, source="the largest rank of the model file's example batch")
+                             if alt.shares else {"source": "the mean share 1 / P"})}
+    if forced and alt.illegal is not None:
+        raise AutoparError(f"graphs({alt.parts}) was asked for (--kinds graphs, or forced on every layer) "
+                           f"but is illegal: {alt.illegal}",
+                           "plan with other --kinds (a padded batch's graphs are sample(P))")
+    if alt.illegal is None and (forced or alt.prediction.step_time_s < pred.step_time_s):
+        rec["chosen"] = f"graphs({alt.parts})"
+        rec["why"] = ("forced" if forced else
+                      f"graphs({alt.parts}) predicted {alt.prediction.step_time_s * 1e3:.3f} ms < the best "
+                      f"op-by-op plan's {pred.step_time_s * 1e3:.3f} ms")
+        say(f"graph parallelism: {rec['why']}: whole graphs per rank, run natively")
+        gsol = dataclasses.replace(sol, choice=[0] * len(alt.table.layers),
+                                   notes=list(sol.notes) + [f"plan-level alternative graphs({alt.parts}) chosen: "
+                                                            + rec["why"]])
+        return alt.table, gsol, alt.prediction, rec
+    rec["chosen"] = "op-by-op"
+    rec["why"] = (alt.illegal if alt.illegal is not None else
+                  f"the op-by-op plan predicted {pred.step_time_s * 1e3:.3f} ms <= graphs({alt.parts})'s "
+                  f"{alt.prediction.step_time_s * 1e3:.3f} ms")
+    say(f"graph parallelism not chosen: {rec['why']}")
+    return table, sol, pred, rec
 
 
 def batch_norm_stats(o: PlanOptions, graph, batch_size: int, world_size: int):

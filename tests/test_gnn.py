@@ -190,3 +190,47 @@ def test_cli_plan_and_execute_non_replicated(root, tmp_path, world):
     assert kinds - {"replicate"}, kinds
     assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
     assert json.loads((tmp_path / "run" / "run.json").read_text())["validation"]["passed"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_padded_example_plans_pure_sample_that_runs_natively(root, world):
+    """LBANN's PCQM4M sizes, batch 8 (committed CPU profile): every layer is sample(world) but
+    the constant scatter buffer (``torch.zeros``), including the index ``unsqueeze`` / ``expand``
+    layers (expand keeps dims it does not broadcast), so the plan runs the user's module
+    natively (``runtime.native.why_not_native`` finds no reason)."""
+    from autopar.artifacts import PlanOptions
+    from autopar.modelfile import load_model_file
+    from autopar.pipeline import make_plan
+    from autopar.runtime.native import why_not_native
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("AUTOPAR_GNN_NODE_EMBED", "AUTOPAR_GNN_OUT", "AUTOPAR_GNN_NODES", "AUTOPAR_GNN_EDGES"):
+            mp.delenv(k, raising=False)
+        model = root / f"strategies/examples/{MODEL}.py"
+        r = make_plan(model, PlanOptions(world_size=world, batch_size=8, measure_shapes=False, write=False,
+                                         calibration=str(root / "calibration/cpu-2core-gloo.json")))
+        graph = r.plan.graph()
+        decisions = {d.layer: d.decomposition() for d in r.plan.layers}
+        for lay in graph.layers:
+            d = decisions[lay.index]
+            if str(d) != f"sample({world})":
+                assert d.kind == "replicate" and all(op.attrs.get("constant") for op in lay.ops), (lay.name, d)
+        assert [lay.name for lay in graph.layers if lay.ops[0].kind == "expand"]
+        mf = load_model_file(model)
+        assert why_not_native(graph, decisions, world, r.plan.bn_stats(), mf.build_model(), 8) is None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_sample_through_the_index_expand_op_by_op(root, tmp_path, profile, monkeypatch, world):
+    """``src.unsqueeze(-1).expand(b, e, f)`` (literal global sizes) under sample(world) on the
+    traced path (``AUTOPAR_NATIVE=0``): the runtime rewrites the sizes to the block's; equal to
+    one process in float64."""
+    monkeypatch.setenv("AUTOPAR_NATIVE", "0")
+    g = trace(root, MODEL)
+    force = forced(g, profile, world, "graphs", f"({world})")
+    exp = [lay.index for lay in g.layers if lay.ops[0].kind == "expand"]
+    assert exp and all(force.get(i) == f"sample({world})" for i in exp), (exp, force)
+    r, run = plan_and_validate(root, tmp_path, profile, MODEL, world, force)
+    assert all(str(d.decomposition()) == f"sample({world})" for d in r.plan.layers if d.layer in exp)
+    assert_validated(run, _params(g))
+    assert run.extra["native_runtime"] is False

@@ -369,8 +369,12 @@ def test_independent_dims_of_hand_made_ops():
     assert family_of("view").independent_dims(mixed) == frozenset({2})   # rows regrouped
     exp = _spec("expand", "aten.expand.default", [v(0), [-1, 8]], [[4, 1]], [4, 8])
     assert family_of("expand").independent_dims(exp) == {0}
+    # a literal size equal to the input's extent does not broadcast: independent there (the
+    # runtime rewrites it to the block's extent, ``call_local``); a broadcast dim never is
     named = _spec("expand", "aten.expand.default", [v(0), [4, 8]], [[4, 1]], [4, 8])
-    assert family_of("expand").independent_dims(named) == frozenset()
+    assert family_of("expand").independent_dims(named) == {0}
+    bcast = _spec("expand", "aten.expand.default", [v(0), [4, 8]], [[1, 8]], [4, 8])
+    assert family_of("expand").independent_dims(bcast) == {1}
     sq = _spec("squeeze", "aten.squeeze.default", [v(0)], [[4, 1, 3]], [4, 3])
     assert family_of("squeeze").independent_dims(sq) == frozenset()
     tr = _spec("permute", "aten.transpose.int", [v(0), 1, 2], [[4, 2, 6, 8]], [4, 6, 2, 8])

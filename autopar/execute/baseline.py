@@ -19,42 +19,32 @@ from .timing import timed_steps
 
 def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
                  warmup: int, steps: int, sync: Callable[[], None],
-                 barrier: Callable[[], None], bn_stats=None) -> Baseline:
+                 barrier: Callable[[], None], bn_stats=None, graph=None) -> Baseline:
     """Time torch DDP on the full batch ``xs``/``ys`` (float32), each rank its sample block.
-    Collective: every rank calls it."""
+    A PyG batch (``graph``'s inputs marked as nodes and edges with a batch vector,
+    ``decomp.graph.graphs.graph_roles``) is split into whole graphs per rank by the generic
+    split of graph parallelism (``runtime.graphs.split_graph_batch``) unless the model file
+    says how (``ddp_shard``, an override). Collective: every rank calls it."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..decomp.layout import Layout
-    from ..runtime.comm import local_slice
-
     device = comm.device
     torch.manual_seed(seed)
-    shard = mf.ddp_shard()
-    if shard is not None:
-        # the model file splits its own batch (e.g. whole graphs of a PyG batch per rank)
-        bx, by, base = shard(tuple(xs), ys, comm.rank, comm.world)
-        bx = [x.to(device) for x in bx]
-        by = by.to(device) if by is not None else None
-        base = base.to(device)
-    else:
-        base = mf.build_model().to(device)
+    base, bx, by, rows, how = ddp_split(mf, xs, ys, comm, graph)
     base.train()
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in base.modules())
     equivalent, note, sync_bn = same_function(has_bn, bn_stats, int(xs[0].shape[0]), comm.world,
                                               device.type == "cuda")
-    if shard is not None:
-        note += "; the batch split by the model file's ddp_shard"
+    note += how
     if sync_bn:
         base = torch.nn.SyncBatchNorm.convert_sync_batchnorm(base, process_group=comm.mesh_group)
     ddp = DDP(base, device_ids=[device.index] if device.type == "cuda" else None,
               process_group=comm.mesh_group)
-    if shard is None:
-        lay = Layout(((0, comm.world),))
-        bx = [local_slice(x, lay, comm) for x in xs]
-        by = local_slice(ys, lay, comm) if ys is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
-    loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
+    if rows is not None:
+        loss_of = (lambda o: loss_fn(rows(o), by)) if by is not None else (lambda o: loss_fn(rows(o)))
+    else:
+        loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
     timed_steps(ddp, opt, bx, loss_of, lambda: None, warmup, comm, sync, barrier)
     times = timed_steps(ddp, opt, bx, loss_of, lambda: None, steps, comm, sync, barrier)
     return Baseline(
@@ -81,3 +71,43 @@ def same_function(has_bn: bool, bn_stats, batch: int, world: int, cuda: bool) ->
     return False, ("not the same function: with global batch-norm statistics the same-function baseline "
                    "is DDP + SyncBatchNorm, which has no CPU path, so none exists here; plain DDP (local "
                    "statistics) is a timing baseline only"), False
+
+
+def ddp_split(mf, xs, ys, comm, graph=None):
+    """What one DDP rank trains on: (the model, its inputs, its targets, the cut of its output
+    rows or None, how the batch was split: a note). The model file's ``ddp_shard`` when it has
+    one; else a PyG batch (``graph_split_roles``) as whole graphs per rank by the generic split
+    of graph parallelism (``runtime.graphs.split_graph_batch``; the module's output cut to the
+    rank's graphs); else dim 0 of every input in even blocks."""
+    from ..decomp.layout import Layout
+    from ..runtime.comm import local_slice
+    device = comm.device
+    shard = mf.ddp_shard()
+    roles = graph_split_roles(graph) if shard is None else None
+    if shard is not None:
+        # the model file splits its own batch (e.g. whole graphs of a PyG batch per rank)
+        bx, by, base = shard(tuple(xs), ys, comm.rank, comm.world)
+        return (base.to(device), [x.to(device) for x in bx], by.to(device) if by is not None else None,
+                None, "; the batch split by the model file's ddp_shard")
+    if roles is not None:
+        # whole graphs per rank, split from the trace's node / edge marks (what a PyG user's
+        # DistributedSampler over graphs gives each rank)
+        from ..runtime.graphs import graph_rows, split_graph_batch
+        bx, by, _ = split_graph_batch(roles, [x.to(device) for x in xs],
+                                      ys.to(device) if ys is not None else None, comm.rank, comm.world)
+        world = comm.world
+        return (mf.build_model().to(device), bx, by, lambda o: graph_rows(o, roles.graphs, world),
+                "; the batch split into whole graphs per rank (autopar's generic graph split)")
+    lay = Layout(((0, comm.world),))
+    bx = [local_slice(x, lay, comm) for x in xs]
+    by = local_slice(ys, lay, comm) if ys is not None else None
+    return mf.build_model().to(device), bx, by, None, ""
+
+
+def graph_split_roles(graph):
+    """The roles of a PyG batch's inputs (``decomp.graph.graphs.GraphRoles``) when ``graph`` is
+    one whose graphs can be split whole over the ranks, else None."""
+    if graph is None:
+        return None
+    from ..decomp.graph.graphs import graph_roles
+    return graph_roles(graph)[0]

@@ -149,10 +149,14 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     # DDP splits every input along dim 0: only for a batch of samples, unless the model file
     # says how to split its batch (``ddp_shard``: a PyG batch's x [N, F] and edge_index [2, E]
     # split by whole graphs); otherwise no baseline
-    samples = len({int(x.shape[0]) for x in xs if x.dim()}) == 1 or mf.ddp_shard() is not None
+    from .baseline import graph_split_roles
+    roles = graph_split_roles(dm.graph)      # a PyG batch: whole graphs per rank
+    samples = (len({int(x.shape[0]) for x in xs if x.dim()}) == 1 or mf.ddp_shard() is not None
+               or (roles is not None and roles.graphs % world == 0))
     if opts.ddp and world > 1 and plan.model.batch_size >= world and samples:
         baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
-                                opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats())
+                                opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats(),
+                                graph=dm.graph)
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
             "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step,
@@ -165,7 +169,8 @@ def _runtime_note(dm) -> dict[str, Any]:
     nat = getattr(dm, "_native", None)
     if nat is not None:
         how = "torch DDP's reducer (SUM hook)" if nat.ddp is not None else "autopar's GradSync"
-        return {"native": True, "note": f"runtime: native (the user's module on each rank's samples, "
+        what = "whole graphs (graph parallelism)" if getattr(dm, "_graph_roles", None) is not None else "samples"
+        return {"native": True, "note": f"runtime: native (the user's module on each rank's {what}, "
                                         f"gradients summed by {how})"}
     return {"native": False, "note": f"runtime: traced program op by op ({getattr(dm, 'native_off_reason', None)})"}
 

@@ -182,7 +182,7 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     in_grads = {}
     for gi, leaf in zip(dm.graph.inputs, leaves):
         if leaf.grad is not None:
-            in_grads[gi.name] = assemble(leaf.grad, dm.input_layout(gi.name), gi.shape, comm, "sum")
+            in_grads[gi.name] = dm.assemble_input_grad(gi.name, leaf.grad)
     grads = dm.full_grads()
     opt = torch.optim.SGD(dm.parameters(), lr=lr, momentum=momentum)
     opt.step()

@@ -141,8 +141,10 @@ class Squeeze(_View):
 
 @register_family
 class Expand(_View):
-    """``aten.expand(x, sizes)``: independent along dims whose size is -1 (the sizes name the
-    global extents otherwise, and a block would be expanded to them)."""
+    """``aten.expand(x, sizes)``: independent along dims it does not broadcast: size -1, or
+    the input's own extent (``src.unsqueeze(-1).expand(b, e, f)`` keeps b and e). A literal
+    size names the global extent: the runtime rewrites it to the block's (``call_local`` with
+    the local output shape, as for views)."""
 
     kind = "expand"
     aten = frozenset({"expand"})
@@ -150,9 +152,11 @@ class Expand(_View):
 
     def independent_dims(self, op):
         sizes = op.args[1] if len(op.args) > 1 else []
-        if len(sizes) != len(op.in_shapes[0]):
+        x = op.in_shapes[0] if op.in_shapes else []
+        if len(sizes) != len(x):
             return frozenset()
-        return same_index_dims(op, [d for d, s in enumerate(sizes) if s == -1])
+        return same_index_dims(op, [d for d, s in enumerate(sizes)
+                                    if s == -1 or (isinstance(s, int) and int(s) == int(x[d]))])
 
 
 @register_family

@@ -21,6 +21,11 @@ index and sizes; never truncated); an edge index outside its graph's nodes is
 ``EdgeIndexOutOfRange`` (graph index, edge column and value); a graph of the wrong form is
 ``MalformedGraph``. ``check_graphs`` scans a whole data set for these before training.
 
+Graph parallelism of a concatenated PyG batch (the second half of this module,
+``split_graph_batch``): every rank takes B / P whole graphs (``autopar.decomp.graph.graphs``),
+its node range, the edges whose source is in it, ``edge_index`` and ``batch`` re-based; an
+unsorted ``batch`` or B not divisible by P is ``GraphBatchError`` naming the graph.
+
 Runtime side: imports torch and ``autopar.errors`` only (no solver, tracer or cost model).
 """
 
@@ -197,3 +202,127 @@ class PaddedCollate:
         sizes = [check_graph(g, i) for i, g in enumerate(graphs)]
         s = choose_shape(sizes, self.shapes)
         return pad_graphs(graphs, s.nodes, s.edges, dtype=self.dtype)
+
+
+# ---- graph parallelism of a PyG batch: whole graphs per rank -------------------------------
+#
+# Legend: B graphs in the batch, P ranks, N nodes and E edges of the concatenated batch; rank r
+# holds graphs [g0, g1) = [r B / P, (r + 1) B / P), nodes [n0, n1) (contiguous when ``batch``
+# is sorted) and the edges whose source node is in [n0, n1). Which input is which comes from
+# ``autopar.decomp.graph.graphs.GraphRoles`` (the tracer's marks), not from the model file.
+
+class GraphBatchError(AutoparError):
+    """A PyG batch that cannot be split into whole graphs per rank (graphs not contiguous in
+    ``batch``, a graph id out of range, or B not divisible by the ranks)."""
+
+
+@dataclass(frozen=True)
+class GraphShard:
+    """Rank ``rank``'s part of a PyG batch: graphs [g0, g1), nodes [n0, n1), and the edge
+    mask (edges whose source node is in [n0, n1)) of the batch it was cut from."""
+    g0: int
+    g1: int
+    n0: int
+    n1: int
+    edges: torch.Tensor          # bool [E]
+
+
+def check_graph_batch(batch: torch.Tensor, graphs: int, world: int) -> None:
+    """``GraphBatchError`` unless ``world`` divides ``graphs`` and ``batch`` (graph id per node)
+    is sorted, within [0, graphs), so that every graph's nodes are one contiguous range."""
+    if world < 1 or graphs % world:
+        raise GraphBatchError(f"{graphs} graphs in the batch do not split evenly over {world} ranks",
+                              f"use a batch of a multiple of {world} graphs (graph parallelism gives "
+                              f"every rank the same number of whole graphs)")
+    if batch.numel() == 0:
+        return
+    lo, hi = int(batch.min()), int(batch.max())
+    if lo < 0 or hi >= graphs:
+        bad = int(((batch < 0) | (batch >= graphs)).nonzero()[0, 0])
+        raise GraphBatchError(f"node {bad} belongs to graph {int(batch[bad])}, outside the batch's "
+                              f"{graphs} graphs [0, {graphs})", "batch must hold graph ids 0..B-1")
+    step = batch[1:] - batch[:-1]
+    if bool((step < 0).any()):
+        i = int((step < 0).nonzero()[0, 0])
+        g = int(batch[i + 1])
+        raise GraphBatchError(
+            f"graph {g}'s nodes are not contiguous in batch: node {i + 1} (graph {g}) follows node {i} "
+            f"(graph {int(batch[i])})",
+            "sort the batch's nodes by graph (a PyG DataLoader / Batch.from_data_list does)")
+
+
+def graph_shard(batch: torch.Tensor, edge_src: torch.Tensor | None, graphs: int, rank: int,
+                world: int) -> GraphShard:
+    """Rank ``rank``'s graphs, node range and edge mask (legend above); checks the batch."""
+    check_graph_batch(batch, graphs, world)
+    g0, g1 = rank * graphs // world, (rank + 1) * graphs // world
+    n0 = int(torch.searchsorted(batch, torch.tensor(g0, dtype=batch.dtype, device=batch.device)))
+    n1 = int(torch.searchsorted(batch, torch.tensor(g1, dtype=batch.dtype, device=batch.device)))
+    if edge_src is None:
+        edges = torch.zeros(0, dtype=torch.bool, device=batch.device)
+    else:
+        edges = (edge_src >= n0) & (edge_src < n1)
+    return GraphShard(g0, g1, n0, n1, edges)
+
+
+def split_graph_batch(roles, inputs: Sequence[torch.Tensor], targets: torch.Tensor | None,
+                      rank: int, world: int) -> tuple[list[torch.Tensor], torch.Tensor | None, GraphShard]:
+    """Rank ``rank``'s whole graphs of a PyG batch (legend above): node inputs rows [n0, n1),
+    edge inputs the edges of the mask (``edge_index`` re-based by n0), ``batch`` re-based by
+    g0, targets rows [g0, g1). ``roles``: ``autopar.decomp.graph.graphs.GraphRoles``."""
+    xs = list(inputs)
+    batch = xs[roles.batch]
+    src = xs[roles.edge_index][0] if roles.edge_index is not None else None
+    sh = graph_shard(batch, src, roles.graphs, rank, world)
+    out = list(xs)
+    for i in roles.node:
+        out[i] = xs[i][sh.n0:sh.n1]
+    out[roles.batch] = batch[sh.n0:sh.n1] - sh.g0
+    for i, d in roles.edge:
+        t = xs[i].index_select(d, sh.edges.nonzero().reshape(-1)) if src is not None else xs[i]
+        out[i] = t - sh.n0 if i == roles.edge_index else t
+    y = targets[sh.g0:sh.g1] if targets is not None else None
+    return out, y, sh
+
+
+def assemble_graph_grad(roles, i: int, grad: torch.Tensor, full_shape: Sequence[int],
+                        sh: GraphShard) -> torch.Tensor:
+    """The full-size tensor holding this rank's gradient block of input ``i`` (zeros
+    elsewhere): summed over the ranks it is the whole input gradient."""
+    full = grad.new_zeros(tuple(int(n) for n in full_shape))
+    if i in roles.node or i == roles.batch:
+        full[sh.n0:sh.n1] = grad
+        return full
+    for j, d in roles.edge:
+        if j == i:
+            full.index_copy_(d, sh.edges.nonzero().reshape(-1), grad)
+            return full
+    return grad
+
+
+def graph_rows(out: torch.Tensor, graphs: int, world: int) -> torch.Tensor:
+    """A rank's output rows: the module returns one row per graph of its sub-batch (B / P), or
+    -- with a pooling size fixed to the whole batch (``global_add_pool(..., size=B)``) -- B
+    rows of which the first B / P are its graphs (``batch`` is re-based to 0)."""
+    mine = graphs // world
+    n = int(out.shape[0]) if out.dim() else -1
+    if n == mine:
+        return out
+    if n == graphs:
+        return out[:mine]
+    raise GraphBatchError(f"the module returned {n} rows for a sub-batch of {mine} graphs (batch of {graphs})",
+                          "return one row per graph of the batch it is given (graph-level output)")
+
+
+def largest_shares(roles, inputs: Sequence[torch.Tensor], world: int) -> dict[str, float]:
+    """The largest rank's fraction of the batch's nodes and of its edges under the graph split
+    (the planner prices that rank: whole graphs of different sizes do not split evenly)."""
+    batch = inputs[roles.batch]
+    src = inputs[roles.edge_index][0] if roles.edge_index is not None else None
+    n, e = max(1, int(batch.numel())), max(1, int(src.numel())) if src is not None else 1
+    node = edge = 0.0
+    for r in range(world):
+        sh = graph_shard(batch, src, roles.graphs, r, world)
+        node = max(node, (sh.n1 - sh.n0) / n)
+        edge = max(edge, int(sh.edges.sum()) / e if src is not None else 1.0 / world)
+    return {"node": node, "edge": edge}

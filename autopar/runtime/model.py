@@ -207,6 +207,19 @@ class DistModel(nn.Module):
         self._native, self.native_off_reason = build_native(
             self, model, int(plan.model.batch_size or self.graph.batch_size), allowed=native)
 
+        # ---- graph parallelism of a PyG batch (``decomp.graph.graphs``): whole graphs per rank,
+        # the user's module run natively (there is no op-by-op path for it)
+        from .native import graph_parallel
+        self._graph_roles = self._graph_shard = None
+        if graph_parallel(self.decisions) is not None:
+            from ..decomp.graph.graphs import graph_roles
+            from ..errors import PlanFileError
+            self._graph_roles, why = graph_roles(self.graph)
+            if self._graph_roles is None or self._native is None:
+                raise PlanFileError(f"a graph-parallel plan cannot run here: {why or self.native_off_reason}",
+                                    "re-plan (the planner keeps an op-by-op plan when graphs(P) is illegal), "
+                                    "and leave AUTOPAR_NATIVE unset")
+
     def __init_subclass__(cls, **kwargs) -> None:
         """A generated ``forward`` (the traced program, op by op) gives way to the user's module
         when the plan is pure data parallelism (``runtime.native``: the same function)."""
@@ -350,8 +363,24 @@ class DistModel(nn.Module):
         return self.loss_layout().replicas(self.comm.world) * (len(vl[0]) if vl is not None else 1)
 
     def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self._graph_roles is not None:     # whole graphs per rank (``runtime.graphs``)
+            from .graphs import split_graph_batch
+            local, _, self._graph_shard = split_graph_batch(self._graph_roles, full_inputs, None,
+                                                            self.comm.rank, self.comm.world)
+            return local
         return [local_slice(x, self.input_layout(gi.name), self.comm)
                 for gi, x in zip(self.graph.inputs, full_inputs)]
+
+    def assemble_input_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """The whole gradient of graph input ``name`` from every rank's block (collective)."""
+        from .comm import assemble
+        shape = next(gi.shape for gi in self.graph.inputs if gi.name == name)
+        if self._graph_roles is not None and self._graph_shard is not None:
+            from .graphs import assemble_graph_grad
+            i = next(k for k, gi in enumerate(self.graph.inputs) if gi.name == name)
+            full = assemble_graph_grad(self._graph_roles, i, grad, shape, self._graph_shard)
+            return self.comm.all_reduce_(full)
+        return assemble(grad, self.input_layout(name), shape, self.comm, "sum")
 
     def local_loss(self, out_local: torch.Tensor, target_full: torch.Tensor | None,
                    loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:

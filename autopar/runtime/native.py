@@ -30,6 +30,11 @@ checkpoints see one set of tensors), and keeps the plan's function:
   an output whose local shape differs from the plan's, a model the meta run cannot execute)
   keeps the traced path; ``why_not`` says which.
 
+A graph-parallel plan of a PyG batch (every layer ``graphs(P, B)``, ``decomp.graph.graphs``)
+runs here too, and only here: each rank's sub-batch of whole graphs comes from
+``runtime.graphs.split_graph_batch`` (``DistModel.shard_inputs``), the module's output is cut to
+the rank's B / P graph rows (``runtime.graphs.graph_rows``), gradients as above.
+
 ``AUTOPAR_NATIVE=0`` turns the fast path off (the benchmarks compare both). Per-layer times
 (``LayerTimer``) come from hooks on the leaf modules that name a layer: an op outside a module
 (a functional relu, an add) counts for the layer measured before it.
@@ -83,14 +88,25 @@ def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
 
 def _meta_inputs(model: nn.Module, graph, world: int) -> list[torch.Tensor]:
     """One rank's block of every graph input on meta; floating inputs take the dtype of the
-    module's floating parameters (``execute`` validates in float64 a model traced in float32)."""
+    module's floating parameters (``execute`` validates in float64 a model traced in float32).
+    The inputs of a PyG batch (``decomp.graph.graphs.graph_roles``: nodes and edges along dim 0,
+    ``edge_index [2, E]`` along dim 1) are cut along their item dim, others along dim 0."""
+    from ..decomp.graph.graphs import graph_roles
     fdt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    items = {}
+    if graph_roles(graph)[0] is not None:
+        items = {v: int(d) for lay in graph.layers for op in lay.ops
+                 for v, (d, _) in (op.attrs.get("items") or {}).items()}
     xs = []
     for gi in graph.inputs:
         dt = getattr(torch, gi.dtype, torch.float32)
         if dt.is_floating_point and fdt is not None:
             dt = fdt
-        xs.append(torch.empty([gi.shape[0] // world] + list(gi.shape[1:]), dtype=dt, device="meta"))
+        shape = list(gi.shape)
+        d = items.get(gi.name, 0) if shape else 0
+        if shape:
+            shape[d] = shape[d] // world
+        xs.append(torch.empty(shape, dtype=dt, device="meta"))
     return xs
 
 
@@ -99,9 +115,25 @@ def native_enabled() -> bool:
     return os.environ.get("AUTOPAR_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def graph_parallel(decisions: dict) -> int | None:
+    """B (graphs in the batch) when every layer is ``graphs(P, B)`` (a graph-parallel plan of a
+    PyG batch, ``decomp.graph.graphs``: whole graphs per rank, run natively), else None."""
+    decs = list(decisions.values())
+    if decs and all(d.kind == "graphs" for d in decs):
+        return int(decs[0].graphs)
+    return None
+
+
 def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Module,
                    batch: int) -> str | None:
     """None when the plan may run ``model`` natively (module docstring), else the reason."""
+    if graph_parallel(decisions) is not None:
+        # whole graphs per rank (``runtime.graphs.split_graph_batch``): the module runs on a
+        # rank's sub-batch as written; only training batch norm would change the function
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+                return f"batch norm {type(m).__name__} under graph parallelism (statistics per rank)"
+        return None
     from ..decomp.ir import batch_free_layers
     free = batch_free_layers(graph)
     for lay in graph.layers:
@@ -155,11 +187,12 @@ class NativeDataParallel:
     """Runs ``model`` (its parameters and buffers rebound to the ``DistModel``'s own) as the
     rank's forward; averages the batch-norm running statistics over the mesh once per step."""
 
-    def __init__(self, dm, model: nn.Module, canonical: dict[str, str]) -> None:
+    def __init__(self, dm, model: nn.Module, canonical: dict[str, str], out_rows=None) -> None:
         import copy
 
         from .model import _safe
         self.dm = dm
+        self.out_rows = out_rows      # graph parallelism: the rank's rows of the output
         # a copy of the module whose parameters ARE the DistModel's Parameter objects (tied ones
         # included) and whose buffers are its buffers; the user's module is left untouched
         memo: dict[int, Any] = {}
@@ -237,6 +270,8 @@ class NativeDataParallel:
         finally:
             for h in handles:
                 h.remove()
+        if self.out_rows is not None and isinstance(out, torch.Tensor):
+            out = self.out_rows(out)
         if self.model.training:
             self.start(self.dm.comm)
         return out
@@ -316,7 +351,13 @@ def build_native(dm, model: nn.Module, batch: int, allowed: bool | None = None
         copy.deepcopy(model, {id(t): t for t in list(model.parameters()) + list(model.buffers())})
     except Exception as e:  # noqa: BLE001
         return None, f"the module cannot be copied ({type(e).__name__}: {e})"
-    return NativeDataParallel(dm, model, names), None
+    rows = None
+    b = graph_parallel(dm.decisions)
+    if b is not None:
+        from .graphs import graph_rows
+        world = dm.comm.world
+        rows = lambda out: graph_rows(out, b, world)  # noqa: E731
+    return NativeDataParallel(dm, model, names, out_rows=rows), None
 
 
 __all__: Sequence[Any] = ("NativeDataParallel", "build_native", "why_not_native", "native_enabled")

@@ -106,7 +106,8 @@ def call_local(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, torch.
     values = dict(zip(op.inputs, inputs))
     args = substitute_cached(op.args, values, params, buffers)
     kwargs = substitute_cached(op.kwargs, values, params, buffers)
-    if op.kind == "view" and local_out_shape is not None and len(args) >= 2 and isinstance(args[1], list):
+    if op.kind in ("view", "expand") and local_out_shape is not None and len(args) >= 2 \
+            and isinstance(args[1], list):
         args[1] = local_sizes(args[1], op.out_shape, local_out_shape)
     return resolve_target(op.target)(*args, **kwargs)
 

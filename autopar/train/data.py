@@ -116,7 +116,11 @@ def shard_batch(dmodel_or_sharding, inputs: torch.Tensor | Sequence[torch.Tensor
         if tuple(x.shape) != sh.input_shapes[i]:
             raise ValueError(f"input {i} has shape {tuple(x.shape)}; the plan was made for "
                              f"{sh.input_shapes[i]} (global batch {sh.batch_size})")
-    local = [x[sh.input_slices(i)] for i, x in enumerate(xs)]
+    if getattr(dmodel_or_sharding, "_graph_roles", None) is not None:
+        # a graph-parallel plan (``decomp.graph.graphs``): whole graphs of a PyG batch per rank
+        local = dmodel_or_sharding.shard_inputs(xs)
+    else:
+        local = [x[sh.input_slices(i)] for i, x in enumerate(xs)]
     t = target[sh.target_samples()] if target is not None else None
     return local, t
 

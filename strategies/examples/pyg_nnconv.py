@@ -100,7 +100,10 @@ def ddp_shard(inputs, targets, rank, world):
     takes graphs ``[rank G / world, (rank + 1) G / world)`` of the batch, its nodes, its edges
     re-indexed to its own nodes, and builds the model for G / world graphs. With the same
     number of graphs per rank, DDP's mean of the ranks' mean losses is the batch's mean loss:
-    the same function as the plan (autopar's DDP baseline uses this)."""
+    the same function as the plan (autopar's DDP baseline uses this). Optional: without it the
+    baseline splits whole graphs itself, from the trace's node / edge marks
+    (``autopar.runtime.graphs.split_graph_batch``, also what the graph-parallel plan runs);
+    ``tests/test_pyg_graphs.py`` checks the two splits are equal."""
     x, edge_index, edge_attr, batch = inputs
     g = int(targets.shape[0])
     if g % world:
