@@ -100,8 +100,15 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                          f"{_pct(im.get('heldout_median_rel_err'))} | "
                          f"{_pct(im.get('heldout_max_rel_err'))} | {im.get('n_samples', '-')} |")
     if "runtime_op" in profile.kernels:
+        ro = profile.kernels["runtime_op"]
         lines += ["", f"Runtime per-op cost beyond the kernels: "
-                  f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]
+                  f"{ro['t0_s'] * 1e6:.1f} us per op."]
+        if ro.get("by_family"):
+            nat = ro.get("native_by_family") or {}
+            lines += ["", "| op family | traced (DistModel.op), us per op | native module, us per op |",
+                      "|---|---|---|"]
+            lines += [f"| {f} | {v * 1e6:.1f} | {nat[f] * 1e6:.1f} |" if f in nat else f"| {f} | {v * 1e6:.1f} | - |"
+                      for f, v in ro["by_family"].items()]
     opt = profile.kernels.get("optimizer_step")
     if opt:
         lines += ["", f"Optimizer step (SGD, momentum): {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "
