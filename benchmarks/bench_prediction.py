@@ -108,14 +108,44 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
         except AutoparError as e:
             print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
             continue
-        p, m = run.predicted.step_time_s, run.measured.step_time_s
+        p_plan, m = run.predicted.step_time_s, run.measured.step_time_s
+        p, native = native_aware_prediction_s(r.plan_path, calibration)
+        ran_native = bool((run.extra or {}).get("native_runtime", False))
+        note = ""
+        if native or ran_native:
+            note = (f"  native (plan said {p_plan * 1e3:.2f} ms)" if native else "  ") + \
+                   ("" if native == ran_native else f" [ran {'natively' if ran_native else 'traced'}]")
         rows.append({"index": i, "label": label, "model": Path(model).stem, "world": world,
-                     "predicted_s": p, "measured_s": m,
+                     "predicted_s": p, "plan_predicted_s": p_plan, "priced_native": native,
+                     "ran_native": ran_native, "measured_s": m,
                      "error": (p - m) / m, "valid": run.validation.passed,
                      "plan": str(r.plan_path), "run": run.to_json()})
         print(f"  {label:<32} world {world}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
-              f"error {100 * (p - m) / m:+6.1f}%  validation {'passed' if run.validation.passed else 'FAILED'}")
+              f"error {100 * (p - m) / m:+6.1f}%  validation {'passed' if run.validation.passed else 'FAILED'}{note}")
     return rows
+
+
+def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]:
+    """(predicted step time, priced natively): the plan's prediction, or, for a plan that runs
+    the user's module natively (``cost.primitives.runtime_overhead_applies`` is False), the
+    same with the natively measured per-op overhead in place of the traced one
+    (``plan_runtime_overhead_s``): what the planner predicts once it prices native plans so."""
+    from autopar.artifacts import load_plan
+    from autopar.calibrate.profile import load_profile
+    from autopar.cost.primitives import plan_runtime_overhead_s, runtime_overhead_applies
+    from autopar.decomp.base import CostContext
+    plan = load_plan(plan_path)
+    p = plan.predicted.step_time_s
+    graph = plan.graph()
+    decisions = {d.layer: d.decomposition() for d in plan.layers}
+    if runtime_overhead_applies(graph, decisions, plan.world_size, plan.bn_stats(), plan.model.batch_size):
+        return p, False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = load_profile(calibration, check_machine=False)
+    ctx = CostContext(profile=prof, world=plan.world_size, ranks_per_node=plan.mesh.ranks_per_node)
+    return p - plan_runtime_overhead_s(graph, ctx) + plan_runtime_overhead_s(graph, ctx, native=True), True
 
 
 def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
