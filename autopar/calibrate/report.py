@@ -29,7 +29,10 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
              f"{' / ' + profile.fingerprint['gpu_model'] if profile.fingerprint.get('gpu_model') else ''}, "
              f"torch {profile.fingerprint.get('torch_version', '?')}, backend {profile.fingerprint.get('backend', '?')}",
              f"- topology: {profile.topology.get('nodes')} node(s) x {profile.topology.get('ranks_per_node')} ranks",
-             f"- notes: {pv.get('notes', '')}", "",
+             f"- notes: {pv.get('notes', '')}",
+             *([f"- load average (1 / 5 / 15 min) before: {' / '.join(map(str, pv['loadavg_before']))}, after: "
+                f"{' / '.join(map(str, pv.get('loadavg_after') or []))} (other work on the machine skews every timing)"]
+               if pv.get("loadavg_before") else []), "",
              "Held-out error: each fit is made on 70% of the measured sizes and judged on the other "
              "30% (median and maximum relative error), then refitted on all of them.", "",
              "## Kernels", "", "| op class | t0 | GFLOP/s | GB/s | held-out median | held-out max | samples | measured |",
