@@ -22,6 +22,12 @@ in-sample <= 10 %, Spearman >= 0.8 within each model.
     python benchmarks/bench_prediction.py [--calibration PROFILE] [--set both|in-sample|held-out]
                                           [--steps 8] [--full] [--refine] [--json OUT]
 
+A plan that runs the user's module natively (pure data parallelism, ``runtime.native``;
+``cost.primitives.runtime_overhead_applies`` is False) is predicted with the natively measured
+per-op overhead in place of the traced one (``native_aware_prediction_s``), which is how the
+planner is to price it; the plans' own figures (every plan priced with the traced per-op
+overhead) are summarised beside them, and each row keeps both.
+
 ``--calibration`` uses that profile for both sets instead of a fresh one; ``--refine`` also
 re-plans the in-sample set with a profile refined from half of its runs.
 """
