@@ -303,7 +303,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures to this JSON file")
     ap.add_argument("--keep", help="keep every plan and run under this folder (for analysis)")
     args = ap.parse_args(argv)
-    out: dict = {}
+    import os
+    out: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    print(f"load average at the start (1 / 5 / 15 min): {' / '.join(map(str, out['loadavg_start']))}"
+          " (other work on this machine slows the measured steps, not the predictions)")
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(args.keep) if args.keep else Path(t)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -332,6 +335,8 @@ def main(argv=None) -> int:
             if k in out and out[k].get("candidates"):
                 print(f"{k}: median |error| {100 * out[k]['median_abs_error']:.1f} %, Spearman within "
                       f"models {out[k]['spearman_per_model']}")
+    out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average at the end: {' / '.join(map(str, out['loadavg_end']))}")
     if args.json:
         from autopar.io import atomic_write_text
         atomic_write_text(Path(args.json), json.dumps(out, indent=1))
