@@ -330,9 +330,7 @@ def test_runtime_overhead_probes_trace_run_and_price_each_family():
     from autopar.calibrate import overhead
     from autopar.modelfile import ModelFile
     from autopar.trace.tracer import trace_model
-    sys_path = __import__("sys").path
-    sys_path.insert(0, str(Path(__file__).parent))
-    from fakes import synthetic_profile
+    from fakes import synthetic_profile          # tests/ is on sys.path (conftest)
     probes = overhead._probe_modules()
     want = {"view": {"view", "permute"}, "embedding": {"embedding", "binary"}}
     for fam in overhead.PROBES:
