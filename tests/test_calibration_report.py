@@ -8,7 +8,7 @@ def test_report_lists_every_fit_and_its_plots(tmp_path, profile):
     text = path.read_text()
     assert "# Calibration report: `synthetic.json`" in text
     for op in profile.kernels:
-        if op not in ("runtime_op", "runtime_traced_op"):
+        if op != "runtime_op":
             assert f"| {op} |" in text
     for kind, levels in profile.collectives.items():
         for level, sizes in levels.items():

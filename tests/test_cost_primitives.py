@@ -62,3 +62,86 @@ def test_insitu_latency_per_kind_falls_back_to_allreduce(profile):
     assert prim.insitu_latency_s(profile, 2, 4, "p2p") == pytest.approx(0.004)
     assert prim.insitu_latency_s(profile, 4, 4, "allgather") == pytest.approx(0.008)   # no table: all-reduce's
     assert prim.insitu_latency_s(profile, 4, 4) == pytest.approx(0.008)
+
+
+# ---- the runtime's per-op overhead, per op family ------------------------------------------
+
+def _op(kind: str, shape=(4, 8)):
+    from autopar.decomp.ir import OpSpec
+    target = {"view": "aten.view.default", "unary": "aten.relu.default", "binary": "aten.add.Tensor",
+              "conv": "aten.convolution.default", "scatter": "aten.index_add.default"}.get(kind, f"aten.{kind}.default")
+    return OpSpec(name=kind, kind=kind, target=target, args=[{"v": "x"}], kwargs={}, out_shape=list(shape),
+                  dtype="float32", inputs=["x"], in_shapes=[list(shape)], params={}, param_names={})
+
+
+def test_runtime_overhead_per_family_with_fallbacks(profile):
+    assert prim.runtime_overhead_s(profile, "binary") == 0.0              # nothing measured
+    profile.kernels["runtime_op"] = {"t0_s": 10e-6, "s_per_flop": 0.0, "s_per_byte": 0.0}
+    # an older profile: one figure for every op, views free
+    assert prim.runtime_overhead_s(profile, "binary") == pytest.approx(10e-6)
+    assert prim.runtime_overhead_s(profile, "view") == 0.0
+    profile.kernels["runtime_op"]["by_family"] = {"binary": 13e-6, "view": 15e-6, "gather": 9e-6,
+                                                  "batch_norm": 200e-6}
+    profile.kernels["runtime_op"]["native_by_family"] = {"binary": 3e-6, "view": 5e-6}
+    assert prim.runtime_overhead_s(profile, "binary") == pytest.approx(13e-6)
+    assert prim.runtime_overhead_s(profile, "permute") == pytest.approx(15e-6)   # every view family
+    assert prim.runtime_overhead_s(profile, "scatter") == pytest.approx(9e-6)    # an alias
+    assert prim.runtime_overhead_s(profile, "conv") == pytest.approx(10e-6)      # no probe: t0_s
+    assert prim.runtime_overhead_s(profile, "binary", native=True) == pytest.approx(3e-6)
+    assert prim.runtime_overhead_s(profile, "conv", native=True) == pytest.approx(10e-6)
+
+
+def test_views_pay_their_dispatch_when_measured(profile):
+    ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
+    view = _op("view")
+    assert prim.op_compute_s(view, [[4, 8]], [4, 8], ctx)[:2] == (0.0, 0.0)
+    profile.kernels["runtime_op"] = {"t0_s": 10e-6, "s_per_flop": 0.0, "s_per_byte": 0.0,
+                                     "by_family": {"view": 15e-6, "unary": 12e-6}}
+    f, b, _ = prim.op_compute_s(view, [[4, 8]], [4, 8], ctx)
+    assert f == pytest.approx(5e-6) and b == pytest.approx(10e-6)
+    # a unary op: its kernel plus its family's overhead (a third forward, two thirds backward)
+    relu = _op("unary")
+    f1, b1, _ = prim.op_compute_s(relu, [[4, 8]], [4, 8], ctx)
+    del profile.kernels["runtime_op"]
+    f0, b0, _ = prim.op_compute_s(relu, [[4, 8]], [4, 8], ctx)
+    assert f1 - f0 == pytest.approx(4e-6) and b1 - b0 == pytest.approx(8e-6)
+
+
+def _chain_graph(kinds, batch=8):
+    from autopar.decomp.ir import GraphInput, Layer, LayerGraphData
+    layers, prev = [], "x"
+    for i, k in enumerate(kinds):
+        op = _op(k, (batch, 4))
+        op.name, op.args, op.inputs = f"op{i}", [{"v": prev}], [prev]
+        layers.append(Layer(index=i, name=op.name, ops=[op], inputs=[prev], output=op.name))
+        prev = op.name
+    return LayerGraphData(layers=layers, inputs=[GraphInput("x", [batch, 4], "float32")], output=prev,
+                          batch_size=batch)
+
+
+def test_runtime_overhead_applies_only_off_the_native_path(profile):
+    from autopar.decomp.bn import BatchNormStats
+    from autopar.decomp.replicate import Replicate
+    from autopar.decomp.sample import Sample
+    g = _chain_graph(["unary", "view", "binary"])
+    dp = {i: Sample(parts=4) for i in range(3)}
+    assert not prim.runtime_overhead_applies(g, dp, 4)
+    assert prim.runtime_overhead_applies(g, {**dp, 1: Replicate()}, 4)
+    assert prim.runtime_overhead_applies(g, {**dp, 1: Sample(parts=2)}, 4)   # not the whole mesh
+    assert prim.runtime_overhead_applies(_chain_graph(["unary"], batch=6), {0: Sample(parts=4)}, 4)
+    bn = _chain_graph(["unary", "batch_norm"])
+    dp2 = {0: Sample(parts=4), 1: Sample(parts=4)}
+    assert prim.runtime_overhead_applies(bn, dp2, 4)                       # global statistics
+    assert prim.runtime_overhead_applies(bn, dp2, 4, BatchNormStats("local", 1))
+    assert not prim.runtime_overhead_applies(bn, dp2, 4, BatchNormStats("local", 2))
+    # what it changes in a prediction: the traced table against the native one
+    profile.kernels["runtime_op"] = {"t0_s": 10e-6, "s_per_flop": 0.0, "s_per_byte": 0.0,
+                                     "by_family": {"view": 15e-6, "unary": 12e-6, "binary": 13e-6},
+                                     "native_by_family": {"view": 5e-6, "unary": 3e-6, "binary": 2e-6}}
+    ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
+    assert prim.plan_runtime_overhead_s(g, ctx) == pytest.approx(40e-6)
+    assert prim.plan_runtime_overhead_s(g, ctx, native=True) == pytest.approx(10e-6)
+    traced = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
+    ctx.native_runtime = True
+    native = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
+    assert traced - native == pytest.approx(30e-6)

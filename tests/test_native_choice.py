@@ -114,7 +114,16 @@ def test_data_parallel_gpt_equals_one_process_native_and_traced(world, tiny_gpt,
         assert run.baseline.equivalent
 
 
-def _table_and_choices(tiny_gpt, tmp_path, profile):
+def _with_gap(profile, traced_s: float, native_s: float = 0.0) -> None:
+    """Every op family pays ``traced_s`` per op op by op and ``native_s`` in the module."""
+    from autopar.ops import FAMILIES
+    kinds = set(FAMILIES) | {"view", "other"}
+    profile.kernels["runtime_op"] = {"t0_s": traced_s, "s_per_flop": 0.0, "s_per_byte": 0.0, "measured": True,
+                                     "by_family": {k: traced_s for k in kinds},
+                                     "native_by_family": {k: native_s for k in kinds}}
+
+
+def _table_and_choices(tiny_gpt, profile):
     from autopar.cost.native import native_choice
     from autopar.cost.table import build_cost_table
     from autopar.decomp.base import CostContext
@@ -128,37 +137,36 @@ def _table_and_choices(tiny_gpt, tmp_path, profile):
     return table, rep, native_choice(table)
 
 
-def test_the_native_plan_replaces_an_op_by_op_plan_only_when_predicted_faster(tiny_gpt, tmp_path, profile):
-    from autopar.calibrate.traced_gap import add_traced_gap
+def test_the_native_plan_replaces_an_op_by_op_plan_only_when_predicted_faster(tiny_gpt, profile):
     from autopar.cost.native import choose_runtime, runs_native
+    from autopar.cost.primitives import _compute_slowdown
     from autopar.cost.table import evaluate
-    table, rep, nat = _table_and_choices(tiny_gpt, tmp_path, profile)
+    _with_gap(profile, 0.0)
+    table, rep, nat = _table_and_choices(tiny_gpt, profile)
     assert nat is not None and nat != rep and runs_native(table, nat) and not runs_native(table, rep)
     t_rep, t_nat = evaluate(table, rep).step_time_s, evaluate(table, nat).step_time_s
-    from autopar.ops import family_of
-    n_ops = sum(1 for l in table.graph.layers for op in l.ops if not family_of(op.kind).free)
+    n_ops = sum(len(l.ops) for l in table.graph.layers)
+    # no gap between the runtimes: the native plan is taken only if it is at least as fast as priced
+    rt0, _ = choose_runtime(table, rep, evaluate, None)
+    assert (rt0.runtime == "native") == (t_nat <= t_rep) and rt0.gap_s == 0.0
     # a gap large enough to pay for the difference: the native plan is taken
-    add_traced_gap(profile, 2.0 * max(0.0, t_nat - t_rep) / n_ops + 1e-3)
+    g = 2.0 * max(0.0, t_nat - t_rep) / n_ops + 1e-4
+    _with_gap(profile, g)
+    table, rep, nat = _table_and_choices(tiny_gpt, profile)
     rt, pred = choose_runtime(table, rep, evaluate, None)
     assert rt.runtime == "native" and rt.choice == nat and pred.step_time_s == rt.step_time_s
-    assert rt.step_time_s <= rt.ilp_step_time_s == pytest.approx(t_rep)
+    assert rt.step_time_s <= rt.ilp_step_time_s == pytest.approx(evaluate(table, rep).step_time_s)
+    assert rt.gap_s == pytest.approx(n_ops * g * _compute_slowdown(table.ctx))
     # ... unless it does not fit the memory limit
-    rt2, pred2 = choose_runtime(table, rep, evaluate, 1.0)
+    rt2, _ = choose_runtime(table, rep, evaluate, 1.0)
     assert rt2.runtime == "traced" and rt2.choice == rep and "memory" in rt2.reason
-    # no gap measured: the native plan is taken only if it is at least as fast as priced
-    add_traced_gap(profile, 0.0)
-    rt3, _ = choose_runtime(table, rep, evaluate, None)
-    assert (rt3.runtime == "native") == (t_nat <= t_rep)
-    # an ILP plan that is already native is predicted without the op-by-op gap
-    add_traced_gap(profile, 1e-9)
+    # an ILP plan that is already native is predicted with the module's per-op work, not the
+    # op-by-op runtime's: its compute drops by exactly the gap
+    _with_gap(profile, 1e-6, 4e-7)
+    table, rep, nat = _table_and_choices(tiny_gpt, profile)
     rt4, pred4 = choose_runtime(table, nat, evaluate, None)
     assert rt4.runtime == "native" and rt4.choice == nat
+    full = evaluate(table, nat)
     assert pred4.fwd_s + pred4.bwd_s == pytest.approx(
-        evaluate(table, nat).fwd_s + evaluate(table, nat).bwd_s - n_ops * 1e-9 * _slow(table), rel=1e-9)
+        full.fwd_s + full.bwd_s - n_ops * 6e-7 * _compute_slowdown(table.ctx), rel=1e-9)
     assert math.isfinite(pred4.step_time_s)
-
-
-def _slow(table):
-    from autopar.cost.primitives import compute_drift, straggler
-    p, ctx = table.ctx.profile, table.ctx
-    return p.slowdown(ctx.ranks_on_node) * (1.0 + straggler(p, ctx.ranks_on_node)) * compute_drift(p, ctx.ranks_on_node)

@@ -29,7 +29,10 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
              f"{' / ' + profile.fingerprint['gpu_model'] if profile.fingerprint.get('gpu_model') else ''}, "
              f"torch {profile.fingerprint.get('torch_version', '?')}, backend {profile.fingerprint.get('backend', '?')}",
              f"- topology: {profile.topology.get('nodes')} node(s) x {profile.topology.get('ranks_per_node')} ranks",
-             f"- notes: {pv.get('notes', '')}", "",
+             f"- notes: {pv.get('notes', '')}",
+             *([f"- load average (1 / 5 / 15 min) before: {' / '.join(map(str, pv['loadavg_before']))}, after: "
+                f"{' / '.join(map(str, pv.get('loadavg_after') or []))} (other work on the machine skews every timing)"]
+               if pv.get("loadavg_before") else []), "",
              "Held-out error: each fit is made on 70% of the measured sizes and judged on the other "
              "30% (median and maximum relative error), then refitted on all of them.", "",
              "## Kernels", "", "| op class | t0 | GFLOP/s | GB/s | held-out median | held-out max | samples | measured |",
@@ -100,11 +103,15 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                          f"{_pct(im.get('heldout_median_rel_err'))} | "
                          f"{_pct(im.get('heldout_max_rel_err'))} | {im.get('n_samples', '-')} |")
     if "runtime_op" in profile.kernels:
+        ro = profile.kernels["runtime_op"]
         lines += ["", f"Runtime per-op cost beyond the kernels: "
-                  f"{profile.kernels['runtime_op']['t0_s'] * 1e6:.1f} us per op."]
-    if "runtime_traced_op" in profile.kernels:
-        lines += ["", f"Op-by-op runtime beyond the native module (the planner's discount for plans "
-                  f"that run the user's module): {profile.kernels['runtime_traced_op']['t0_s'] * 1e6:.1f} us per op."]
+                  f"{ro['t0_s'] * 1e6:.1f} us per op."]
+        if ro.get("by_family"):
+            nat = ro.get("native_by_family") or {}
+            lines += ["", "| op family | traced (DistModel.op), us per op | native module, us per op |",
+                      "|---|---|---|"]
+            lines += [f"| {f} | {v * 1e6:.1f} | {nat[f] * 1e6:.1f} |" if f in nat else f"| {f} | {v * 1e6:.1f} | - |"
+                      for f, v in ro["by_family"].items()]
     opt = profile.kernels.get("optimizer_step")
     if opt:
         lines += ["", f"Optimizer step (SGD, momentum): {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "

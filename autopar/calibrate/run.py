@@ -125,13 +125,8 @@ def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
 # ---- driver -------------------------------------------------------------------------------
 
 def _overhead_rank(rank, world, prof):
-    from .overhead import measure_runtime_overhead_s
-    return measure_runtime_overhead_s(profile=prof)
-
-
-def _traced_gap_rank(rank, world):
-    from .traced_gap import measure_traced_gap_s
-    return measure_traced_gap_s()
+    from .overhead import measure_runtime_overhead_by_family, measure_runtime_overhead_s
+    return measure_runtime_overhead_s(profile=prof), *measure_runtime_overhead_by_family(prof)
 
 
 def _check_backend(backend: str, world_size: int) -> str:
@@ -321,13 +316,11 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
              f"optimizer): {describe_step_costs(steps)}")
     from .overhead import add_runtime_overhead
-    overhead_s = launch(_overhead_rank, 1, (prof,))[0]
-    add_runtime_overhead(prof, overhead_s)
-    progress(f"{stamp()} runtime per-op cost beyond the kernel model: {overhead_s * 1e6:.1f} us")
-    from .traced_gap import add_traced_gap
-    gap_s = launch(_traced_gap_rank, 1, ())[0]
-    add_traced_gap(prof, gap_s)
-    progress(f"{stamp()} op-by-op runtime beyond the native module: {gap_s * 1e6:.1f} us per op")
+    overhead_s, by_family, native_by_family = launch(_overhead_rank, 1, (prof,))[0]
+    add_runtime_overhead(prof, overhead_s, by_family, native_by_family)
+    progress(f"{stamp()} runtime per-op cost beyond the kernel model: {overhead_s * 1e6:.1f} us; per family "
+             + ", ".join(f"{f} {v * 1e6:.1f}" for f, v in by_family.items()) + " us (natively: "
+             + ", ".join(f"{f} {v * 1e6:.1f}" for f, v in native_by_family.items()) + " us)")
     save_profile(prof, out)
     progress(f"{stamp()} wrote {out} (calibration took {elapsed:.1f} s)")
     return out

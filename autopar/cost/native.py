@@ -1,25 +1,27 @@
 """Which runtime a plan will get, and the native data-parallel plan as a priced alternative.
 
 A plan whose every layer is ``sample(P)`` over the whole world, or computed from constants and
-weights only (``decomp.ir.batch_free_layers``: position ids and their embedding, masks),
-runs the user's own module on each rank (``runtime.native``); any other plan runs its traced
-program op by op, which costs ``traced_gap`` more per op than the module does
-(``calibrate.traced_gap``, measured per calibration). The layer prices of the cost table are
-the same for both (they include the op-by-op runtime's own per-op work, ``runtime_op``), so::
+weights only (``decomp.ir.batch_free_layers``: position ids and their embedding, masks), runs
+the user's own module on each rank (``runtime.native``); any other plan runs its traced program
+op by op. Both pay per-op runtime work beyond the kernels (dispatch, the autograd engine), the
+op-by-op runtime more: the profile measures both per op family (``calibrate.overhead``:
+``runtime_op``'s ``by_family`` and ``native_by_family``). The layer prices of the cost table
+charge the op-by-op figures (``cost.primitives.op_compute_s``), so::
 
-    T_native = T(choice with each layer's compute less n_ops(layer) * traced_gap * slowdown)
-    T_traced = T(choice)
+    gap(op)   = runtime_overhead_s(kind) - runtime_overhead_s(kind, native=True)
+    T_native  = T(choice, every layer's compute less sum over its ops of gap(op) * slowdown)
+    T_traced  = T(choice)
 
-(``T``: ``cost.table.evaluate``, the ILP's step model; ``n_ops`` counts the layer's ops that
-its price charges per-op runtime work, i.e. all but views, which are priced free.) The ILP prices
-layers alone and cannot see this plan-wide discount, so after it (``choose_runtime``) the native
-data-parallel assignment (``sample(P)`` everywhere, batch-free layers ``replicate``) is priced
-and taken when it fits the memory limit and ``T_native(dp) <= T_traced(ILP plan)``: a user who
-would otherwise train with DDP never gets a plan the model itself says is slower than DDP's.
-Runtime choices that the native path may still refuse at run time (a buffer updated in forward,
-global batch-norm statistics, an output whose block differs; ``runtime.native.why_not_native``)
-are the runtime's to report; the plan records what the planner expected (``plan.json`` key
-``runtime``).
+(``T``: ``cost.table.evaluate``, the ILP's step model, so the gradient all-reduces' overlap is
+recomputed; a third of each gap in forward, two thirds in backward, as the per-op work is
+priced). The ILP prices layers alone and cannot see this plan-wide difference, so after it
+(``choose_runtime``) the native data-parallel assignment (``sample(P)`` everywhere, batch-free
+layers ``replicate``) is priced and taken when it fits the memory limit and
+``T_native(dp) <= T_traced(ILP plan)``: a user who would otherwise train with DDP never gets a
+plan the model itself says is slower than DDP's. Reasons only the module can tell (a buffer
+updated in forward, an output whose block differs; ``runtime.native.why_not_native``) may still
+send such a plan op by op at run time, where the run says so; the plan records what the planner
+expected (``plan.json`` key ``runtime``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class RuntimeChoice:
     step_time_s: float                  # predicted step of ``choice`` on that runtime
     ilp_step_time_s: float              # the ILP's plan, priced as the ILP prices it
     native_dp_step_time_s: float | None  # the native data-parallel plan (None: no such plan)
-    traced_gap_s: float                 # per op, as the profile measured it
+    gap_s: float                        # op-by-op minus native per-op work, whole plan, slowest rank
     n_ops: int
     reason: str
 
@@ -44,7 +46,7 @@ class RuntimeChoice:
         return {"expected": self.runtime, "step_time_s": self.step_time_s,
                 "ilp_step_time_s": self.ilp_step_time_s,
                 "native_data_parallel_step_time_s": self.native_dp_step_time_s,
-                "traced_gap_per_op_s": self.traced_gap_s, "ops": self.n_ops, "reason": self.reason}
+                "op_by_op_runtime_gap_s": self.gap_s, "ops": self.n_ops, "reason": self.reason}
 
 
 def native_choice(table) -> list[int] | None:
@@ -75,18 +77,13 @@ def runs_native(table, choice: list[int]) -> bool:
 def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float | None) -> tuple[RuntimeChoice, Any]:
     """(the runtime decision, the StepPrediction of its choice) for the ILP's ``choice``
     (module docstring); ``evaluate`` is ``cost.table.evaluate``."""
-    from ..calibrate.traced_gap import traced_gap_s
-    from .primitives import compute_drift, straggler
-    ctx = table.ctx
-    prof = ctx.profile
-    gap = traced_gap_s(prof)
-    slow = prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0) \
-        * compute_drift(prof, ctx.ranks_on_node)
-    n_ops = sum(_priced_ops(lay) for lay in table.graph.layers)
+    gaps = layer_gaps_s(table)
+    gap = sum(gaps)
+    n_ops = sum(len(lay.ops) for lay in table.graph.layers)
     ilp_pred = evaluate(table, choice)
     nat = native_choice(table)
     if nat is not None and list(nat) == list(choice):
-        pred = _native_prediction(table, choice, evaluate, gap, slow)
+        pred = _native_prediction(table, choice, evaluate, gaps)
         return RuntimeChoice(list(choice), "native", pred.step_time_s, ilp_pred.step_time_s,
                              pred.step_time_s, gap, n_ops,
                              "the ILP's plan is pure data parallelism: it runs the user's module"), pred
@@ -94,14 +91,14 @@ def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float
         return RuntimeChoice(list(choice), "traced", ilp_pred.step_time_s, ilp_pred.step_time_s, None, gap,
                              n_ops, "no native data-parallel plan: some layer cannot take sample over the "
                                     "whole world"), ilp_pred
-    nat_pred = _native_prediction(table, nat, evaluate, gap, slow)
+    nat_pred = _native_prediction(table, nat, evaluate, gaps)
     fits = memory_limit_bytes is None or nat_pred.memory_per_rank_bytes <= memory_limit_bytes
     if fits and nat_pred.step_time_s <= ilp_pred.step_time_s:
         return RuntimeChoice(list(nat), "native", nat_pred.step_time_s, ilp_pred.step_time_s,
                              nat_pred.step_time_s, gap, n_ops,
-                             f"native data parallelism ({nat_pred.step_time_s * 1e3:.3f} ms, {n_ops} ops "
-                             f"without the op-by-op runtime's {gap * 1e6:.1f} us each) beats the ILP's "
-                             f"op-by-op plan ({ilp_pred.step_time_s * 1e3:.3f} ms)"), nat_pred
+                             f"native data parallelism ({nat_pred.step_time_s * 1e3:.3f} ms: {n_ops} ops "
+                             f"in the user's module, {gap * 1e3:.3f} ms less runtime work than op by op) "
+                             f"beats the ILP's op-by-op plan ({ilp_pred.step_time_s * 1e3:.3f} ms)"), nat_pred
     why = ("does not fit the memory limit" if not fits else
            f"is slower ({nat_pred.step_time_s * 1e3:.3f} ms vs {ilp_pred.step_time_s * 1e3:.3f} ms)")
     return RuntimeChoice(list(choice), "traced", ilp_pred.step_time_s, ilp_pred.step_time_s,
@@ -109,26 +106,28 @@ def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float
                          f"the native data-parallel plan {why}"), ilp_pred
 
 
-def _priced_ops(layer) -> int:
-    """Ops of ``layer`` that the layer price charges the runtime's per-op work (views are
-    priced free, ``cost.primitives``: there is nothing of theirs to take back)."""
-    from ..ops import family_of
-    return sum(1 for op in layer.ops if not family_of(op.kind).free)
+def layer_gaps_s(table) -> list[float]:
+    """Per layer: seconds of per-op runtime work the op-by-op runtime pays beyond the native
+    module (module docstring), on the slowest rank."""
+    from .primitives import _compute_slowdown, runtime_overhead_s
+    prof = table.ctx.profile
+    slow = _compute_slowdown(table.ctx)
+    return [sum(max(0.0, runtime_overhead_s(prof, op.kind) - runtime_overhead_s(prof, op.kind, native=True))
+                for op in lay.ops) * slow for lay in table.graph.layers]
 
 
-def _native_prediction(table, choice: list[int], evaluate, gap_s: float, slow: float):
-    """``evaluate`` of ``choice`` with every layer's compute less its ops' op-by-op gap (a third
-    forward, two thirds backward, as ``runtime_op`` is priced): the same step model, so the
-    gradient all-reduces' overlap is recomputed, not assumed."""
+def _native_prediction(table, choice: list[int], evaluate, gaps: list[float]):
+    """``evaluate`` of ``choice`` with every layer's compute less its gap (a third forward,
+    two thirds backward, as the per-op work is priced)."""
     import dataclasses
     layers = list(table.layers)
-    for l, (lay, ci) in enumerate(zip(table.graph.layers, choice)):
-        o = layers[l]
-        d = _priced_ops(lay) * gap_s * slow
+    for l, ci in enumerate(choice):
+        o, d = layers[l], gaps[l]
+        if d <= 0.0:
+            continue
         c = o.costs[ci]
-        c2 = dataclasses.replace(c, fwd_compute_s=max(0.0, c.fwd_compute_s - d / 3.0),
-                                 bwd_compute_s=max(0.0, c.bwd_compute_s - 2.0 * d / 3.0))
         costs = list(o.costs)
-        costs[ci] = c2
+        costs[ci] = dataclasses.replace(c, fwd_compute_s=max(0.0, c.fwd_compute_s - d / 3.0),
+                                        bwd_compute_s=max(0.0, c.bwd_compute_s - 2.0 * d / 3.0))
         layers[l] = dataclasses.replace(o, costs=costs)
     return evaluate(dataclasses.replace(table, layers=layers), choice)

@@ -20,7 +20,13 @@ forward unless the family names backward classes (convolution). A family's class
 an older profile falls back to the family's ``fallback_class``. Views cost nothing.
 
 Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
-``runtime_op``, ``calibrate.overhead``): a third in forward, two thirds in backward. Ops other
+``runtime_op``, ``calibrate.overhead``; ``runtime_overhead_s``): a third in forward, two thirds
+in backward. It is measured per op family (``by_family``: unary, binary, view, linear, layer
+norm, batch norm, attention, embedding, gather), so views, which the kernel model prices free,
+pay their dispatch; profiles without the table charge every non-view op ``t0_s`` and views
+nothing, as before. A plan that runs the user's module natively (``runtime.native``) pays the
+natively measured table instead (``native_by_family``): ``runtime_overhead_applies`` says which
+of the two a plan pays, ``plan_runtime_overhead_s`` what it adds to a plan's step. Ops other
 than convolutions and linear layers are priced from exact measurements of their local shape
 when the profile has them (``calibrate.exact_ops``), like convolutions.
 
@@ -75,12 +81,13 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
     measured by ``kernels.measure_exact``), a generic op spec (``exact_measured``:
     ``calibrate.exact_ops``), or nothing. Views (``free``) cost nothing."""
     fam = family_of(op.kind)
-    if fam.free:
-        return 0.0, 0.0, "fit"
     prof = ctx.profile
-    slow = prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0) \
-        * compute_drift(prof, ctx.ranks_on_node)
-    over = _runtime_overhead_s(prof)
+    over = runtime_overhead_s(prof, op.kind, native=bool(getattr(ctx, "native_runtime", False)))
+    if fam.free and over <= 0.0:
+        return 0.0, 0.0, "fit"
+    slow = _compute_slowdown(ctx)
+    if fam.free:      # a view: no kernel, but dispatched (and a backward node) when run op by op
+        return over / 3 * slow, 2 * over / 3 * slow, "fit"
     fl = fam.local_flops(op, in_shapes, out_shape, w_shape)
     by = fam.local_bytes(op, in_shapes, out_shape, w_shape, itemsize)
     kernels = prof.kernels if isinstance(getattr(prof, "kernels", None), dict) else None
@@ -135,10 +142,88 @@ def _note_key(ctx, key: str) -> None:
         log.append(key)
 
 
-def _runtime_overhead_s(prof) -> float:
-    """The runtime's own work per op (``calibrate.overhead``), 0 when the profile has none."""
+#: op kinds without a probe of their own (``calibrate.overhead.PROBES``) that pay a probed
+#: family's per-op overhead (same arity and runtime path); other kinds pay ``t0_s``
+OVERHEAD_ALIASES = {"scatter": "gather", "rms_norm": "layer_norm", "group_norm": "layer_norm",
+                    "matmul": "binary"}
+
+
+def runtime_overhead_s(prof, kind: str, native: bool = False) -> float:
+    """The runtime's own work per op of ``kind``, forward + backward (``calibrate.overhead``),
+    0 when the profile has none::
+
+        overhead(kind) = table[kind]                  (table = by_family, or native_by_family)
+                       = table[OVERHEAD_ALIASES[kind]]
+                       = table["view"]                if kind is a view (0 without the table)
+                       = t0_s                          otherwise
+
+    ``native``: the op runs inside the user's module (``runtime.native``), not ``DistModel.op``;
+    a profile without ``native_by_family`` charges native ops as traced ones."""
     k = prof.kernels.get("runtime_op") if isinstance(getattr(prof, "kernels", None), dict) else None
-    return float(k["t0_s"]) if k else 0.0
+    if not k:
+        return 0.0
+    table = (k.get("native_by_family") if native else None) or k.get("by_family") or {}
+    fam = family_of(kind)
+    if fam.free:
+        return float(table.get("view", 0.0))
+    name = kind if kind in table else OVERHEAD_ALIASES.get(kind)
+    if name in table:
+        return float(table[name])
+    return float(k["t0_s"])
+
+
+def _compute_slowdown(ctx) -> float:
+    """The factor every local compute time is multiplied by (module docstring)."""
+    prof = ctx.profile
+    return prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0) \
+        * compute_drift(prof, ctx.ranks_on_node)
+
+
+def runtime_overhead_applies(graph, decisions, world: int, batch_norm=None, batch_size: int | None = None) -> bool:
+    """Whether a plan pays the traced runtime's per-op overhead (``DistModel.op`` for every
+    op), i.e. whether it can NOT run the user's module natively (``runtime.native``).
+
+    Contract: ``decisions`` maps every layer index of ``graph`` to its ``Decomposition``
+    (a dict, or a sequence indexed by layer); ``batch_norm`` is the plan's
+    ``decomp.bn.BatchNormStats`` (None = global statistics). Returns False exactly when the
+    plan is pure data parallelism over the whole mesh as ``runtime.native.why_not_native``
+    checks it from the plan alone: every layer ``sample(world)`` (layers no input reaches,
+    ``decomp.ir.batch_free_layers``, may be replicated), every input and the output split into ``world`` equal sample
+    blocks, and, when the graph has batch norms, local statistics in groups of the samples of
+    one rank. What only the module can tell (a buffer forward updates, a module that does not
+    run on a block) is not checked: such a plan runs traced although this says False, so a
+    caller pricing it natively under-prices it by ``plan_runtime_overhead_s``. At world 1 the
+    same holds with ``sample(1)``. Imports no runtime module."""
+    from ..decomp.ir import batch_free_layers
+    free = batch_free_layers(graph)
+    for lay in graph.layers:
+        dec = decisions[lay.index]
+        if dec.kind == "replicate" and lay.index in free:
+            continue
+        if dec.kind != "sample" or getattr(dec, "parts", None) != world:
+            return True
+    for gi in graph.inputs:
+        if not gi.shape or gi.shape[0] % world:
+            return True
+    out = list(graph.value_shape(graph.output))
+    if not out or out[0] % world:
+        return True
+    if any(op.kind == "batch_norm" for lay in graph.layers for op in lay.ops):
+        n = int(batch_size or graph.batch_size or 0)
+        if batch_norm is None or not getattr(batch_norm, "local", False) or not n or n % world \
+                or getattr(batch_norm, "group", None) != n // world:
+            return True
+    return False
+
+
+def plan_runtime_overhead_s(graph, ctx, native: bool = False) -> float:
+    """Seconds of per-op runtime overhead (forward + backward, on the slowest rank) that the
+    per-op prices of every op of ``graph`` hold (``op_compute_s``), traced or ``native``: a
+    plan's prediction priced traced becomes the native one by
+    ``t - plan_runtime_overhead_s(g, ctx) + plan_runtime_overhead_s(g, ctx, native=True)``."""
+    prof = ctx.profile
+    slow = _compute_slowdown(ctx)
+    return sum(runtime_overhead_s(prof, op.kind, native) for lay in graph.layers for op in lay.ops) * slow
 
 
 def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],

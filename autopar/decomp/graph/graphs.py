@@ -27,14 +27,14 @@ local share -- node-indexed values N / P rows, edge-indexed values E / P, graph-
 B / P (the mean); when the planner has the model file's example batch, node and edge values at
 the largest rank's fractions of that batch's nodes and edges instead (the imbalance of whole
 graphs of different sizes; ``runtime.graphs.largest_shares``) -- with the per-op runtime
-work less the op-by-op gap (``cost.native``: the user's module runs natively, as under DDP); weights whole, gradient all-reduce over the world as ``sample(P)``;
+work of the native module (``CostContext.native_runtime``: the user's module runs natively, as
+under DDP); weights whole, gradient all-reduce over the world as ``sample(P)``;
 memory: whole weights, gradients, optimizer state and B / P graphs' saved activations.
 Pure: no torch.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -195,18 +195,9 @@ def graphs_cost(dec: Graphs, layer: Layer, ctx: CostContext,
 
 
 def _native_ctx(ctx: CostContext) -> CostContext:
-    """``ctx`` whose per-op runtime work (``runtime_op``) is less the op-by-op runtime's gap
-    (``runtime_traced_op``, ``calibrate.traced_gap``): the module runs natively, as
-    ``cost.native`` prices a native data-parallel plan."""
-    from ...calibrate.traced_gap import traced_gap_s
-    prof = ctx.profile
-    kernels = getattr(prof, "kernels", None)
-    if not isinstance(kernels, dict) or "runtime_op" not in kernels:
-        return ctx
-    p2 = copy.copy(prof)
-    t0 = max(0.0, float(kernels["runtime_op"]["t0_s"]) - traced_gap_s(prof))
-    p2.kernels = {**kernels, "runtime_op": {**kernels["runtime_op"], "t0_s": t0}}
-    return dataclasses.replace(ctx, profile=p2, cost_memo=None)
+    """``ctx`` that prices every op as run inside the user's module (``native_runtime``: the
+    per-op runtime work of ``runtime_op``'s native table, ``cost.primitives``)."""
+    return dataclasses.replace(ctx, native_runtime=True, cost_memo=None)
 
 
 @dataclass(frozen=True)

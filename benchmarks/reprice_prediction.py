@@ -1,0 +1,103 @@
+"""One measurement, two predictions: the runs a ``bench_prediction.py --keep DIR`` run kept,
+predicted again by the per-op runtime overhead as it was priced before (one figure per op, the
+chain of ReLUs' ``t0_s``, views free, native plans priced traced) and as it is now (per op
+family, views at their dispatch, native plans with the natively measured table).
+
+On a loaded machine the measured steps move with the load while the predictions do not, so
+the medians of two bench runs made at different times compare the load as much as the model;
+repricing the same runs isolates the model change.
+
+    python benchmarks/reprice_prediction.py DIR [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _spearman(a, b) -> float:
+    from scipy.stats import spearmanr
+    return float(spearmanr(a, b).statistic)
+
+
+def reprice(plan_path: Path, model, batch, kinds, profile_path: Path, native_aware: bool) -> float:
+    """The step time ``profile_path`` predicts for the plan (every layer pinned to its choice,
+    every candidate kept); with ``native_aware``, a plan that runs natively priced so
+    (``bench_prediction.native_aware_prediction_s``)."""
+    from autopar.artifacts import PlanHooks, PlanOptions, load_plan
+    from autopar.pipeline import make_plan
+    from bench_prediction import native_aware_prediction_s
+    plan = load_plan(plan_path)
+    force = {l.layer: l.choice for l in plan.layers}
+    r = make_plan(model, PlanOptions(world_size=plan.world_size, batch_size=batch, calibration=str(profile_path),
+                                     kinds=kinds, max_candidates=10**6, write=True,
+                                     out_dir=plan_path.parent.parent / (plan_path.parent.name + "-reprice-" + profile_path.stem)),
+                  PlanHooks(force=force))
+    p = r.plan.predicted.step_time_s
+    if native_aware:
+        p_plan, native = native_aware_prediction_s(r.plan_path, str(profile_path))
+        return p_plan if native else p
+    return p
+
+
+def main(argv=None) -> int:
+    from autopar.io import atomic_write_text
+    from bench_prediction import CANDIDATES, HELDOUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir", help="the --keep folder of a bench_prediction.py run (its fresh-quick.json included)")
+    ap.add_argument("--out", help="write the table and medians here too")
+    args = ap.parse_args(argv)
+    d = Path(args.dir)
+    prof_new = d / "fresh-quick.json"
+    raw = json.loads(prof_new.read_text())
+    old = copy.deepcopy(raw)
+    for key in ("by_family", "native_by_family"):
+        old["kernels"].get("runtime_op", {}).pop(key, None)
+    prof_old = d / "fresh-quick-single-overhead.json"
+    atomic_write_text(prof_old, json.dumps(old))
+    lines, rows = [], []
+    for tag, cands, title in (("a", CANDIDATES, "in-sample"), ("h", HELDOUT, "held-out")):
+        for i, (label, model, world, batch, kinds, _) in enumerate(cands):
+            plan, run = d / f"{tag}-plan{i}" / "plan.json", d / f"{tag}-run{i}" / "run.json"
+            if not plan.exists() or not run.exists():
+                continue
+            m = json.loads(run.read_text())["measured"]["step_time_s"]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                p_old = reprice(plan, model, batch, kinds, prof_old, native_aware=False)
+                p_new = reprice(plan, model, batch, kinds, prof_new, native_aware=True)
+            rows.append({"set": title, "model": Path(model).stem, "label": label, "world": world,
+                         "measured_s": m, "before_s": p_old, "now_s": p_new})
+            lines.append(f"  {title:<9} {label:<32} world {world}: measured {m * 1e3:8.2f} ms  before {p_old * 1e3:8.2f} ms "
+                         f"({100 * (p_old - m) / m:+6.1f}%)  now {p_new * 1e3:8.2f} ms ({100 * (p_new - m) / m:+6.1f}%)")
+            print(lines[-1], flush=True)
+    for title in ("in-sample", "held-out"):
+        rs = [r for r in rows if r["set"] == title]
+        if not rs:
+            continue
+        for key in ("before_s", "now_s"):
+            err = statistics.median(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rs)
+            per = {}
+            for mdl in sorted({r["model"] for r in rs}):
+                mr = [r for r in rs if r["model"] == mdl]
+                if len(mr) > 2:
+                    per[mdl] = round(_spearman([r[key] for r in mr], [r["measured_s"] for r in mr]), 3)
+            lines.append(f"{title} ({len(rs)} runs), per-op overhead {'as before' if key == 'before_s' else 'now'}: "
+                         f"median |error| {100 * err:.1f} %, Spearman within models {per}")
+            print(lines[-1])
+    if args.out:
+        atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
+        atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
