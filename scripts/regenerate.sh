@@ -17,7 +17,7 @@ cpu() {  # name model world [plan options...]
   autopar plan "strategies/examples/$model.py" --world-size "$world" --calibration "$CPU" \
       -o "$PLANS/$name" "$@" > /dev/null
   if [ "$ONLY_PLANS" = 0 ]; then
-    autopar execute "$PLANS/$name/plan.json" --steps 10 --out "reports/$name"
+    autopar execute "$PLANS/$name/plan.json" --steps 20 --out "reports/$name"
   fi
 }
 cpu resnet2d-w4 resnet2d 4
@@ -27,11 +27,13 @@ cpu cnn3d-w2 cnn3d_large 2
 cpu cnn3d-w4 cnn3d_large 4
 cpu cnn3d-w4-mem5MiB cnn3d_large 4 --batch-size 2 --memory-limit 5MiB
 cpu gpt-w2 gpt 2
+cpu gpt-w4 gpt 4
 cpu gnn_pcqm4m-w2 gnn_pcqm4m 2
 cpu gnn_pcqm4m-w4 gnn_pcqm4m 4
 cpu pyg_nnconv-w2 pyg_nnconv 2
 cpu pyg_nnconv-w4 pyg_nnconv 4
 cpu hf_gpt2-w2 hf_gpt2 2
+cpu hf_gpt2-w4 hf_gpt2 4
 # replicated weights (data parallelism: 6.3 MiB per rank) over the limit: head/tensor parallel
 AUTOPAR_GPT_EMBED=128 AUTOPAR_GPT_VOCAB=512 cpu gpt-w4-mem4MiB gpt 4 --batch-size 4 --memory-limit 4MiB
 
