@@ -1,0 +1,451 @@
+"""The plan by dynamic programming over the layer order, with a proven bound: the ILP's optimum
+in a fraction of a second on chains of blocks (a 96-layer GPT has 678 layers and 17 choices
+per layer; its ILP has 222 k columns and no integral LP optimum: 290 s in HiGHS).
+
+The step time that ``cost.table.evaluate`` computes (and the ILP minimises) is a maximum of
+functions that are sums over layers and edges. Unrolling its all-reduce recurrence
+(``F_b = max(F_(b-1), ready_b) + AR_b``)::
+
+    step = max_k f_k,   f_0 = X,   f_b = X + sum_(b' >= b) AR_b' - sum_(l below e_b) B_l
+    X    = sum_l (fwd + bwd + opt)(l) + sum_e (fwd + bwd)(e)
+
+over gradient buckets ``b`` (``cost.table.bucket_allreduce_s``: bandwidth parts add up, each
+group's latency is paid once per bucket, the last bucket pays the blocking latencies),
+``e_b`` the bucket's lowest layer, ``B_l`` the backward time of layer l and of the edges into
+it. (This holds when each layer of a bucket synchronises gradients under all of its choices
+or under none, so ``e_b`` is fixed; otherwise ``solve_by_elimination`` returns None and the
+ILP decides.)
+
+For weights ``lambda >= 0`` summing to 1, ``min_plan sum_k lambda_k f_k(plan)`` is a lower bound
+of the optimum (a weighted mean is at most the maximum), and it is a sum of factors on single
+layers, edges (two layers) and buckets (the layers of one bucket, for the latencies), so
+it is minimised exactly by variable elimination in reverse execution order (``_eliminate``;
+tensors over the pending layers, two or three on a GPT). Each plan found is an upper bound
+(``evaluate`` prices it). The weights are chosen by Kelley's cutting planes over an active set
+of checkpoints ``k`` (those that were the maximum of some plan found), an LP of a few
+variables (``_dual_weights``). The loop stops when the bounds meet (the plan is then the
+optimum, proven; on every model tried the first two or three rounds do it) or after a
+bounded number of rounds; ``gap`` says how far apart they stayed.
+
+The memory limit is not part of the DP: under one, the plan is kept only when it fits
+(the unconstrained optimum that fits is the constrained one), else None.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.table import CostTable, evaluate
+
+_DEBUG = False
+
+
+@dataclass
+class EliminationResult:
+    choice: list[int]
+    objective_s: float          # evaluate(table, choice).step_time_s: the upper bound
+    lower_bound_s: float        # no plan is faster than this
+    rounds: int
+    time_s: float
+
+    @property
+    def gap(self) -> float:
+        return max(0.0, (self.objective_s - self.lower_bound_s) / max(self.objective_s, 1e-300))
+
+
+class _Structure:
+    """The step-time model of a table as arrays (the module docstring's f_k), built once."""
+
+    def __init__(self, table: CostTable):
+        table.ensure_edges()
+        self.table = table
+        n = self.n = len(table.layers)
+        self.topo = list(table.topo)
+        self.pos = {l: k for k, l in enumerate(self.topo)}
+        self.ok = sorted(self.topo) == list(range(n))
+        self.k = [len(o.costs) for o in table.layers]
+        self.fwd_opt = [np.array([c.fwd_s + c.optim_step_s for c in o.costs]) for o in table.layers]
+        self.bwd = [np.array([c.bwd_s for c in o.costs]) for o in table.layers]
+        self.gsbw = [np.array([c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency) for c in o.costs])
+                     for o in table.layers]
+        # edges summed per (producer, consumer): fwd and bwd matrices [i_u, i_v]
+        pair: dict[tuple[int, int], list[np.ndarray]] = {}
+        for e in table.edges:
+            if not e.fwd_s or not e.fwd_s[0]:
+                continue
+            f, b = np.asarray(e.fwd_s, dtype=np.float64), np.asarray(e.bwd_s, dtype=np.float64)
+            if not f.any() and not b.any():
+                continue
+            if e.src == e.dst or (self.ok and self.pos[e.src] >= self.pos[e.dst]):
+                self.ok = False
+            if (e.src, e.dst) in pair:
+                pair[e.src, e.dst][0] = pair[e.src, e.dst][0] + f
+                pair[e.src, e.dst][1] = pair[e.src, e.dst][1] + b
+            else:
+                pair[e.src, e.dst] = [f, b]
+        self.pairs = pair
+        # buckets whose members synchronise under every choice (a mixed layer: not ok)
+        members: dict[int, list[int]] = {}
+        for l, b in table.bucket_of().items():
+            syn = [c.grad_sync_s > 0 for c in table.layers[l].costs]
+            if all(syn):
+                members.setdefault(b, []).append(l)
+            elif any(syn):
+                self.ok = False
+        self.members = {b: sorted(ls, key=lambda l: self.pos[l]) for b, ls in members.items()}
+        self.bucket_ids = sorted(self.members)          # checkpoint k = 1 + index here
+        self.last = self.bucket_ids[-1] if self.bucket_ids else None
+        self.event_pos = [self.pos[self.members[b][0]] for b in self.bucket_ids]
+        self.bucket_of_layer = {l: b for b, ls in self.members.items() for l in ls}
+        # latency factors: per bucket, the layers with latency terms and per group the arrays
+        self.lat: dict[int, tuple[list[int], list[list[np.ndarray]]]] = {}
+        for b, ls in self.members.items():
+            final = b == self.last
+            sigs = sorted({s for l in ls for c in table.layers[l].costs for s, _, _ in c.grad_sync_latency})
+            users = [l for l in ls if any(c.grad_sync_latency for c in table.layers[l].costs)]
+            if not users:
+                continue
+            per_sig = []
+            for s in sigs:
+                arrs = []
+                for l in users:
+                    arrs.append(np.array([max([tf if final else t for s_, t, tf in c.grad_sync_latency if s_ == s],
+                                              default=0.0) for c in table.layers[l].costs]))
+                per_sig.append(arrs)
+            if len(users) > 4 or math.prod(self.k[l] for l in users) > 200_000:
+                self.ok = False
+            self.lat[b] = (users, per_sig)
+
+    # --- the functions f_k of one plan --------------------------------------------------------
+    def checkpoint_values(self, choice: list[int]) -> np.ndarray:
+        """[f_0, f_1, ...] of the module docstring for one plan (f_k: bucket bucket_ids[k-1])."""
+        t = self.table
+        cs = [t.layers[l].costs[choice[l]] for l in range(self.n)]
+        b_l = np.array([c.bwd_s for c in cs])
+        x = sum(c.fwd_s + c.bwd_s + c.optim_step_s for c in cs)
+        for (u, v), (f, b) in self.pairs.items():
+            x += f[choice[u], choice[v]] + b[choice[u], choice[v]]
+            b_l[v] += b[choice[u], choice[v]]
+        from ..cost.table import bucket_allreduce_s
+        ar = [bucket_allreduce_s([cs[l] for l in self.members[b]], final=b == self.last) for b in self.bucket_ids]
+        b_pos = np.zeros(self.n)
+        for l in range(self.n):
+            b_pos[self.pos[l]] = b_l[l]
+        below = np.concatenate([[0.0], np.cumsum(b_pos)])     # below[p]: B of positions < p
+        suffix_ar = np.cumsum(ar[::-1])[::-1] if ar else np.zeros(0)   # sum over ids >= this
+        f = [x] + [x + suffix_ar[k] - below[self.event_pos[k]] for k in range(len(ar))]
+        return np.array(f)
+
+    # --- min over plans of sum_k lambda_k f_k ---------------------------------------------------
+    def _factors(self, lam: np.ndarray) -> list[tuple[tuple[int, ...], np.ndarray]]:
+        nb = len(self.bucket_ids)
+        lam_b = lam[1:]
+        # v_b = sum of lambda_k over checkpoints k whose sum of AR includes b (ids <= b)
+        v = np.cumsum(lam_b) if nb else np.zeros(0)
+        # w_l = sum of lambda_k over checkpoints whose event lies above layer l
+        w_pos = np.zeros(self.n + 1)
+        for k in range(nb):
+            w_pos[self.event_pos[k]] += lam_b[k]   # counts for positions < event_pos
+        w_at = np.cumsum(w_pos[::-1])[::-1]        # w_at[p] = sum over events at positions >= p
+        v_of = {b: v[k] for k, b in enumerate(self.bucket_ids)}
+        factors = []
+        for l in range(self.n):
+            wl = w_at[self.pos[l] + 1]
+            cost = self.fwd_opt[l] + (1.0 - wl) * self.bwd[l]
+            b = self.bucket_of_layer.get(l)
+            if b is not None:
+                cost = cost + v_of[b] * self.gsbw[l]
+            factors.append(((l,), cost))
+        for (u, vv), (f, b) in self.pairs.items():
+            wl = w_at[self.pos[vv] + 1]
+            factors.append(((u, vv), f + (1.0 - wl) * b))
+        for b, (users, per_sig) in self.lat.items():
+            if v_of[b] == 0.0:
+                continue
+            shape = [self.k[l] for l in users]
+            total = np.zeros(shape)
+            for arrs in per_sig:
+                m = np.zeros(shape)
+                for d, a in enumerate(arrs):
+                    s = [1] * len(users)
+                    s[d] = len(a)
+                    m = np.maximum(m, a.reshape(s))
+                total = total + m
+            factors.append((tuple(users), v_of[b] * total))
+        return factors
+
+    def eliminate(self, lam: np.ndarray) -> tuple[list[int], float]:
+        """The plan minimising sum_k lam_k f_k, and that minimum: variable elimination in
+        reverse execution order, then assignment in execution order."""
+        const, _, trail = _eliminate(self._factors(lam), list(reversed(self.topo)), self.k)
+        choice = [0] * self.n
+        _assign(trail, choice)
+        return choice, const
+
+
+def _eliminate(factors: list, order: list[int], k: list[int]):
+    """Min-sum variable elimination of ``factors`` ((scope, array) pairs) over the variables
+    of ``order``, in that order. Returns (constant, factors left over the other variables,
+    trail for ``_assign``)."""
+    by_var: dict[int, list[int]] = {}
+    factors = list(factors)
+    alive = [True] * len(factors)
+    for fi, (scope, _) in enumerate(factors):
+        for var in scope:
+            by_var.setdefault(var, []).append(fi)
+    trail = []
+    const = 0.0
+    for var in order:
+        ids = [fi for fi in by_var.get(var, []) if alive[fi]]
+        scope: list[int] = [var]
+        for fi in ids:
+            for u in factors[fi][0]:
+                if u not in scope:
+                    scope.append(u)
+        total = np.zeros([k[u] for u in scope])
+        for fi in ids:
+            alive[fi] = False
+            s, arr = factors[fi]
+            axes = [scope.index(u) for u in s]
+            arr = np.transpose(arr, np.argsort(axes))        # axes now in scope order
+            rs = [1] * len(scope)
+            for u in s:
+                rs[scope.index(u)] = k[u]
+            total = total + arr.reshape(rs)
+        trail.append((var, scope, total))
+        reduced = total.min(axis=0)
+        if len(scope) == 1:
+            const += float(reduced)
+            continue
+        fi = len(factors)
+        factors.append((tuple(scope[1:]), reduced))
+        alive.append(True)
+        for u in scope[1:]:
+            by_var.setdefault(u, []).append(fi)
+    left = [f for f, a in zip(factors, alive) if a]
+    return const, left, trail
+
+
+def _assign(trail: list, choice: list[int]) -> None:
+    """Back through an elimination trail: each variable's best value given the variables
+    eliminated after it (already in ``choice``)."""
+    for var, scope, total in reversed(trail):
+        idx = tuple(choice[u] for u in scope[1:])
+        choice[var] = int(np.argmin(total[(slice(None),) + idx]))
+
+
+def _prune(points: list[tuple]) -> list[tuple]:
+    """The points (X, c, G, AR, back) that no other point dominates (smaller is better in
+    each of the first four)."""
+    if len(points) <= 1:
+        return points
+    points.sort(key=lambda p: (p[0], p[1], p[2], p[3]))
+    out: list[tuple] = []
+    for p in points:
+        if not any(q[1] <= p[1] and q[2] <= p[2] and q[3] <= p[3] for q in out):   # q[0] <= p[0]
+            out.append(p)
+    return out
+
+
+def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 4096,
+               max_points: int = 100_000) -> tuple[list[int], float] | None:
+    """``min over plans of max over the checkpoints at or above checkpoint ``base``'s event`` (a
+    lower bound of the optimum, and the optimum when the plan's maximum is one of them), exactly:
+
+    * below the event (positions < p0), f_base is a sum of factors: eliminated in execution
+      order down to the layers the region above reads (``_eliminate``), leaving M(pending);
+    * above it, ``f_k - f_base = sum_(k <= b < base) AR_b - sum_(p0 <= pos(l) < e_k) B_l`` is a
+      walk from p0 upwards whose maximum prefix ``c`` composes from the top,
+      ``c = max(0, a + c_rest)``: a DP in reverse order over the choices of the pending layers
+      with, per state, the Pareto set of (X, c) (within an open bucket also its bandwidth time
+      AR so far, the walk G from its lowest member so far, and its group latencies in the key);
+    * the answer is the least X + c + M(pending) over the states at p0.
+    None when the buckets above are not intervals numbered downwards, or a limit is reached."""
+    t = st.table
+    if base == 0:                    # f_0 = X: every checkpoint, the whole model
+        b_id, p0 = math.inf, 0
+    else:
+        b_id, p0 = st.bucket_ids[base - 1], st.event_pos[base - 1]
+    for k, b in enumerate(st.bucket_ids):
+        ps = [st.pos[l] for l in st.members[b]]
+        if (b < b_id and min(ps) < p0) or (b > b_id and max(ps) >= p0):
+            return None
+        if k and st.event_pos[k] >= st.event_pos[k - 1]:
+            return None
+    lo = {b: st.pos[st.members[b][0]] for b in st.bucket_ids}
+    lat_of = {l: [tuple(c.grad_sync_latency) for c in t.layers[l].costs] for l in range(st.n)}
+    into: dict[int, list[int]] = {}
+    for (u, v) in st.pairs:
+        into.setdefault(v, []).append(u)
+    pending: tuple[int, ...] = ()
+    states: dict[tuple, list[tuple]] = {((), ()): [(0.0, 0.0, -math.inf, 0.0, None)]}
+    for p in range(st.n - 1, p0 - 1, -1):
+        if time.perf_counter() > deadline:
+            return None
+        l = st.topo[p]
+        prods = sorted(into.get(l, []), key=lambda u: st.pos[u])
+        new_prods = [u for u in prods if u not in pending]
+        new_pending = tuple(sorted((set(pending) - {l}) | set(prods), key=lambda u: st.pos[u]))
+        where = {u: k for k, u in enumerate(pending)}
+        b = st.bucket_of_layer.get(l)
+        is_base = b == b_id
+        closes = b is not None and lo[b] == p
+        final = b == st.last
+        combos = list(itertools.product(*[range(st.k[u]) for u in new_prods]))
+        out: dict[tuple, list[tuple]] = {}
+        for (key, lkey), pts in states.items():
+            choices_l = [key[where[l]]] if l in where else range(st.k[l])
+            for i in choices_l:
+                if b is not None:
+                    lk = {s_: (a_, f_) for s_, a_, f_ in lkey}
+                    for s_, a_, f_ in lat_of[l][i]:
+                        o_ = lk.get(s_)
+                        lk[s_] = (a_, f_) if o_ is None else (max(o_[0], a_), max(o_[1], f_))
+                    lkey2 = tuple(sorted((s_, a_, f_) for s_, (a_, f_) in lk.items()))
+                else:
+                    lkey2 = lkey
+                lat_s = sum(f_ if final else a_ for _, a_, f_ in lkey2) if closes else 0.0
+                lkey_out = () if closes else lkey2
+                x_l = st.fwd_opt[l][i] + st.bwd[l][i]
+                b_l = st.bwd[l][i]
+                gs = st.gsbw[l][i] if b is not None else 0.0
+                if is_base:
+                    x_l += gs + lat_s
+                for combo in combos:
+                    asg = {u: key[where[u]] for u in prods if u in where}
+                    asg.update(zip(new_prods, combo))
+                    dx, db = x_l, b_l
+                    for u in prods:
+                        f, bb = st.pairs[u, l]
+                        dx += f[asg[u], i] + bb[asg[u], i]
+                        db += bb[asg[u], i]
+                    nkey = tuple(asg[u] if u in asg else key[where[u]] for u in new_pending)
+                    dest = out.setdefault((nkey, lkey_out), [])
+                    for x, c, g, a, back in pts:
+                        c2 = c - db
+                        if c2 < 0.0:
+                            c2 = 0.0
+                        if b is not None and not is_base:
+                            a2, g2 = a + gs, c2
+                        else:
+                            a2, g2 = a, (g - db if g != -math.inf else g)
+                        if closes:
+                            if not is_base and g2 != -math.inf and a2 + lat_s + g2 > c2:
+                                c2 = a2 + lat_s + g2
+                            g2, a2 = -math.inf, 0.0
+                        dest.append((x + dx, c2, g2, a2, (back, l, i)))
+        states = {k_: _prune(v_) for k_, v_ in out.items()}
+        pending = new_pending
+        if len(states) > max_states or sum(len(v_) for v_ in states.values()) > max_points:
+            return None
+    # below p0: f_base's factors, eliminated down to the pending layers
+    lam = np.zeros(1 + len(st.bucket_ids))
+    lam[base] = 1.0
+    below = [f for f in st._factors(lam) if all(st.pos[u] < p0 for u in f[0])] if p0 > 0 else []
+    keep = set(pending)
+    order = [l for l in st.topo if st.pos[l] < p0 and l not in keep]
+    const, left, trail = _eliminate(below, order, st.k)
+    best, best_v = None, math.inf
+    for (key, _), pts in states.items():
+        m = const + sum(float(arr[tuple(key[pending.index(u)] for u in scope)]) for scope, arr in left)
+        for x, c, _, _, back in pts:
+            if x + c + m < best_v:
+                best, best_v = (key, back), x + c + m
+    if best is None:
+        return None
+    choice = [0] * st.n
+    key, back = best
+    for u, i in zip(pending, key):
+        choice[u] = i
+    while back is not None:
+        back, l, i = back
+        choice[l] = i
+    _assign(trail, choice)
+    return choice, best_v
+
+
+def _dual_weights(rows: list[np.ndarray], active: list[int]) -> tuple[np.ndarray, float]:
+    """Kelley's master LP: max t s.t. t <= sum_(k in active) lam_k f_k(p) for each plan p found,
+    sum lam = 1, lam >= 0. Returns (lam over active, t)."""
+    from scipy.optimize import linprog
+    na = len(active)
+    c = np.zeros(na + 1)
+    c[-1] = -1.0
+    scale = max(1e-300, max(float(np.max(np.abs(r[active]))) for r in rows))
+    a_ub = np.array([np.concatenate([-r[active] / scale, [1.0]]) for r in rows])
+    res = linprog(c, A_ub=a_ub, b_ub=np.zeros(len(rows)),
+                  A_eq=np.concatenate([np.ones(na), [0.0]])[None, :], b_eq=[1.0],
+                  bounds=[(0, None)] * na + [(None, None)], method="highs")
+    if res.status != 0:
+        return np.full(na, 1.0 / na), -math.inf
+    return np.clip(res.x[:na], 0.0, None), float(res.x[-1]) * scale
+
+
+def solve_by_elimination(table: CostTable, memory_limit_bytes: float | None = None,
+                         max_rounds: int = 40, time_limit_s: float = 20.0,
+                         rel_tol: float = 1e-9) -> EliminationResult | None:
+    """The best plan found and a lower bound of every plan (module docstring), or None when
+    the model falls outside its assumptions (the caller then solves the ILP)."""
+    t0 = time.perf_counter()
+    st = _Structure(table)
+    if not st.ok:
+        return None
+    nk = 1 + len(st.bucket_ids)
+    lam = np.zeros(nk)
+    lam[0] = 1.0
+    active = [0]
+    rows: list[np.ndarray] = []
+    best, best_s, lb = None, math.inf, -math.inf
+    rounds = 0
+    while rounds < max_rounds:
+        rounds += 1
+        choice, low = st.eliminate(lam)
+        lb = max(lb, low)
+        fv = st.checkpoint_values(choice)
+        rows.append(fv)
+        m = int(np.argmax(fv))
+        if fv[m] < best_s:
+            best, best_s = choice, float(fv[m])
+        if best_s - lb <= rel_tol * best_s or time.perf_counter() - t0 > time_limit_s:
+            break
+        if m not in active:
+            active.append(m)
+        w, t_up = _dual_weights(rows, active)
+        if _DEBUG: print("round", rounds, "lb", lb, "best", best_s, "t_up", t_up, "m", m, "active", active, "w", w)
+        if t_up - lb <= rel_tol * best_s and m in active and len(rows) > 1:
+            # the master LP cannot raise the bound over these checkpoints: a duality gap
+            stop = all(int(np.argmax(r)) in active for r in rows)
+            if stop:
+                break
+        lam = np.zeros(nk)
+        lam[active] = w
+    # a gap left: the checkpoints the bound weighs, exactly (``_exact_top``), from the lowest
+    # of them; a plan whose maximum lies lower moves the region down (at most 3 times)
+    tried: set[int] = set()
+    weighed = [k for k in active if k and lam[k] > 0] + [int(np.argmax(st.checkpoint_values(best)))]
+    base = min(weighed, key=lambda k: st.event_pos[k - 1] if k else math.inf)
+    while best_s - lb > rel_tol * best_s and base not in tried and len(tried) < 4:
+        tried.add(base)
+        r = _exact_top(st, base, t0 + time_limit_s)
+        if r is None:
+            break
+        choice, v = r
+        lb = max(lb, v)
+        fv = st.checkpoint_values(choice)
+        if fv.max() < best_s:
+            best, best_s = choice, float(fv.max())
+        # the gap is left only when the plan's maximum lies outside the region: below it
+        # (a lower checkpoint) or f_0 (the whole model, base 0)
+        base = int(np.argmax(fv))
+    pred = evaluate(table, best)
+    if not math.isclose(pred.step_time_s, best_s, rel_tol=1e-9, abs_tol=1e-12):
+        return None       # the model above is not what evaluate prices: let the ILP decide
+    if memory_limit_bytes is not None and pred.memory_per_rank_bytes > memory_limit_bytes:
+        return None
+    return EliminationResult(best, pred.step_time_s, float(min(lb, pred.step_time_s)), rounds,
+                             time.perf_counter() - t0)
