@@ -1,0 +1,107 @@
+"""The dynamic program over the layer order (``solve.elimination``) against brute force on random
+tables and against the ILP (``--solver ilp``) on shipped models: the same optimum, a lower bound
+that never exceeds it, and None (the ILP decides) outside its assumptions."""
+
+import dataclasses
+import random
+
+import pytest
+
+from autopar.cost.table import evaluate
+from autopar.runtime.gradsync import layer_buckets
+from autopar.solve.brute import brute_force
+from autopar.solve.elimination import _Structure, solve_by_elimination
+from autopar.solve.ilp import solve
+
+from test_solver import random_table
+
+
+def _constant_sync(table, rng):
+    """Each layer synchronises gradients under all of its choices or under none (as real
+    layers do: with parameters, every choice with a replicated share syncs)."""
+    for o in table.layers:
+        syn = rng.random() < 0.7
+        o.costs = [dataclasses.replace(c, grad_sync_s=(c.grad_sync_s or rng.uniform(0.1, 3)) if syn else 0.0,
+                                       grad_sync_latency=c.grad_sync_latency if syn else ())
+                   for c in o.costs]
+
+
+def _table(seed):
+    rng = random.Random(seed)
+    table = random_table(rng.randint(2, 7), 3, rng, dag=seed % 2 == 1, latency=seed % 4 == 0)
+    _constant_sync(table, rng)
+    if seed % 4 == 0 or seed % 3 == 0:
+        table.buckets = layer_buckets([(l, rng.uniform(1, 3)) for l in range(len(table.layers))], cap_bytes=4)
+    return table
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_equals_brute_force(seed):
+    table = _table(seed)
+    r = solve_by_elimination(table)
+    best, best_t = brute_force(table)
+    assert r is not None
+    assert r.objective_s == pytest.approx(best_t, rel=1e-9, abs=1e-12)
+    assert evaluate(table, r.choice).step_time_s == pytest.approx(r.objective_s, rel=1e-12)
+    assert r.lower_bound_s <= best_t * (1 + 1e-9) + 1e-12
+    assert r.gap <= 1e-9                       # proven, not only found
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_checkpoint_values_max_is_the_step_time(seed):
+    """The unrolled all-reduce recurrence (module docstring) is evaluate's step time."""
+    table = _table(100 + seed)
+    st = _Structure(table)
+    rng = random.Random(seed)
+    for _ in range(5):
+        choice = [rng.randrange(len(o.choices)) for o in table.layers]
+        assert st.checkpoint_values(choice).max() == pytest.approx(evaluate(table, choice).step_time_s, rel=1e-12)
+
+
+def test_mixed_sync_layer_is_left_to_the_ilp():
+    table = _table(3)
+    o = next(o for o in table.layers if len(o.costs) > 1)
+    o.costs = [dataclasses.replace(o.costs[0], grad_sync_s=1.0, grad_sync_latency=()),
+               dataclasses.replace(o.costs[1], grad_sync_s=0.0, grad_sync_latency=())] + o.costs[2:]
+    table.buckets = None
+    assert solve_by_elimination(table) is None
+    sol = solve(table)                          # the default path falls back to the ILP
+    assert sol.objective_s == pytest.approx(brute_force(table)[1], rel=1e-9)
+    assert sol.solver == "highs"
+
+
+def test_memory_limit_keeps_the_dp_plan_only_when_it_fits():
+    table = _table(5)
+    r = solve_by_elimination(table)
+    mem = evaluate(table, r.choice).memory_per_rank_bytes
+    assert solve_by_elimination(table, memory_limit_bytes=mem) is not None
+    least = sum(min(c.memory_bytes for c in o.costs) for o in table.layers)
+    if least < mem:
+        assert solve_by_elimination(table, memory_limit_bytes=(least + mem) / 2 if least < mem else mem) is None
+        limit = (least + mem) / 2
+        sol = solve(table, memory_limit_bytes=limit)
+        assert sol.objective_s == pytest.approx(brute_force(table, limit)[1], rel=1e-6)
+
+
+@pytest.mark.parametrize("model,world,env", [
+    ("strategies/examples/gpt.py", 8, {"AUTOPAR_GPT_LAYERS": "3"}),
+    ("strategies/examples/parallel_gpt.py", 8, {}),
+    ("strategies/examples/towers.py", 4, {}),
+    ("strategies/examples/resnet2d.py", 8, {}),
+])
+def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, monkeypatch):
+    """The default solver and the ILP alone give the same predicted step time (two nodes, so
+    the placement search runs too)."""
+    from autopar.artifacts import PlanOptions
+    from autopar.pipeline import make_plan
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got = {}
+    for solver in ("highs", "ilp"):
+        o = PlanOptions(world_size=world, ranks_per_node=world // 2, solver=solver, write=False,
+                        calibration=str(root / "calibration/datasheet-a100-cluster.json"))
+        r = make_plan(root / model, o)
+        got[solver] = r.plan
+    dp, ilp = got["highs"], got["ilp"]
+    assert dp.predicted.step_time_s == pytest.approx(ilp.predicted.step_time_s, rel=1e-6)
+    assert dp.solver.sol_status == 1 and ilp.solver.sol_status == 1
