@@ -58,16 +58,21 @@ def test_checkpoint_values_max_is_the_step_time(seed):
         assert st.checkpoint_values(choice).max() == pytest.approx(evaluate(table, choice).step_time_s, rel=1e-12)
 
 
-def test_mixed_sync_layer_is_left_to_the_ilp():
-    table = _table(3)
-    o = next(o for o in table.layers if len(o.costs) > 1)
-    o.costs = [dataclasses.replace(o.costs[0], grad_sync_s=1.0, grad_sync_latency=()),
-               dataclasses.replace(o.costs[1], grad_sync_s=0.0, grad_sync_latency=())] + o.costs[2:]
-    table.buckets = None
-    assert solve_by_elimination(table) is None
-    sol = solve(table)                          # the default path falls back to the ILP
-    assert sol.objective_s == pytest.approx(brute_force(table)[1], rel=1e-9)
-    assert sol.solver == "highs"
+@pytest.mark.parametrize("seed", range(20))
+def test_layers_that_sync_under_some_choices_only_keep_the_bounds(seed):
+    """A layer that syncs under some choices only moves its bucket's start with the plan: the
+    DP's functions then only bound evaluate's from below, the bound stays a bound, and the
+    plan found is priced by evaluate (the default solve then equals brute force)."""
+    rng = random.Random(200 + seed)
+    table = random_table(rng.randint(2, 6), 3, rng, dag=seed % 2 == 1, latency=seed % 3 == 0)
+    if seed % 2 == 0:
+        table.buckets = layer_buckets([(l, rng.uniform(1, 3)) for l in range(len(table.layers))], cap_bytes=4)
+    best, best_t = brute_force(table)
+    r = solve_by_elimination(table)
+    assert r is not None
+    assert r.lower_bound_s <= best_t * (1 + 1e-9) + 1e-12 <= r.objective_s * (1 + 2e-9) + 2e-12
+    assert evaluate(table, r.choice).step_time_s == pytest.approx(r.objective_s, rel=1e-12)
+    assert solve(table).objective_s == pytest.approx(best_t, rel=1e-9)
 
 
 def test_memory_limit_keeps_the_dp_plan_only_when_it_fits():
@@ -83,25 +88,35 @@ def test_memory_limit_keeps_the_dp_plan_only_when_it_fits():
         assert sol.objective_s == pytest.approx(brute_force(table, limit)[1], rel=1e-6)
 
 
-@pytest.mark.parametrize("model,world,env", [
-    ("strategies/examples/gpt.py", 8, {"AUTOPAR_GPT_LAYERS": "3"}),
-    ("strategies/examples/parallel_gpt.py", 8, {}),
-    ("strategies/examples/towers.py", 4, {}),
-    ("strategies/examples/resnet2d.py", 8, {}),
+@pytest.mark.parametrize("model,world,env,proven", [
+    ("strategies/examples/gpt.py", 8, {"AUTOPAR_GPT_LAYERS": "3"}, True),
+    ("strategies/examples/parallel_gpt.py", 8, {}, True),
+    ("strategies/examples/towers.py", 4, {}, True),
+    # one gradient bucket holds most of this small CNN's layers: the exact stage gives up
+    # (its limits) and the gap stays printed; the default path runs the ILP here
+    ("strategies/examples/resnet2d.py", 8, {}, False),
 ])
-def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, monkeypatch):
-    """The default solver and the ILP alone give the same predicted step time (two nodes, so
-    the placement search runs too)."""
+def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, proven, monkeypatch):
+    """The DP (forced: these small models would go to the ILP first) and the ILP alone give
+    the same predicted step time (two nodes, so the placement search runs too)."""
+    import autopar.solve.ilp as ilp
     from autopar.artifacts import PlanOptions
     from autopar.pipeline import make_plan
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setattr(ilp, "ILP_FIRST_PAIRS", 0)
+    monkeypatch.setattr(ilp, "ILP_MAX_PAIRS", 0)      # the DP's plan is kept, gap or not
     got = {}
     for solver in ("highs", "ilp"):
         o = PlanOptions(world_size=world, ranks_per_node=world // 2, solver=solver, write=False,
                         calibration=str(root / "calibration/datasheet-a100-cluster.json"))
         r = make_plan(root / model, o)
         got[solver] = r.plan
-    dp, ilp = got["highs"], got["ilp"]
-    assert dp.predicted.step_time_s == pytest.approx(ilp.predicted.step_time_s, rel=1e-6)
-    assert dp.solver.sol_status == 1 and ilp.solver.sol_status == 1
+    dp, ref = got["highs"], got["ilp"]
+    assert dp.solver.solver == "dp" and ref.solver.solver == "highs"
+    assert dp.predicted.step_time_s == pytest.approx(ref.predicted.step_time_s, rel=1e-6)
+    assert ref.solver.sol_status == 1
+    if proven:
+        assert dp.solver.sol_status == 1 and dp.solver.gap <= 1e-6
+    else:
+        assert dp.solver.sol_status in (1, 2) and dp.solver.gap is not None

@@ -42,7 +42,6 @@ import numpy as np
 
 from ..cost.table import CostTable, evaluate
 
-_DEBUG = False
 
 
 @dataclass
@@ -71,8 +70,10 @@ class _Structure:
         self.k = [len(o.costs) for o in table.layers]
         self.fwd_opt = [np.array([c.fwd_s + c.optim_step_s for c in o.costs]) for o in table.layers]
         self.bwd = [np.array([c.bwd_s for c in o.costs]) for o in table.layers]
-        self.gsbw = [np.array([c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency) for c in o.costs])
-                     for o in table.layers]
+        # a choice that does not synchronise has no bucket terms (evaluate leaves it out)
+        self.synced = [[c.grad_sync_s > 0 for c in o.costs] for o in table.layers]
+        self.gsbw = [np.array([c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency) if c.grad_sync_s > 0
+                               else 0.0 for c in o.costs]) for o in table.layers]
         # edges summed per (producer, consumer): fwd and bwd matrices [i_u, i_v]
         pair: dict[tuple[int, int], list[np.ndarray]] = {}
         for e in table.edges:
@@ -89,21 +90,30 @@ class _Structure:
             else:
                 pair[e.src, e.dst] = [f, b]
         self.pairs = pair
-        # buckets whose members synchronise under every choice (a mixed layer: not ok)
+        # buckets: their layers that synchronise under some choice. A bucket's all-reduce
+        # starts at its lowest layer that synchronises under the plan; ``event_pos`` is the
+        # lowest that does under every choice (its highest layer when none does): the
+        # f_b below then never exceed evaluate's (a lower bound stays a lower bound; ``sure``)
         members: dict[int, list[int]] = {}
         for l, b in table.bucket_of().items():
-            syn = [c.grad_sync_s > 0 for c in table.layers[l].costs]
-            if all(syn):
+            if any(self.synced[l]):
                 members.setdefault(b, []).append(l)
-            elif any(syn):
-                self.ok = False
         self.members = {b: sorted(ls, key=lambda l: self.pos[l]) for b, ls in members.items()}
         self.bucket_ids = sorted(self.members)          # checkpoint k = 1 + index here
-        self.last = self.bucket_ids[-1] if self.bucket_ids else None
-        self.event_pos = [self.pos[self.members[b][0]] for b in self.bucket_ids]
+        self.lo = {b: self.pos[ls[0]] for b, ls in self.members.items()}
+        self.event_pos = []
+        for b in self.bucket_ids:
+            sure = [l for l in self.members[b] if all(self.synced[l])]
+            self.event_pos.append(self.pos[sure[0]] if sure else self.pos[self.members[b][-1]])
+        # the last bucket pays the blocking latencies; which one is last depends on the plan
+        # unless the highest-numbered bucket syncs under every plan: otherwise none is priced
+        # final here (lower, so still a bound; evaluate prices the plans found)
+        top = self.bucket_ids[-1] if self.bucket_ids else None
+        self.last = top if top is not None and any(all(self.synced[l]) for l in self.members[top]) else None
         self.bucket_of_layer = {l: b for b, ls in self.members.items() for l in ls}
         # latency factors: per bucket, the layers with latency terms and per group the arrays
         self.lat: dict[int, tuple[list[int], list[list[np.ndarray]]]] = {}
+        self.lat_unary: dict[int, list[tuple[int, np.ndarray]]] = {}
         for b, ls in self.members.items():
             final = b == self.last
             sigs = sorted({s for l in ls for c in table.layers[l].costs for s, _, _ in c.grad_sync_latency})
@@ -115,15 +125,24 @@ class _Structure:
                 arrs = []
                 for l in users:
                     arrs.append(np.array([max([tf if final else t for s_, t, tf in c.grad_sync_latency if s_ == s],
-                                              default=0.0) for c in table.layers[l].costs]))
+                                              default=0.0) if c.grad_sync_s > 0 else 0.0
+                                          for c in table.layers[l].costs]))
                 per_sig.append(arrs)
-            if len(users) > 4 or math.prod(self.k[l] for l in users) > 200_000:
-                self.ok = False
+            span = self.pos[users[-1]] - self.pos[users[0]] if len(users) > 1 else 0
+            if len(users) > 3 or span > 8 or math.prod(self.k[l] for l in users) > 50_000:
+                # too wide a factor: each group's latency at one layer only (the one that can
+                # pay the most), a lower estimate (the exact DP of _exact_top prices it whole)
+                per_sig = [[a if d == int(np.argmax([x.max() for x in arrs])) else np.zeros_like(a)
+                            for d, a in enumerate(arrs)] for arrs in per_sig]
+                self.lat_unary[b] = [(users[int(np.argmax([x.max() for x in arrs]))],
+                                      arrs[int(np.argmax([x.max() for x in arrs]))]) for arrs in per_sig]
             self.lat[b] = (users, per_sig)
 
     # --- the functions f_k of one plan --------------------------------------------------------
     def checkpoint_values(self, choice: list[int]) -> np.ndarray:
-        """[f_0, f_1, ...] of the module docstring for one plan (f_k: bucket bucket_ids[k-1])."""
+        """[f_0, f_1, ...] of the module docstring for one plan (f_k: bucket bucket_ids[k-1]);
+        their maximum is evaluate's step time when every bucket layer syncs under all of its
+        choices or none, and at most that otherwise."""
         t = self.table
         cs = [t.layers[l].costs[choice[l]] for l in range(self.n)]
         b_l = np.array([c.bwd_s for c in cs])
@@ -131,8 +150,13 @@ class _Structure:
         for (u, v), (f, b) in self.pairs.items():
             x += f[choice[u], choice[v]] + b[choice[u], choice[v]]
             b_l[v] += b[choice[u], choice[v]]
-        from ..cost.table import bucket_allreduce_s
-        ar = [bucket_allreduce_s([cs[l] for l in self.members[b]], final=b == self.last) for b in self.bucket_ids]
+        ar = []
+        for b in self.bucket_ids:
+            a = sum(self.gsbw[l][choice[l]] for l in self.members[b])
+            if b in self.lat:       # the latency factor's own value (module docstring)
+                users, per_sig = self.lat[b]
+                a += sum(max(arr[choice[l]] for l, arr in zip(users, arrs)) for arrs in per_sig)
+            ar.append(a)
         b_pos = np.zeros(self.n)
         for l in range(self.n):
             b_pos[self.pos[l]] = b_l[l]
@@ -166,6 +190,9 @@ class _Structure:
             factors.append(((u, vv), f + (1.0 - wl) * b))
         for b, (users, per_sig) in self.lat.items():
             if v_of[b] == 0.0:
+                continue
+            if b in self.lat_unary:
+                factors.extend(((l,), v_of[b] * a) for l, a in self.lat_unary[b])
                 continue
             shape = [self.k[l] for l in users]
             total = np.zeros(shape)
@@ -246,6 +273,13 @@ def _prune(points: list[tuple]) -> list[tuple]:
         return points
     points.sort(key=lambda p: (p[0], p[1], p[2], p[3]))
     out: list[tuple] = []
+    if all(p[2] == -math.inf and p[3] == 0.0 for p in points):     # no bucket open: (X, c)
+        best_c = math.inf
+        for p in points:
+            if p[1] < best_c:
+                out.append(p)
+                best_c = p[1]
+        return out
     for p in points:
         if not any(q[1] <= p[1] and q[2] <= p[2] and q[3] <= p[3] for q in out):   # q[0] <= p[0]
             out.append(p)
@@ -253,7 +287,7 @@ def _prune(points: list[tuple]) -> list[tuple]:
 
 
 def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 4096,
-               max_points: int = 100_000) -> tuple[list[int], float] | None:
+               max_points: int = 400_000) -> tuple[list[int], float] | None:
     """``min over plans of max over the checkpoints at or above checkpoint ``base``'s event`` (a
     lower bound of the optimum, and the optimum when the plan's maximum is one of them), exactly:
 
@@ -267,17 +301,15 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
     * the answer is the least X + c + M(pending) over the states at p0.
     None when the buckets above are not intervals numbered downwards, or a limit is reached."""
     t = st.table
-    if base == 0:                    # f_0 = X: every checkpoint, the whole model
-        b_id, p0 = math.inf, 0
-    else:
-        b_id, p0 = st.bucket_ids[base - 1], st.event_pos[base - 1]
-    for k, b in enumerate(st.bucket_ids):
-        ps = [st.pos[l] for l in st.members[b]]
-        if (b < b_id and min(ps) < p0) or (b > b_id and max(ps) >= p0):
+    p0 = 0 if base == 0 else st.lo[st.bucket_ids[base - 1]]    # base 0: the whole model
+    region = [b for b in st.bucket_ids if st.lo[b] >= p0]
+    for b in st.bucket_ids:
+        if st.lo[b] < p0 <= st.pos[st.members[b][-1]]:
+            return None                  # a bucket across the boundary
+    for b1, b2 in zip(region, region[1:]):   # the walk's order is the buckets' numbering
+        if st.pos[st.members[b2][-1]] >= st.lo[b1]:
             return None
-        if k and st.event_pos[k] >= st.event_pos[k - 1]:
-            return None
-    lo = {b: st.pos[st.members[b][0]] for b in st.bucket_ids}
+    lo = st.lo
     lat_of = {l: [tuple(c.grad_sync_latency) for c in t.layers[l].costs] for l in range(st.n)}
     into: dict[int, list[int]] = {}
     for (u, v) in st.pairs:
@@ -293,15 +325,16 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
         new_pending = tuple(sorted((set(pending) - {l}) | set(prods), key=lambda u: st.pos[u]))
         where = {u: k for k, u in enumerate(pending)}
         b = st.bucket_of_layer.get(l)
-        is_base = b == b_id
         closes = b is not None and lo[b] == p
         final = b == st.last
         combos = list(itertools.product(*[range(st.k[u]) for u in new_prods]))
         out: dict[tuple, list[tuple]] = {}
+        made = 0
         for (key, lkey), pts in states.items():
             choices_l = [key[where[l]]] if l in where else range(st.k[l])
             for i in choices_l:
-                if b is not None:
+                syn = b is not None and st.synced[l][i]
+                if syn:
                     lk = {s_: (a_, f_) for s_, a_, f_ in lkey}
                     for s_, a_, f_ in lat_of[l][i]:
                         o_ = lk.get(s_)
@@ -313,9 +346,7 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
                 lkey_out = () if closes else lkey2
                 x_l = st.fwd_opt[l][i] + st.bwd[l][i]
                 b_l = st.bwd[l][i]
-                gs = st.gsbw[l][i] if b is not None else 0.0
-                if is_base:
-                    x_l += gs + lat_s
+                gs = st.gsbw[l][i] if syn else 0.0
                 for combo in combos:
                     asg = {u: key[where[u]] for u in prods if u in where}
                     asg.update(zip(new_prods, combo))
@@ -326,24 +357,30 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
                         db += bb[asg[u], i]
                     nkey = tuple(asg[u] if u in asg else key[where[u]] for u in new_pending)
                     dest = out.setdefault((nkey, lkey_out), [])
+                    made += len(pts)
+                    if made > max_points:
+                        return None
                     for x, c, g, a, back in pts:
                         c2 = c - db
                         if c2 < 0.0:
                             c2 = 0.0
-                        if b is not None and not is_base:
+                        if syn:
                             a2, g2 = a + gs, c2
                         else:
                             a2, g2 = a, (g - db if g != -math.inf else g)
                         if closes:
-                            if not is_base and g2 != -math.inf and a2 + lat_s + g2 > c2:
+                            if g2 != -math.inf and a2 + lat_s + g2 > c2:
                                 c2 = a2 + lat_s + g2
                             g2, a2 = -math.inf, 0.0
                         dest.append((x + dx, c2, g2, a2, (back, l, i)))
+        if time.perf_counter() > deadline:
+            return None
         states = {k_: _prune(v_) for k_, v_ in out.items()}
         pending = new_pending
-        if len(states) > max_states or sum(len(v_) for v_ in states.values()) > max_points:
+        if len(states) > max_states or max(len(v_) for v_ in states.values()) > 300:
             return None
     # below p0: f_base's factors, eliminated down to the pending layers
+    # below p0 every checkpoint above weighs the same: B cancels, every AR counts
     lam = np.zeros(1 + len(st.bucket_ids))
     lam[base] = 1.0
     below = [f for f in st._factors(lam) if all(st.pos[u] < p0 for u in f[0])] if p0 > 0 else []
@@ -402,49 +439,53 @@ def solve_by_elimination(table: CostTable, memory_limit_bytes: float | None = No
     rows: list[np.ndarray] = []
     best, best_s, lb = None, math.inf, -math.inf
     rounds = 0
+
+    def offer(choice):
+        nonlocal best, best_s
+        step = evaluate(table, choice).step_time_s
+        if step < best_s:
+            best, best_s = choice, step
+
     while rounds < max_rounds:
         rounds += 1
         choice, low = st.eliminate(lam)
         lb = max(lb, low)
         fv = st.checkpoint_values(choice)
         rows.append(fv)
+        offer(choice)
         m = int(np.argmax(fv))
-        if fv[m] < best_s:
-            best, best_s = choice, float(fv[m])
         if best_s - lb <= rel_tol * best_s or time.perf_counter() - t0 > time_limit_s:
             break
         if m not in active:
             active.append(m)
         w, t_up = _dual_weights(rows, active)
-        if _DEBUG: print("round", rounds, "lb", lb, "best", best_s, "t_up", t_up, "m", m, "active", active, "w", w)
-        if t_up - lb <= rel_tol * best_s and m in active and len(rows) > 1:
-            # the master LP cannot raise the bound over these checkpoints: a duality gap
-            stop = all(int(np.argmax(r)) in active for r in rows)
-            if stop:
-                break
+        if t_up - lb <= rel_tol * best_s and all(int(np.argmax(r)) in active for r in rows):
+            break            # the bound cannot rise over these checkpoints: a duality gap
         lam = np.zeros(nk)
         lam[active] = w
+
     # a gap left: the checkpoints the bound weighs, exactly (``_exact_top``), from the lowest
-    # of them; a plan whose maximum lies lower moves the region down (at most 3 times)
+    # of them down; a plan whose maximum lies lower moves the region down, to the whole model
+    def region_of(k):
+        return st.lo[st.bucket_ids[k - 1]] if k else -1
+
+    weighed = [k for k in active if lam[k] > 0] + [int(np.argmax(st.checkpoint_values(best)))]
+    base = min(weighed, key=region_of)
     tried: set[int] = set()
-    weighed = [k for k in active if k and lam[k] > 0] + [int(np.argmax(st.checkpoint_values(best)))]
-    base = min(weighed, key=lambda k: st.event_pos[k - 1] if k else math.inf)
-    while best_s - lb > rel_tol * best_s and base not in tried and len(tried) < 4:
+    while best_s - lb > rel_tol * best_s and base not in tried and time.perf_counter() - t0 < time_limit_s:
         tried.add(base)
         r = _exact_top(st, base, t0 + time_limit_s)
         if r is None:
-            break
+            if base == 0:
+                break
+            base = 0
+            continue
         choice, v = r
         lb = max(lb, v)
-        fv = st.checkpoint_values(choice)
-        if fv.max() < best_s:
-            best, best_s = choice, float(fv.max())
-        # the gap is left only when the plan's maximum lies outside the region: below it
-        # (a lower checkpoint) or f_0 (the whole model, base 0)
-        base = int(np.argmax(fv))
+        offer(choice)
+        m = int(np.argmax(st.checkpoint_values(choice)))
+        base = m if region_of(m) < region_of(base) else 0
     pred = evaluate(table, best)
-    if not math.isclose(pred.step_time_s, best_s, rel_tol=1e-9, abs_tol=1e-12):
-        return None       # the model above is not what evaluate prices: let the ILP decide
     if memory_limit_bytes is not None and pred.memory_per_rank_bytes > memory_limit_bytes:
         return None
     return EliminationResult(best, pred.step_time_s, float(min(lb, pred.step_time_s)), rounds,
