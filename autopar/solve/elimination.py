@@ -446,16 +446,39 @@ def solve_by_elimination(table: CostTable, memory_limit_bytes: float | None = No
         if step < best_s:
             best, best_s = choice, step
 
-    while rounds < max_rounds:
-        rounds += 1
-        choice, low = st.eliminate(lam)
-        lb = max(lb, low)
-        fv = st.checkpoint_values(choice)
-        rows.append(fv)
-        offer(choice)
-        m = int(np.argmax(fv))
-        if best_s - lb <= rel_tol * best_s or time.perf_counter() - t0 > time_limit_s:
-            break
+    def region_of(k):
+        return st.lo[st.bucket_ids[k - 1]] if k else -1
+
+    def exact_from(base, tried):
+        """_exact_top from ``base`` down: a plan whose maximum lies below the region moves
+        the region down, to the whole model (base 0) at the end."""
+        nonlocal lb
+        while best_s - lb > rel_tol * best_s and base not in tried and time.perf_counter() - t0 < time_limit_s:
+            tried.add(base)
+            r = _exact_top(st, base, t0 + time_limit_s)
+            if r is None:
+                if base == 0:
+                    return
+                base = 0
+                continue
+            choice, v = r
+            lb = max(lb, v)
+            offer(choice)
+            m = int(np.argmax(st.checkpoint_values(choice)))
+            base = m if region_of(m) < region_of(base) else 0
+
+    # 1. the plan of least X (f_0), then the exact stage from the checkpoint that is its maximum
+    tried: set[int] = set()
+    choice, low = st.eliminate(lam)
+    rounds = 1
+    lb = low
+    fv = st.checkpoint_values(choice)
+    rows.append(fv)
+    offer(choice)
+    exact_from(int(np.argmax(fv)), tried)
+    # 2. a gap left (the exact stage met its limits): Kelley's cutting planes over the weights
+    while best_s - lb > rel_tol * best_s and rounds < max_rounds and time.perf_counter() - t0 < time_limit_s:
+        m = int(np.argmax(rows[-1]))
         if m not in active:
             active.append(m)
         w, t_up = _dual_weights(rows, active)
@@ -463,28 +486,11 @@ def solve_by_elimination(table: CostTable, memory_limit_bytes: float | None = No
             break            # the bound cannot rise over these checkpoints: a duality gap
         lam = np.zeros(nk)
         lam[active] = w
-
-    # a gap left: the checkpoints the bound weighs, exactly (``_exact_top``), from the lowest
-    # of them down; a plan whose maximum lies lower moves the region down, to the whole model
-    def region_of(k):
-        return st.lo[st.bucket_ids[k - 1]] if k else -1
-
-    weighed = [k for k in active if lam[k] > 0] + [int(np.argmax(st.checkpoint_values(best)))]
-    base = min(weighed, key=region_of)
-    tried: set[int] = set()
-    while best_s - lb > rel_tol * best_s and base not in tried and time.perf_counter() - t0 < time_limit_s:
-        tried.add(base)
-        r = _exact_top(st, base, t0 + time_limit_s)
-        if r is None:
-            if base == 0:
-                break
-            base = 0
-            continue
-        choice, v = r
-        lb = max(lb, v)
+        rounds += 1
+        choice, low = st.eliminate(lam)
+        lb = max(lb, low)
+        rows.append(st.checkpoint_values(choice))
         offer(choice)
-        m = int(np.argmax(st.checkpoint_values(choice)))
-        base = m if region_of(m) < region_of(base) else 0
     pred = evaluate(table, best)
     if memory_limit_bytes is not None and pred.memory_per_rank_bytes > memory_limit_bytes:
         return None
