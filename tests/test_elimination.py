@@ -76,16 +76,18 @@ def test_layers_that_sync_under_some_choices_only_keep_the_bounds(seed):
 
 
 def test_memory_limit_keeps_the_dp_plan_only_when_it_fits():
+    """Under a memory limit the DP's (unconstrained) optimum is the answer when it fits;
+    otherwise None, and the default solve's ILP finds brute force's constrained optimum."""
     table = _table(5)
     r = solve_by_elimination(table)
     mem = evaluate(table, r.choice).memory_per_rank_bytes
-    assert solve_by_elimination(table, memory_limit_bytes=mem) is not None
+    assert solve_by_elimination(table, memory_limit_bytes=mem).choice == r.choice
     least = sum(min(c.memory_bytes for c in o.costs) for o in table.layers)
-    if least < mem:
-        assert solve_by_elimination(table, memory_limit_bytes=(least + mem) / 2 if least < mem else mem) is None
-        limit = (least + mem) / 2
-        sol = solve(table, memory_limit_bytes=limit)
-        assert sol.objective_s == pytest.approx(brute_force(table, limit)[1], rel=1e-6)
+    assert least < mem                       # this table's optimum is not its smallest plan
+    limit = (least + mem) / 2
+    assert solve_by_elimination(table, memory_limit_bytes=limit) is None
+    sol = solve(table, memory_limit_bytes=limit)
+    assert sol.objective_s == pytest.approx(brute_force(table, limit)[1], rel=1e-6)
 
 
 @pytest.mark.parametrize("model,world,env,proven", [

@@ -360,6 +360,14 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
                     made += len(pts)
                     if made > max_points:
                         return None
+                    if not closes:       # the common cases as comprehensions (-inf - db = -inf)
+                        if syn:
+                            dest.extend([(x + dx, c2, c2, a + gs, (back, l, i)) for x, c, g, a, back in pts
+                                         for c2 in ((c - db) if c > db else 0.0,)])
+                        else:
+                            dest.extend([(x + dx, (c - db) if c > db else 0.0, g - db, a, (back, l, i))
+                                         for x, c, g, a, back in pts])
+                        continue
                     for x, c, g, a, back in pts:
                         c2 = c - db
                         if c2 < 0.0:
