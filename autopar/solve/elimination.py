@@ -1,6 +1,6 @@
 """The plan by dynamic programming over the layer order, with a proven bound: the ILP's optimum
-in a fraction of a second on chains of blocks (a 96-layer GPT has 678 layers and 17 choices
-per layer; its ILP has 222 k columns and no integral LP optimum: 290 s in HiGHS).
+in well under a second on chains of blocks (a 96-layer GPT at 1024 ranks: 678 layers of up to
+17 choices; its ILP has 222 k columns, no integral LP optimum, and takes HiGHS 185-290 s).
 
 The step time that ``cost.table.evaluate`` computes (and the ILP minimises) is a maximum of
 functions that are sums over layers and edges. Unrolling its all-reduce recurrence
@@ -11,24 +11,34 @@ functions that are sums over layers and edges. Unrolling its all-reduce recurren
 
 over gradient buckets ``b`` (``cost.table.bucket_allreduce_s``: bandwidth parts add up, each
 group's latency is paid once per bucket, the last bucket pays the blocking latencies),
-``e_b`` the bucket's lowest layer, ``B_l`` the backward time of layer l and of the edges into
-it. (This holds when each layer of a bucket synchronises gradients under all of its choices
-or under none, so ``e_b`` is fixed; otherwise ``solve_by_elimination`` returns None and the
-ILP decides.)
+``e_b`` the bucket's lowest layer that synchronises under the plan, ``B_l`` the backward time
+of layer l and of the edges into it. ``_Structure`` writes the f_k as factors; where a layer
+synchronises under some of its choices only (``e_b`` then moves with the plan), where the
+last bucket is not the same for every plan, or where a bucket's latency factor would span too
+many layers, it writes a lower estimate instead (``checkpoint_values``: never above evaluate's
+maximum), so every bound below stays a bound, and every plan is priced by ``evaluate``.
 
-For weights ``lambda >= 0`` summing to 1, ``min_plan sum_k lambda_k f_k(plan)`` is a lower bound
-of the optimum (a weighted mean is at most the maximum), and it is a sum of factors on single
-layers, edges (two layers) and buckets (the layers of one bucket, for the latencies), so
-it is minimised exactly by variable elimination in reverse execution order (``_eliminate``;
-tensors over the pending layers, two or three on a GPT). Each plan found is an upper bound
-(``evaluate`` prices it). The weights are chosen by Kelley's cutting planes over an active set
-of checkpoints ``k`` (those that were the maximum of some plan found), an LP of a few
-variables (``_dual_weights``). The loop stops when the bounds meet (the plan is then the
-optimum, proven; on every model tried the first two or three rounds do it) or after a
-bounded number of rounds; ``gap`` says how far apart they stayed.
+1. ``_eliminate``: ``min_plan f_0`` (or any ``sum_k lambda_k f_k``, lambda >= 0 summing to 1:
+   a lower bound of the optimum) by variable elimination in reverse execution order, over
+   tensors of the pending layers (two or three on a GPT).
+2. ``_exact_top(base)``: the exact ``min_plan max_(k at or above base's bucket) f_k``: below
+   that bucket every such f_k weighs the layers alike (a sum of factors, eliminated in
+   execution order), above it the f_k differ by a walk whose maximum prefix composes from the
+   top, ``c = max(0, a + c_rest)``, so a DP in reverse order keeps per state (the pending
+   layers' choices) the Pareto set of (X, c) of the decided suffix (inside an open bucket
+   also its bandwidth time so far and the walk from its lowest synchronising layer so far).
+   Its value is a lower bound; when the plan it returns has its maximum among those f_k, the
+   plan is optimal. Otherwise the region moves down to that plan's maximum, and at last to
+   the whole model (``base`` 0), each within the limits on states, points and time.
+3. Only when step 2 meets its limits: Kelley's cutting planes on the weights lambda over the
+   checkpoints that were some plan's maximum (``_dual_weights``, a small LP), for a better
+   bound and more plans.
 
-The memory limit is not part of the DP: under one, the plan is kept only when it fits
-(the unconstrained optimum that fits is the constrained one), else None.
+``gap`` is (best plan - best bound) / best plan; ``solve.ilp.solve`` calls the plan optimal
+when the gap is within HiGHS's own tolerance, and otherwise runs the ILP where it is small
+(or keeps this plan with the gap printed). The memory limit is not part of the DP: under one,
+the plan is kept only when it fits (the unconstrained optimum that fits is the constrained
+one), else None.
 """
 
 from __future__ import annotations
