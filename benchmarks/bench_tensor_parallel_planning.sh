@@ -21,11 +21,15 @@ kinds = collections.Counter(l["choice"].split("(")[0] for l in d["layers"])
 lines = [
     "96-layer GPT (E 1024, 16 heads, S 1024, V 50304, batch 1024) planned at 1024 simulated ranks",
     "(calibration/datasheet-a100-cluster.json, 8 ranks per node), every decomposition, placement search;",
-    f"written by benchmarks/bench_tensor_parallel_planning.sh on a loaded 2-core CPU machine ({os.uname().nodename}).",
-    f"wall time of the plan command: {wall:.1f} s",
+    f"written by benchmarks/bench_tensor_parallel_planning.sh on a loaded 2-core CPU machine ({os.uname().nodename}, "
+    "load average {:.1f} {:.1f} {:.1f}: absolute times move 1.5-3x with the load).".format(*os.getloadavg()),
+    f"wall time of the plan command: {wall:.1f} s (Python start and imports included)",
     "timings_s (plan.json): " + ", ".join(f"{k} {v:.2f}" for k, v in d["timings_s"].items()),
-    f"solver: {d['solver'].get('solver')} {d['solver'].get('status')}, "
-    f"variables {d['solver'].get('variables', '?')}",
+    f"solver: {d['solver'].get('solver')} {d['solver'].get('status')} (sol_status {d['solver'].get('sol_status')}), "
+    f"gap {d['solver'].get('gap')}, in {d['solver'].get('time_s', 0):.2f} s for the chosen placement",
+    "solver notes: " + " | ".join(d["solver"].get("notes", [])),
+    "placements: " + ", ".join(f"{t['name']} " + (f"{t['step_time_s'] * 1e3:.2f} ms" if t.get("step_time_s") else "bounded")
+                               for t in d.get("placement_search", {}).get("tried", [])),
     f"layers (planning units): {len(d['layers'])}; chosen kinds: {dict(kinds)}",
     f"predicted step time: {d['predicted']['step_time_s'] * 1e3:.1f} ms, memory {d['predicted']['memory_per_rank_bytes'] / 2**20:.0f} MiB per rank",
 ]

@@ -95,7 +95,7 @@ def test_memory_limit_keeps_the_dp_plan_only_when_it_fits():
     ("strategies/examples/parallel_gpt.py", 8, {}, True),
     ("strategies/examples/towers.py", 4, {}, True),
     # one gradient bucket holds most of this small CNN's layers: the exact stage gives up
-    # (its limits) and the gap stays printed; the default path runs the ILP here
+    # (its limits) and the gap stays printed (the default path runs the ILP on such tables)
     ("strategies/examples/resnet2d.py", 8, {}, False),
 ])
 def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, proven, monkeypatch):
@@ -106,8 +106,7 @@ def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, p
     from autopar.pipeline import make_plan
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(ilp, "ILP_FIRST_PAIRS", 0)
-    monkeypatch.setattr(ilp, "ILP_MAX_PAIRS", 0)      # the DP's plan is kept, gap or not
+    monkeypatch.setattr(ilp, "ILP_MAX_PAIRS", 0)      # the DP first, its plan kept, gap or not
     got = {}
     for solver in ("highs", "ilp"):
         o = PlanOptions(world_size=world, ranks_per_node=world // 2, solver=solver, write=False,

@@ -53,12 +53,12 @@ whichever ``evaluate`` finds faster and fits the memory limit): every branch tha
 it is pruned from the start. CBC, the fallback, reads
 the same arrays through PuLP.
 
-Before any of this, ``solve`` (solver "highs", tables of more than ``ILP_FIRST_PAIRS``
+Before any of this, ``solve`` (solver "highs", tables of more than ``ILP_MAX_PAIRS``
 transition pairs) runs the dynamic program of ``solve.elimination``, which minimises the same
 step time exactly over chains of blocks and proves its plan optimal with a lower bound
 (96-layer GPT at 1024 ranks: under a second against 185-290 s of branch and bound here). A gap
-left runs this ILP from the DP's plan where the ILP is small (``ILP_MAX_PAIRS``), else keeps
-the DP's plan with the gap in ``Solution.gap`` and its notes. ``solver="ilp"`` runs this ILP
+left keeps the DP's plan with the gap in ``Solution.gap`` and its notes (a table that large
+would keep the ILP busy for minutes). ``solver="ilp"`` runs this ILP
 alone (the reference the tests hold the DP against).
 """
 
@@ -517,13 +517,11 @@ def _solve_cbc(m: _Model, time_limit_s: float, msg: bool):
     return status, sol_status, col, None
 
 
-#: above this many transition pairs the ILP is not run when the DP's bound leaves a gap: the
-#: DP's plan is kept with its gap printed (a 96-layer GPT at 1024 ranks: 250 k pairs, 290 s of
-#: HiGHS; a 4-layer one: 13 k pairs, 0.7 s)
+#: up to this many transition pairs the ILP runs alone: HiGHS's LP relaxation is integral on
+#: the shipped CNNs (ResNet-50 at 1024 ranks: 25 k pairs, ~1 s; the DP took 1.4-3.4 s there);
+#: above it the DP runs first, and when its bound leaves a gap its plan is kept with the gap
+#: printed (a 96-layer GPT at 1024 ranks: 250 k pairs, 185-290 s of HiGHS, 0.5 s of DP)
 ILP_MAX_PAIRS = 40_000
-#: below this many transition pairs the ILP runs alone (HiGHS's LP relaxation is then
-#: integral in well under a second on every shipped model: faster than the DP in Python)
-ILP_FIRST_PAIRS = 5_000
 #: the DP's plan is called optimal when its bound is this close (HiGHS's own mip_rel_gap)
 DP_REL_GAP = 1e-6
 
@@ -535,17 +533,18 @@ def _pairs(table: CostTable) -> int:
 def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_s: float = 60.0,
           solver: str = "highs", msg: bool = False, hint: list[str] | None = None) -> Solution:
     """The optimal plan of ``table`` (module docstring), or one within a printed gap.
-    ``solver``: "highs" (default) first runs the dynamic program of ``solve.elimination``; its
-    plan is kept when its bound proves it optimal (gap <= ``DP_REL_GAP``), or when the ILP is
-    too large to run (``ILP_MAX_PAIRS``; the gap is then in ``Solution.gap`` and the notes);
-    otherwise its plan starts HiGHS. "ilp": HiGHS's ILP only (the reference); "cbc": CBC's.
+    ``solver``: "highs" (default): the ILP below ``ILP_MAX_PAIRS`` transition pairs, above it the
+    dynamic program of ``solve.elimination`` first, whose plan is kept proven optimal (gap <=
+    ``DP_REL_GAP``) or with its gap in ``Solution.gap`` and the notes (the ILP would take
+    minutes); where the DP does not apply, the ILP. "ilp": HiGHS's ILP only (the reference);
+    "cbc": CBC's.
     ``hint``: a decomposition string per layer to start HiGHS from (e.g. the optimum under
     another placement)."""
     check_memory(table, memory_limit_bytes)
     table.ensure_edges()
     t0 = time.perf_counter()
     dp_notes: list[str] = []
-    if solver == "highs" and _pairs(table) > ILP_FIRST_PAIRS:
+    if solver == "highs" and _pairs(table) > ILP_MAX_PAIRS:
         from .elimination import solve_by_elimination
         r = solve_by_elimination(table, memory_limit_bytes, time_limit_s=min(time_limit_s, 20.0))
         if r is None:
@@ -553,7 +552,7 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
         else:
             pairs = _pairs(table)
             optimal = r.gap <= DP_REL_GAP
-            if optimal or pairs > ILP_MAX_PAIRS:
+            if optimal or pairs > ILP_MAX_PAIRS:     # (always, unless ILP_MAX_PAIRS is changed)
                 notes = [f"dynamic program over the layer order (solve.elimination, {r.rounds} rounds): "
                          + ("optimal, proven by its lower bound" if optimal else
                             f"within {100 * r.gap:.3g} % of the optimum (lower bound "
