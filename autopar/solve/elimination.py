@@ -296,8 +296,8 @@ def _prune(points: list[tuple]) -> list[tuple]:
     return out
 
 
-def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 4096,
-               max_points: int = 400_000) -> tuple[list[int], float] | None:
+def _exact_top(st: _Structure, base: int, deadline: float, upper_s: float = math.inf,
+               max_states: int = 4096, max_points: int = 400_000) -> tuple[list[int] | None, float] | None:
     """``min over plans of max over the checkpoints at or above checkpoint ``base``'s event`` (a
     lower bound of the optimum, and the optimum when the plan's maximum is one of them), exactly:
 
@@ -308,7 +308,10 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
       ``c = max(0, a + c_rest)``: a DP in reverse order over the choices of the pending layers
       with, per state, the Pareto set of (X, c) (within an open bucket also its bandwidth time
       AR so far, the walk G from its lowest member so far, and its group latencies in the key);
-    * the answer is the least X + c + M(pending) over the states at p0.
+    * the answer is the least X + c + M(pending) over the states at p0;
+    * ``upper_s`` (a plan's step time) prunes: a point whose X + min M + the least its c can
+      fall to is no less cannot beat that plan. The value returned is then min(answer,
+      upper_s), still a lower bound, with no plan (None) when nothing beat ``upper_s``.
     None when the buckets above are not intervals numbered downwards, or a limit is reached."""
     t = st.table
     p0 = 0 if base == 0 else st.lo[st.bucket_ids[base - 1]]    # base 0: the whole model
@@ -324,6 +327,23 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
     into: dict[int, list[int]] = {}
     for (u, v) in st.pairs:
         into.setdefault(v, []).append(u)
+    # below p0 (first, for the pruning bound): f_base's factors, eliminated down to the layers
+    # the region reads; below p0 every checkpoint above weighs the same (B cancels, AR counts)
+    final_pending = tuple(sorted({u for (u, v) in st.pairs if st.pos[v] >= p0 > st.pos[u]},
+                                 key=lambda u: st.pos[u]))
+    lam = np.zeros(1 + len(st.bucket_ids))
+    lam[base] = 1.0
+    below = [f for f in st._factors(lam) if all(st.pos[u] < p0 for u in f[0])] if p0 > 0 else []
+    order = [l for l in st.topo if st.pos[l] < p0 and l not in set(final_pending)]
+    const, left, trail = _eliminate(below, order, st.k)
+    m_min = const + _eliminate(left, list(final_pending), st.k)[0]
+    # the most backward time the region's layers below position p can still subtract
+    rest_b = [0.0] * (st.n + 1)
+    for q in range(p0, st.n):
+        lq = st.topo[q]
+        bq = max(st.bwd[lq][i] + sum(float(st.pairs[u, lq][1][:, i].max()) for u in into.get(lq, []))
+                 for i in range(st.k[lq]))
+        rest_b[q + 1] = rest_b[q] + bq
     pending: tuple[int, ...] = ()
     states: dict[tuple, list[tuple]] = {((), ()): [(0.0, 0.0, -math.inf, 0.0, None)]}
     for p in range(st.n - 1, p0 - 1, -1):
@@ -393,18 +413,18 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
                         dest.append((x + dx, c2, g2, a2, (back, l, i)))
         if time.perf_counter() > deadline:
             return None
+        if upper_s < math.inf:
+            rb, cut = rest_b[p], upper_s - m_min
+            out = {k_: [q for q in v_ if q[0] + max(0.0, q[1] - rb) < cut] for k_, v_ in out.items()}
+            out = {k_: v_ for k_, v_ in out.items() if v_}
+            if not out:
+                return None, upper_s     # no plan beats upper_s: it is the optimum
         states = {k_: _prune(v_) for k_, v_ in out.items()}
         pending = new_pending
         if len(states) > max_states or max(len(v_) for v_ in states.values()) > 300:
             return None
-    # below p0: f_base's factors, eliminated down to the pending layers
-    # below p0 every checkpoint above weighs the same: B cancels, every AR counts
-    lam = np.zeros(1 + len(st.bucket_ids))
-    lam[base] = 1.0
-    below = [f for f in st._factors(lam) if all(st.pos[u] < p0 for u in f[0])] if p0 > 0 else []
-    keep = set(pending)
-    order = [l for l in st.topo if st.pos[l] < p0 and l not in keep]
-    const, left, trail = _eliminate(below, order, st.k)
+    if pending != final_pending:
+        return None
     best, best_v = None, math.inf
     for (key, _), pts in states.items():
         m = const + sum(float(arr[tuple(key[pending.index(u)] for u in scope)]) for scope, arr in left)
@@ -413,6 +433,8 @@ def _exact_top(st: _Structure, base: int, deadline: float, max_states: int = 409
                 best, best_v = (key, back), x + c + m
     if best is None:
         return None
+    if best_v >= upper_s:
+        return None, upper_s
     choice = [0] * st.n
     key, back = best
     for u, i in zip(pending, key):
@@ -473,7 +495,7 @@ def solve_by_elimination(table: CostTable, memory_limit_bytes: float | None = No
         nonlocal lb
         while best_s - lb > rel_tol * best_s and base not in tried and time.perf_counter() - t0 < time_limit_s:
             tried.add(base)
-            r = _exact_top(st, base, t0 + time_limit_s)
+            r = _exact_top(st, base, t0 + time_limit_s, best_s)
             if r is None:
                 if base == 0:
                     return
@@ -481,6 +503,8 @@ def solve_by_elimination(table: CostTable, memory_limit_bytes: float | None = No
                 continue
             choice, v = r
             lb = max(lb, v)
+            if choice is None:       # nothing beats the best plan: it is optimal
+                return
             offer(choice)
             m = int(np.argmax(st.checkpoint_values(choice)))
             base = m if region_of(m) < region_of(base) else 0
