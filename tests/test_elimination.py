@@ -121,3 +121,27 @@ def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, p
         assert dp.solver.sol_status == 1 and dp.solver.gap <= 1e-6
     else:
         assert dp.solver.sol_status in (1, 2) and dp.solver.gap is not None
+
+
+def test_dp_proves_the_ilp_optimum_of_a_gpt_at_1024_ranks(root, monkeypatch):
+    """The setting the DP is for: a GPT (2 blocks, E 1024, V 50304, batch 1024) at 1024
+    simulated ranks with every decomposition (head, sequence, vocabulary, row/column splits),
+    where the all-reduce is exposed and the ILP's LP relaxation is fractional. The default path
+    (DP first, forced here at this size) proves the ILP's optimum."""
+    import autopar.solve.ilp as ilp
+    from autopar.artifacts import PlanOptions
+    from autopar.pipeline import make_plan
+    for k, v in {"AUTOPAR_GPT_LAYERS": "2", "AUTOPAR_GPT_EMBED": "1024", "AUTOPAR_GPT_HEADS": "16",
+                 "AUTOPAR_GPT_SEQ": "1024", "AUTOPAR_GPT_VOCAB": "50304"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(ilp, "ILP_MAX_PAIRS", 0)
+    got = {}
+    for solver in ("highs", "ilp"):
+        o = PlanOptions(world_size=1024, batch_size=1024, placement="block", solver=solver, write=False,
+                        calibration=str(root / "calibration/datasheet-a100-cluster.json"))
+        got[solver] = make_plan(root / "strategies/examples/gpt.py", o).plan
+    dp, ref = got["highs"], got["ilp"]
+    assert dp.solver.solver == "dp" and dp.solver.sol_status == 1 and dp.solver.gap <= 1e-6
+    assert ref.solver.sol_status == 1
+    assert dp.predicted.step_time_s == pytest.approx(ref.predicted.step_time_s, rel=1e-9)
+    assert dp.predicted.exposed_comm_s > 0          # the max in the step time matters here
