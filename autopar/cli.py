@@ -381,7 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help='cluster description JSON: {"ranks_per_node": R, "nodes": K}')
     p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
-    p.add_argument("--solver", choices=["highs", "cbc"], default="highs")
+    p.add_argument("--solver", choices=["highs", "ilp", "cbc"], default="highs",
+                   help="highs: dynamic program first, ILP where its bound leaves a gap (default); "
+                        "ilp: HiGHS ILP only; cbc: CBC ILP only")
     p.add_argument("--max-candidates", type=int, default=8,
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
