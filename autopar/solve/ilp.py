@@ -632,6 +632,10 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
         r = solve_by_elimination(table, memory_limit_bytes, time_limit_s=min(time_limit_s, 20.0))
         if r is None:
             dp_notes.append("dynamic program not applicable here (solve.elimination): ILP")
+        elif not tied_ok(table, list(r.choice)):
+            # the DP knows no tied parameters: its plan holds one two ways, the ILP decides
+            dp_notes.append("dynamic program's plan holds a tied parameter two ways: ILP")
+            hint = None
         else:
             pairs = _pairs(table)
             optimal = r.gap <= DP_REL_GAP
