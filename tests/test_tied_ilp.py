@@ -85,3 +85,19 @@ def test_pinned_mismatch_is_a_named_error():
     table.layers[2].choices = [_Holds(0, "whole"), _Holds(1, "vocab4")][:len(table.layers[2].costs)]
     with pytest.raises(InfeasiblePlan, match=r"tok.weight is tied: l0 would hold it"):
         solve(table)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dynamic_program_path_keeps_tied_parameters_whole_or_alike(seed, monkeypatch):
+    """Above ``ILP_MAX_PAIRS`` the DP runs first; it knows no tied constraint, so a plan of it
+    that holds the parameter two ways must go to the ILP: the result equals brute force."""
+    import autopar.solve.ilp as ilp
+    monkeypatch.setattr(ilp, "ILP_MAX_PAIRS", 0)
+    rng = random.Random(900 + seed)
+    table = random_table(rng.randint(3, 6), 3, rng, dag=seed % 2 == 1)
+    n = len(table.layers)
+    _tie(table, sorted(rng.sample(range(n), 2)), rng)
+    best, best_t = brute_force(table)
+    sol = ilp.solve(table)
+    assert tied_ok(table, sol.choice)
+    assert sol.objective_s == pytest.approx(best_t, rel=1e-6, abs=1e-9)
