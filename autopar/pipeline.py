@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import math
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,7 +173,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     ctx = CostContext(profile=pricing_profile(profile), world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
                       max_candidates=o.max_candidates, batch_norm=bn,
-                      loss_output=vocab_loss_output(mf, graph, batch_size))
+                      loss_output=vocab_loss_output_cached(mf, graph, batch_size, o.trace_cache))
     tables_s = []
 
     def build(c):
@@ -366,6 +367,31 @@ def format_timings(t: dict[str, float]) -> str:
 
 def default_plan_dir(model_name: str, world: int) -> Path:
     return Path("strategies") / "plans" / f"{model_name}-w{world}"
+
+
+def vocab_loss_output_cached(mf, graph, batch_size: int, use_cache: bool = True) -> str | None:
+    """``vocab_loss_output``, remembered beside the trace cache under the trace's key (it runs
+    the user's loss on meta tensors: seconds of torch import and tracing on a re-plan that the
+    trace cache otherwise spares). A cached answer is trusted only when it names the graph's
+    own output, or no output; anything else is recomputed."""
+    from .io import atomic_write_json
+    from .trace.cache import cache_dir, trace_key
+    if not use_cache:
+        return vocab_loss_output(mf, graph, batch_size)
+    path = cache_dir() / f"{trace_key(mf.path, batch_size)}.vocab-loss.json"
+    try:
+        got = json.loads(path.read_text())["loss_output"]
+        if got is None or got == graph.output:
+            return got
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    out = vocab_loss_output(mf, graph, batch_size)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"loss_output": out})
+    except OSError:
+        pass                      # a read-only cache folder: computed again next time
+    return out
 
 
 def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
