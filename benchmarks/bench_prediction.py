@@ -142,6 +142,8 @@ def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]
     from autopar.decomp.base import CostContext
     plan = load_plan(plan_path)
     p = plan.predicted.step_time_s
+    if (plan.extra.get("runtime") or {}).get("expected") == "native":
+        return p, True          # the planner priced it natively already (``cost.native``)
     graph = plan.graph()
     decisions = {d.layer: d.decomposition() for d in plan.layers}
     if runtime_overhead_applies(graph, decisions, plan.world_size, plan.bn_stats(), plan.model.batch_size):
