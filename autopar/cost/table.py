@@ -332,14 +332,20 @@ def _edge_prices(src: tuple, dst: tuple, shape, item: int, ctx: CostContext,
 
 def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] | None = None,
                      prune: bool = True, choice_filter=None, edges: bool = True) -> CostTable:
-    """``kinds`` restricts the decomposition kinds; ``choice_filter(dec) -> bool`` drops
+    """``kinds`` restricts the decomposition kinds (layers no input reaches keep ``replicate``);
+    ``choice_filter(dec) -> bool`` drops
     individual candidates (e.g. spatial splits with a sample factor, for a spatial-only plan).
     ``edges=False`` leaves the transitions to ``CostTable.ensure_edges`` (the placement search
     prices them only for the placements it solves)."""
+    from ..decomp.ir import batch_free_layers
     from ..errors import IllegalDecomposition
     opts = []
     by_sig: dict[str, LayerOptions] = {}
     memo = ctx.cost_memo   # the placement search's (decomp.base.price_once), shared by its tables
+    # layers no input reaches (position ids, their embedding, masks) are computed whole under
+    # every plan: ``replicate`` stays open to them whatever ``kinds`` says (``--kinds sample``
+    # of a GPT is then its data-parallel plan)
+    free = batch_free_layers(graph) if kinds is not None and "replicate" not in kinds else frozenset()
     for lay in graph.layers:
         if memo is not None:
             sig = memo.get(("signature", id(lay)))
@@ -347,12 +353,15 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
                 sig = memo[("signature", id(lay))] = layer_signature(lay)
         else:
             sig = layer_signature(lay)
+        lkinds = kinds
+        if lay.index in free:
+            lkinds, sig = list(kinds) + ["replicate"], sig + "|batch-free"
         rep = by_sig.get(sig)
         if rep is None:
             if memo is not None:
-                rep = _layer_options_once(memo, sig, lay, ctx, kinds, prune, choice_filter)
+                rep = _layer_options_once(memo, sig, lay, ctx, lkinds, prune, choice_filter)
             else:
-                rep = layer_options(lay, ctx, kinds, prune, choice_filter)
+                rep = layer_options(lay, ctx, lkinds, prune, choice_filter)
             by_sig[sig] = rep
             opts.append(rep)
         else:
