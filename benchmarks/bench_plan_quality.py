@@ -1,9 +1,10 @@
 """Benchmark: is the ILP's plan the fastest one we can find, and never slower than DDP?
 
 For every shipped CPU example (the models `scripts/regenerate.sh` executes, and the README's
-example; the PyG model, whose DDP baseline splits whole graphs, has its own runs) at world 2 and 4, the plan the ILP chooses and its strongest alternatives are executed
+example) at world 2 and 4, the plan the ILP chooses and its strongest alternatives are executed
 SIDE BY SIDE in one run (the same processes, steps interleaved round by round, so machine drift
-hits all alike), together with torch DDP on the same model:
+hits all alike), together with torch DDP on the same model (split as ``autopar execute`` splits its same-function
+baseline, ``execute.baseline.ddp_split``: samples along dim 0, or whole graphs of a PyG batch):
 
 * ``ilp``       the plan ``autopar plan`` makes (default options: local batch-norm statistics,
                 so DDP computes the same function);
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ["resnet2d", "wide_resnet", "cnn3d_large", "gpt", "hf_gpt2", "gnn_pcqm4m"]
+MODELS = ["resnet2d", "wide_resnet", "cnn3d_large", "gpt", "hf_gpt2", "gnn_pcqm4m", "pyg_nnconv"]
 
 
 # ---- planning the candidates -----------------------------------------------------------------
@@ -75,6 +76,10 @@ def plan_candidates(model: Path, world: int, out: Path, profile, top_k: int, say
 
     ilp = plan("ilp")
     add("ilp", ilp)
+    if any(d.choice.startswith("graphs(") for d in ilp.plan.layers):
+        # graph parallelism is a whole-plan alternative: its op-by-op rival is the ILP without it
+        from autopar.decomp.base import REGISTRY
+        add("op-by-op", plan("op-by-op", kinds=[k for k in REGISTRY if k != "graphs"]))
     # the best single-layer changes of the ILP's solution, by prediction
     table, sol = ilp.table, list(ilp.solution.choice)
     moves = []
@@ -128,10 +133,10 @@ def _rank_main(rank: int, world: int, plan_paths: list[str], rounds: int, seed: 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar.artifacts import load_plan
-    from autopar.decomp.layout import Layout
+    from autopar.execute.baseline import ddp_split
     from autopar.execute.runner import _import_generated
     from autopar.execute.timing import timed_steps
-    from autopar.runtime.comm import Comm, local_slice
+    from autopar.runtime.comm import Comm
     from autopar.runtime.entry import build_user_model, synthetic_batch
 
     comm = Comm.from_env()
@@ -152,17 +157,17 @@ def _rank_main(rank: int, world: int, plan_paths: list[str], rounds: int, seed: 
     batch = load_plan(plan_paths[0]).model.batch_size
     for _ in range(2):      # DDP, timed twice per round (A and B: the noise)
         torch.manual_seed(seed)
-        base = mf.build_model()
+        xs, ys = synthetic_batch(mf, batch, seed + 1)
+        # the runner's own same-function baseline split: samples along dim 0, or whole graphs
+        # of a PyG batch (``execute.baseline.ddp_split``)
+        base, bx, by, rows, _ = ddp_split(mf, xs, ys, comm, runners[0][0].graph)
         base.train()
         ddp = DDP(base, process_group=comm.mesh_group)
-        xs, ys = synthetic_batch(mf, batch, seed + 1)
-        lay = Layout(((0, comm.world),))
-        bx = [local_slice(x, lay, comm) for x in xs]
-        by = local_slice(ys, lay, comm) if ys is not None else None
         lf = mf.loss_fn()
+        cut = rows or (lambda o: o)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        runners.append((ddp, opt, bx, (lambda o, lf=lf, by=by: lf(o, by) if by is not None else lf(o)),
-                        lambda: None))
+        runners.append((ddp, opt, bx, (lambda o, lf=lf, by=by, cut=cut: lf(cut(o), by) if by is not None
+                                       else lf(cut(o))), lambda: None))
     times: list[list[float]] = [[] for _ in runners]
     for r in runners:      # warm-up: one step each
         timed_steps(*r, 1, comm, lambda: None, comm.barrier)
