@@ -80,14 +80,20 @@ def _common_module(paths: list[str]) -> str:
     return ".".join(out)
 
 
-def attention_modules(graph: LayerGraphData) -> list[str]:
-    """Module paths of the attention blocks not yet planned as one unit (in graph order)."""
+def _op_index(graph: LayerGraphData) -> tuple[dict, dict, dict]:
+    """(op by value name, layer by value name, the ops reading each value) of ``graph``."""
     ops = {op.name: op for lay in graph.layers for op in lay.ops}
     layer_of = {op.name: lay for lay in graph.layers for op in lay.ops}
     users: dict[str, list] = {}
     for op in ops.values():
         for v in op.inputs:
             users.setdefault(v, []).append(op)
+    return ops, layer_of, users
+
+
+def attention_modules(graph: LayerGraphData) -> list[str]:
+    """Module paths of the attention blocks not yet planned as one unit (in graph order)."""
+    ops, layer_of, users = _op_index(graph)
     found: list[str] = []
     for name, op in ops.items():
         if op.kind != ATTENTION:
@@ -132,12 +138,7 @@ def attention_modules(graph: LayerGraphData) -> list[str]:
 def mlp_modules(graph: LayerGraphData, skip: list[str] = ()) -> list[str]:
     """Module paths of the Conv1D MLPs (module docstring) not yet planned as one unit and not
     inside a module of ``skip`` (the attention blocks), in graph order."""
-    ops = {op.name: op for lay in graph.layers for op in lay.ops}
-    layer_of = {op.name: lay for lay in graph.layers for op in lay.ops}
-    users: dict[str, list] = {}
-    for op in ops.values():
-        for v in op.inputs:
-            users.setdefault(v, []).append(op)
+    ops, layer_of, users = _op_index(graph)
     found: list[str] = []
     for name, op in ops.items():
         proj = projection(op)
