@@ -117,6 +117,14 @@ def export_graph(mf: ModelFile, batch_size: int, dtype=None):
         model.to(dtype)
         inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                        for x in inputs)
+    # The recorder gives export's graph without importing torch._dynamo (``trace.recorder``);
+    # what it does not reproduce falls back to export below.
+    from .recorder import Unsupported, record
+    try:
+        gm, params, buffers, user_inputs = record(model, inputs)
+        return gm, _canonical(params, model), _canonical(buffers, model), user_inputs, RECORDER
+    except Unsupported:
+        pass
     if not _returns_tensor(model, inputs):
         gm, params, buffers, user_inputs, tracer = export_step(mf, model, inputs, batch_size, dtype)
         return gm, _canonical(params, model), _canonical(buffers, model), user_inputs, tracer
@@ -177,6 +185,7 @@ def _returns_tensor(model, inputs) -> bool:
 
 
 STEP_TRACER = "torch.export (training step)"
+RECORDER = "pre-dispatch recorder"
 _STEP_PREFIX = "model."
 
 
