@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = [(str(p.relative_to(ROOT)), 4, {}) for p in sorted((ROOT / "strategies" / "examples").glob("*.py"))] + \
     [(str(p.relative_to(ROOT)), 4, {}) for p in sorted((ROOT / "benchmarks" / "models").glob("*.py"))] + \
     [("strategies/examples/cnn3d_large.py", 1, {"AUTOPAR_CNN3D_SIZE": "64"}),
-     ("strategies/examples/gpt.py", 8, {"AUTOPAR_GPT_LAYERS": "3"})]
+     ("strategies/examples/gpt.py", 8, {"AUTOPAR_GPT_LAYERS": "3"}),
+     ("strategies/examples/torch_encoder.py", 4, {"AUTOPAR_ENC_CAUSAL": "1"}),
+     ("strategies/examples/hf_bert.py", 4, {"AUTOPAR_BERT_HEAD": "classification"}),
+     ("strategies/examples/gnn_pcqm4m.py", 4, {"AUTOPAR_GNN_NODE_EMBED": "12", "AUTOPAR_GNN_LAYERS": "2"}),
+     ("tests/tp_llama.py", 2, {})]
 
 
 def dump(out: Path) -> int:

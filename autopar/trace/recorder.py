@@ -9,8 +9,8 @@ recorder runs the forward once under a dispatch mode on the ``PreDispatch`` key,
 tracer reads of an exported graph: ``val`` (the meta output), ``nn_module_stack`` (from module
 call hooks: ``{key: (qualified path, "module.Class")}``, the root first) and ``stack_trace``
 (the frames from the model's forward inward). Nodes are named as ``make_fx`` names them, and
-dead pure ops are removed as it removes them, so the layer graph is the one ``torch.export``
-gives (``benchmarks/compare_traces.py`` compares every shipped example).
+an op nothing uses stays (export keeps a causal mask that ``is_causal`` makes unused), so the
+layer graph is the one ``torch.export`` gives (``benchmarks/compare_traces.py`` compares every shipped example).
 
 Anything the recorder does not reproduce exactly raises ``Unsupported`` and the tracer falls
 back to ``torch.export``: a forward that does not return one tensor (the training-step trace
@@ -103,13 +103,15 @@ def record(model, inputs: tuple):
     grad0 = torch.is_grad_enabled()
 
     def stack_trace() -> str:
-        """The frames between the recorder and the op, outermost first, in export's format
-        (``tracer._source`` reads the innermost one outside torch and autopar)."""
+        """The ``forward`` frames between the recorder and the op, outermost first, in export's
+        format (export records only frames of functions named ``forward``; ``tracer._source``
+        reads the innermost one outside torch and autopar)."""
         frames = []
         f = sys._getframe(2)
         while f is not None and f is not here:
             co = f.f_code
-            frames.append(f'File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}')
+            if co.co_name == "forward":
+                frames.append(f'File "{co.co_filename}", line {f.f_lineno}, in forward')
             f = f.f_back
         frames.reverse()
         return "\n".join(frames)
@@ -184,7 +186,6 @@ def record(model, inputs: tuple):
     if ref is None or ref() is not out:
         raise Unsupported("the output is not computed by a traced op")
     graph.output((out_node,))
-    _eliminate_dead_code(graph)
     from types import SimpleNamespace
     return SimpleNamespace(graph=graph), params, buffers, user_inputs
 
@@ -244,9 +245,3 @@ class _no_backend_kernels:
         for m, flags in zip((self.b.mkldnn, self.b.nnpack, self.b.cudnn), self.saved):
             m.set_flags(*flags)
         self.c._is_compiling_flag, self.c._is_exporting_flag = self.flags
-
-
-def _eliminate_dead_code(graph) -> None:
-    """Remove ops nothing uses, as ``make_fx`` does (``Node.is_impure``: in-place and other
-    side-effectful ops stay), and getitems of several-output ops nobody reads."""
-    graph.eliminate_dead_code()
