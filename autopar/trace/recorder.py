@@ -31,6 +31,12 @@ class Unsupported(Exception):
     """The recorder cannot reproduce ``torch.export``'s graph of this model: use export."""
 
 
+class NotOneTensor(Unsupported):
+    """The forward ran and returned something other than one tensor (a ``ModelOutput``): the
+    training step is to be exported (``tracer.export_step``), no second forward needed to
+    find that out."""
+
+
 def record(model, inputs: tuple):
     """(graph holder with ``.graph``, parameter map, buffer map, user input names) of
     ``model(*inputs)``, the return of ``tracer.export_graph``; ``Unsupported`` otherwise."""
@@ -182,7 +188,7 @@ def record(model, inputs: tuple):
         h1.remove()
         h2.remove()
     if not isinstance(out, torch.Tensor):
-        raise Unsupported("the forward does not return one tensor")
+        raise NotOneTensor(f"the forward returns {type(out).__name__}")
     ref, out_node = node_of.get(id(out), (None, None))
     if ref is None or ref() is not out:
         raise Unsupported("the output is not computed by a traced op")
