@@ -220,10 +220,14 @@ def main(argv=None) -> int:
                 rows = shell_rows(trees, model, extra, Path(tmp), label, env_extra, args.shell_repeats)
                 print(f"shell: autopar plan {label} @1024 ({args.shell_repeats} cold + warm runs each): "
                       + "; ".join(f"{name} {row}" for name, row in rows.items()))
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "import transformers, torch"], check=True)
-            print(f"  (import torch + transformers alone: {time.perf_counter() - t:.2f} s, to subtract "
-                  f"from the HF shell figures)")
+            for what, code in (("torch + transformers", "import transformers, torch"),
+                               ("torch + transformers + the HF ResNet classes",
+                                "import transformers, torch; from transformers import ResNetConfig, "
+                                "ResNetForImageClassification")):
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code], check=True)
+                print(f"  (import {what} alone: {time.perf_counter() - t:.2f} s, the Hugging Face import "
+                      f"to subtract from the HF shell figures)")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 
