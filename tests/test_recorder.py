@@ -94,3 +94,32 @@ def test_tracing_a_cnn_does_not_import_dynamo(root):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.stdout.split()[-3:] == [RECORDER.split()[-1], "False", "False"]
+
+
+def test_recording_leaves_no_global_state_behind(root):
+    """Module hooks, backend flags, torch.compiler's compiling flags and the wrappers' cached
+    attribute are all restored, also when the forward fails."""
+    import torch
+    from torch.nn.modules import module as m
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    before = (dict(m._global_forward_pre_hooks), dict(m._global_forward_hooks), torch.backends.cudnn.enabled,
+              torch.backends.mkldnn.enabled, torch.compiler.is_compiling(), torch.compiler.is_exporting())
+    mf = load_model_file(root / "strategies/examples/resnet2d.py")
+    with torch.device("meta"):
+        model, inputs = mf.build_model(), mf.example_inputs(2)
+    recorder.record(model, inputs)
+    with pytest.raises(recorder.Unsupported, match="boom"):
+        recorder.record(Boom(), (torch.empty(2, device="meta"),))
+    after = (dict(m._global_forward_pre_hooks), dict(m._global_forward_hooks), torch.backends.cudnn.enabled,
+             torch.backends.mkldnn.enabled, torch.compiler.is_compiling(), torch.compiler.is_exporting())
+    assert after == before
+    import gc
+    code = torch._compile._disable_dynamo(lambda: None).__code__
+    for f in gc.get_referrers(code):
+        cells = dict(zip(getattr(getattr(f, "__code__", None), "co_freevars", ()), f.__closure__ or ()))
+        fn = cells["fn"].cell_contents if "fn" in cells else None
+        assert fn is None or getattr(fn, "__dynamo_disable", None) is not fn
