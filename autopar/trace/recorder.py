@@ -8,7 +8,7 @@ recorder runs the forward once under a dispatch mode on the ``PreDispatch`` key,
 ``add_`` of a buffer), and writes each op into a ``torch.fx.Graph`` with the metadata the
 tracer reads of an exported graph: ``val`` (the meta output), ``nn_module_stack`` (from module
 call hooks: ``{key: (qualified path, "module.Class")}``, the root first) and ``stack_trace``
-(the frames from the model's forward inward). Nodes are named as ``make_fx`` names them, and
+(the ``forward`` frames, as export keeps them). Nodes are named as ``make_fx`` names them, and
 an op nothing uses stays (export keeps a causal mask that ``is_causal`` makes unused), so the
 layer graph is the one ``torch.export`` gives (``benchmarks/compare_traces.py`` compares every shipped example).
 
@@ -17,6 +17,11 @@ back to ``torch.export``: a forward that does not return one tensor (the trainin
 handles those), a tensor that is neither an input, a parameter, a buffer nor an op's output (a
 constant made from data), an op returning anything but a tensor or a tuple of tensors, a
 change of grad mode or autocast inside forward, higher-order ops, an exception in forward.
+
+Two things keep a cold trace cheap: batch norm's meta output is written directly
+(``_LIKE_INPUT``) instead of running its Python decomposition, and torch's
+``_disable_dynamo`` wrappers, which Python meta kernels pass through, run their function
+directly while recording (``_dynamo_not_imported``) instead of importing ``torch._dynamo``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def record(model, inputs: tuple):
 
     def track(t, node) -> None:
         node_of[id(t)] = (weakref.ref(t), node)
+
     params: dict[str, str] = {}
     buffers: dict[str, str] = {}
 
@@ -134,6 +140,9 @@ def record(model, inputs: tuple):
             return {k: arg(v) for k, v in a.items()}
         return a
 
+    # Only FunctionalTensorMode, ProxyTorchDispatchMode (whose import pulls in torch._dynamo)
+    # and SchemaCheckMode may sit on the PreDispatch key: the recorder derives from the last and
+    # overrides everything it does.
     class _Recorder(SchemaCheckMode):
         @classmethod
         def _should_skip_dynamo(cls) -> bool:
