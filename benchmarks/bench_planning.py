@@ -19,7 +19,9 @@ datasheet profile the prices are identical and the optimum must be too. In-proce
 ``make_plan`` wall times after torch (and transformers) are imported: "traced" traces the model
 (no trace cache), "re-plan" hits the trace cache (the user changing a flag); the minimum of
 ``--repeats`` runs is printed with the median. Shell figures time ``python -m autopar plan``
-end to end: "cold" with an empty trace cache, "warm" with the cache filled. A busy machine
+end to end: "cold" with an empty trace cache (a fresh process), "warm" with the cache filled;
+``--shell-repeats`` runs of each, min and median wall time and the min CPU time (user + system
+of the child, which a loaded machine inflates less than the wall time). A busy machine
 moves absolute figures by 1.5-3x; the ratios, measured side by side, move less.
 """
 
@@ -122,14 +124,37 @@ def in_process(tree: Path, cfg, repeats: int, cache: Path) -> dict:
     return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
 
 
-def shell(tree: Path, model: str, extra: list[str], cache: Path, env_extra: dict | None = None) -> float:
+def shell(tree: Path, model: str, extra: list[str], cache: Path, env_extra: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child: user + system) of one ``python -m autopar plan``."""
+    import resource
     env = dict(os.environ, PYTHONPATH=str(tree), AUTOPAR_CACHE_DIR=str(cache), **(env_extra or {}))
     with tempfile.TemporaryDirectory() as out:
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "autopar", "plan", str(ROOT / model), "--world-size", "1024",
                         "-o", out, *extra], env=env, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, cwd=str(tree))
-        return time.perf_counter() - t
+        wall = time.perf_counter() - t
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return wall, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def shell_rows(trees, model: str, extra: list[str], tmp: Path, label: str, env_extra, repeats: int) -> dict:
+    """Per tree: cold (empty trace cache, fresh process) then warm, ``repeats`` times, the trees
+    alternating run by run so that both meet the same load; min and median of the wall time,
+    min of the CPU time."""
+    runs = {name: ([], []) for name, _ in trees}
+    for i in range(repeats):
+        for name, tree in trees:
+            cache = tmp / f"shell-{name}-{label.replace(' ', '_')}-{i}"
+            runs[name][0].append(shell(tree, model, extra, cache, env_extra))
+            runs[name][1].append(shell(tree, model, extra, cache, env_extra))
+
+    def fmt_runs(rs):
+        walls = [w for w, _ in rs]
+        return (f"{min(walls):.2f} s (median {statistics.median(walls):.2f}, CPU "
+                f"{min(c for _, c in rs):.2f})")
+    return {name: f"cold {fmt_runs(cold)}, warm {fmt_runs(warm)}" for name, (cold, warm) in runs.items()}
 
 
 def same_optimum(a: dict, b: dict) -> str:
@@ -164,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-shell", action="store_true")
     ap.add_argument("--only", help="comma-separated indices of CONFIGS to run")
+    ap.add_argument("--shell-only", help="comma-separated shell rows: r50-search, r50-block, hf-search, gpt96-search")
+    ap.add_argument("--shell-repeats", type=int, default=1, help="cold (and warm) shell runs per tree")
     args = ap.parse_args(argv)
     trees = [("new", ROOT)] + ([("base", Path(args.base).resolve())] if args.base else [])
     print(f"load average {os.getloadavg()[0]:.2f} at start; {os.cpu_count()} cores")
@@ -182,22 +209,25 @@ def main(argv=None) -> int:
                       f"traced x{res['base']['traced_s'] / res['new']['traced_s']:.1f}; "
                       f"optimum: {same_optimum(res['base'], res['new'])}")
         if not args.no_shell:
-            for model, extra, label, env_extra in (
-                    (R50, ["--batch-size", "2048"], "resnet50 b2048, search", None),
-                    (R50, ["--batch-size", "2048", "--placement", "block"], "resnet50 b2048, block", None),
-                    (HF, ["--batch-size", "2048"], "HF resnet50 b2048, search", None),
-                    (GPT, ["--batch-size", "1024"], "GPT 96 layers b1024, search", GPT96_ENV)):
-                row = []
-                for name, tree in trees:
-                    cache = Path(tmp) / f"shell-{name}-{label.replace(' ', '_')}"
-                    cold = shell(tree, model, extra, cache, env_extra)
-                    warm = shell(tree, model, extra, cache, env_extra)
-                    row.append(f"{name} cold {cold:.2f} s, warm {warm:.2f} s")
-                print(f"shell: autopar plan {label} @1024: " + "; ".join(row))
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "import transformers, torch"], check=True)
-            print(f"  (import torch + transformers alone: {time.perf_counter() - t:.2f} s, to subtract "
-                  f"from the HF shell figures)")
+            shells = {
+                "r50-search": (R50, ["--batch-size", "2048"], "resnet50 b2048, search", None),
+                "r50-block": (R50, ["--batch-size", "2048", "--placement", "block"], "resnet50 b2048, block", None),
+                "hf-search": (HF, ["--batch-size", "2048"], "HF resnet50 b2048, search", None),
+                "gpt96-search": (GPT, ["--batch-size", "1024"], "GPT 96 layers b1024, search", GPT96_ENV)}
+            pick = args.shell_only.split(",") if args.shell_only else list(shells)
+            for key in pick:
+                model, extra, label, env_extra = shells[key]
+                rows = shell_rows(trees, model, extra, Path(tmp), label, env_extra, args.shell_repeats)
+                print(f"shell: autopar plan {label} @1024 ({args.shell_repeats} cold + warm runs each): "
+                      + "; ".join(f"{name} {row}" for name, row in rows.items()))
+            for what, code in (("torch + transformers", "import transformers, torch"),
+                               ("torch + transformers + the HF ResNet classes",
+                                "import transformers, torch; from transformers import ResNetConfig, "
+                                "ResNetForImageClassification")):
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-c", code], check=True)
+                print(f"  (import {what} alone: {time.perf_counter() - t:.2f} s, the Hugging Face import "
+                      f"to subtract from the HF shell figures)")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

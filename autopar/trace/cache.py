@@ -1,10 +1,11 @@
 """A cache of traced layer graphs, so that re-planning a model (another world size, cluster,
-memory limit, a sweep) skips ``torch.export`` (about 2.4 s for ResNet-50).
+memory limit, a sweep) skips importing torch and tracing (about 1.5-2 s for ResNet-50 from a
+cold process, most of it ``import torch``).
 
 The key is a SHA-256 over everything the graph depends on: the model file and every other
 ``.py`` file in its folder (a model may import its neighbours), the batch size, every
 ``AUTOPAR_*`` environment variable (example models read their size from them), the torch and
-autopar versions, and the source of the tracer itself (``autopar/trace/*.py``,
+autopar versions, and the source of the tracer itself (``autopar/trace/*.py`` with the recorder,
 ``decomp/ir.py`` and ``modelfile.py``, which says what of a model's output is kept), so a change to any of them is a miss. Entries are the graph's JSON (data,
 never pickles), written atomically under ``$AUTOPAR_CACHE_DIR`` (default
 ``~/.cache/autopar/traces``); an unreadable entry is ignored and traced again.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from ..decomp.ir import LayerGraphData
 
-_SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "cache.py", "graph.py", "graph_items.py")] + \
+_SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "recorder.py", "cache.py", "graph.py", "graph_items.py")] + \
     [Path(__file__).parent.parent / "decomp" / "ir.py", Path(__file__).parent.parent / "modelfile.py"] + \
     sorted((Path(__file__).parent.parent / "ops").glob("*.py"))   # the op registry classifies
 

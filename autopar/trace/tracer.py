@@ -1,9 +1,12 @@
 """Trace a model without allocating it and build its layer graph.
 
-The model is built under ``torch.device("meta")`` and traced with ``torch.export`` (non-strict)
-on meta inputs: nothing is allocated, so a 1x1x512^3 input traces in well under a second. Where
-export fails, ``make_fx`` (fx proxy-tensor tracing, pre-dispatch) is tried; where both fail the
-TraceError names the operation and the user's source line.
+The model is built under ``torch.device("meta")`` and its forward recorded on meta inputs by
+the pre-dispatch recorder (``trace.recorder``), which writes the graph ``torch.export``
+(non-strict) gives without importing ``torch._dynamo``: nothing is allocated, so a 1x1x512^3
+input traces in well under a second. What the recorder does not reproduce (a model returning
+a structure, whose training step is exported; a constant made from data) goes to
+``torch.export``; where export fails, ``make_fx`` (fx proxy-tensor tracing, pre-dispatch) is
+tried; where both fail the TraceError names the operation and the user's source line.
 
 Each call_function node becomes an ``OpSpec`` with global shapes; its kind, normalised
 attributes and analytic FLOPs come from the one op family that matches it (``autopar.ops``).
@@ -117,7 +120,18 @@ def export_graph(mf: ModelFile, batch_size: int, dtype=None):
         model.to(dtype)
         inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                        for x in inputs)
-    if not _returns_tensor(model, inputs):
+    # The recorder gives export's graph without importing torch._dynamo (``trace.recorder``);
+    # what it does not reproduce falls back to export below.
+    from .recorder import NotOneTensor, Unsupported, record
+    returns_tensor = None
+    try:
+        gm, params, buffers, user_inputs = record(model, inputs)
+        return gm, _canonical(params, model), _canonical(buffers, model), user_inputs, RECORDER
+    except NotOneTensor:
+        returns_tensor = False
+    except Unsupported:
+        pass
+    if returns_tensor is False or not _returns_tensor(model, inputs):
         gm, params, buffers, user_inputs, tracer = export_step(mf, model, inputs, batch_size, dtype)
         return gm, _canonical(params, model), _canonical(buffers, model), user_inputs, tracer
     try:
@@ -177,6 +191,7 @@ def _returns_tensor(model, inputs) -> bool:
 
 
 STEP_TRACER = "torch.export (training step)"
+RECORDER = "pre-dispatch recorder"
 _STEP_PREFIX = "model."
 
 
