@@ -48,4 +48,7 @@ AUTOPAR_MESH_SIZE=1024 autopar plan strategies/examples/meshtangle2d.py --world-
     --batch-size 4 --memory-limit 1GiB --calibration "$A100" \
     --cluster strategies/clusters/a100-128x8.json -o "$PLANS/meshtangle2d-1024-w16-a100" \
     --sweep "$SWEEP" > /dev/null
-echo "regenerated: $(ls -d $PLANS/*/ | wc -l) plans; reports in reports/"
+if [ "$ONLY_PLANS" = 0 ]; then
+  python scripts/runs_table.py reports > reports/runs_table.md.tmp && mv reports/runs_table.md.tmp reports/runs_table.md
+fi
+echo "regenerated: $(ls -d $PLANS/*/ | wc -l) plans; reports in reports/ (table: reports/runs_table.md)"
