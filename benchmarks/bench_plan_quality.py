@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed steps per candidate (default 8; --quick 3)")
     ap.add_argument("--top-k", type=int, default=None, help="one-layer alternatives (default 2; --quick 1)")
     ap.add_argument("--calibration", default=None, help="profile (default calibration/cpu-2core-gloo.json)")
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=None, help="also write the lines printed to this file")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 8)
@@ -224,7 +224,24 @@ def main(argv=None) -> int:
                 cands = plan_candidates(model, world, Path(tmp), profile, top_k, say)
                 base, full = pruning_gap(model, world, profile, Path(tmp))
                 t_plan = time.perf_counter() - t0
-                times, ddp_a, ddp_b = measure(cands, world, rounds, args.timeout)
+                try:
+                    times, ddp_a, ddp_b = measure(cands, world, rounds, args.timeout)
+                except Exception as e:    # noqa: BLE001 - a candidate that fails or hangs: find it, say so
+                    say(f"\n   {name} world {world}: the side-by-side run failed ({str(e)[:120]}); "
+                        f"running each candidate alone to find which")
+                    ok = []
+                    for c in cands:
+                        try:
+                            measure([c], world, 1, min(args.timeout, 90.0))
+                            ok.append(c)
+                        except Exception as e1:  # noqa: BLE001
+                            say(f"   FAILED candidate {c['name']} ({', '.join(sorted(set(c['choices'])))[:90]}): "
+                                f"{str(e1)[:120]}")
+                    if not ok or ok[0] is not cands[0]:
+                        say(f"   {name} world {world}: the chosen plan itself failed; not compared")
+                        continue
+                    cands = ok
+                    times, ddp_a, ddp_b = measure(cands, world, rounds, args.timeout)
             # per round: each candidate against DDP of the same round (drift cancels), then the
             # median over rounds; noise = median over rounds of |DDP A / DDP B - 1|
             ddp_k = [(a + b) / 2 for a, b in zip(ddp_a, ddp_b)]

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 5.469 ms, memory 8.9 MiB per rank
+Predicted:  step 12.189 ms, memory 8.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 gnn_pcqm4m_dist.py --steps 5
@@ -24,8 +24,8 @@ class PlannedModel(DistModel):
         self.update_buffers()
         # input x (8, 51, 9) arrives as layout N2
         # input e (8, 118, 3) arrives as layout N2
-        # input src (8, 118) arrives as layout R
-        # input dst (8, 118) arrives as layout R
+        # input src (8, 118) arrives as layout N2
+        # input dst (8, 118) arrives as layout N2
         # input node_mask (8, 51) arrives as layout N2
         # -- layer 0: node_embed  linear+unary  (8, 51, 100)  -> sample(2)  [N2]
         linear = self.op('linear', x)  # aten.linear.default  gnn_pcqm4m.py:70
@@ -35,13 +35,12 @@ class PlannedModel(DistModel):
         relu_1 = self.op('relu_1', linear_1)  # aten.relu.default  gnn_pcqm4m.py:71
         # -- layer 2: convs.0  pad  (8, 52, 100)  -> sample(2)  [N2]
         pad = self.op('pad', relu)  # aten.pad.default  gnn_pcqm4m.py:48
-        # -- layer 3: convs.0  squeeze  (8, 118, 1)  -> replicate  [R]
+        # -- layer 3: convs.0  squeeze  (8, 118, 1)  -> sample(2)  [N2]
         unsqueeze = self.op('unsqueeze', src)  # aten.unsqueeze.default  gnn_pcqm4m.py:49
-        # -- layer 4: convs.0  expand  (8, 118, 100)  -> replicate  [R]
+        # -- layer 4: convs.0  expand  (8, 118, 100)  -> sample(2)  [N2]
         expand = self.op('expand', unsqueeze)  # aten.expand.default  gnn_pcqm4m.py:49
         # -- layer 5: convs.0  gather  (8, 118, 100)  -> sample(2)  [N2]
-        expand__0 = self.move(expand, 'expand', [], [[0, 2]], layer=5)  # transition R -> N2
-        gather = self.op('gather', pad, expand__0)  # aten.gather.default  gnn_pcqm4m.py:49
+        gather = self.op('gather', pad, expand)  # aten.gather.default  gnn_pcqm4m.py:49
         # -- layer 6: convs.0.edge_mlp.0  linear+unary  (8, 118, 64)  -> sample(2)  [N2]
         linear_2 = self.op('linear_2', relu_1)  # aten.linear.default  gnn_pcqm4m.py:50
         relu_2 = self.op('relu_2', linear_2)  # aten.relu.default  gnn_pcqm4m.py:50
@@ -60,14 +59,13 @@ class PlannedModel(DistModel):
         squeeze = self.op('squeeze', matmul)  # aten.squeeze.dim  gnn_pcqm4m.py:51
         # -- layer 13: convs.0  other  (8, 52, 32)  -> replicate  [R]
         zeros = self.op('zeros')  # aten.zeros.default  gnn_pcqm4m.py:52
-        # -- layer 14: convs.0  squeeze  (8, 118, 1)  -> replicate  [R]
+        # -- layer 14: convs.0  squeeze  (8, 118, 1)  -> sample(2)  [N2]
         unsqueeze_2 = self.op('unsqueeze_2', dst)  # aten.unsqueeze.default  gnn_pcqm4m.py:53
-        # -- layer 15: convs.0  expand  (8, 118, 32)  -> replicate  [R]
+        # -- layer 15: convs.0  expand  (8, 118, 32)  -> sample(2)  [N2]
         expand_1 = self.op('expand_1', unsqueeze_2)  # aten.expand.default  gnn_pcqm4m.py:53
         # -- layer 16: convs.0  scatter  (8, 52, 32)  -> sample(2)  [N2]
-        zeros__1 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
-        expand_1__2 = self.move(expand_1, 'expand_1', [], [[0, 2]], layer=16)  # transition R -> N2
-        scatter_add = self.op('scatter_add', zeros__1, expand_1__2, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
+        zeros__0 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
+        scatter_add = self.op('scatter_add', zeros__0, expand_1, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
         # -- layer 17: convs.0.root  linear  (8, 51, 32)  -> sample(2)  [N2]
         linear_5 = self.op('linear_5', relu)  # aten.linear.default  gnn_pcqm4m.py:54
         # -- layer 18: convs.0  slice  (8, 51, 32)  -> sample(2)  [N2]

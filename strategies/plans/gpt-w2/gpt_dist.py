@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gpt.py (sha256 935730bdc486), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 2.185 ms, memory 0.6 MiB per rank
+Predicted:  step 3.489 ms, memory 0.6 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 gpt_dist.py --steps 5
@@ -22,18 +22,17 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, idx):
         self.update_buffers()
-        # input idx (8, 16) arrives as layout R
+        # input idx (8, 16) arrives as layout N2
         # -- layer 0: (root)  other  (16,)  -> replicate  [R]
         arange = self.op('arange')  # aten.arange.default  gpt.py:62
-        # -- layer 1: tok  embedding  (8, 16, 32)  -> replicate  [R]
+        # -- layer 1: tok  embedding  (8, 16, 32)  -> sample(2)  [N2]
         embedding = self.op('embedding', idx)  # aten.embedding.default  gpt.py:63
         # -- layer 2: pos  embedding  (16, 32)  -> replicate  [R]
         embedding_1 = self.op('embedding_1', arange)  # aten.embedding.default  gpt.py:63
-        # -- layer 3: (root)  binary  (8, 16, 32)  -> replicate  [R]
+        # -- layer 3: (root)  binary  (8, 16, 32)  -> sample(2)  [N2]
         add = self.op('add', embedding, embedding_1)  # aten.add.Tensor  gpt.py:63
         # -- layer 4: blocks.0.ln1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
-        add__0 = self.move(add, 'add', [], [[0, 2]], layer=4)  # transition R -> N2
-        layer_norm = self.op('layer_norm', add__0)  # aten.layer_norm.default  gpt.py:48
+        layer_norm = self.op('layer_norm', add)  # aten.layer_norm.default  gpt.py:48
         # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(2)  [N2]
         linear = self.op('linear', layer_norm)  # aten.linear.default  gpt.py:32
         getitem = self.op('getitem', linear)  # aten.slice.Tensor  gpt.py:32
@@ -50,7 +49,7 @@ class PlannedModel(DistModel):
         reshape = self.op('reshape', transpose_3)  # aten.reshape.default  gpt.py:35
         linear_1 = self.op('linear_1', reshape)  # aten.linear.default  gpt.py:35
         # -- layer 6: blocks.0  binary  (8, 16, 32)  -> sample(2)  [N2]
-        add_1 = self.op('add_1', add__0, linear_1)  # aten.add.Tensor  gpt.py:48
+        add_1 = self.op('add_1', add, linear_1)  # aten.add.Tensor  gpt.py:48
         # -- layer 7: blocks.0.ln2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_1 = self.op('layer_norm_1', add_1)  # aten.layer_norm.default  gpt.py:49
         # -- layer 8: blocks.0.fc  linear+unary  (8, 16, 128)  -> sample(2)  [N2]

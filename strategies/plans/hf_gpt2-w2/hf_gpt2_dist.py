@@ -2,7 +2,7 @@
 
 Model:      ../../examples/hf_gpt2.py (sha256 0edc6e20e5e9), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 2.656 ms, memory 1.0 MiB per rank
+Predicted:  step 3.822 ms, memory 1.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 hf_gpt2_dist.py --steps 5
@@ -22,7 +22,7 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, xs_0):
         self.update_buffers()
-        # input xs_0 (8, 16) arrives as layout R
+        # input xs_0 (8, 16) arrives as layout N2
         # -- layer 0: transformer.h.0.attn  other+unary  (0,)  -> replicate  [R]
         c_model_transformer_h_0_attn_lifted_tensor_0 = self.op('c_model_transformer_h_0_attn_lifted_tensor_0')  # aten.empty.memory_format  modeling_gpt2.py:198
         detach_ = self.op('detach_', c_model_transformer_h_0_attn_lifted_tensor_0)  # aten.detach_.default  modeling_gpt2.py:198
@@ -35,9 +35,9 @@ class PlannedModel(DistModel):
         # -- layer 3: transformer.h.1.attn  other+unary  (0,)  -> replicate  [R]
         c_model_transformer_h_1_attn_lifted_tensor_3 = self.op('c_model_transformer_h_1_attn_lifted_tensor_3')  # aten.empty.memory_format  modeling_gpt2.py:198
         detach__3 = self.op('detach__3', c_model_transformer_h_1_attn_lifted_tensor_3)  # aten.detach_.default  modeling_gpt2.py:198
-        # -- layer 4: transformer  view  (8, 16)  -> replicate  [R]
+        # -- layer 4: transformer  view  (8, 16)  -> sample(2)  [N2]
         view = self.op('view', xs_0)  # aten.view.default  modeling_gpt2.py:549
-        # -- layer 5: transformer.wte  embedding  (8, 16, 32)  -> replicate  [R]
+        # -- layer 5: transformer.wte  embedding  (8, 16, 32)  -> sample(2)  [N2]
         embedding = self.op('embedding', view)  # aten.embedding.default  modeling_gpt2.py:569
         # -- layer 6: transformer  other+binary  (16,)  -> replicate  [R]
         arange = self.op('arange')  # aten.arange.default  modeling_gpt2.py:573
@@ -47,7 +47,7 @@ class PlannedModel(DistModel):
         # -- layer 8: transformer.wpe  embedding+unary  (1, 16, 32)  -> replicate  [R]
         embedding_1 = self.op('embedding_1', unsqueeze)  # aten.embedding.default  modeling_gpt2.py:576
         to = self.op('to', embedding_1)  # aten.alias.default  modeling_gpt2.py:577
-        # -- layer 9: transformer  binary+dropout  (8, 16, 32)  -> replicate  [R]
+        # -- layer 9: transformer  binary+dropout  (8, 16, 32)  -> sample(2)  [N2]
         add_1 = self.op('add_1', embedding, to)  # aten.add.Tensor  modeling_gpt2.py:577
         dropout = self.op('dropout', add_1)  # aten.dropout.default  modeling_gpt2.py:603
         # -- layer 10: transformer  other  (8,)  -> replicate  [R]
@@ -60,12 +60,11 @@ class PlannedModel(DistModel):
         # -- layer 13: transformer  other+binary  (16,)  -> replicate  [R]
         arange_4 = self.op('arange_4')  # aten.arange.default  modeling_gpt2.py:583
         add_3 = self.op('add_3', arange_4)  # aten.add.Tensor  modeling_gpt2.py:583
-        # -- layer 14: transformer  squeeze  (8, 1)  -> sample(2)  [N2]
-        arange_1__0 = self.move(arange_1, 'arange_1', [], [[0, 2]], layer=14)  # transition R -> N2
-        unsqueeze_1 = self.op('unsqueeze_1', arange_1__0)  # aten.unsqueeze.default  modeling_gpt2.py:583
-        # -- layer 15: transformer  squeeze  (8, 1, 1)  -> sample(2)  [N2]
+        # -- layer 14: transformer  squeeze  (8, 1)  -> replicate  [R]
+        unsqueeze_1 = self.op('unsqueeze_1', arange_1)  # aten.unsqueeze.default  modeling_gpt2.py:583
+        # -- layer 15: transformer  squeeze  (8, 1, 1)  -> replicate  [R]
         unsqueeze_2 = self.op('unsqueeze_2', unsqueeze_1)  # aten.unsqueeze.default  modeling_gpt2.py:583
-        # -- layer 16: transformer  squeeze  (8, 1, 1, 1)  -> sample(2)  [N2]
+        # -- layer 16: transformer  squeeze  (8, 1, 1, 1)  -> replicate  [R]
         unsqueeze_3 = self.op('unsqueeze_3', unsqueeze_2)  # aten.unsqueeze.default  modeling_gpt2.py:583
         # -- layer 17: transformer  squeeze  (1, 1)  -> replicate  [R]
         unsqueeze_4 = self.op('unsqueeze_4', arange_2)  # aten.unsqueeze.default  modeling_gpt2.py:583
@@ -90,167 +89,108 @@ class PlannedModel(DistModel):
         # -- layer 27: transformer  expand  (8, 1, 16, 16)  -> replicate  [R]
         expand = self.op('expand', le)  # aten.expand.default  modeling_gpt2.py:583
         # -- layer 28: transformer.h.0.ln_1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
-        dropout__1 = self.move(dropout, 'dropout', [], [[0, 2]], layer=28)  # transition R -> N2
-        layer_norm = self.op('layer_norm', dropout__1)  # aten.layer_norm.default  modeling_gpt2.py:276
-        # -- layer 29: transformer.h.0.attn.c_attn  view  (128, 32)  -> sample(2)  [N2]
+        layer_norm = self.op('layer_norm', dropout)  # aten.layer_norm.default  modeling_gpt2.py:276
+        # -- layer 29: transformer.h.0.attn  view+matmul+view+slice+slice+slice+view+permute+view+permute+view+permute+cat+cat+attention+view+permute+unary+view+view+matmul+view+dropout  (8, 16, 32)  -> sample(2)  [N2]
+        expand__0 = self.move(expand, 'expand', [], [[0, 2]], layer=29)  # transition R -> N2
         view_1 = self.op('view_1', layer_norm)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 30: transformer.h.0.attn.c_attn  matmul  (128, 96)  -> sample(2)  [N2]
         addmm = self.op('addmm', view_1)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 31: transformer.h.0.attn.c_attn  view  (8, 16, 96)  -> sample(2)  [N2]
         view_2 = self.op('view_2', addmm)  # aten.view.default  pytorch_utils.py:120
-        # -- layer 32: transformer.h.0.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem = self.op('getitem', view_2)  # aten.slice.Tensor  modeling_gpt2.py:187
-        # -- layer 33: transformer.h.0.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_1 = self.op('getitem_1', view_2)  # aten.slice.Tensor  modeling_gpt2.py:187
-        # -- layer 34: transformer.h.0.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_2 = self.op('getitem_2', view_2)  # aten.slice.Tensor  modeling_gpt2.py:187
-        # -- layer 35: transformer.h.0.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_3 = self.op('view_3', getitem_1)  # aten.view.default  modeling_gpt2.py:189
-        # -- layer 36: transformer.h.0.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose = self.op('transpose', view_3)  # aten.transpose.int  modeling_gpt2.py:189
-        # -- layer 37: transformer.h.0.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_4 = self.op('view_4', getitem_2)  # aten.view.default  modeling_gpt2.py:190
-        # -- layer 38: transformer.h.0.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_1 = self.op('transpose_1', view_4)  # aten.transpose.int  modeling_gpt2.py:190
-        # -- layer 39: transformer.h.0.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_5 = self.op('view_5', getitem)  # aten.view.default  modeling_gpt2.py:193
-        # -- layer 40: transformer.h.0.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_2 = self.op('transpose_2', view_5)  # aten.transpose.int  modeling_gpt2.py:193
-        # -- layer 41: transformer.h.0.attn  cat  (8, 4, 16, 8)  -> sample(2)  [N2]
         cat = self.op('cat', detach_, transpose)  # aten.cat.default  modeling_gpt2.py:198
-        # -- layer 42: transformer.h.0.attn  cat  (8, 4, 16, 8)  -> sample(2)  [N2]
         cat_1 = self.op('cat_1', detach__1, transpose_1)  # aten.cat.default  modeling_gpt2.py:198
-        # -- layer 43: transformer.h.0.attn  attention  (8, 4, 16, 8)  -> sample(2)  [N2]
-        expand__2 = self.move(expand, 'expand', [], [[0, 2]], layer=43)  # transition R -> N2
-        scaled_dot_product_attention = self.op('scaled_dot_product_attention', transpose_2, cat, cat_1, expand__2)  # aten.scaled_dot_product_attention.default  modeling_gpt2.py:213
-        # -- layer 44: transformer.h.0.attn  view  (8, 4, 16, 8)  -> sample(2)  [N2]
+        scaled_dot_product_attention = self.op('scaled_dot_product_attention', transpose_2, cat, cat_1, expand__0)  # aten.scaled_dot_product_attention.default  modeling_gpt2.py:213
         reshape = self.op('reshape', scaled_dot_product_attention)  # aten.reshape.default  modeling_gpt2.py:213
-        # -- layer 45: transformer.h.0.attn  permute+unary  (8, 16, 4, 8)  -> sample(2)  [N2]
         transpose_3 = self.op('transpose_3', reshape)  # aten.transpose.int  modeling_gpt2.py:213
         contiguous = self.op('contiguous', transpose_3)  # aten.contiguous.default  modeling_gpt2.py:213
-        # -- layer 46: transformer.h.0.attn  view  (8, 16, 32)  -> sample(2)  [N2]
         reshape_1 = self.op('reshape_1', contiguous)  # aten.reshape.default  modeling_gpt2.py:224
-        # -- layer 47: transformer.h.0.attn.c_proj  view  (128, 32)  -> sample(2)  [N2]
         view_6 = self.op('view_6', reshape_1)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 48: transformer.h.0.attn.c_proj  matmul  (128, 32)  -> sample(2)  [N2]
         addmm_1 = self.op('addmm_1', view_6)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 49: transformer.h.0.attn.c_proj  view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_7 = self.op('view_7', addmm_1)  # aten.view.default  pytorch_utils.py:120
         dropout_1 = self.op('dropout_1', view_7)  # aten.dropout.default  modeling_gpt2.py:226
-        # -- layer 50: transformer.h.0  binary  (8, 16, 32)  -> sample(2)  [N2]
-        add_4 = self.op('add_4', dropout_1, dropout__1)  # aten.add.Tensor  modeling_gpt2.py:285
-        # -- layer 51: transformer.h.0.ln_2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 30: transformer.h.0  binary  (8, 16, 32)  -> sample(2)  [N2]
+        add_4 = self.op('add_4', dropout_1, dropout)  # aten.add.Tensor  modeling_gpt2.py:285
+        # -- layer 31: transformer.h.0.ln_2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_1 = self.op('layer_norm_1', add_4)  # aten.layer_norm.default  modeling_gpt2.py:307
-        # -- layer 52: transformer.h.0.mlp.c_fc  view  (128, 32)  -> sample(2)  [N2]
+        # -- layer 32: transformer.h.0.mlp  view+matmul+view+binary+binary+binary+binary+binary+unary+binary+binary+view+matmul+view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_8 = self.op('view_8', layer_norm_1)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 53: transformer.h.0.mlp.c_fc  matmul  (128, 128)  -> sample(2)  [N2]
         addmm_2 = self.op('addmm_2', view_8)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 54: transformer.h.0.mlp.c_fc  view  (8, 16, 128)  -> sample(2)  [N2]
         view_9 = self.op('view_9', addmm_2)  # aten.view.default  pytorch_utils.py:120
-        # -- layer 55: transformer.h.0.mlp.act  binary  (8, 16, 128)  -> sample(2)  [N2]
         mul = self.op('mul', view_9)  # aten.mul.Tensor  activations.py:66
-        # -- layer 56: transformer.h.0.mlp.act  binary+binary  (8, 16, 128)  -> sample(2)  [N2]
         pow_1 = self.op('pow_1', view_9)  # aten.pow.Tensor_Scalar  activations.py:66
         mul_1 = self.op('mul_1', pow_1)  # aten.mul.Tensor  activations.py:66
-        # -- layer 57: transformer.h.0.mlp.act  binary+binary+unary+binary  (8, 16, 128)  -> sample(2)  [N2]
         add_5 = self.op('add_5', view_9, mul_1)  # aten.add.Tensor  activations.py:66
         mul_2 = self.op('mul_2', add_5)  # aten.mul.Tensor  activations.py:66
         tanh = self.op('tanh', mul_2)  # aten.tanh.default  activations.py:66
         add_6 = self.op('add_6', tanh)  # aten.add.Tensor  activations.py:66
-        # -- layer 58: transformer.h.0.mlp.act  binary  (8, 16, 128)  -> sample(2)  [N2]
         mul_3 = self.op('mul_3', mul, add_6)  # aten.mul.Tensor  activations.py:66
-        # -- layer 59: transformer.h.0.mlp.c_proj  view  (128, 128)  -> sample(2)  [N2]
         view_10 = self.op('view_10', mul_3)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 60: transformer.h.0.mlp.c_proj  matmul  (128, 32)  -> sample(2)  [N2]
         addmm_3 = self.op('addmm_3', view_10)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 61: transformer.h.0.mlp.c_proj  view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_11 = self.op('view_11', addmm_3)  # aten.view.default  pytorch_utils.py:120
         dropout_2 = self.op('dropout_2', view_11)  # aten.dropout.default  modeling_gpt2.py:244
-        # -- layer 62: transformer.h.0  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 33: transformer.h.0  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_7 = self.op('add_7', add_4, dropout_2)  # aten.add.Tensor  modeling_gpt2.py:310
-        # -- layer 63: transformer.h.1.ln_1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 34: transformer.h.1.ln_1  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_2 = self.op('layer_norm_2', add_7)  # aten.layer_norm.default  modeling_gpt2.py:276
-        # -- layer 64: transformer.h.1.attn.c_attn  view  (128, 32)  -> sample(2)  [N2]
+        # -- layer 35: transformer.h.1.attn  view+matmul+view+slice+slice+slice+view+permute+view+permute+view+permute+cat+cat+attention+view+permute+unary+view+view+matmul+view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_12 = self.op('view_12', layer_norm_2)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 65: transformer.h.1.attn.c_attn  matmul  (128, 96)  -> sample(2)  [N2]
         addmm_4 = self.op('addmm_4', view_12)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 66: transformer.h.1.attn.c_attn  view  (8, 16, 96)  -> sample(2)  [N2]
         view_13 = self.op('view_13', addmm_4)  # aten.view.default  pytorch_utils.py:120
-        # -- layer 67: transformer.h.1.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_3 = self.op('getitem_3', view_13)  # aten.slice.Tensor  modeling_gpt2.py:187
-        # -- layer 68: transformer.h.1.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_4 = self.op('getitem_4', view_13)  # aten.slice.Tensor  modeling_gpt2.py:187
-        # -- layer 69: transformer.h.1.attn  slice  (8, 16, 32)  -> sample(2)  [N2]
         getitem_5 = self.op('getitem_5', view_13)  # aten.slice.Tensor  modeling_gpt2.py:187
-        # -- layer 70: transformer.h.1.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_14 = self.op('view_14', getitem_4)  # aten.view.default  modeling_gpt2.py:189
-        # -- layer 71: transformer.h.1.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_4 = self.op('transpose_4', view_14)  # aten.transpose.int  modeling_gpt2.py:189
-        # -- layer 72: transformer.h.1.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_15 = self.op('view_15', getitem_5)  # aten.view.default  modeling_gpt2.py:190
-        # -- layer 73: transformer.h.1.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_5 = self.op('transpose_5', view_15)  # aten.transpose.int  modeling_gpt2.py:190
-        # -- layer 74: transformer.h.1.attn  view  (8, 16, 4, 8)  -> sample(2)  [N2]
         view_16 = self.op('view_16', getitem_3)  # aten.view.default  modeling_gpt2.py:193
-        # -- layer 75: transformer.h.1.attn  permute  (8, 4, 16, 8)  -> sample(2)  [N2]
         transpose_6 = self.op('transpose_6', view_16)  # aten.transpose.int  modeling_gpt2.py:193
-        # -- layer 76: transformer.h.1.attn  cat  (8, 4, 16, 8)  -> sample(2)  [N2]
         cat_2 = self.op('cat_2', detach__2, transpose_4)  # aten.cat.default  modeling_gpt2.py:198
-        # -- layer 77: transformer.h.1.attn  cat  (8, 4, 16, 8)  -> sample(2)  [N2]
         cat_3 = self.op('cat_3', detach__3, transpose_5)  # aten.cat.default  modeling_gpt2.py:198
-        # -- layer 78: transformer.h.1.attn  attention  (8, 4, 16, 8)  -> sample(2)  [N2]
-        scaled_dot_product_attention_1 = self.op('scaled_dot_product_attention_1', transpose_6, cat_2, cat_3, expand__2)  # aten.scaled_dot_product_attention.default  modeling_gpt2.py:213
-        # -- layer 79: transformer.h.1.attn  view  (8, 4, 16, 8)  -> sample(2)  [N2]
+        scaled_dot_product_attention_1 = self.op('scaled_dot_product_attention_1', transpose_6, cat_2, cat_3, expand__0)  # aten.scaled_dot_product_attention.default  modeling_gpt2.py:213
         reshape_2 = self.op('reshape_2', scaled_dot_product_attention_1)  # aten.reshape.default  modeling_gpt2.py:213
-        # -- layer 80: transformer.h.1.attn  permute+unary  (8, 16, 4, 8)  -> sample(2)  [N2]
         transpose_7 = self.op('transpose_7', reshape_2)  # aten.transpose.int  modeling_gpt2.py:213
         contiguous_1 = self.op('contiguous_1', transpose_7)  # aten.contiguous.default  modeling_gpt2.py:213
-        # -- layer 81: transformer.h.1.attn  view  (8, 16, 32)  -> sample(2)  [N2]
         reshape_3 = self.op('reshape_3', contiguous_1)  # aten.reshape.default  modeling_gpt2.py:224
-        # -- layer 82: transformer.h.1.attn.c_proj  view  (128, 32)  -> sample(2)  [N2]
         view_17 = self.op('view_17', reshape_3)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 83: transformer.h.1.attn.c_proj  matmul  (128, 32)  -> sample(2)  [N2]
         addmm_5 = self.op('addmm_5', view_17)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 84: transformer.h.1.attn.c_proj  view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_18 = self.op('view_18', addmm_5)  # aten.view.default  pytorch_utils.py:120
         dropout_3 = self.op('dropout_3', view_18)  # aten.dropout.default  modeling_gpt2.py:226
-        # -- layer 85: transformer.h.1  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 36: transformer.h.1  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_8 = self.op('add_8', dropout_3, add_7)  # aten.add.Tensor  modeling_gpt2.py:285
-        # -- layer 86: transformer.h.1.ln_2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 37: transformer.h.1.ln_2  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_3 = self.op('layer_norm_3', add_8)  # aten.layer_norm.default  modeling_gpt2.py:307
-        # -- layer 87: transformer.h.1.mlp.c_fc  view  (128, 32)  -> sample(2)  [N2]
+        # -- layer 38: transformer.h.1.mlp  view+matmul+view+binary+binary+binary+binary+binary+unary+binary+binary+view+matmul+view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_19 = self.op('view_19', layer_norm_3)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 88: transformer.h.1.mlp.c_fc  matmul  (128, 128)  -> sample(2)  [N2]
         addmm_6 = self.op('addmm_6', view_19)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 89: transformer.h.1.mlp.c_fc  view  (8, 16, 128)  -> sample(2)  [N2]
         view_20 = self.op('view_20', addmm_6)  # aten.view.default  pytorch_utils.py:120
-        # -- layer 90: transformer.h.1.mlp.act  binary  (8, 16, 128)  -> sample(2)  [N2]
         mul_4 = self.op('mul_4', view_20)  # aten.mul.Tensor  activations.py:66
-        # -- layer 91: transformer.h.1.mlp.act  binary+binary  (8, 16, 128)  -> sample(2)  [N2]
         pow_2 = self.op('pow_2', view_20)  # aten.pow.Tensor_Scalar  activations.py:66
         mul_5 = self.op('mul_5', pow_2)  # aten.mul.Tensor  activations.py:66
-        # -- layer 92: transformer.h.1.mlp.act  binary+binary+unary+binary  (8, 16, 128)  -> sample(2)  [N2]
         add_9 = self.op('add_9', view_20, mul_5)  # aten.add.Tensor  activations.py:66
         mul_6 = self.op('mul_6', add_9)  # aten.mul.Tensor  activations.py:66
         tanh_1 = self.op('tanh_1', mul_6)  # aten.tanh.default  activations.py:66
         add_10 = self.op('add_10', tanh_1)  # aten.add.Tensor  activations.py:66
-        # -- layer 93: transformer.h.1.mlp.act  binary  (8, 16, 128)  -> sample(2)  [N2]
         mul_7 = self.op('mul_7', mul_4, add_10)  # aten.mul.Tensor  activations.py:66
-        # -- layer 94: transformer.h.1.mlp.c_proj  view  (128, 128)  -> sample(2)  [N2]
         view_21 = self.op('view_21', mul_7)  # aten.view.default  pytorch_utils.py:119
-        # -- layer 95: transformer.h.1.mlp.c_proj  matmul  (128, 32)  -> sample(2)  [N2]
         addmm_7 = self.op('addmm_7', view_21)  # aten.addmm.default  pytorch_utils.py:119
-        # -- layer 96: transformer.h.1.mlp.c_proj  view+dropout  (8, 16, 32)  -> sample(2)  [N2]
         view_22 = self.op('view_22', addmm_7)  # aten.view.default  pytorch_utils.py:120
         dropout_4 = self.op('dropout_4', view_22)  # aten.dropout.default  modeling_gpt2.py:244
-        # -- layer 97: transformer.h.1  binary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 39: transformer.h.1  binary  (8, 16, 32)  -> sample(2)  [N2]
         add_11 = self.op('add_11', add_8, dropout_4)  # aten.add.Tensor  modeling_gpt2.py:310
-        # -- layer 98: transformer.ln_f  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 40: transformer.ln_f  layer_norm  (8, 16, 32)  -> sample(2)  [N2]
         layer_norm_4 = self.op('layer_norm_4', add_11)  # aten.layer_norm.default  modeling_gpt2.py:619
-        # -- layer 99: transformer  view+unary  (8, 16, 32)  -> sample(2)  [N2]
+        # -- layer 41: transformer  view+unary  (8, 16, 32)  -> sample(2)  [N2]
         view_23 = self.op('view_23', layer_norm_4)  # aten.view.default  modeling_gpt2.py:621
         alias = self.op('alias', view_23)  # aten.alias.default  modeling_gpt2.py:697
-        # -- layer 100: lm_head  linear  (8, 16, 64)  -> sample(2)  [N2]
+        # -- layer 42: lm_head  linear  (8, 16, 64)  -> sample(2)  [N2]
         linear = self.op('linear', alias)  # aten.linear.default  modeling_gpt2.py:698
         return self.structured(linear)
 
