@@ -12,6 +12,6 @@ echo "== 2/4 autopar plan strategies/examples/resnet2d.py --world-size $WORLD"
 autopar plan strategies/examples/resnet2d.py --world-size "$WORLD" --calibration "$PROFILE" \
   -o "strategies/plans/resnet2d-w$WORLD"
 echo "== 3/4 autopar execute strategies/plans/resnet2d-w$WORLD/plan.json"
-autopar execute "strategies/plans/resnet2d-w$WORLD/plan.json" --steps 5 --out "reports/resnet2d-w$WORLD"
+autopar execute "strategies/plans/resnet2d-w$WORLD/plan.json" --steps 30 --out "reports/resnet2d-w$WORLD"
 echo "== 4/4 autopar report"
 autopar report "reports/resnet2d-w$WORLD" "strategies/plans/resnet2d-w$WORLD/plan.json"
