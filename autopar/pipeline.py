@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import math
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -194,14 +194,9 @@ def runtime_overhead_applies(graph, decisions, world: int, batch_norm=None, batc
     run on a block) is not checked: such a plan runs traced although this says False, so a
     caller pricing it natively under-prices it by ``plan_runtime_overhead_s``. At world 1 the
     same holds with ``sample(1)``. Imports no runtime module."""
-    from ..decomp.ir import batch_free_layers
-    free = batch_free_layers(graph)
-    for lay in graph.layers:
-        dec = decisions[lay.index]
-        if dec.kind == "replicate" and lay.index in free:
-            continue
-        if dec.kind != "sample" or getattr(dec, "parts", None) != world:
-            return True
+    from ..decomp.ir import not_data_parallel
+    if not_data_parallel(graph, decisions, world) is not None:
+        return True
     for gi in graph.inputs:
         if not gi.shape or gi.shape[0] % world:
             return True

@@ -248,3 +248,20 @@ def batch_free_layers(graph) -> frozenset[int]:
             batched.update(lay.outputs)
             batched.update(op.name for op in lay.ops)
     return frozenset(free)
+
+
+def not_data_parallel(graph, decisions, world: int) -> str | None:
+    """None when every layer of the plan ``decisions`` (layer index -> decomposition) is
+    ``sample(world)``, or ``replicate`` where no input reaches it (``batch_free_layers``): the
+    layer half of what lets a plan run the user's module (``runtime.native``); else which layer
+    is not."""
+    free = batch_free_layers(graph)
+    for lay in graph.layers:
+        dec = decisions[lay.index]
+        if dec.kind == "replicate" and lay.index in free:
+            continue   # made from constants and weights only (position ids and their embedding,
+                       # masks): the module computes it whole too, its weights' gradients are the
+                       # rank's share, summed like every other weight's
+        if dec.kind != "sample" or getattr(dec, "parts", None) != world:
+            return f"layer {lay.index} ({lay.name}) is {dec}, not sample({world})"
+    return None

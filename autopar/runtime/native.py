@@ -134,16 +134,10 @@ def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Modul
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
                 return f"batch norm {type(m).__name__} under graph parallelism (statistics per rank)"
         return None
-    from ..decomp.ir import batch_free_layers
-    free = batch_free_layers(graph)
-    for lay in graph.layers:
-        dec = decisions[lay.index]
-        if dec.kind == "replicate" and lay.index in free:
-            continue   # made from constants and weights only (position ids and their embedding,
-                       # masks): the module computes it whole too, its weights' gradients are the
-                       # rank's share, summed like every other weight's
-        if dec.kind != "sample" or getattr(dec, "parts", None) != world:
-            return f"layer {lay.index} ({lay.name}) is {dec}, not sample({world})"
+    from ..decomp.ir import not_data_parallel
+    why = not_data_parallel(graph, decisions, world)
+    if why is not None:
+        return why
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     bn_bufs = {id(b) for m in bns for b in m.buffers(recurse=False)}
     updated = {q for op in graph.buffer_updates for q in op.buffers.values()}
