@@ -32,6 +32,9 @@ cpu gnn_pcqm4m-w2 gnn_pcqm4m 2
 cpu gnn_pcqm4m-w4 gnn_pcqm4m 4
 cpu pyg_nnconv-w2 pyg_nnconv 2
 cpu pyg_nnconv-w4 pyg_nnconv 4
+# a small batch under a memory limit: two graphs cannot fill four ranks, so edges are split
+cpu gnn_pcqm4m-w4-mem3MiB gnn_pcqm4m 4 --batch-size 2 --memory-limit 3MiB
+AUTOPAR_GNN_GRAPHS=2 cpu pyg_nnconv-w4-mem3MiB pyg_nnconv 4 --batch-size 2 --memory-limit 3MiB
 cpu hf_gpt2-w2 hf_gpt2 2
 cpu hf_gpt2-w4 hf_gpt2 4
 # replicated weights (data parallelism: 6.3 MiB per rank) over the limit: head/tensor parallel
