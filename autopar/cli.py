@@ -490,5 +490,31 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The console entry point (``autopar``, ``python -m autopar``): ``main()``, then leave
+    without tearing the interpreter down.
+
+    Freeing every module and object of a process that imported torch takes 0.3-0.6 s after
+    the command's work is done (ResNet-50 planned at 1024 ranks: 0.55 s of a 4.2 s command),
+    time a user waits for nothing. The exit handlers still run (``atexit``: logging's flush,
+    temporary folders, multiprocessing's joins) and the output streams are flushed, then the
+    process ends with ``main``'s exit code; every file autopar writes is closed (and renamed
+    into place) before ``main`` returns. ``main(argv)`` itself returns normally, for callers
+    in a process that goes on (tests, notebooks). An exception out of ``main`` (argparse's
+    ``SystemExit``, a bug's traceback) leaves the ordinary way."""
+    code = main()
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        import os
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -220,14 +220,18 @@ def main(argv=None) -> int:
                 rows = shell_rows(trees, model, extra, Path(tmp), label, env_extra, args.shell_repeats)
                 print(f"shell: autopar plan {label} @1024 ({args.shell_repeats} cold + warm runs each): "
                       + "; ".join(f"{name} {row}" for name, row in rows.items()))
-            for what, code in (("torch + transformers", "import transformers, torch"),
+            # each ends with os._exit, as ``autopar`` does since cli.run: the interpreter's
+            # teardown (0.3-0.5 s once torch is imported) is in neither figure
+            for what, code in (("torch", "import torch"),
+                               ("torch + transformers", "import transformers, torch"),
                                ("torch + transformers + the HF ResNet classes",
                                 "import transformers, torch; from transformers import ResNetConfig, "
                                 "ResNetForImageClassification")):
                 t = time.perf_counter()
-                subprocess.run([sys.executable, "-c", code], check=True)
-                print(f"  (import {what} alone: {time.perf_counter() - t:.2f} s, the Hugging Face import "
-                      f"to subtract from the HF shell figures)")
+                subprocess.run([sys.executable, "-c", code + "; import os; os._exit(0)"], check=True)
+                print(f"  (import {what} alone, no teardown: {time.perf_counter() - t:.2f} s"
+                      + (", the Hugging Face import to subtract from the HF shell figures)" if "trans" in what
+                         else ")"))
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

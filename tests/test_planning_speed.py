@@ -93,13 +93,41 @@ def test_replanning_from_the_trace_cache_imports_no_torch(tmp_path, root):
     env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
     cmd = [sys.executable, "-m", "autopar", "plan", str(root / "strategies/examples/resnet2d.py"),
            "--world-size", "2", "-o", str(tmp_path / "plan"), "--no-measure"]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=root)     # traces
-    probe = ("import runpy, sys; sys.argv = " + repr(["autopar"] + cmd[3:]) + "\n"
-             "try:\n    runpy.run_module('autopar', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "print('TORCH', 'torch' in sys.modules)")
+    first = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=root)  # traces
+    assert "plan written to" in first.stdout      # a piped stdout is flushed before the quick exit
+    # ``python -m autopar`` leaves through ``cli.run`` (exit handlers, then os._exit): the probe
+    # reads sys.modules from an exit handler
+    probe = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('TORCH', 'torch' in sys.modules))\n"
+             "sys.argv = " + repr(["autopar"] + cmd[3:]) + "\n"
+             "runpy.run_module('autopar', run_name='__main__')\n")
     out = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True,
                          text=True, cwd=root)
     assert "TORCH False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_cli_quick_exit_keeps_exit_codes_output_and_exit_handlers(tmp_path, root):
+    """``cli.run`` (the console entry point and ``python -m autopar``) skips the interpreter's
+    teardown but keeps what a user sees: main's exit code, every line of output (flushed),
+    and the exit handlers (atexit)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=str(root))
+    bad = subprocess.run([sys.executable, "-m", "autopar", "plan", str(root / "strategies/examples/resnet2d.py"),
+                          "--world-size", "0"], env=env, capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2 and "--world-size must be >= 1" in bad.stderr, bad.stderr
+    probe = ("import atexit, sys\n"
+             "from autopar import cli\n"
+             "atexit.register(lambda: print('EXIT HANDLER RAN'))\n"
+             "sys.argv = ['autopar', 'check', " + repr(str(tmp_path / "missing.json")) + "]\n"
+             "print('before', end='')\n"
+             "cli.run()\n"
+             "print('NOT REACHED')\n")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=root)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stdout.startswith("before") and "EXIT HANDLER RAN" in out.stdout
+    assert "NOT REACHED" not in out.stdout and "autopar:" in out.stderr
 
 
 def test_deferred_model_file(tmp_path):
@@ -116,3 +144,23 @@ def test_deferred_model_file(tmp_path):
     bad.write_text("def build_model(:\n")
     with pytest.raises(Exception, match="does not import"):
         load_model_file(bad, lazy=True)
+
+
+def test_batch_norm_group_check_shortcut_equals_the_block_by_block_rule():
+    """``decomp.bn.check_groups`` answers equal blocks of whole groups without walking the
+    blocks (at 1024 ranks it was a tenth of pricing): the same answer, message included, as
+    checking every block's start and extent."""
+    from autopar.decomp.bn import check_groups
+    from autopar.decomp.layout import block_extent, block_start
+
+    def block_by_block(n, parts, group):
+        for c in range(parts):
+            a, e = block_start(n, parts, c), block_extent(n, parts, c)
+            if a % group or e % group:
+                return (f"--bn-group {group} does not divide the {e} samples a rank holds "
+                        f"({n} samples in {parts} blocks)")
+        return None
+    cases = [(n, p, g) for n in range(0, 50) for p in range(1, 34) for g in range(1, 10)]
+    cases += [(2048, 1024, 2), (2048, 1024, 4), (2048, 512, 4), (2048, 1024, 1), (2000, 1024, 2)]
+    for n, p, g in cases:
+        assert check_groups(n, p, g) == block_by_block(n, p, g), (n, p, g)

@@ -272,9 +272,13 @@ class Profile:
         }
 
     @staticmethod
-    def from_json(obj: dict) -> "Profile":
-        """Build a profile from its JSON object; CalibrationError names what is wrong."""
+    def from_json(obj: dict, owned: bool = False) -> "Profile":
+        """Build a profile from its JSON object; CalibrationError names what is wrong.
+        ``owned``: ``obj`` was just parsed and nothing else holds it, so its parts are taken
+        as they are (a 1.3 MB profile with raw samples is not deep-copied once more)."""
         _validate(obj)
+        if owned:
+            return Profile(**{k: obj[k] for k in _REQUIRED_FIELDS})
         return Profile(**{k: copy.deepcopy(obj[k]) for k in _REQUIRED_FIELDS})
 
 
@@ -381,7 +385,7 @@ def load_profile(path, check_machine: bool = True) -> Profile:
     (always) if some of its collectives were measured on a simulated multi-node layout."""
     obj = read_json(path, CalibrationError, "calibration profile")
     try:
-        prof = Profile.from_json(obj)
+        prof = Profile.from_json(obj, owned=True)    # read_json's object: no one else holds it
     except CalibrationError as e:
         raise CalibrationError(f"calibration profile {path}: {e.message}", e.hint) from None
     if check_machine:

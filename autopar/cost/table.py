@@ -143,6 +143,7 @@ def pricing_profile(profile):
 
     prof.kernel_time_s, prof.collective_time_s = kernel_time_s, collective_time_s
     prof._pricing_memo = True
+    prof._collective_impl = collective     # what answers behind the memo (solve.placement reads it)
     return prof
 
 

@@ -88,6 +88,9 @@ def resolve(mode: str, group: int | None, batch: int, world: int) -> BatchNormSt
 def check_groups(n: int, parts: int, group: int) -> str | None:
     """None when splitting ``n`` samples into ``parts`` blocks (``tensor_split`` rule) gives
     every rank a whole number of groups of ``group`` samples; else why not."""
+    q, r = divmod(n, parts)
+    if group == 1 or (r == 0 and q % group == 0):
+        return None       # equal blocks of q samples starting at multiples of q: all whole groups
     from .layout import block_extent, block_start
     for c in range(parts):
         a, e = block_start(n, parts, c), block_extent(n, parts, c)
