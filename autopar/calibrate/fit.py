@@ -104,13 +104,55 @@ def fit_collective(kind: str, group_size: int, nbytes: Sequence[float], times_s:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, **r}
 
 
-def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = HELDOUT_SEED) -> dict:
-    """Fit the shape-aware convolution model (``kernels.conv_shape_features``, all constants
-    >= 0) with its held-out error, like every other fit."""
-    from .kernels import CONV_SHAPE_FORM, conv_shape_features
+#: fewest native-path rows (``kernels.conv_cpu_path``) for ``conv_shape/2``'s native sub-model
+MIN_NATIVE_ROWS = 8
+
+
+def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = HELDOUT_SEED,
+                   split_paths: bool = True) -> dict:
+    """Fit the shape-aware convolution model (all constants >= 0) with its held-out error, like
+    every other fit (one 70/30 split of all rows, then a refit on all).
+
+    ``split_paths`` (a CPU profile) with at least ``MIN_NATIVE_ROWS`` rows on torch's native
+    path (``kernels.conv_cpu_path``): ``conv_shape/2``, ``coef`` over ``conv_shape_features``
+    fitted on the oneDNN rows and ``native`` over ``conv_native_features`` on the native rows
+    (the held-out error pools both test parts), kept where its held-out median error is below
+    that of one model on all rows (as ``conv_shape/1`` fitted it, ``native`` None), else that."""
+    from .kernels import CONV_SHAPE_FORM, conv_cpu_path, conv_native_features, conv_shape_features
     X = np.array([conv_shape_features(s) for s in specs], dtype=float)
-    r = fit_with_heldout(X, times_s, seed)
-    return {"form": CONV_SHAPE_FORM, **r}
+    t = np.asarray(times_s, dtype=float)
+    nat = np.array([split_paths and conv_cpu_path(s) == "native" for s in specs], dtype=bool)
+    one = {"form": CONV_SHAPE_FORM, **fit_with_heldout(X, t, seed), "native": None}
+    if int(nat.sum()) < MIN_NATIVE_ROWS or int((~nat).sum()) < MIN_NATIVE_ROWS:
+        return one
+    Xn = np.array([conv_native_features(s) for s in np.asarray(specs, dtype=object)[nat]], dtype=float)
+    train, test = split_indices(len(t), X.shape[1], seed)
+    tr, te = np.zeros(len(t), bool), np.zeros(len(t), bool)
+    tr[train], te[test] = True, True
+    heldout_med = heldout_max = None
+    parts = []
+    for rows, XX in ((~nat, X[~nat]), (nat, Xn)):
+        sub_tr, sub_te = tr[rows], te[rows]
+        if sub_te.any() and sub_tr.sum() >= 2:
+            c = nnls_relative(XX[sub_tr], t[rows][sub_tr])
+            parts.append(relative_errors(XX[sub_te], t[rows][sub_te], c))
+    if parts:
+        err = np.concatenate(parts)
+        heldout_med, heldout_max = float(np.median(err)), float(err.max())
+    main = fit_with_heldout(X[~nat], t[~nat], seed)
+    native = fit_with_heldout(Xn, t[nat], seed)
+    c_main, c_nat = np.asarray(main["coef"]), np.asarray(native["coef"])
+    err_all = np.concatenate([relative_errors(X[~nat], t[~nat], c_main), relative_errors(Xn, t[nat], c_nat)])
+    if heldout_med is None or (one["heldout_median_rel_err"] is not None
+                               and heldout_med >= one["heldout_median_rel_err"]):
+        return one          # the split does not generalise better on the same held-out rows
+    return {"form": CONV_SHAPE_FORM, "coef": main["coef"],
+            "heldout_median_rel_err": heldout_med, "heldout_max_rel_err": heldout_max,
+            "insample_median_rel_err": float(np.median(err_all)), "insample_max_rel_err": float(err_all.max()),
+            "n_samples": int(len(t)), "n_train": int(len(train)), "n_test": int(len(test)),
+            "native": {"coef": native["coef"], "n_samples": native["n_samples"],
+                       "heldout_median_rel_err": native["heldout_median_rel_err"],
+                       "heldout_max_rel_err": native["heldout_max_rel_err"]}}
 
 
 def _flat_heldout(specs: Sequence[dict], times: Sequence[float]) -> float | None:
@@ -286,7 +328,7 @@ def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
         if len(times) < min_samples:
             continue
         try:
-            m = fit_conv_shape(specs, times)
+            m = fit_conv_shape(specs, times, split_paths=(profile.fingerprint or {}).get("device", "cpu") == "cpu")
         except (ValueError, KeyError, TypeError):
             continue
         # kept only where it generalises better than the flat roofline on the same split

@@ -181,9 +181,43 @@ def spec_features(spec: dict) -> tuple[str, float, float]:
     return "matmul", f, b
 
 
-#: the shape-aware convolution model (``conv_shape_features``), stored per conv class as
-#: ``kernels[cls]["shape_model"]`` and used by ``Profile.kernel_time_s`` when an op's spec is known
-CONV_SHAPE_FORM = "conv_shape/1"
+#: the shape-aware convolution model (``conv_shape_features``; ``conv_shape/2`` adds a sub-model
+#: of torch's native CPU path, ``conv_native_features``), stored per conv class as
+#: ``kernels[cls]["shape_model"]`` and used by ``Profile.kernel_time_s`` (``conv_model_time_s``)
+#: when an op's spec is known; ``conv_shape/1`` profiles keep loading and pricing as before.
+CONV_SHAPE_FORM = "conv_shape/2"
+CONV_SHAPE_FORMS = ("conv_shape/1", CONV_SHAPE_FORM)
+
+#: torch's CPU convolution leaves oneDNN (mkldnn) for its own im2col + GEMM kernels
+#: (``slow_conv2d`` / ``slow_conv3d``) below this many elements in ``N * C * D1 * D2`` of a
+#: single-sample input (``conv_cpu_path``)
+MKLDNN_MIN_SINGLE_SAMPLE_NUMEL = 20480
+
+
+def conv_cpu_path(spec: dict, num_threads: int = 1) -> str:
+    """Which kernel family torch runs a float32 CPU convolution of ``spec`` with: "mkldnn"
+    (oneDNN) or "native" (im2col + GEMM: ``thnn_conv2d`` / ``slow_conv3d``). The rule of
+    ``ConvParams::use_mkldnn`` (aten/src/ATen/native/Convolution.cpp, torch 2.x)::
+
+        mkldnn  iff  (strided or dilated or N >= 16 or kernel not 1x1 in its last two dims
+                      or num_threads > 1)
+                 and (groups > 1 or both last kernel dims > 3 or N > 1
+                      or N * C * D1 * D2 > 20480)
+
+    Both conditions matter to data parallelism: a 3x3 layer run on one sample per rank
+    (a batch of 4 over 4 ranks) takes the native path, whose time per sample is several times
+    oneDNN's, and 1x1 convolutions below 16 samples run natively on one thread (the runtime's
+    setting). The calibration sweep holds both paths; ``conv_shape/2`` fits them apart."""
+    s = normalize_spec(spec)
+    x, w = s["x"], s["w"]
+    x4 = (list(x) + [1, 1])[:4]
+    strided = any(v != 1 for v in s["stride"])
+    dilated = any(v != 1 for v in s["dilation"])
+    one_by_one = w[-1] == 1 and (len(w) < 4 or w[-2] == 1)
+    first = strided or dilated or x[0] >= 16 or not one_by_one or num_threads > 1
+    second = (s["groups"] > 1 or (w[-1] > 3 and len(w) >= 4 and w[-2] > 3) or x[0] > 1
+              or math.prod(x4) > MKLDNN_MIN_SINGLE_SAMPLE_NUMEL)
+    return "mkldnn" if first and second else "native"
 
 
 def conv_shape_features(spec: dict) -> list[float]:
@@ -208,6 +242,39 @@ def conv_shape_features(spec: dict) -> list[float]:
     out_pix = fl / (2.0 * n * f * c_g * k) if n * f * c_g * k else 0.0   # prod(out spatial)
     return [1.0, fl, by, fl / max(c_g, 1), fl / max(f, 1), fl / max(n * out_pix, 1.0),
             fl if k == 1 else 0.0, n * f * out_pix, float(math.prod(x))]
+
+
+def conv_native_features(spec: dict) -> list[float]:
+    """Features of the native-path sub-model of ``conv_shape/2`` (``conv_cpu_path``: torch's
+    im2col + GEMM kernels, fitted on the native rows alone; their time per FLOP is set by the
+    im2col / col2im copies, which oneDNN does not make: measured on the 2-core CPU, a 3x3x3
+    layer on one sample is 3-40x what the oneDNN rows' model says)::
+
+        1, flops                          the GEMM (t0, 1/rate)
+        N * C/g * prod(k) * prod(out)     elements of the im2col matrix (0 for 1x1 kernels)
+        N * C * prod(in), N * F * prod(out)   input and output elements"""
+    s = normalize_spec(spec)
+    x, w = s["x"], s["w"]
+    fl, _ = conv_features(x, w, s["stride"], s["padding"], s["dilation"], s["groups"])
+    n, f, c_g = x[0], w[0], w[1]
+    k = math.prod(w[2:])
+    out_pix = fl / (2.0 * n * f * c_g * k) if n * f * c_g * k else 0.0
+    return [1.0, fl, float(n * c_g * k * out_pix) if k > 1 else 0.0, float(math.prod(x)), n * f * out_pix]
+
+
+def conv_model_time_s(model: dict, spec: dict) -> float | None:
+    """Seconds the shape-aware model ``model`` (a ``kernels[cls]["shape_model"]``) prices a
+    convolution of ``spec`` at; None for a form this autopar does not know. ``conv_shape/2``
+    prices a convolution on torch's native CPU path (``conv_cpu_path``) with its ``native``
+    sub-model when it has one; ``conv_shape/1`` (older profiles) and the rest with ``coef``
+    over ``conv_shape_features``."""
+    form = model.get("form")
+    if form not in CONV_SHAPE_FORMS:
+        return None
+    nat = model.get("native") if form == CONV_SHAPE_FORM else None
+    if nat and conv_cpu_path(spec) == "native":
+        return float(sum(c * f for c, f in zip(nat["coef"], conv_native_features(spec))))
+    return float(sum(c * f for c, f in zip(model["coef"], conv_shape_features(spec))))
 
 
 # --------------------------------------------------------------------------------------------

@@ -167,9 +167,10 @@ class Profile:
                 f"(has: {', '.join(sorted(self.kernels)) or 'none'})", _REDO)
         sm = k.get("shape_model") if spec is not None else None
         if sm and spec.get("op") == "conv":
-            from .kernels import CONV_SHAPE_FORM, conv_shape_features
-            if sm.get("form") == CONV_SHAPE_FORM:
-                return float(sum(c * f for c, f in zip(sm["coef"], conv_shape_features(spec))))
+            from .kernels import conv_model_time_s
+            t = conv_model_time_s(sm, spec)
+            if t is not None:
+                return t
         im = k.get("intensity_model")
         if im and im.get("form") == "intensity/1":
             from .fit import intensity_features
