@@ -296,10 +296,38 @@ def _cnn_like_conv(rng: random.Random) -> dict:
             "stride": [s] * d, "padding": [k // 2] * d, "dilation": [1] * d, "groups": 1}
 
 
+def _native_path_conv(rng: random.Random) -> dict:
+    """A convolution torch runs on its native CPU path (``conv_cpu_path``): one sample of a
+    small image (2-D or 3-D, as a data-parallel rank of a small batch holds it), or a 1x1
+    kernel below 16 samples."""
+    if rng.random() < 0.3:
+        d = 2
+        n, c, sp = rng.choice([1, 2, 4, 8]), 2 ** rng.randint(3, 8), rng.choice([7, 8, 14, 16, 28, 32])
+        f, k = max(8, int(c * rng.choice([0.25, 0.5, 1, 2, 4]))), 1
+    else:
+        d = 2 if rng.random() < 0.5 else 3
+        n, k = 1, 3
+        c = rng.choice([1, 3, 4, 8, 16, 32] if d == 3 else [1, 3, 8, 16, 32, 64])
+        sp = rng.choice([8, 10, 16, 20, 24] if d == 3 else [8, 14, 16, 28, 32, 56])
+        f = rng.choice([8, 12, 16, 24, 32, 64])
+    s = rng.choice([1, 1, 2]) if k > 1 else 1
+    return {"op": "conv", "x": [n, c] + [sp] * d, "w": [f, c] + [k] * d,
+            "stride": [s] * d, "padding": [k // 2] * d, "dilation": [1] * d, "groups": 1}
+
+
 def _conv_config(rng: random.Random, max_flops: float, min_flops: float) -> dict | None:
     """Half the sweep CNN-like shapes (``_cnn_like_conv``: what models are made of, so that the
-    shape-aware model generalises to unseen CNNs), half random sizes (the corners)."""
-    if rng.random() < 0.5:
+    shape-aware model generalises to unseen CNNs), about one in seven on torch's native CPU path
+    (``_native_path_conv``: ``conv_shape/2`` fits that path apart, which needs rows of it), the
+    rest random sizes (the corners)."""
+    u = rng.random()
+    if u >= 0.85:
+        spec = _native_path_conv(rng)
+        if conv_cpu_path(spec) != "native":
+            return None
+        flops, _ = spec_features(spec)[1:]
+        return spec if min_flops <= flops <= max_flops else None
+    if u < 0.5:
         spec = _cnn_like_conv(rng)
         if spec["x"][2] < spec["w"][2]:
             return None

@@ -63,7 +63,7 @@ QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_f
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
-              exact_repeats=5, conv_configs=64)
+              exact_repeats=5, conv_configs=160)
 TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
