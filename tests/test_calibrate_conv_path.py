@@ -83,3 +83,18 @@ def test_conv_shape_2_fits_the_two_paths_apart_and_conv_shape_1_still_prices():
     for s in specs[:20]:
         assert prof.kernel_time_s("conv_fwd", 0.0, 0.0, spec=s) == pytest.approx(
             float(np.dot(true_main, conv_shape_features(s))))
+
+
+def test_report_names_the_form_and_the_native_path_sub_model():
+    from autopar.calibrate.report import report_markdown
+    from fakes import synthetic_profile
+    prof = synthetic_profile()
+    prof.kernels["conv_fwd"]["shape_model"] = {
+        "form": CONV_SHAPE_FORM, "coef": [0.0] * 9, "heldout_median_rel_err": 0.12,
+        "heldout_max_rel_err": 0.5, "n_samples": 160, "flat_heldout_median_rel_err": 0.21,
+        "native": {"coef": [0.0] * 5, "n_samples": 40, "heldout_median_rel_err": 0.2}}
+    prof.kernels["conv_bwd_data"]["shape_model"] = {
+        "form": "conv_shape/1", "coef": [0.0] * 9, "heldout_median_rel_err": 0.2, "n_samples": 64}
+    md = report_markdown(prof, "p", [])
+    assert "| conv_fwd | 12% | 50% | 21% | 160 | conv_shape/2 | 20% of 40 |" in md
+    assert "| conv_shape/1 | one model |" in md
