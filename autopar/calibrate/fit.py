@@ -287,6 +287,50 @@ def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
     return done
 
 
+def add_backward_models(profile, min_samples: int = 12) -> list[str]:
+    """``kernels[cls]["bwd_model"]`` for every class whose sweep rows time the backward too
+    (``kernels.BACKWARD_CLASSES``: ``bwd_median_s``): the backward's time over the FORWARD's
+    FLOPs and bytes, in the form of the model the forward uses (``model_features``: intensity,
+    cache-aware or flat), with its held-out error. ``Profile.kernel_bwd_time_s`` prices with it;
+    a class without one keeps backward = 2 x forward. Fitted once (the key is then present)."""
+    done = []
+    for cls, rows in (profile.samples.get("kernels") or {}).items():
+        k = profile.kernels.get(cls)
+        if not isinstance(k, dict) or "bwd_model" in k:
+            continue
+        rows = [r for r in rows if isinstance(r, dict) and r.get("bwd_median_s", 0) > 0]
+        if len(rows) < min_samples:
+            continue
+        feats = model_features(k)
+        X = np.array([feats(r["flops"], r["bytes"]) for r in rows], dtype=float)
+        try:
+            m = fit_with_heldout(X, [r["bwd_median_s"] for r in rows])
+        except (ValueError, KeyError, TypeError):
+            continue
+        im, cm = k.get("intensity_model"), k.get("cache_model")
+        m["form"] = (im or {}).get("form") if im else (cm or {}).get("form") if cm else "flat"
+        if im:
+            m["threshold_bytes_per_flop"] = im["threshold_bytes_per_flop"]
+        k["bwd_model"] = m
+        done.append(cls)
+    return done
+
+
+def bwd_model_time_s(model: Mapping, flops: float, nbytes: float) -> float | None:
+    """Seconds ``bwd_model`` (``add_backward_models``) prices a backward at, from the forward's
+    FLOPs and bytes; None for a form this autopar does not know."""
+    form = model.get("form")
+    if form == INTENSITY_FORM:
+        f = intensity_features(flops, nbytes, model["threshold_bytes_per_flop"])
+    elif form == CACHE_FORM:
+        f = cache_features(flops, nbytes)
+    elif form == "flat":
+        f = [1.0, float(flops), float(nbytes)]
+    else:
+        return None
+    return float(sum(c * x for c, x in zip(model["coef"], f)))
+
+
 def add_shape_models(profile, min_samples: int = 12) -> list[str]:
     """The shape-aware conv model (``add_conv_shape_models``) and, for every other kernel
     class whose raw samples are in the profile, the cache-aware model
@@ -313,6 +357,7 @@ def add_shape_models(profile, min_samples: int = 12) -> list[str]:
         else:
             k["cache_model"] = None     # fitted, not better: not fitted again at every load
     add_intensity_models(profile, min_samples)     # reported apart (``calibrate.run``)
+    add_backward_models(profile, min_samples)      # in the form the forward now uses
     return done
 
 

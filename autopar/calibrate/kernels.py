@@ -576,10 +576,42 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
         for cfg in configs:
             fn, flops, nbytes = _runner(op_class, cfg, device)
             times = time_fn(fn, device, repeats, warmup, min_sample_s, budget_s)
-            out.append({"config": cfg, "flops": flops, "bytes": nbytes,
-                        "median_s": _round(statistics.median(times)),
-                        "times_s": [_round(t) for t in times]})
+            row = {"config": cfg, "flops": flops, "bytes": nbytes,
+                   "median_s": _round(statistics.median(times)),
+                   "times_s": [_round(t) for t in times]}
+            bwd = _backward_runner(op_class, cfg, device)
+            if bwd is not None:
+                row["bwd_median_s"] = _round(statistics.median(
+                    time_fn(bwd, device, repeats, warmup, min_sample_s, budget_s)))
+            out.append(row)
     return out
+
+
+#: kernel classes whose sweep also times the backward (``_backward_runner``): the cost model
+#: prices their backward with the fitted ``bwd_model`` instead of twice the forward
+BACKWARD_CLASSES = ("matmul",)
+
+
+def _backward_runner(op_class: str, cfg: dict, device: str) -> Callable[[], object] | None:
+    """The backward of a sweep config as autograd runs it (``BACKWARD_CLASSES``), or None.
+
+    matmul: ``y = x w^T`` backward is ``dx = dy w`` and ``dw = dy^T x`` (``mm`` on a transposed
+    view, as ``LinearBackward`` / ``MmBackward`` run it); the per-edge product ``y = x @ W``
+    (``edge_bmm``) is ``dx = dy @ W^T`` and ``dW = x^T @ dy``: an outer product per edge
+    (inner extent 1), which on the 2-core CPU takes several times the forward."""
+    if op_class not in BACKWARD_CLASSES:
+        return None
+    import torch
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device)
+    if cfg.get("kind") == "edge_bmm":
+        e, fi, fo = cfg["e"], cfg["fin"], cfg["fout"]
+        xe, we, g = rand(e, 1, fi), rand(e, fi, fo), rand(e, 1, fo)
+        return lambda: (torch.bmm(g, we.transpose(1, 2)), torch.bmm(xe.transpose(1, 2), g))
+    m, k, o = cfg["m"], cfg["k"], cfg["o"]
+    x, w, g = rand(m, k), rand(o, k), rand(m, o)
+    return lambda: (g.mm(w), g.t().mm(x))
 
 
 def measure_exact(shape_specs: Iterable[dict], device: str = "cpu", repeats: int = 10,

@@ -182,6 +182,17 @@ class Profile:
             return float(sum(c * f for c, f in zip(cm["coef"], cache_features(flops, bytes_moved))))
         return k["t0_s"] + float(flops) * k["s_per_flop"] + float(bytes_moved) * k["s_per_byte"]
 
+    def kernel_bwd_time_s(self, op_class: str, flops: float, bytes_moved: float) -> float | None:
+        """The backward of a kernel of ``op_class`` whose FORWARD has these FLOPs and bytes, by
+        the class's measured ``bwd_model`` (``fit.add_backward_models``); None when the profile
+        did not measure it (the cost model then prices backward at twice the forward)."""
+        k = self.kernels.get(op_class)
+        bm = k.get("bwd_model") if isinstance(k, dict) else None
+        if not bm:
+            return None
+        from .fit import bwd_model_time_s
+        return bwd_model_time_s(bm, flops, bytes_moved)
+
     def exact_time_s(self, shape_key: str, phase: str) -> float | None:
         """Measured time of an exact layer shape (``kernels.shape_key``), or None if unmeasured."""
         if phase not in PHASES:

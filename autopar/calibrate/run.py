@@ -311,6 +311,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
             f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "
             f"(flat {100 * (prof.kernels[c].get('heldout_median_rel_err') or 0):.0f} %)" for c in fitted))
+    backward = [c for c in prof.kernels if (prof.kernels[c] or {}).get("bwd_model")]
+    if backward:
+        progress(f"{stamp()} measured backward (instead of 2 x forward), held-out median error: " + ", ".join(
+            f"{c} {100 * (prof.kernels[c]['bwd_model']['heldout_median_rel_err'] or 0):.0f} %" for c in backward))
     from .insitu import describe_step_costs, measure_step_costs
     steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch)
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
