@@ -197,8 +197,11 @@ def fresh_profile(tmp: Path) -> tuple[str, float]:
     prof = load_profile(out)
     for k in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
         sm = prof.kernels[k].get("shape_model") or {}
+        nat = sm.get("native") or {}
         print(f"  {k}: held-out median error flat {100 * prof.kernels[k]['heldout_median_rel_err']:.0f} %, "
-              f"shape-aware {100 * (sm.get('heldout_median_rel_err') or float('nan')):.0f} %")
+              f"shape-aware {100 * (sm.get('heldout_median_rel_err') or float('nan')):.0f} %"
+              + (f" (torch's native CPU path fitted apart: {100 * (nat.get('heldout_median_rel_err') or float('nan')):.0f} % "
+                 f"on its {nat.get('n_samples')} rows)" if nat else ""))
     t = time.perf_counter()
     seen = set()
     for _, model, world, batch, kinds, _ in CANDIDATES:

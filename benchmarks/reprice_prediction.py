@@ -7,7 +7,12 @@ On a loaded machine the measured steps move with the load while the predictions 
 the medians of two bench runs made at different times compare the load as much as the model;
 repricing the same runs isolates the model change.
 
-    python benchmarks/reprice_prediction.py DIR [--out FILE]
+    python benchmarks/reprice_prediction.py DIR [--out FILE] [--before per-op-overhead|conv-one-model]
+
+``--before conv-one-model``: "before" is the same profile with its convolution shape models
+fitted as one model over both of torch's CPU convolution paths (``fit.fit_conv_shape`` with
+``split_paths=False``, what ``conv_shape/1`` did) instead of the single per-op overhead; both
+fitted on the profile's sweep rows only, as ``calibrate`` fits them.
 """
 
 from __future__ import annotations
@@ -48,20 +53,48 @@ def reprice(plan_path: Path, model, batch, kinds, profile_path: Path, native_awa
     return p
 
 
+def conv_models_refitted(raw: dict, split_paths: bool) -> dict:
+    """A copy of the profile JSON ``raw`` whose convolution shape models are fitted again from
+    its sweep rows (not its exact shapes, as ``calibrate`` fits them), with or without torch's
+    two CPU paths apart (``fit.fit_conv_shape``)."""
+    from autopar.calibrate.fit import _flat_heldout, conv_shape_rows, fit_conv_shape
+    from autopar.calibrate.profile import Profile
+    out = copy.deepcopy(raw)
+    sweep_only = copy.deepcopy(raw)
+    sweep_only["exact"] = {}
+    prof = Profile.from_json(sweep_only)
+    for cls in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
+        specs, times = conv_shape_rows(prof, cls)
+        m = fit_conv_shape(specs, times, split_paths=split_paths)
+        flat = _flat_heldout(specs, times)
+        keep = m["heldout_median_rel_err"] is not None and flat is not None and m["heldout_median_rel_err"] < flat - 0.01
+        out["kernels"][cls]["shape_model"] = m if keep else None
+    return out
+
+
 def main(argv=None) -> int:
     from autopar.io import atomic_write_text
     from bench_prediction import CANDIDATES, HELDOUT
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", help="the --keep folder of a bench_prediction.py run (its fresh-quick.json included)")
     ap.add_argument("--out", help="write the table and medians here too")
+    ap.add_argument("--before", choices=["per-op-overhead", "conv-one-model"], default="per-op-overhead",
+                    help="what the 'before' prediction undoes (module docstring)")
     args = ap.parse_args(argv)
     d = Path(args.dir)
     prof_new = d / "fresh-quick.json"
     raw = json.loads(prof_new.read_text())
-    old = copy.deepcopy(raw)
-    for key in ("by_family", "native_by_family"):
-        old["kernels"].get("runtime_op", {}).pop(key, None)
-    prof_old = d / "fresh-quick-single-overhead.json"
+    if args.before == "conv-one-model":
+        old = conv_models_refitted(raw, split_paths=False)
+        raw = conv_models_refitted(raw, split_paths=True)
+        prof_new = d / "fresh-quick-conv-two-paths.json"
+        atomic_write_text(prof_new, json.dumps(raw))
+        prof_old = d / "fresh-quick-conv-one-model.json"
+    else:
+        old = copy.deepcopy(raw)
+        for key in ("by_family", "native_by_family"):
+            old["kernels"].get("runtime_op", {}).pop(key, None)
+        prof_old = d / "fresh-quick-single-overhead.json"
     atomic_write_text(prof_old, json.dumps(old))
     lines, rows = [], []
     for tag, cands, title in (("a", CANDIDATES, "in-sample"), ("h", HELDOUT, "held-out")):
@@ -72,7 +105,7 @@ def main(argv=None) -> int:
             m = json.loads(run.read_text())["measured"]["step_time_s"]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                p_old = reprice(plan, model, batch, kinds, prof_old, native_aware=False)
+                p_old = reprice(plan, model, batch, kinds, prof_old, native_aware=args.before != "per-op-overhead")
                 p_new = reprice(plan, model, batch, kinds, prof_new, native_aware=True)
             rows.append({"set": title, "model": Path(model).stem, "label": label, "world": world,
                          "measured_s": m, "before_s": p_old, "now_s": p_new})
@@ -90,7 +123,8 @@ def main(argv=None) -> int:
                 mr = [r for r in rs if r["model"] == mdl]
                 if len(mr) > 2:
                     per[mdl] = round(_spearman([r[key] for r in mr], [r["measured_s"] for r in mr]), 3)
-            lines.append(f"{title} ({len(rs)} runs), per-op overhead {'as before' if key == 'before_s' else 'now'}: "
+            what = "per-op overhead" if args.before == "per-op-overhead" else "convolution model"
+            lines.append(f"{title} ({len(rs)} runs), {what} {'as before' if key == 'before_s' else 'now'}: "
                          f"median |error| {100 * err:.1f} %, Spearman within models {per}")
             print(lines[-1])
     if args.out:

@@ -145,3 +145,30 @@ def test_runtime_overhead_applies_only_off_the_native_path(profile):
     ctx.native_runtime = True
     native = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
     assert traced - native == pytest.approx(30e-6)
+
+
+def test_measured_matmul_backward_prices_the_backward(profile):
+    """A profile whose matmul sweep timed the backward too (``bwd_median_s``) prices a matmul's
+    backward by its ``bwd_model``; without it, backward stays twice the forward."""
+    import numpy as np
+    from autopar.calibrate.fit import add_backward_models
+    from autopar.decomp.ir import OpSpec
+    op = OpSpec(name="mm", kind="matmul", target="aten.matmul.default", args=[{"v": "a"}, {"v": "b"}],
+                kwargs={}, out_shape=[64, 32], dtype="float32", inputs=["a", "b"],
+                in_shapes=[[64, 128], [128, 32]], params={}, param_names={})
+    ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
+    f0, b0, _ = prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)
+    assert b0 == pytest.approx(2 * f0)
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(30):
+        fl, by = float(10 ** rng.uniform(5, 9)), float(10 ** rng.uniform(4, 7))
+        t = profile.kernel_time_s("matmul", fl, by)
+        rows.append({"config": {}, "flops": fl, "bytes": by, "median_s": t, "bwd_median_s": 3.0 * t})
+    profile.samples = {"kernels": {"matmul": rows}}
+    assert add_backward_models(profile) == ["matmul"]
+    bm = profile.kernels["matmul"]["bwd_model"]
+    assert bm["form"] == "flat" and bm["heldout_median_rel_err"] < 1e-6
+    f1, b1, _ = prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)
+    assert f1 == pytest.approx(f0) and b1 == pytest.approx(3 * f0, rel=1e-6)
+    assert add_backward_models(profile) == []          # fitted once

@@ -104,13 +104,55 @@ def fit_collective(kind: str, group_size: int, nbytes: Sequence[float], times_s:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, **r}
 
 
-def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = HELDOUT_SEED) -> dict:
-    """Fit the shape-aware convolution model (``kernels.conv_shape_features``, all constants
-    >= 0) with its held-out error, like every other fit."""
-    from .kernels import CONV_SHAPE_FORM, conv_shape_features
+#: fewest native-path rows (``kernels.conv_cpu_path``) for ``conv_shape/2``'s native sub-model
+MIN_NATIVE_ROWS = 8
+
+
+def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = HELDOUT_SEED,
+                   split_paths: bool = True) -> dict:
+    """Fit the shape-aware convolution model (all constants >= 0) with its held-out error, like
+    every other fit (one 70/30 split of all rows, then a refit on all).
+
+    ``split_paths`` (a CPU profile) with at least ``MIN_NATIVE_ROWS`` rows on torch's native
+    path (``kernels.conv_cpu_path``): ``conv_shape/2``, ``coef`` over ``conv_shape_features``
+    fitted on the oneDNN rows and ``native`` over ``conv_native_features`` on the native rows
+    (the held-out error pools both test parts), kept where its held-out median error is below
+    that of one model on all rows (as ``conv_shape/1`` fitted it, ``native`` None), else that."""
+    from .kernels import CONV_SHAPE_FORM, conv_cpu_path, conv_native_features, conv_shape_features
     X = np.array([conv_shape_features(s) for s in specs], dtype=float)
-    r = fit_with_heldout(X, times_s, seed)
-    return {"form": CONV_SHAPE_FORM, **r}
+    t = np.asarray(times_s, dtype=float)
+    nat = np.array([split_paths and conv_cpu_path(s) == "native" for s in specs], dtype=bool)
+    one = {"form": CONV_SHAPE_FORM, **fit_with_heldout(X, t, seed), "native": None}
+    if int(nat.sum()) < MIN_NATIVE_ROWS or int((~nat).sum()) < MIN_NATIVE_ROWS:
+        return one
+    Xn = np.array([conv_native_features(s) for s in np.asarray(specs, dtype=object)[nat]], dtype=float)
+    train, test = split_indices(len(t), X.shape[1], seed)
+    tr, te = np.zeros(len(t), bool), np.zeros(len(t), bool)
+    tr[train], te[test] = True, True
+    heldout_med = heldout_max = None
+    parts = []
+    for rows, XX in ((~nat, X[~nat]), (nat, Xn)):
+        sub_tr, sub_te = tr[rows], te[rows]
+        if sub_te.any() and sub_tr.sum() >= 2:
+            c = nnls_relative(XX[sub_tr], t[rows][sub_tr])
+            parts.append(relative_errors(XX[sub_te], t[rows][sub_te], c))
+    if parts:
+        err = np.concatenate(parts)
+        heldout_med, heldout_max = float(np.median(err)), float(err.max())
+    main = fit_with_heldout(X[~nat], t[~nat], seed)
+    native = fit_with_heldout(Xn, t[nat], seed)
+    c_main, c_nat = np.asarray(main["coef"]), np.asarray(native["coef"])
+    err_all = np.concatenate([relative_errors(X[~nat], t[~nat], c_main), relative_errors(Xn, t[nat], c_nat)])
+    if heldout_med is None or (one["heldout_median_rel_err"] is not None
+                               and heldout_med >= one["heldout_median_rel_err"]):
+        return one          # the split does not generalise better on the same held-out rows
+    return {"form": CONV_SHAPE_FORM, "coef": main["coef"],
+            "heldout_median_rel_err": heldout_med, "heldout_max_rel_err": heldout_max,
+            "insample_median_rel_err": float(np.median(err_all)), "insample_max_rel_err": float(err_all.max()),
+            "n_samples": int(len(t)), "n_train": int(len(train)), "n_test": int(len(test)),
+            "native": {"coef": native["coef"], "n_samples": native["n_samples"],
+                       "heldout_median_rel_err": native["heldout_median_rel_err"],
+                       "heldout_max_rel_err": native["heldout_max_rel_err"]}}
 
 
 def _flat_heldout(specs: Sequence[dict], times: Sequence[float]) -> float | None:
@@ -245,6 +287,50 @@ def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
     return done
 
 
+def add_backward_models(profile, min_samples: int = 12) -> list[str]:
+    """``kernels[cls]["bwd_model"]`` for every class whose sweep rows time the backward too
+    (``kernels.BACKWARD_CLASSES``: ``bwd_median_s``): the backward's time over the FORWARD's
+    FLOPs and bytes, in the form of the model the forward uses (``model_features``: intensity,
+    cache-aware or flat), with its held-out error. ``Profile.kernel_bwd_time_s`` prices with it;
+    a class without one keeps backward = 2 x forward. Fitted once (the key is then present)."""
+    done = []
+    for cls, rows in (profile.samples.get("kernels") or {}).items():
+        k = profile.kernels.get(cls)
+        if not isinstance(k, dict) or "bwd_model" in k:
+            continue
+        rows = [r for r in rows if isinstance(r, dict) and r.get("bwd_median_s", 0) > 0]
+        if len(rows) < min_samples:
+            continue
+        feats = model_features(k)
+        X = np.array([feats(r["flops"], r["bytes"]) for r in rows], dtype=float)
+        try:
+            m = fit_with_heldout(X, [r["bwd_median_s"] for r in rows])
+        except (ValueError, KeyError, TypeError):
+            continue
+        im, cm = k.get("intensity_model"), k.get("cache_model")
+        m["form"] = (im or {}).get("form") if im else (cm or {}).get("form") if cm else "flat"
+        if im:
+            m["threshold_bytes_per_flop"] = im["threshold_bytes_per_flop"]
+        k["bwd_model"] = m
+        done.append(cls)
+    return done
+
+
+def bwd_model_time_s(model: Mapping, flops: float, nbytes: float) -> float | None:
+    """Seconds ``bwd_model`` (``add_backward_models``) prices a backward at, from the forward's
+    FLOPs and bytes; None for a form this autopar does not know."""
+    form = model.get("form")
+    if form == INTENSITY_FORM:
+        f = intensity_features(flops, nbytes, model["threshold_bytes_per_flop"])
+    elif form == CACHE_FORM:
+        f = cache_features(flops, nbytes)
+    elif form == "flat":
+        f = [1.0, float(flops), float(nbytes)]
+    else:
+        return None
+    return float(sum(c * x for c, x in zip(model["coef"], f)))
+
+
 def add_shape_models(profile, min_samples: int = 12) -> list[str]:
     """The shape-aware conv model (``add_conv_shape_models``) and, for every other kernel
     class whose raw samples are in the profile, the cache-aware model
@@ -271,6 +357,7 @@ def add_shape_models(profile, min_samples: int = 12) -> list[str]:
         else:
             k["cache_model"] = None     # fitted, not better: not fitted again at every load
     add_intensity_models(profile, min_samples)     # reported apart (``calibrate.run``)
+    add_backward_models(profile, min_samples)      # in the form the forward now uses
     return done
 
 
@@ -286,7 +373,7 @@ def add_conv_shape_models(profile, min_samples: int = 12) -> list[str]:
         if len(times) < min_samples:
             continue
         try:
-            m = fit_conv_shape(specs, times)
+            m = fit_conv_shape(specs, times, split_paths=(profile.fingerprint or {}).get("device", "cpu") == "cpu")
         except (ValueError, KeyError, TypeError):
             continue
         # kept only where it generalises better than the flat roofline on the same split

@@ -181,9 +181,43 @@ def spec_features(spec: dict) -> tuple[str, float, float]:
     return "matmul", f, b
 
 
-#: the shape-aware convolution model (``conv_shape_features``), stored per conv class as
-#: ``kernels[cls]["shape_model"]`` and used by ``Profile.kernel_time_s`` when an op's spec is known
-CONV_SHAPE_FORM = "conv_shape/1"
+#: the shape-aware convolution model (``conv_shape_features``; ``conv_shape/2`` adds a sub-model
+#: of torch's native CPU path, ``conv_native_features``), stored per conv class as
+#: ``kernels[cls]["shape_model"]`` and used by ``Profile.kernel_time_s`` (``conv_model_time_s``)
+#: when an op's spec is known; ``conv_shape/1`` profiles keep loading and pricing as before.
+CONV_SHAPE_FORM = "conv_shape/2"
+CONV_SHAPE_FORMS = ("conv_shape/1", CONV_SHAPE_FORM)
+
+#: torch's CPU convolution leaves oneDNN (mkldnn) for its own im2col + GEMM kernels
+#: (``slow_conv2d`` / ``slow_conv3d``) below this many elements in ``N * C * D1 * D2`` of a
+#: single-sample input (``conv_cpu_path``)
+MKLDNN_MIN_SINGLE_SAMPLE_NUMEL = 20480
+
+
+def conv_cpu_path(spec: dict, num_threads: int = 1) -> str:
+    """Which kernel family torch runs a float32 CPU convolution of ``spec`` with: "mkldnn"
+    (oneDNN) or "native" (im2col + GEMM: ``thnn_conv2d`` / ``slow_conv3d``). The rule of
+    ``ConvParams::use_mkldnn`` (aten/src/ATen/native/Convolution.cpp, torch 2.x)::
+
+        mkldnn  iff  (strided or dilated or N >= 16 or kernel not 1x1 in its last two dims
+                      or num_threads > 1)
+                 and (groups > 1 or both last kernel dims > 3 or N > 1
+                      or N * C * D1 * D2 > 20480)
+
+    Both conditions matter to data parallelism: a 3x3 layer run on one sample per rank
+    (a batch of 4 over 4 ranks) takes the native path, whose time per sample is several times
+    oneDNN's, and 1x1 convolutions below 16 samples run natively on one thread (the runtime's
+    setting). The calibration sweep holds both paths; ``conv_shape/2`` fits them apart."""
+    s = normalize_spec(spec)
+    x, w = s["x"], s["w"]
+    x4 = (list(x) + [1, 1])[:4]
+    strided = any(v != 1 for v in s["stride"])
+    dilated = any(v != 1 for v in s["dilation"])
+    one_by_one = w[-1] == 1 and (len(w) < 4 or w[-2] == 1)
+    first = strided or dilated or x[0] >= 16 or not one_by_one or num_threads > 1
+    second = (s["groups"] > 1 or (w[-1] > 3 and len(w) >= 4 and w[-2] > 3) or x[0] > 1
+              or math.prod(x4) > MKLDNN_MIN_SINGLE_SAMPLE_NUMEL)
+    return "mkldnn" if first and second else "native"
 
 
 def conv_shape_features(spec: dict) -> list[float]:
@@ -210,6 +244,39 @@ def conv_shape_features(spec: dict) -> list[float]:
             fl if k == 1 else 0.0, n * f * out_pix, float(math.prod(x))]
 
 
+def conv_native_features(spec: dict) -> list[float]:
+    """Features of the native-path sub-model of ``conv_shape/2`` (``conv_cpu_path``: torch's
+    im2col + GEMM kernels, fitted on the native rows alone; their time per FLOP is set by the
+    im2col / col2im copies, which oneDNN does not make: measured on the 2-core CPU, a 3x3x3
+    layer on one sample is 3-40x what the oneDNN rows' model says)::
+
+        1, flops                          the GEMM (t0, 1/rate)
+        N * C/g * prod(k) * prod(out)     elements of the im2col matrix (0 for 1x1 kernels)
+        N * C * prod(in), N * F * prod(out)   input and output elements"""
+    s = normalize_spec(spec)
+    x, w = s["x"], s["w"]
+    fl, _ = conv_features(x, w, s["stride"], s["padding"], s["dilation"], s["groups"])
+    n, f, c_g = x[0], w[0], w[1]
+    k = math.prod(w[2:])
+    out_pix = fl / (2.0 * n * f * c_g * k) if n * f * c_g * k else 0.0
+    return [1.0, fl, float(n * c_g * k * out_pix) if k > 1 else 0.0, float(math.prod(x)), n * f * out_pix]
+
+
+def conv_model_time_s(model: dict, spec: dict) -> float | None:
+    """Seconds the shape-aware model ``model`` (a ``kernels[cls]["shape_model"]``) prices a
+    convolution of ``spec`` at; None for a form this autopar does not know. ``conv_shape/2``
+    prices a convolution on torch's native CPU path (``conv_cpu_path``) with its ``native``
+    sub-model when it has one; ``conv_shape/1`` (older profiles) and the rest with ``coef``
+    over ``conv_shape_features``."""
+    form = model.get("form")
+    if form not in CONV_SHAPE_FORMS:
+        return None
+    nat = model.get("native") if form == CONV_SHAPE_FORM else None
+    if nat and conv_cpu_path(spec) == "native":
+        return float(sum(c * f for c, f in zip(nat["coef"], conv_native_features(spec))))
+    return float(sum(c * f for c, f in zip(model["coef"], conv_shape_features(spec))))
+
+
 # --------------------------------------------------------------------------------------------
 # Size sweeps (pure: lists of config dicts from a seed)
 # --------------------------------------------------------------------------------------------
@@ -229,10 +296,38 @@ def _cnn_like_conv(rng: random.Random) -> dict:
             "stride": [s] * d, "padding": [k // 2] * d, "dilation": [1] * d, "groups": 1}
 
 
+def _native_path_conv(rng: random.Random) -> dict:
+    """A convolution torch runs on its native CPU path (``conv_cpu_path``): one sample of a
+    small image (2-D or 3-D, as a data-parallel rank of a small batch holds it), or a 1x1
+    kernel below 16 samples."""
+    if rng.random() < 0.3:
+        d = 2
+        n, c, sp = rng.choice([1, 2, 4, 8]), 2 ** rng.randint(3, 8), rng.choice([7, 8, 14, 16, 28, 32])
+        f, k = max(8, int(c * rng.choice([0.25, 0.5, 1, 2, 4]))), 1
+    else:
+        d = 2 if rng.random() < 0.5 else 3
+        n, k = 1, 3
+        c = rng.choice([1, 3, 4, 8, 16, 32] if d == 3 else [1, 3, 8, 16, 32, 64])
+        sp = rng.choice([8, 10, 16, 20, 24] if d == 3 else [8, 14, 16, 28, 32, 56])
+        f = rng.choice([8, 12, 16, 24, 32, 64])
+    s = rng.choice([1, 1, 2]) if k > 1 else 1
+    return {"op": "conv", "x": [n, c] + [sp] * d, "w": [f, c] + [k] * d,
+            "stride": [s] * d, "padding": [k // 2] * d, "dilation": [1] * d, "groups": 1}
+
+
 def _conv_config(rng: random.Random, max_flops: float, min_flops: float) -> dict | None:
     """Half the sweep CNN-like shapes (``_cnn_like_conv``: what models are made of, so that the
-    shape-aware model generalises to unseen CNNs), half random sizes (the corners)."""
-    if rng.random() < 0.5:
+    shape-aware model generalises to unseen CNNs), about one in seven on torch's native CPU path
+    (``_native_path_conv``: ``conv_shape/2`` fits that path apart, which needs rows of it), the
+    rest random sizes (the corners)."""
+    u = rng.random()
+    if u >= 0.85:
+        spec = _native_path_conv(rng)
+        if conv_cpu_path(spec) != "native":
+            return None
+        flops, _ = spec_features(spec)[1:]
+        return spec if min_flops <= flops <= max_flops else None
+    if u < 0.5:
         spec = _cnn_like_conv(rng)
         if spec["x"][2] < spec["w"][2]:
             return None
@@ -481,10 +576,42 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
         for cfg in configs:
             fn, flops, nbytes = _runner(op_class, cfg, device)
             times = time_fn(fn, device, repeats, warmup, min_sample_s, budget_s)
-            out.append({"config": cfg, "flops": flops, "bytes": nbytes,
-                        "median_s": _round(statistics.median(times)),
-                        "times_s": [_round(t) for t in times]})
+            row = {"config": cfg, "flops": flops, "bytes": nbytes,
+                   "median_s": _round(statistics.median(times)),
+                   "times_s": [_round(t) for t in times]}
+            bwd = _backward_runner(op_class, cfg, device)
+            if bwd is not None:
+                row["bwd_median_s"] = _round(statistics.median(
+                    time_fn(bwd, device, repeats, warmup, min_sample_s, budget_s)))
+            out.append(row)
     return out
+
+
+#: kernel classes whose sweep also times the backward (``_backward_runner``): the cost model
+#: prices their backward with the fitted ``bwd_model`` instead of twice the forward
+BACKWARD_CLASSES = ("matmul",)
+
+
+def _backward_runner(op_class: str, cfg: dict, device: str) -> Callable[[], object] | None:
+    """The backward of a sweep config as autograd runs it (``BACKWARD_CLASSES``), or None.
+
+    matmul: ``y = x w^T`` backward is ``dx = dy w`` and ``dw = dy^T x`` (``mm`` on a transposed
+    view, as ``LinearBackward`` / ``MmBackward`` run it); the per-edge product ``y = x @ W``
+    (``edge_bmm``) is ``dx = dy @ W^T`` and ``dW = x^T @ dy``: an outer product per edge
+    (inner extent 1), which on the 2-core CPU takes several times the forward."""
+    if op_class not in BACKWARD_CLASSES:
+        return None
+    import torch
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device)
+    if cfg.get("kind") == "edge_bmm":
+        e, fi, fo = cfg["e"], cfg["fin"], cfg["fout"]
+        xe, we, g = rand(e, 1, fi), rand(e, fi, fo), rand(e, 1, fo)
+        return lambda: (torch.bmm(g, we.transpose(1, 2)), torch.bmm(xe.transpose(1, 2), g))
+    m, k, o = cfg["m"], cfg["k"], cfg["o"]
+    x, w, g = rand(m, k), rand(o, k), rand(m, o)
+    return lambda: (g.mm(w), g.t().mm(x))
 
 
 def measure_exact(shape_specs: Iterable[dict], device: str = "cpu", repeats: int = 10,

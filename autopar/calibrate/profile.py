@@ -167,9 +167,10 @@ class Profile:
                 f"(has: {', '.join(sorted(self.kernels)) or 'none'})", _REDO)
         sm = k.get("shape_model") if spec is not None else None
         if sm and spec.get("op") == "conv":
-            from .kernels import CONV_SHAPE_FORM, conv_shape_features
-            if sm.get("form") == CONV_SHAPE_FORM:
-                return float(sum(c * f for c, f in zip(sm["coef"], conv_shape_features(spec))))
+            from .kernels import conv_model_time_s
+            t = conv_model_time_s(sm, spec)
+            if t is not None:
+                return t
         im = k.get("intensity_model")
         if im and im.get("form") == "intensity/1":
             from .fit import intensity_features
@@ -180,6 +181,17 @@ class Profile:
             from .fit import cache_features
             return float(sum(c * f for c, f in zip(cm["coef"], cache_features(flops, bytes_moved))))
         return k["t0_s"] + float(flops) * k["s_per_flop"] + float(bytes_moved) * k["s_per_byte"]
+
+    def kernel_bwd_time_s(self, op_class: str, flops: float, bytes_moved: float) -> float | None:
+        """The backward of a kernel of ``op_class`` whose FORWARD has these FLOPs and bytes, by
+        the class's measured ``bwd_model`` (``fit.add_backward_models``); None when the profile
+        did not measure it (the cost model then prices backward at twice the forward)."""
+        k = self.kernels.get(op_class)
+        bm = k.get("bwd_model") if isinstance(k, dict) else None
+        if not bm:
+            return None
+        from .fit import bwd_model_time_s
+        return bwd_model_time_s(bm, flops, bytes_moved)
 
     def exact_time_s(self, shape_key: str, phase: str) -> float | None:
         """Measured time of an exact layer shape (``kernels.shape_key``), or None if unmeasured."""

@@ -65,16 +65,22 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                   "efficiency terms in channels, filters and image size, 1x1 apart), which prices "
                   "convolutions whose exact shape was not measured; held-out error per op class "
                   "(70/30 split of the sweep and the exact shapes measured here), against the flat "
-                  "roofline on the same split; kept only where it is the better of the two:", "",
-                  "| op class | held-out median | held-out max | flat held-out median | samples |",
-                  "|---|---|---|---|---|"]
+                  "roofline on the same split; kept only where it is the better of the two. Form "
+                  "``conv_shape/2`` fits torch's native CPU path (``kernels.conv_cpu_path``: one small "
+                  "sample, 1x1 below 16 samples) apart when that generalises better; its own held-out "
+                  "error and rows in the last column:", "",
+                  "| op class | held-out median | held-out max | flat held-out median | samples | form | native path |",
+                  "|---|---|---|---|---|---|---|"]
         for op in shaped:
             k = profile.kernels[op]
             sm = k["shape_model"]
             flat = sm.get("flat_heldout_median_rel_err", k.get("heldout_median_rel_err"))
+            nat = sm.get("native")
             lines.append(f"| {op} | {_pct(sm.get('heldout_median_rel_err'))} | "
                          f"{_pct(sm.get('heldout_max_rel_err'))} | {_pct(flat)} | "
-                         f"{sm.get('n_samples', '-')} |")
+                         f"{sm.get('n_samples', '-')} | {sm.get('form', '-')} | "
+                         + (f"{_pct(nat.get('heldout_median_rel_err'))} of {nat.get('n_samples', '-')} |"
+                            if nat else "one model |"))
     cached = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("cache_model")]
     if cached:
         lines += ["", "Cache-aware model (``fit.cache_features``: the per-byte price rises past 1 MiB "

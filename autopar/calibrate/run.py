@@ -63,7 +63,7 @@ QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_f
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
-              exact_repeats=5, conv_configs=64)
+              exact_repeats=5, conv_configs=160)
 TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
@@ -311,6 +311,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
             f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "
             f"(flat {100 * (prof.kernels[c].get('heldout_median_rel_err') or 0):.0f} %)" for c in fitted))
+    backward = [c for c in prof.kernels if (prof.kernels[c] or {}).get("bwd_model")]
+    if backward:
+        progress(f"{stamp()} measured backward (instead of 2 x forward), held-out median error: " + ", ".join(
+            f"{c} {100 * (prof.kernels[c]['bwd_model']['heldout_median_rel_err'] or 0):.0f} %" for c in backward))
     from .insitu import describe_step_costs, measure_step_costs
     steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch)
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "

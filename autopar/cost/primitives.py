@@ -16,7 +16,9 @@ prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M
 forward and each of the two backward matmuls; elementwise and norm by their output elements
 and bytes moved, pooling by output elements x window size (as the calibrator counts them);
 attention ``4 B H L S D``; gathers and scatters by elements moved. Backward is priced at twice
-forward unless the family names backward classes (convolution). A family's class missing from
+forward unless the family names backward classes (convolution) or the profile measured the
+class's backward (``bwd_model``, ``calibrate.fit.add_backward_models``: matmul, whose
+memory-bound shapes, e.g. NNConv's per-edge products, take 3-6x their forward backward). A family's class missing from
 an older profile falls back to the family's ``fallback_class``. Views cost nothing.
 
 Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
@@ -131,7 +133,15 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
                     _note_key(ctx, key)
                     return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
     t = prof.kernel_time_s(cls, fl, by)
-    return (t + over / 3) * slow, (2 * t + 2 * over / 3) * slow, "fit"
+    tb = _kernel_bwd_s(prof, cls, fl, by)
+    return (t + over / 3) * slow, ((2 * t if tb is None else tb) + 2 * over / 3) * slow, "fit"
+
+
+def _kernel_bwd_s(prof, op_class: str, fl: float, by: float) -> float | None:
+    """The class's measured backward model (``Profile.kernel_bwd_time_s``), or None (stand-ins
+    and profiles without it: backward = 2 x forward)."""
+    fn = getattr(prof, "kernel_bwd_time_s", None)
+    return fn(op_class, fl, by) if fn is not None else None
 
 
 def _note_key(ctx, key: str) -> None:
