@@ -66,10 +66,16 @@ def reducer_choice() -> str:
     return r
 
 
+def _first(fut):
+    return fut.value()[0]
+
+
 def _sum_hook(group, bucket):
-    """DDP comm hook: SUM the bucket over ``group`` (DDP's default averages)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    """DDP comm hook: SUM the bucket over the process group ``group`` (DDP's default averages),
+    by the group's own all-reduce: ``torch.distributed.all_reduce``'s Python wrapper, run once
+    a bucket inside backward, cost the padded GNN about 3 % of its step (main-thread CPU, side
+    by side, ``benchmarks/bench_native_overhead.py``)."""
+    return group.allreduce([bucket.buffer()]).get_future().then(_first)
 
 
 def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
@@ -244,7 +250,8 @@ class NativeDataParallel:
         dev = comm.device
         self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
                        process_group=comm.mesh_group, forward_sync_buffers=False, init_sync=False)
-        self.ddp.register_comm_hook(comm.mesh_group, _sum_hook)
+        group = comm.mesh_group if comm.mesh_group is not None else dist.group.WORLD
+        self.ddp.register_comm_hook(group, _sum_hook)
         self.ddp.train(self.model.training)
         self._ddp_sig = self._param_sig()
 
