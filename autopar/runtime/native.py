@@ -71,10 +71,10 @@ def _first(fut):
 
 
 def _sum_hook(group, bucket):
-    """DDP comm hook: SUM the bucket over the process group ``group`` (DDP's default averages),
-    by the group's own all-reduce: ``torch.distributed.all_reduce``'s Python wrapper, run once
-    a bucket inside backward, cost the padded GNN about 3 % of its step (main-thread CPU, side
-    by side, ``benchmarks/bench_native_overhead.py``)."""
+    """DDP comm hook: SUM the bucket over the process group ``group`` (DDP's default averages).
+    It calls the group's own all-reduce, not ``torch.distributed.all_reduce``, whose Python
+    wrapper, run once a bucket inside backward, cost the padded GNN about 3 % of its step
+    (main-thread CPU side by side with DDP, ``benchmarks/bench_native_overhead.py``)."""
     return group.allreduce([bucket.buffer()]).get_future().then(_first)
 
 
