@@ -7,9 +7,8 @@ drift hits all alike):
 
 * ``native/ddp-reducer``  a pure data-parallel plan running the user's module on the plan's
               parameters (``autopar.runtime.native``), gradients summed by torch DDP's reducer
-              (``AUTOPAR_NATIVE_REDUCER=ddp``);
-* ``native/gradsync``  the same with autopar's ``GradSync`` (the default: what ``autopar
-              execute`` runs);
+              (the default: what ``autopar execute`` runs where every parameter gets a gradient);
+* ``native/gradsync``  the same with autopar's ``GradSync`` (``AUTOPAR_NATIVE_REDUCER=gradsync``);
 * ``traced``  the same plan through the traced program op by op (``native=False``: what every
               plan ran before the native path, and what mixed plans still run);
 * ``DDP``     torch DDP on the same model and batch, timed twice per round (A and B: the noise).
@@ -18,8 +17,8 @@ Each ratio is taken per round against that round's DDP (mean of A and B), then t
 the rounds; noise = median over rounds of |A / B - 1|. After the rounds, the native and traced
 runners (same start, same batches, same number of steps) must hold the same parameters: the
 largest relative difference is printed. With batch norm the plans use local statistics over the
-samples of a rank (the default), so DDP computes the same function. Target: native/gradsync /
-DDP <= 1.0 within the noise.
+samples of a rank (the default), so DDP computes the same function. Target: native/ddp-reducer
+/ DDP <= 1.0 within the noise.
 
     python benchmarks/bench_dp_vs_ddp.py [--models resnet2d,cnn3d_large,nobn] [--worlds 2 4]
         [--rounds 12] [--calibration PROFILE] [--out reports/benchmarks/dp_vs_ddp.txt]
@@ -157,11 +156,11 @@ def main(argv=None) -> int:
                 f"{tr:.3f}; native/gradsync / traced {gain:.3f}\n"
                 f"   parameters after {args.rounds + 2} steps, native runners vs traced: max rel diff "
                 f"{res['param_rel_diff']:.1e}")
-            summary.append((Path(model).stem, world, gs, noise, run.validation.passed))
-    say("summary, the default (native/gradsync) against DDP (target <= 1.0 within the noise):")
+            summary.append((Path(model).stem, world, nat, noise, run.validation.passed))
+    say("summary, the default (native/ddp-reducer) against DDP (target <= 1.0 within the noise):")
     for m, w, nat, noise, ok in summary:
         verdict = "ok" if nat <= 1.0 + noise else "SLOWER than DDP beyond the noise"
-        say(f"   {m:<14} world {w}: native/gradsync / DDP {nat:.3f} (noise {noise * 100:.1f} %) {verdict}"
+        say(f"   {m:<14} world {w}: native/ddp-reducer / DDP {nat:.3f} (noise {noise * 100:.1f} %) {verdict}"
             f"{'' if ok else ' VALIDATION FAILED'}")
     say(f"total {time.perf_counter() - t_all:.0f} s; machine load at end: "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")

@@ -15,16 +15,25 @@ baseline, ``execute.baseline.ddp_split``: samples along dim 0, or whole graphs o
 * ``only:<k>``  each other decomposition kind forced: every layer where it is legal pinned to
                 its cheapest choice of that kind, the rest left to the ILP.
 
+Each round times every candidate and DDP (twice: A and B) once, in an order rotated every
+round (so none always follows the same neighbour), as one block of consecutive training steps
+fenced once (``execute.timing.timed_block``: a barrier before, the slowest rank's time after,
+no fence between the steps) and sized so that a block lasts at least ``--block-s`` (0.3 s; a
+15 ms step gets 20 steps a block), from a timed block after the warm-up. The chosen plan and
+DDP get ``--extra-rounds`` more rounds of their own (default as many as ``--rounds``): the
+verdict is about them.
+
 It prints per candidate the predicted and measured step time (median over the rounds), the
-ratio to DDP (per round against that round's DDP, so machine drift cancels; median over the
-rounds) and the verdict: chosen / best measured (per round, median), chosen / DDP, and the
-noise (DDP is timed twice per round, A and B; noise = median over rounds of |A / B - 1|). Targets (issue
+ratio to DDP (per round against that round's DDP, the mean of A and B, so machine drift
+cancels; median over the rounds) and the verdict: chosen / best measured (per round, median),
+chosen / DDP, and the noise: noise = median over rounds of |A / B - 1| (two copies of the same
+program), printed beside the median of A / B itself, which should read ~1.00. Targets (issue
 13): chosen / DDP <= 1.0 within the noise for every case; chosen / best measured <= 1.03,
 median over the cases. It also verifies the candidate pruning of the cost table: the ILP over
 every candidate (``max_candidates`` unbounded) against the default solve, the gap printed.
 
     python benchmarks/bench_plan_quality.py [--quick] [--models resnet2d,...] [--worlds 2 4]
-        [--rounds R] [--top-k K] [--calibration PROFILE]
+        [--rounds R] [--extra-rounds E] [--block-s S] [--top-k K] [--calibration PROFILE]
 
 Figures are measured: run it on a quiet machine (the 2 cores shared with other work move step
 times by 5-30 %).
@@ -126,16 +135,20 @@ def pruning_gap(model: Path, world: int, profile, out: Path) -> tuple[float, flo
 
 # ---- executing them side by side ---------------------------------------------------------------
 
-def _rank_main(rank: int, world: int, plan_paths: list[str], rounds: int, seed: int) -> dict:
-    """Every candidate and DDP in the same processes, one timed step each per round, in an
-    order rotated every round (so none always follows the same neighbour)."""
+def _rank_main(rank: int, world: int, plan_paths: list[str], rounds: int, extra_rounds: int,
+               block_s: float, seed: int) -> dict:
+    """Every candidate and DDP (A and B) in the same processes (module docstring): ``rounds``
+    rounds of everyone, then ``extra_rounds`` of the chosen plan (the first) and DDP only;
+    each a block of steps (``timed_block``) in an order rotated every round."""
+    import math
+
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar.artifacts import load_plan
     from autopar.execute.baseline import ddp_split
     from autopar.execute.runner import _import_generated
-    from autopar.execute.timing import timed_steps
+    from autopar.execute.timing import timed_block
     from autopar.runtime.comm import Comm
     from autopar.runtime.entry import build_user_model, synthetic_batch
 
@@ -168,23 +181,36 @@ def _rank_main(rank: int, world: int, plan_paths: list[str], rounds: int, seed: 
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         runners.append((ddp, opt, bx, (lambda o, lf=lf, by=by, cut=cut: lf(cut(o), by) if by is not None
                                        else lf(cut(o))), lambda: None))
+
+    def block(i: int, n: int) -> float:
+        return timed_block(*runners[i], n, comm, lambda: None, comm.barrier)
+
+    # warm-up (two steps each), then a timed block of three steps each sizes its block; the MAX
+    # all-reduce in timed_block gives every rank the same figure, so every rank runs the same steps
+    for i in range(len(runners)):
+        block(i, 2)
+    steps = [max(1, min(200, math.ceil(block_s / max(block(i, 3), 1e-6)))) if block_s > 0 else 1
+             for i in range(len(runners))]
     times: list[list[float]] = [[] for _ in runners]
-    for r in runners:      # warm-up: one step each
-        timed_steps(*r, 1, comm, lambda: None, comm.barrier)
-    for k in range(rounds):
-        order = list(range(len(runners)))
+    focus = [0, len(runners) - 2, len(runners) - 1]     # the chosen plan, DDP A, DDP B
+    for k in range(rounds + extra_rounds):
+        order = list(range(len(runners))) if k < rounds else focus
         order = order[k % len(order):] + order[:k % len(order)]
         for i in order:
-            times[i] += timed_steps(*runners[i], 1, comm, lambda: None, comm.barrier)
-    return {"times": times}
+            times[i].append(block(i, steps[i]))
+    return {"times": times, "steps": steps,
+            "runtime": ["native" if r[0].native else "traced" for r in runners[:len(plan_paths)]]}
 
 
-def measure(cands: list[dict], world: int, rounds: int, timeout_s: float) -> tuple[list[list[float]], list, list]:
+def measure(cands: list[dict], world: int, rounds: int, timeout_s: float, extra_rounds: int = 0,
+            block_s: float = 0.0) -> tuple[list[list[float]], list, list, list[int]]:
     from autopar.runtime.launch import run_ranks
-    res = run_ranks(_rank_main, world, args=([str(c["plan_path"]) for c in cands], rounds, 0),
-                    timeout_s=timeout_s)
-    times = res[0]["times"]
-    return times[:len(cands)], times[-2], times[-1]
+    res = run_ranks(_rank_main, world, args=([str(c["plan_path"]) for c in cands], rounds, extra_rounds,
+                                             block_s, 0), timeout_s=timeout_s)
+    times, steps = res[0]["times"], res[0]["steps"]
+    for c, rt in zip(cands, res[0]["runtime"]):
+        c["runtime"] = rt
+    return times[:len(cands)], times[-2], times[-1], steps
 
 
 # ---- main ------------------------------------------------------------------------------------------
@@ -194,13 +220,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 rounds, 1 top-k alternative")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--rounds", type=int, default=None, help="timed steps per candidate (default 8; --quick 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of every candidate (default 8; --quick 3)")
+    ap.add_argument("--extra-rounds", type=int, default=None,
+                    help="further rounds of the chosen plan and DDP only (default: --rounds)")
+    ap.add_argument("--block-s", type=float, default=0.3,
+                    help="a candidate's block of steps lasts at least this long (s; default 0.3)")
     ap.add_argument("--top-k", type=int, default=None, help="one-layer alternatives (default 2; --quick 1)")
     ap.add_argument("--calibration", default=None, help="profile (default calibration/cpu-2core-gloo.json)")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--out", default=None, help="also write the lines printed to this file")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 8)
+    extra = args.extra_rounds if args.extra_rounds is not None else rounds
     top_k = args.top_k if args.top_k is not None else (1 if args.quick else 2)
     from autopar.pipeline import load_calibration
     _, profile = load_calibration(args.calibration)
@@ -214,8 +245,9 @@ def main(argv=None) -> int:
     say(f"machine load at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) on "
         f"{os.cpu_count()} cores")
     summary = []
-    say(f"plan quality, measured side by side ({rounds} interleaved rounds per candidate, DDP twice "
-        f"per round); batch-norm statistics: local (the default), so DDP computes the same function")
+    say(f"plan quality, measured side by side ({rounds} interleaved rounds per candidate, {extra} more of "
+        f"the chosen plan and DDP; DDP twice per round; each a block of steps lasting >= {args.block_s} s); "
+        f"batch-norm statistics: local (the default), so DDP computes the same function")
     for name in args.models.split(","):
         model = ROOT / "strategies/examples" / f"{name}.py"
         for world in args.worlds:
@@ -225,14 +257,14 @@ def main(argv=None) -> int:
                 base, full = pruning_gap(model, world, profile, Path(tmp))
                 t_plan = time.perf_counter() - t0
                 try:
-                    times, ddp_a, ddp_b = measure(cands, world, rounds, args.timeout)
+                    times, ddp_a, ddp_b, steps = measure(cands, world, rounds, args.timeout, extra, args.block_s)
                 except Exception as e:    # noqa: BLE001 - a candidate that fails or hangs: find it, say so
                     say(f"\n   {name} world {world}: the side-by-side run failed ({str(e)[:120]}); "
                         f"running each candidate alone to find which")
                     ok = []
                     for c in cands:
                         try:
-                            measure([c], world, 1, min(args.timeout, 90.0))
+                            measure([c], world, 1, min(args.timeout, 90.0), 0, 0.0)
                             ok.append(c)
                         except Exception as e1:  # noqa: BLE001
                             say(f"   FAILED candidate {c['name']} ({', '.join(sorted(set(c['choices'])))[:90]}): "
@@ -241,23 +273,27 @@ def main(argv=None) -> int:
                         say(f"   {name} world {world}: the chosen plan itself failed; not compared")
                         continue
                     cands = ok
-                    times, ddp_a, ddp_b = measure(cands, world, rounds, args.timeout)
+                    times, ddp_a, ddp_b, steps = measure(cands, world, rounds, args.timeout, extra,
+                                                         args.block_s)
             # per round: each candidate against DDP of the same round (drift cancels), then the
             # median over rounds; noise = median over rounds of |DDP A / DDP B - 1|
             ddp_k = [(a + b) / 2 for a, b in zip(ddp_a, ddp_b)]
             ddp = statistics.median(ddp_a + ddp_b)
             noise = statistics.median(abs(a / b - 1.0) for a, b in zip(ddp_a, ddp_b))
+            same = statistics.median(a / b for a, b in zip(ddp_a, ddp_b))
             meds = [statistics.median(t) for t in times]
             vs_ddp = [statistics.median(x / d for x, d in zip(t, ddp_k)) for t in times]
             best = min(range(len(cands)), key=lambda i: vs_ddp[i])
             say(f"\n== {name} world {world}: {len(cands)} candidates (planned in {t_plan:.1f} s); "
-                f"DDP {ddp * 1e3:.1f} ms, noise {noise * 100:.1f} %")
-            say(f"   {'candidate':<24} {'predicted':>10} {'measured':>10} {'/DDP':>7}  decompositions")
-            for c, m, r in zip(cands, meds, vs_ddp):
+                f"DDP {ddp * 1e3:.1f} ms ({steps[-1]} steps a block), noise {noise * 100:.1f} %, "
+                f"DDP A / DDP B = {same:.3f} over {len(ddp_a)} rounds")
+            say(f"   {'candidate':<24} {'predicted':>10} {'measured':>10} {'/DDP':>7} {'steps':>5} {'runtime':>7}  "
+                f"decompositions")
+            for c, m, r, n in zip(cands, meds, vs_ddp, steps):
                 kinds = sorted({x for x in c["choices"]})
                 also = f" (= {', '.join(c['also'])})" if c["also"] else ""
                 say(f"   {c['name'] + also:<24} {c['predicted_s'] * 1e3:8.1f}ms {m * 1e3:8.1f}ms "
-                    f"{r:6.3f}x  {', '.join(kinds)[:70]}")
+                    f"{r:6.3f}x {n:5d} {c.get('runtime', '?'):>7}  {', '.join(kinds)[:70]}")
             chosen = statistics.median(a / b for a, b in zip(times[0], times[best]))
             pred_rank = sorted(range(len(cands)), key=lambda i: cands[i]["predicted_s"])
             say(f"   chosen / best measured = {chosen:.3f} (best: {cands[best]['name']}); chosen / DDP = "

@@ -102,7 +102,7 @@ def _native_vs_traced(rank, world, plan_path, reducer):
         local = dm.shard_inputs([x.double() for x in xs])
         opt = torch.optim.SGD(dm.parameters(), lr=0.1, momentum=0.9)
         rec = {"native": dm.native, "ddp": bool(dm.native and dm._native.ddp is not None),
-               "why": dm.native_off_reason}
+               "why": dm.native_off_reason, "reducer": dm._native.reducer if dm.native else None}
         for step in range(2):
             opt.zero_grad(set_to_none=True)
             o = dm(*local)
@@ -170,7 +170,8 @@ def test_execute_validates_the_native_path_against_one_process(net, tmp_path, pr
     assert run.validation.passed and run.validation.dtype == "float64", \
         [c.tensor for c in run.validation.failures]
     assert run.baseline.equivalent
-    assert run.notes[0].startswith("runtime: native") and "GradSync" in run.notes[0]
+    # the default reducer: torch DDP's (the model's every parameter gets a gradient)
+    assert run.notes[0].startswith("runtime: native") and "torch DDP's reducer" in run.notes[0]
     assert run.extra["native_runtime"] is True
     # per-layer times come from the leaf modules that name a layer: the convolutions measured
     assert sum(l.measured_s for l in run.measured.per_layer) > 0
@@ -182,6 +183,7 @@ def test_a_parameter_without_gradient_keeps_gradsync_and_validates(net_unused, t
     r = _plan(net_unused, 2, tmp_path, profile, batch_size=8, kinds=["sample"])
     res = run_ranks(_native_vs_traced, 2, args=(str(r.plan_path), "ddp"), timeout_s=180)
     assert res[0]["native"]["native"] and not res[0]["native"]["ddp"]
+    assert "a parameter gets no gradient" in res[0]["native"]["reducer"]
     run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1, ddp=False,
                                                  timeout_s=180), out_dir=tmp_path / "run", progress=lambda s: None)
     assert run.validation.passed, [c.tensor for c in run.validation.failures]
@@ -221,7 +223,7 @@ def test_native_switch_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUTOPAR_NATIVE", "0")
     assert not native_enabled()
     monkeypatch.delenv("AUTOPAR_NATIVE")
-    assert native_enabled() and reducer_choice() == "gradsync"
+    assert native_enabled() and reducer_choice() == "ddp"
     monkeypatch.setenv("AUTOPAR_NATIVE_REDUCER", "nccl-magic")
     with pytest.raises(ValueError, match="use ddp or gradsync"):
         reducer_choice()

@@ -168,7 +168,8 @@ def _runtime_note(dm) -> dict[str, Any]:
     traced program op by op, and why."""
     nat = getattr(dm, "_native", None)
     if nat is not None:
-        how = "torch DDP's reducer (SUM hook)" if nat.ddp is not None else "autopar's GradSync"
+        how = getattr(nat, "reducer", None) or ("torch DDP's reducer (SUM hook)" if nat.ddp is not None
+                                                else "autopar's GradSync")
         what = "whole graphs (graph parallelism)" if getattr(dm, "_graph_roles", None) is not None else "samples"
         return {"native": True, "note": f"runtime: native (the user's module on each rank's {what}, "
                                         f"gradients summed by {how})"}

@@ -39,6 +39,26 @@ def timed_steps(model, optim, inputs, loss_of, finish, n: int, comm,
     return ts
 
 
+def timed_block(model, optim, inputs, loss_of, finish, n: int, comm,
+                sync: Callable[[], None], barrier: Callable[[], None]) -> float:
+    """The mean wall time of ``n`` consecutive training steps (s), fenced once: a barrier
+    before the first and, after the last, the slowest rank's elapsed time (a MAX all-reduce;
+    the same value on every rank). Unlike ``timed_steps`` no barrier or all-reduce sits
+    between the steps, so a block of short steps is timed as a training loop runs them (a
+    fence per step of a 10-20 ms step at world 4 costs a few ms, and its jitter)."""
+    import torch
+    import torch.distributed as dist
+    barrier()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step_once(model, optim, inputs, loss_of, finish)
+    sync()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=comm.device)
+    comm.all_reduce_(dt, dist.ReduceOp.MAX)
+    return float(dt) / max(1, n)
+
+
 def instrumented_steps(dm, optim, inputs, loss_of, n: int, comm,
                        sync: Callable[[], None], barrier: Callable[[], None]
                        ) -> tuple[list[dict[str, Any]], dict[str, float]]:

@@ -123,6 +123,19 @@ class Comm:
                                f"partitions())")
         return _GROUPS[glob]
 
+    def grad_group(self, ranks: Sequence[int]) -> Any:
+        """The process group on which the gradient all-reduces of mesh-local ``ranks`` run
+        (``GradSync``): the twin of ``group(ranks)`` that ``create_groups`` makes beside it, so
+        the all-reduces launched asynchronously during backward, at points that may differ
+        between ranks, never interleave with the synchronous collectives of forward and
+        backward on a shared group (gloo matches collectives of a group by their order: a
+        different order on two ranks hangs, or sums the wrong tensors). ``group(ranks)`` itself
+        where no twin was made (a ``Comm`` used without ``create_groups``/``ensure_partitions``)."""
+        key = tuple(sorted(ranks))
+        glob = tuple(sorted(self.ranks[r] for r in key))
+        g = _GRAD_GROUPS.get(glob)
+        return g if g is not None else self.group(ranks)
+
     @property
     def mesh_group(self) -> Any:
         """The group of the whole mesh (None when it is the default group)."""
@@ -146,17 +159,23 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 #: process groups of this process, by sorted global ranks (``create_groups``)
 _GROUPS: dict[tuple[int, ...], Any] = {}
+#: their twins for gradient synchronisation (``Comm.grad_group``), the whole world's included
+_GRAD_GROUPS: dict[tuple[int, ...], Any] = {}
 
 
 def create_groups(groups: Sequence[Sequence[int]]) -> None:
-    """Create the process group of every global rank list in ``groups`` not created yet.
+    """Create the process group of every global rank list in ``groups`` not created yet, and
+    its twin for gradient synchronisation (``Comm.grad_group``); the whole world's twin once.
     Collective over the default group: every process calls it with the same lists (members or
-    not, as ``new_group`` requires); they are created in sorted order. Lists of one rank and the
-    whole world need no group."""
+    not, as ``new_group`` requires); they are created in sorted order. Lists of one rank need no
+    group, the whole world none but its twin."""
     size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if size > 1 and tuple(range(size)) not in _GRAD_GROUPS:
+        _GRAD_GROUPS[tuple(range(size))] = dist.new_group(list(range(size)))
     for g in sorted({tuple(sorted(int(r) for r in g)) for g in groups}):
         if 1 < len(g) < size and g not in _GROUPS:
             _GROUPS[g] = dist.new_group(list(g))
+            _GRAD_GROUPS[g] = dist.new_group(list(g))
 
 
 # ---------------------------------------------------------------------------------------------

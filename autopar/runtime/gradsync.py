@@ -10,6 +10,17 @@ gradients are all-reduced asynchronously while backward goes on. ``finish()`` wa
 bucket and copies the sums back. Groups that are disjoint run their allreduces concurrently
 (the segmented allreduce of channel/filter parallelism).
 
+Every rank issues the same all-reduces in the same order, whatever order backward produces
+gradients in on it (ranks of one plan run different graphs: a bias added on one rank of a
+row-parallel layer gets its gradient only there, in backward, elsewhere its bucket completes in
+``finish``). So (1) the buckets of a group launch in bucket order, as torch DDP's reducer
+launches them: a complete bucket waits for the earlier ones of its group; (2) they run on the
+group's gradient twin (``Comm.grad_group``), not on the group that forward and backward use for
+their synchronous collectives (a transition's all-to-all, a partial sum's all-reduce): an
+all-reduce launched mid-backward on one rank and in ``finish`` on another would otherwise sit
+between different collectives of the shared group on the two ranks and hang (gnn_pcqm4m's
+``channel(2,2)`` plan at world 4 did; ``tests/test_backward_order.py``).
+
 Cost model twin: ``autopar.cost.primitives.grad_sync_time_s`` prices the same allreduces.
 """
 
@@ -33,6 +44,7 @@ class _Bucket:
     arrived: int = 0
     work: Any = None
     flat: torch.Tensor | None = None
+    ready: bool = False
 
 
 class GradSync:
@@ -64,6 +76,11 @@ class GradSync:
             b.nbytes += size
             self._bucket_of[id(p)] = b
         self.bytes_per_step = sum(b.nbytes for b in self.buckets)
+        # per group, its buckets in launch order and the next one to launch
+        self._order: dict[tuple[int, ...], list[_Bucket]] = {}
+        for b in self.buckets:
+            self._order.setdefault(b.ranks, []).append(b)
+        self._next: dict[tuple[int, ...], int] = {r: 0 for r in self._order}
         self._handles = []
         if overlap:
             for b in self.buckets:
@@ -74,30 +91,43 @@ class GradSync:
         b = self._bucket_of[id(p)]
         b.arrived += 1
         if b.arrived == len(b.params):
-            self._launch(b)
+            b.ready = True
+            self._launch_ready(b.ranks, everything=False)
+
+    def _launch_ready(self, ranks: tuple[int, ...], everything: bool) -> None:
+        """Launch the group's buckets in bucket order: the complete ones at the head of the
+        queue (``everything``: all that are left, in ``finish``)."""
+        seq, i = self._order[ranks], self._next[ranks]
+        while i < len(seq) and (everything or seq[i].ready):
+            self._launch(seq[i])
+            i += 1
+        self._next[ranks] = i
 
     def _launch(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
-        b.work = dist.all_reduce(b.flat, group=self.comm.group(b.ranks), async_op=True)
+        b.work = dist.all_reduce(b.flat, group=self.comm.grad_group(b.ranks), async_op=True)
 
-    def finish(self) -> None:
-        """Wait for every bucket (launching those whose hooks did not all fire) and write back."""
-        for b in self.buckets:
-            if b.work is None:
-                self._launch(b)
+    def finish(self, write_back: bool = True) -> None:
+        """Wait for every bucket (launching those whose hooks did not all fire, in bucket
+        order) and write the sums back (``write_back=False``: drop them, e.g. a micro-batch of
+        gradient accumulation, ``train.api``)."""
+        for ranks in self._order:
+            self._launch_ready(ranks, everything=True)
         for b in self.buckets:
             b.work.wait()
-            off = 0
-            for p in b.params:
-                n = p.numel()
-                g = b.flat[off:off + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                off += n
-            b.work, b.flat, b.arrived = None, None, 0
+            if write_back:
+                off = 0
+                for p in b.params:
+                    n = p.numel()
+                    g = b.flat[off:off + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+                    off += n
+            b.work, b.flat, b.arrived, b.ready = None, None, 0, False
+        self._next = {r: 0 for r in self._order}
 
     def remove(self) -> None:
         for h in self._handles:
@@ -111,3 +141,4 @@ class GradSync:
         self.remove()
         self.buckets = []
         self._bucket_of = {}
+        self._order, self._next = {}, {}

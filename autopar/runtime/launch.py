@@ -119,16 +119,19 @@ def _collect_more(procs, q, results, errors, grace_s: float) -> None:
 
 
 def _root_cause(errors: dict[int, str]) -> int:
-    """The failed rank most likely to be the cause: one that died silently or raised something
-    other than a communication error; else the lowest."""
+    """The failed rank most likely to be the cause: one that died silently, else one still
+    running when its peers failed (a death leaves its peers blocked in a collective: those are
+    victims), else one that raised something other than a communication error; else the lowest."""
     def score(r: int) -> tuple[int, int]:
         msg = errors[r].lower()
-        if "without reporting" in msg or msg.startswith("hung"):
+        if "without reporting" in msg:
             return (0, r)
-        if "did not finish" in msg:
+        if msg.startswith("hung"):
             return (1, r)
+        if "did not finish" in msg:
+            return (2, r)
         first = msg.splitlines()[0] if msg else ""
-        return (2 if any(k in first for k in _COMM_ERROR) else 1, r)
+        return (3 if any(k in first for k in _COMM_ERROR) else 2, r)
     return min(errors, key=score)
 
 

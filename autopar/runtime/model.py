@@ -387,15 +387,25 @@ class DistModel(nn.Module):
         """This rank's share of the loss: loss(out_r, y_r) * n_r / N / replicas."""
         meta = self.__dict__.get("_loss_meta")
         if meta is None:    # once: the layouts are fixed, and finding them scans the graph
-            meta = self.__dict__["_loss_meta"] = (self.loss_layout(),
-                                                  self.graph.value_shape(self.graph.output)[0])
-        lay, n_global = meta
+            lay, vocab = self.loss_layout(), self._vocab_loss() is not None
+            t_lay = Layout(tuple((d, p) for d, p in lay.splits if d == 0)) if vocab else lay
+            meta = self.__dict__["_loss_meta"] = (
+                self.graph.value_shape(self.graph.output)[0], t_lay, vocab, self.loss_replicas(), {})
+        n_global, t_lay, vocab, replicas, cuts = meta
         n_local = output_tensor(out_local).shape[0]
-        t_lay = Layout(tuple((d, p) for d, p in lay.splits if d == 0)) if self._vocab_loss() else lay
-        t = local_slice(target_full, t_lay, self.comm) if target_full is not None else None
-        with self.loss_context():
+        t = None
+        if target_full is not None:     # the target's block: its index computed once per shape
+            cut = cuts.get(tuple(target_full.shape))
+            if cut is None:
+                b = t_lay.local_bounds(target_full.shape, self.comm.rank, self.comm.world)
+                cut = cuts[tuple(target_full.shape)] = tuple(slice(s, s + e) for s, e in b)
+            t = target_full[cut]
+        if vocab:
+            with self.loss_context():
+                loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
+        else:
             loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
-        return loss * (n_local / n_global / self.loss_replicas())
+        return loss * (n_local / n_global / replicas)
 
     def finish_grads(self) -> None:
         self.gradsync.finish()

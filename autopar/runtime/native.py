@@ -16,15 +16,20 @@ checkpoints see one set of tensors), and keeps the plan's function:
   asynchronous all-reduce of every running mean and variance, started when forward ends (it
   overlaps backward), applied by ``flush`` (``DistModel.flush_batch_norm``).
 * gradients: SUM over the mesh (the runtime's convention: each rank back-propagates its share
-  ``L_r = loss_r n_r / N`` of the loss), by the ``GradSync`` the ``DistModel`` built (bucketed
-  as the cost model prices it, overlapped with backward; the hooks sit on the same Parameter
-  objects). ``AUTOPAR_NATIVE_REDUCER=ddp`` uses torch DDP's own reducer instead (C++ bucketing
-  from a first 1 MiB bucket, a comm hook that sums instead of averaging, no buffer broadcast;
-  ``GradSync`` hands its hooks over), except for a module whose parameters do not all receive
-  a gradient in a meta forward + backward (DDP would wait for them). Side by side on the
-  loaded 2-core machine (``bench_dp_vs_ddp.py``) neither was consistently faster (GradSync
-  ahead in 7 of 11 cases, by up to 30 %; DDP's reducer ahead in the other 4, by up to 28 %:
-  the noise); GradSync is what the plan priced.
+  ``L_r = loss_r n_r / N`` of the loss). By default by torch DDP's own reducer, configured as the
+  DDP baseline is (``execute.baseline``: DDP's default buckets, 1 MiB first, then 25 MiB; C++
+  autograd hooks copying each gradient into its bucket), with a comm hook that sums instead of
+  averaging and no buffer broadcast (``GradSync`` hands its hooks over): the same gradient
+  synchronisation DDP pays, so a native plan carries no per-parameter Python work that DDP does
+  not. ``benchmarks/bench_native_overhead.py`` (``reports/benchmarks/native_overhead.txt``)
+  compares the two reducers with DDP phase by phase (main-thread CPU per phase): ``GradSync``'s
+  Python hooks, concatenation and copy-back are work that DDP's reducer does in C++ inside
+  backward. The cost model still prices ``GradSync``'s whole-layer buckets of 25 MiB
+  (``layer_buckets``), not DDP's 1 MiB first bucket. ``GradSync`` (bucketed as priced) stays
+  where DDP's reducer cannot be used: a module whose parameters do
+  not all receive a gradient in a meta forward + backward (DDP would wait for them; its
+  ``find_unused_parameters`` costs a graph walk a step), and on request
+  (``AUTOPAR_NATIVE_REDUCER=gradsync``). ``NativeDataParallel.reducer`` says which runs and why.
 * anything else (global statistics, another ``--bn-group``, a buffer that forward updates and
   that is not batch norm's (read-only buffers, e.g. a causal mask, are fine),
   an output whose local shape differs from the plan's, a model the meta run cannot execute)
@@ -53,17 +58,24 @@ from torch import nn
 
 
 def reducer_choice() -> str:
-    """``AUTOPAR_NATIVE_REDUCER``: "gradsync" (default) or "ddp"."""
-    r = os.environ.get("AUTOPAR_NATIVE_REDUCER", "gradsync").strip().lower()
+    """``AUTOPAR_NATIVE_REDUCER``: "ddp" (default: torch DDP's reducer wherever it can be used,
+    module docstring) or "gradsync" (autopar's ``GradSync`` always)."""
+    r = os.environ.get("AUTOPAR_NATIVE_REDUCER", "ddp").strip().lower()
     if r not in ("ddp", "gradsync"):
         raise ValueError(f"AUTOPAR_NATIVE_REDUCER={r!r}: use ddp or gradsync")
     return r
 
 
+def _first(fut):
+    return fut.value()[0]
+
+
 def _sum_hook(group, bucket):
-    """DDP comm hook: SUM the bucket over ``group`` (DDP's default averages)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    """DDP comm hook: SUM the bucket over the process group ``group`` (DDP's default averages).
+    It calls the group's own all-reduce, not ``torch.distributed.all_reduce``, whose Python
+    wrapper, run once a bucket inside backward, cost the padded GNN about 3 % of its step
+    (main-thread CPU side by side with DDP, ``benchmarks/bench_native_overhead.py``)."""
+    return group.allreduce([bucket.buffer()]).get_future().then(_first)
 
 
 def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
@@ -204,13 +216,22 @@ class NativeDataParallel:
         self._bns = [m for m in model.modules()
                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         self._work: tuple | None = None
-        # gradients: GradSync, or on request torch DDP's reducer (SUM hook, no buffer broadcast)
+        # gradients: torch DDP's reducer (SUM hook, no buffer broadcast) where it can be used,
+        # else GradSync (module docstring); ``reducer`` says which and why
         self.ddp = None
         comm = dm.comm
         self._ddp_sig: tuple = ()
-        if comm.world > 1 and reducer_choice() == "ddp" and all_params_get_grads(model, dm.graph, comm.world):
+        if comm.world <= 1:
+            self.reducer = "none (one rank)"
+        elif reducer_choice() == "gradsync":
+            self.reducer = "autopar's GradSync (AUTOPAR_NATIVE_REDUCER=gradsync)"
+        elif not all_params_get_grads(model, dm.graph, comm.world):
+            self.reducer = ("autopar's GradSync (a parameter gets no gradient in a meta forward + "
+                            "backward: DDP's reducer would wait for it)")
+        else:
             self._make_ddp()
             dm.gradsync.hand_over()
+            self.reducer = "torch DDP's reducer (SUM hook)"
         self._timer_modules: list[tuple[nn.Module, int]] = []
         leaves = {n: m for n, m in model.named_modules() if not any(True for _ in m.children())}
         seen = set()
@@ -229,12 +250,19 @@ class NativeDataParallel:
         dev = comm.device
         self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
                        process_group=comm.mesh_group, forward_sync_buffers=False, init_sync=False)
-        self.ddp.register_comm_hook(comm.mesh_group, _sum_hook)
+        group = comm.mesh_group if comm.mesh_group is not None else dist.group.WORLD
+        self.ddp.register_comm_hook(group, _sum_hook)
         self.ddp.train(self.model.training)
         self._ddp_sig = self._param_sig()
 
     def _param_sig(self) -> tuple:
-        return tuple((p.dtype, p.device) for p in self.model.parameters())
+        """dtype and device of the first and last parameter (``.to()`` converts every one, in
+        place: the Parameter objects stay, so their list is kept): checked every forward."""
+        ps = self.__dict__.get("_ends")
+        if ps is None:
+            allp = list(self.model.parameters())
+            ps = self._ends = (allp[0], allp[-1]) if allp else ()
+        return tuple((p.dtype, p.device) for p in ps)
 
     def _rebind_buffers(self) -> None:
         """Buffers may be replaced (``.to()``); the DistModel's ``bufs`` are the truth."""

@@ -125,10 +125,9 @@ class ParallelModule:
         if getattr(self, "_sync_grads", True):
             super().finish_grads()
             return
-        for b in self.gradsync.buckets:      # GradSync launched them as gradients arrived
-            if b.work is not None:
-                b.work.wait()
-            b.work, b.flat, b.arrived = None, None, 0
+        # every rank sends the same all-reduces (those not launched during backward now, in
+        # bucket order: ``GradSync``), the sums dropped
+        self.gradsync.finish(write_back=False)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's switch for gradient accumulation (module docstring). The skipped
