@@ -70,6 +70,8 @@ def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=Non
 
     slot = rank if slot is None else slot
     torch.set_num_threads(threads)
+    from .memory import keep_freed_memory
+    keep_freed_memory()     # a step's freed tensors stay mapped for the next (runtime.memory)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
         if backend == "nccl":   # before init: NCCL binds the communicator to the current device
