@@ -375,9 +375,48 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
                 f" among {kinds or sorted(REGISTRY)} ({reasons})",
                 "allow more decomposition kinds, or change the world size or batch size")
     opts = _count_tied_once(opts, ctx)
+    opts = _price_loss_move(graph, ctx, opts)
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
     table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets)
     return table.ensure_edges() if edges else table
+
+
+def _price_loss_move(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions]) -> list[LayerOptions]:
+    """The move of the model's output into the loss layout, priced in the producing layer's
+    choices: the runtime computes the loss where the output splits only samples
+    (``decomp.layout.loss_layout_for``), so an output split otherwise (``filter`` on a language
+    model's head: the M x V logits split by vocabulary) is first redistributed, forward and
+    backward, like any transition (``transition_s``). A choice that computes the loss in place
+    (``loss_in_place``: ``vocab_head``) prices its own loss. New option objects: the priced
+    ones may be shared with repeated layers and other placements."""
+    from ..decomp.layout import loss_layout_for
+    prod = graph.producer()
+    li = prod.get(graph.output)
+    if li is None:
+        return opts
+    o = opts[li]
+    lay = graph.layers[li]
+    shape = tuple(int(n) for n in graph.value_shape(graph.output))
+    if not shape:
+        return opts
+    costs, changed = [], False
+    for d, c in zip(o.choices, o.costs):
+        if getattr(d, "loss_in_place", False):
+            costs.append(c)
+            continue
+        src = d.out_layout(lay, graph.output)
+        dst = loss_layout_for(src, shape[0], ctx.world)
+        if src == dst:
+            costs.append(c)
+            continue
+        f, b = transition_s(src, dst, shape, lay.itemsize, ctx)
+        costs.append(replace(c, fwd_comm_s=c.fwd_comm_s + f, bwd_comm_s=c.bwd_comm_s + b))
+        changed = True
+    if not changed:
+        return opts
+    out = list(opts)
+    out[li] = replace(o, costs=costs)
+    return out
 
 
 def _count_tied_once(opts: list[LayerOptions], ctx: CostContext) -> list[LayerOptions]:
