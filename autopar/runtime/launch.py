@@ -238,5 +238,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0,
                 kw = {"rank": placement.logical(int(os.environ["RANK"])), "world_size": world}
         if backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        from .memory import keep_freed_memory
+        keep_freed_memory()     # as in the ranks run_ranks starts (runtime.memory)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kw)
     return dist.get_rank(), dist.get_world_size()

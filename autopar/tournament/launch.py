@@ -30,6 +30,8 @@ def _child(fn, rank, world, args, port, threads, timeout_s, conn):  # pragma: no
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
+    from ..runtime.memory import keep_freed_memory
+    keep_freed_memory()     # as in the ranks runtime.launch.run_ranks starts
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
