@@ -9,9 +9,13 @@ faults and 24 ms on one process, 13 ms with freed memory kept (PyTorch keeps a c
 allocator on CUDA, none on CPU). ``keep_freed_memory`` raises both thresholds with
 ``mallopt`` so that the heap serves repeated steps from memory already mapped.
 
-It is called in every rank that ``runtime.launch.run_ranks`` starts: the planned model, the
-DDP baseline in the same process, and every calibration measurement run alike, so the profile
-prices the steps the runtime executes. ``AUTOPAR_MALLOC=system`` keeps glibc's defaults.
+It is called in every rank that ``runtime.launch.run_ranks`` starts (and under torchrun), but
+only acts with ``AUTOPAR_MALLOC=keep``: glibc's defaults stay the default. Measured on the
+2-core machine (``benchmarks/bench_freed_memory.py``, ``bench_prediction.py``): one process
+steps 0.58-0.60x faster on the GNNs with it, but the multi-rank steps of ``autopar execute``
+measured the same either way, while the calibration's kernel loops got faster under it, so a
+profile measured with it under-predicted every plan (prediction benchmark: in-sample 15.4 /
+17.4 % against 6.1 % without). Calibrate and run with the same setting.
 Elsewhere than glibc (macOS, musl) it does nothing and says so by returning False.
 """
 
@@ -28,9 +32,9 @@ TRIM_THRESHOLD_BYTES = 2**30            # keep up to 1 GiB of free heap top mapp
 
 
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds in this process; True when both were set.
-    ``AUTOPAR_MALLOC=system`` (or anything but ``keep``) leaves the defaults."""
-    if os.environ.get("AUTOPAR_MALLOC", "keep").strip().lower() != "keep":
+    """With ``AUTOPAR_MALLOC=keep``, raise glibc's mmap and trim thresholds in this process;
+    True when both were set. Unset or anything else leaves glibc's defaults (False)."""
+    if os.environ.get("AUTOPAR_MALLOC", "system").strip().lower() != "keep":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
