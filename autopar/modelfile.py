@@ -10,6 +10,7 @@ distributed loss share (``DistModel.local_loss``) requires.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -146,6 +147,24 @@ def _peek(path: Path) -> _DeferredModule | None:
     return _DeferredModule(path, literals, assigned)
 
 
+@contextlib.contextmanager
+def model_env(env: dict[str, Any] | None):
+    """Environment variables a model file reads (its sizes: ``Plan.model_env``, a benchmark's
+    variant) set for the ``with`` block, then restored as they were; processes started
+    inside it inherit them."""
+    import os
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def load_model_file(path: str | Path, lazy: bool = False, env: dict[str, str] | None = None) -> ModelFile:
     """Import ``path`` as a module and check its entry points (ModelFileError otherwise).
     ``lazy``: defer the import until something beyond literal top-level names is needed
@@ -153,17 +172,8 @@ def load_model_file(path: str | Path, lazy: bool = False, env: dict[str, str] | 
     environment variables set while the file is imported, then restored (a padded GNN plan's
     sizes, ``Plan.model_env``; ignored with ``lazy``)."""
     if env and not lazy:
-        import os
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update({k: str(v) for k, v in env.items()})
-        try:
+        with model_env(env):
             return load_model_file(path)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"model file not found: {path}",

@@ -584,29 +584,6 @@ class PaddingOptions:
     warmup_steps: int | None = None
 
 
-class _env:
-    """Set environment variables for a block, then restore them."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values, self.saved = values, {}
-
-    def __enter__(self):
-        import os
-        for k, v in self.values.items():
-            self.saved[k] = os.environ.get(k)
-            os.environ[k] = v
-        return self
-
-    def __exit__(self, *exc):
-        import os
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        return False
-
-
 def shape_price_of(plan: Plan, nodes: int, edges: int, plan_file: str | None = None):
     """``ShapePrice`` of a plan made at padded shape (nodes, edges): its predicted step, and the
     priced compute of its layers split by the axis their output runs over (dim 1: ``edges`` ->
@@ -635,7 +612,7 @@ def make_padded_plan(model_file: str | Path, options: PlanOptions, padding: Padd
     from .artifacts import PaddingInfo
     from .cost import padding as pad
     from .cost.graph_sizes import load_graph_sizes
-    from .modelfile import load_model_file
+    from .modelfile import load_model_file, model_env
 
     hooks = hooks or PlanHooks()
     say = hooks.progress or (lambda s: None)
@@ -654,7 +631,7 @@ def make_padded_plan(model_file: str | Path, options: PlanOptions, padding: Padd
     plans: dict = {}
 
     def plan_at(b, opts, h):
-        with _env({env_names["nodes"]: str(b.nodes), env_names["edges"]: str(b.edges)}):
+        with model_env({env_names["nodes"]: str(b.nodes), env_names["edges"]: str(b.edges)}):
             return make_plan(model_file, opts, h)
 
     def price(b):

@@ -9,8 +9,10 @@ Two sets of plans, each at world 2 and 4 (gloo, CPU), measured with ``autopar ex
 * held-out (``HELDOUT``): CNNs written for this benchmark (``benchmarks/models/heldout_*.py``:
   a VGG-like stack with 5x5 convolutions, a bottleneck ResNet of odd widths, a 3-D CNN) whose
   shapes are never measured into the profile (on-demand measurement off): the generic kernel
-  models price them. (Transformer and GNN models join this list once their decompositions
-  exist.)
+  models price them; and the shipped Transformer and GNN examples (GPT, Hugging Face GPT-2,
+  the padded PCQM4M GNN, the untouched PyG NNConv model), whose shapes the fresh profile never
+  measured either: every GNN plan the shipped runs execute is among them, the memory-limited
+  ones included.
 
 By default both run on a FRESH quick profile made first (``calibrate --quick`` at world 4,
 timed: target <= 60 s), to which the in-sample models' exact shapes are then added, as
@@ -21,6 +23,7 @@ in-sample <= 10 %, Spearman >= 0.8 within each model.
 
     python benchmarks/bench_prediction.py [--calibration PROFILE] [--set both|in-sample|held-out]
                                           [--steps 8] [--full] [--refine] [--json OUT]
+                                          [--models gnn_pcqm4m,pyg_nnconv]
 
 A plan that runs the user's module natively (pure data parallelism, ``runtime.native``;
 ``cost.primitives.runtime_overhead_applies`` is False) is predicted with the natively measured
@@ -45,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "strategies/examples"
 MODELS = ROOT / "benchmarks/models"
+MODEL_FILTER: set[str] = set()      # --models: only these model files (stems), both sets
 
 # (label, model file, world, batch, kinds or None for all, force {layer: kind} or None)
 CANDIDATES = [
@@ -76,8 +80,16 @@ HELDOUT = [
     for what, kinds in (("ILP", None), ("sample-only", ["sample"]), ("replicate-only", ["replicate"]),
                         ("tensor/head", ["head", "sequence", "vocab", "filter", "row_parallel", "replicate"])
                         if name == "gpt" else ("edges/nodes", ["edges", "nodes", "replicate"]))
-] + [("hf_gpt2 ILP", EX / "hf_gpt2.py", 2, 4, None, None),
-     ("pyg_nnconv edges", EX / "pyg_nnconv.py", 2, None, ["edges", "nodes", "replicate"], None)]
+] + [("hf_gpt2 ILP", EX / "hf_gpt2.py", 2, 4, None, None)] + [
+    # every GNN plan the shipped runs execute (scripts/regenerate.sh), the untouched PyG model's
+    # included, and the memory-limited ones (issue 11); a 7th field: more plan options, and
+    # "env" for the model file
+    (f"pyg_nnconv {what}", EX / "pyg_nnconv.py", world, None, kinds, None)
+    for world in (2, 4)
+    for what, kinds in (("ILP", None), ("edges", ["edges", "nodes", "replicate"]))
+] + [("gnn_pcqm4m ILP 3 MiB", EX / "gnn_pcqm4m.py", 4, 2, None, None, {"memory_limit_bytes": 3 << 20}),
+     ("pyg_nnconv ILP 3 MiB", EX / "pyg_nnconv.py", 4, 2, None, None,
+      {"memory_limit_bytes": 3 << 20, "env": {"AUTOPAR_GNN_GRAPHS": "2"}})]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -91,6 +103,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
     from autopar.errors import AutoparError
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.modelfile import model_env
     from autopar.pipeline import make_plan
     rows = []
     # one discarded run first: the first processes after a pause (or after calibration) run slow
@@ -99,18 +112,24 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                                        out_dir=tmp / f"{tag}-warm"))
     execute(r0.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False), out_dir=tmp / f"{tag}-warm-run",
             progress=lambda s: None)
-    for i, (label, model, world, batch, kinds, force) in enumerate(candidates or CANDIDATES):
+    for i, row in enumerate(candidates or CANDIDATES):
+        label, model, world, batch, kinds, force = row[:6]
+        extra = dict(row[6]) if len(row) > 6 else {}
+        env = extra.pop("env", {})
         if only is not None and i not in only:
+            continue
+        if MODEL_FILTER and Path(model).stem not in MODEL_FILTER:
             continue
         if kinds and any(k not in REGISTRY for k in kinds):
             print(f"  skip {label}: kinds {kinds} not all registered")
             continue
         try:
-            r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=calibration,
-                                             out_dir=tmp / f"{tag}-plan{i}", kinds=kinds),
-                          PlanHooks(force=force))
-            run, _ = execute(r.plan_path, ExecuteOptions(steps=steps, warmup=2, ddp=False),
-                             out_dir=tmp / f"{tag}-run{i}", progress=lambda s: None)
+            with model_env(env):        # the model file reads it; the ranks inherit it
+                r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=calibration,
+                                                 out_dir=tmp / f"{tag}-plan{i}", kinds=kinds, **extra),
+                              PlanHooks(force=force))
+                run, _ = execute(r.plan_path, ExecuteOptions(steps=steps, warmup=2, ddp=False),
+                                 out_dir=tmp / f"{tag}-run{i}", progress=lambda s: None)
         except AutoparError as e:
             print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
             continue
@@ -307,7 +326,11 @@ def main(argv=None) -> int:
     ap.add_argument("--refine", action="store_true", help="refine the profile from the runs and re-predict")
     ap.add_argument("--json", help="write the figures to this JSON file")
     ap.add_argument("--keep", help="keep every plan and run under this folder (for analysis)")
+    ap.add_argument("--models", help="comma-separated model file stems (e.g. gnn_pcqm4m,pyg_nnconv): only "
+                                     "their plans, in both sets")
     args = ap.parse_args(argv)
+    if args.models:
+        MODEL_FILTER.update(args.models.split(","))
     import os
     out: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     print(f"load average at the start (1 / 5 / 15 min): {' / '.join(map(str, out['loadavg_start']))}"
