@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from autopar.cost.table import build_cost_table, layer_options, layer_signature
+from autopar.cost.table import _price_loss_move, build_cost_table, layer_options, layer_signature
 from autopar.decomp.base import CostContext
 from autopar.solve.brute import brute_force
 from autopar.solve.ilp import build_model, solve
@@ -23,11 +23,16 @@ def test_equal_layers_priced_once_match_each_layer_priced_alone(root, profile):
     table = build_cost_table(graph, ctx)
     sigs = [layer_signature(l) for l in graph.layers]
     assert len(set(sigs)) < len(sigs)            # the example has repeated blocks
-    for lay, o in zip(graph.layers, table.layers):
-        alone = layer_options(lay, ctx)
+    # each layer priced alone, then the whole-graph terms the table adds after pricing (the
+    # output's move into the loss layout, in the producing layer's choices)
+    alone_opts = _price_loss_move(graph, ctx, [layer_options(lay, ctx) for lay in graph.layers])
+    for lay, alone, o in zip(graph.layers, alone_opts, table.layers):
         assert [str(d) for d in alone.choices] == [str(d) for d in o.choices]
         assert alone.costs == o.costs
         assert alone.illegal == o.illegal         # reasons name the layer's own module
+    out_layer = graph.producer()[graph.output]
+    assert alone_opts[out_layer].costs != layer_options(graph.layers[out_layer], ctx).costs, \
+        "the example's output layer has a choice whose output must move into the loss layout"
 
 
 @pytest.mark.parametrize("seed", range(10))
