@@ -245,16 +245,28 @@ def fit_kernel_intensity(flops: Sequence[float], bytes_moved: Sequence[float], t
     return {"form": INTENSITY_FORM, "threshold_bytes_per_flop": threshold, **fit_with_heldout(X, times_s, seed)}
 
 
+def form_features(model: Mapping) -> Callable[[float, float], list[float]] | None:
+    """The features (of FLOPs and bytes) of a fitted model by its ``form``: the intensity
+    model (with its threshold), the cache-aware one, or "flat"; None for a form this autopar
+    does not know."""
+    form = model.get("form")
+    if form == INTENSITY_FORM:
+        return lambda f, b: intensity_features(f, b, model["threshold_bytes_per_flop"])
+    if form == CACHE_FORM:
+        return cache_features
+    if form == "flat":
+        return lambda f, b: [1.0, float(f), float(b)]
+    return None
+
+
 def model_features(k: Mapping) -> Callable[[float, float], list[float]]:
     """The features of the kernel model ``Profile.kernel_time_s`` uses for class entry ``k``
     (intensity, cache-aware or flat), for judging it per form."""
-    im = k.get("intensity_model")
-    if im and im.get("form") == INTENSITY_FORM:
-        return lambda f, b: intensity_features(f, b, im["threshold_bytes_per_flop"])
-    cm = k.get("cache_model")
-    if cm and cm.get("form") == CACHE_FORM:
-        return cache_features
-    return lambda f, b: [1.0, float(f), float(b)]
+    for m in (k.get("intensity_model"), k.get("cache_model")):
+        feats = form_features(m) if m else None
+        if feats is not None:
+            return feats
+    return form_features({"form": "flat"})
 
 
 def add_intensity_models(profile, min_samples: int = 12) -> list[str]:
@@ -319,16 +331,10 @@ def add_backward_models(profile, min_samples: int = 12) -> list[str]:
 def bwd_model_time_s(model: Mapping, flops: float, nbytes: float) -> float | None:
     """Seconds ``bwd_model`` (``add_backward_models``) prices a backward at, from the forward's
     FLOPs and bytes; None for a form this autopar does not know."""
-    form = model.get("form")
-    if form == INTENSITY_FORM:
-        f = intensity_features(flops, nbytes, model["threshold_bytes_per_flop"])
-    elif form == CACHE_FORM:
-        f = cache_features(flops, nbytes)
-    elif form == "flat":
-        f = [1.0, float(flops), float(nbytes)]
-    else:
+    feats = form_features(model)
+    if feats is None:
         return None
-    return float(sum(c * x for c, x in zip(model["coef"], f)))
+    return float(sum(c * x for c, x in zip(model["coef"], feats(flops, nbytes))))
 
 
 def add_shape_models(profile, min_samples: int = 12) -> list[str]:

@@ -22,6 +22,7 @@ It imports neither the solver nor the tracer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Sequence
 
@@ -400,10 +401,7 @@ class DistModel(nn.Module):
                 b = t_lay.local_bounds(target_full.shape, self.comm.rank, self.comm.world)
                 cut = cuts[tuple(target_full.shape)] = tuple(slice(s, s + e) for s, e in b)
             t = target_full[cut]
-        if vocab:
-            with self.loss_context():
-                loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
-        else:
+        with self.loss_context() if vocab else contextlib.nullcontext():
             loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
         return loss * (n_local / n_global / replicas)
 
