@@ -16,8 +16,10 @@ the asynchronous gradient allreduce keeps the isolated fit.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from dataclasses import dataclass
 
 
 def _rank(rank, world, iters, p=None):
@@ -107,7 +109,7 @@ def _kind_rank(rank, world, iters, p, kind):
 
 
 def measure_insitu_by_kind(world_sizes, iters: int = 30, timeout_s: float = 300.0,
-                           kappa: dict[str, float] | None = None,
+                           straggle: dict[str, Straggler] | None = None,
                            kinds=("all_to_all", "p2p")) -> dict[str, dict[str, dict[str, float]]]:
     """{kind: {str(w): {str(p): s}}}: ``measure_insitu_latency_s`` for the other blocking
     collectives the runtime issues (layout transitions: all-to-all; halos: neighbour p2p, p = 2).
@@ -116,15 +118,15 @@ def measure_insitu_by_kind(world_sizes, iters: int = 30, timeout_s: float = 300.
     over-priced transitions at 4 ranks about 2x."""
     return {kind: _latency_table(_kind_rank, world_sizes,
                                  (lambda w: range(2, w + 1)) if kind != "p2p" else (lambda w: [2]),
-                                 iters, timeout_s, kappa, kind)
+                                 iters, timeout_s, straggle, kind)
             for kind in kinds}
 
 
-def _latency_table(rank_fn, world_sizes, group_sizes, iters, timeout_s, kappa, *extra) -> dict[str, dict[str, float]]:
+def _latency_table(rank_fn, world_sizes, group_sizes, iters, timeout_s, straggle, *extra) -> dict[str, dict[str, float]]:
     """{str(w): {str(p): s}} from ``rank_fn(rank, w, iters, p, *extra)`` (``_time_variants``
     results) for each world w >= 2 and group size p in ``group_sizes(w)``::
 
-        latency(p, w) = (t_sync - t_local - kappa_w * t_local) / 2
+        latency(p, w) = (t_sync - t_local - wait_w(t_local)) / 2
 
     over the ranks that synchronised (the straggler share is priced with the compute)."""
     from ..runtime.launch import run_ranks
@@ -138,8 +140,8 @@ def _latency_table(rank_fn, world_sizes, group_sizes, iters, timeout_s, kappa, *
             in_groups = per_rank[: (w // p) * p]
             sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
             local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
-            k = (kappa or {}).get(str(w), 0.0)
-            res[str(w)][str(p)] = max(0.0, (sync - local - k * local) / 2.0)
+            st = (straggle or {}).get(str(w))
+            res[str(w)][str(p)] = max(0.0, (sync - local - (st.wait_s(local) if st else 0.0)) / 2.0)
     return res
 
 
@@ -150,8 +152,9 @@ def apply_insitu_by_kind(profile, latency_s: dict) -> None:
 
 
 def _straggle_rank(rank, world, iters, lengths):
-    """Per length L: the median time of L convolutions (forward and backward) alone, and of the
-    same followed by a one-float all-reduce over the world, interleaved twice."""
+    """Per length L: this rank's compute time (L convolutions, forward and backward) of each
+    of n synchronised rounds (each ends with a one-float all-reduce over the world, so round i
+    starts together on every rank), n = max(12, 3 iters / L)."""
     import torch
     import torch.distributed as dist
     torch.manual_seed(0)
@@ -160,58 +163,94 @@ def _straggle_rank(rank, world, iters, lengths):
     one = torch.ones(1)
     out = {}
     for L in lengths:
-        for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
-            def body():
-                for _ in range(L):
-                    torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
-                if sync:
-                    dist.all_reduce(one)
-            body()
-            dist.barrier()
-            ts = []
-            for _ in range(max(5, iters // L)):
-                t = time.perf_counter()
-                body()
-                ts.append(time.perf_counter() - t)
-            out[f"{name}_{L}"] = statistics.median(ts)
+        def compute():
+            for _ in range(L):
+                torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+        compute()
+        dist.barrier()
+        ts = []
+        for _ in range(max(12, (3 * iters) // L)):
+            t = time.perf_counter()
+            compute()
+            ts.append(time.perf_counter() - t)
+            dist.all_reduce(one)
+        out[L] = ts
     return out
 
 
-def measure_straggler(world_sizes, iters: int = 30, lengths=(1, 8), timeout_s: float = 300.0) -> dict[str, float]:
-    """{str(w): kappa}: with w ranks computing between synchronisations, a synchronisation waits
-    for the slowest, and the wait grows with the compute since the last one::
+@dataclass(frozen=True)
+class Straggler:
+    """How long a synchronisation of w ranks waits for the slowest after ``t`` seconds of
+    compute since the previous one: ``min(kappa t, sigma sqrt(t))`` (``cost.primitives``)."""
+    kappa: float           # wait per second of compute, short segments
+    sigma: float           # s^0.5: the spread of long segments, which grows as sqrt(t)
 
-        t_sync(L) - t_local(L) = latency + kappa * t_local(L)
+    def wait_s(self, compute_s: float) -> float:
+        t = max(0.0, compute_s)
+        return min(self.kappa * t, self.sigma * math.sqrt(t))
 
-    fitted from two segment lengths L (convolutions between one-float all-reduces). On
-    dedicated devices kappa is about 0; on a CPU whose cores the ranks (and gloo's threads)
-    share it is the step's straggler tax. The cost model multiplies multi-rank compute by
-    ``1 + kappa`` (``cost.primitives.straggler``)."""
+
+#: segment lengths (convolutions between two synchronisations) of ``measure_straggler``: the
+#: first two short (the linear regime; one convolution alone also waits a fixed part that the
+#: in-situ latency holds), the last long (about 130 ms with 4 ranks on 2 cores)
+STRAGGLER_LENGTHS = (2, 8, 32)
+
+
+def measure_straggler(world_sizes, iters: int = 30, lengths=STRAGGLER_LENGTHS,
+                      timeout_s: float = 300.0) -> dict[str, Straggler]:
+    """{str(w): Straggler}: with w ranks computing between synchronisations, each round lasts
+    as long as its slowest rank's compute, and the others wait. Measured within the same
+    rounds (``straggler_point``), the wait grows linearly over short segments (whole time
+    slices lost to the other ranks) and as the square root of the compute over long ones (the
+    ranks' compute times drift apart like sums of independent jitters). On the 2-core machine,
+    4 ranks: 3.2, 12.6, 21.7, 32.1 ms of wait after 15, 56, 243, 543 ms of convolutions
+    (0.21 t, then about 1.4 ms x sqrt(t / 1 ms)); 2 ranks about a third of that. Fitted as
+    ``min(kappa t, sigma sqrt(t))`` (``fit_straggler``). On dedicated devices both are about 0;
+    on a CPU whose cores the ranks (and gloo's threads) share they are the step's straggler tax
+    (``cost.primitives.price_stragglers``)."""
     from ..runtime.launch import run_ranks
-    lo, hi = lengths
     res = {}
     for w in world_sizes:
         if w < 2:
             continue
         per_rank = run_ranks(_straggle_rank, w, args=(iters, tuple(lengths)), timeout_s=timeout_s)
-
-        def med(key, L):
-            return statistics.median([min(r[f"{key}_{L}"], r[f"{key}2_{L}"]) for r in per_rank])
-        d_lo, d_hi = med("sync", lo) - med("local", lo), med("sync", hi) - med("local", hi)
-        span = med("local", hi) - med("local", lo)
-        res[str(w)] = float(min(2.0, max(0.0, (d_hi - d_lo) / span))) if span > 0 else 0.0
+        res[str(w)] = fit_straggler([straggler_point([r[L] for r in per_rank]) for L in lengths])
     return res
 
 
-def apply_straggler(profile, kappa: dict[str, float]) -> None:
-    profile.samples["straggler_kappa"] = {str(k): float(v) for k, v in kappa.items()}
+def straggler_point(rounds_by_rank) -> tuple[float, float]:
+    """(compute seconds, wait seconds) of one segment length from each rank's compute time per
+    synchronised round: a round lasts as long as its slowest rank's compute, so a rank waits
+    ``max_r c_r - c_self``. Medians over the rounds of the ranks' mean compute and mean wait:
+    measured within the same rounds, not as the difference of two separately timed runs,
+    which the machine's drift between them swamped."""
+    rounds = list(zip(*rounds_by_rank))
+    compute = statistics.median(statistics.fmean(r) for r in rounds)
+    wait = statistics.median(max(r) - statistics.fmean(r) for r in rounds)
+    return compute, wait
+
+
+def fit_straggler(points) -> Straggler:
+    """``measure_straggler``'s fit from (compute seconds, wait seconds) per segment length,
+    shortest first: kappa the median of wait / compute over all but the longest (clipped to
+    [0, 2]), sigma the longest's wait / sqrt(compute) (>= 0)."""
+    *short, (t_long, d_long) = points
+    ratios = [d / t for t, d in short if t > 0]
+    kappa = float(min(2.0, max(0.0, statistics.median(ratios)))) if ratios else 0.0
+    sigma = max(0.0, d_long) / math.sqrt(t_long) if t_long > 0 else 0.0
+    return Straggler(kappa, float(sigma))
+
+
+def apply_straggler(profile, straggle: dict[str, Straggler]) -> None:
+    profile.samples["straggler_kappa"] = {str(k): float(v.kappa) for k, v in straggle.items()}
+    profile.samples["straggler_sigma"] = {str(k): float(v.sigma) for k, v in straggle.items()}
 
 
 def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0,
-                             kappa: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+                             straggle: dict[str, Straggler] | None = None) -> dict[str, dict[str, float]]:
     """{str(w): {str(p): seconds per blocking collective among p ranks inside a step, with w
     ranks running}} for each world w in ``world_sizes`` (>= 2) and group size 2 <= p <= w."""
-    return _latency_table(_rank, world_sizes, lambda w: range(2, w + 1), iters, timeout_s, kappa)
+    return _latency_table(_rank, world_sizes, lambda w: range(2, w + 1), iters, timeout_s, straggle)
 
 
 def apply_insitu(profile, latency_s: dict[str, dict[str, float]]) -> None:
@@ -240,8 +279,10 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
     prof.provenance.setdefault("added", []).append(
         {"what": "in-situ blocking-collective latency per (group size, ranks running), straggler "
                  "factor per ranks running, optimizer step per tensor; re-measured "
-                 "(samples.insitu_latency_by_world_s, samples.straggler_kappa, kernels.optimizer_step)",
-         "latency_s": m["latency_s"], "latency_by_kind_s": m["by_kind"], "straggler_kappa": m["kappa"],
+                 "(samples.insitu_latency_by_world_s, samples.straggler_kappa, samples.straggler_sigma, "
+                 "kernels.optimizer_step)",
+         "latency_s": m["latency_s"], "latency_by_kind_s": m["by_kind"], "straggler_kappa": {w: st.kappa for w, st in m["straggler"].items()},
+         "straggler_sigma": {w: st.sigma for w, st in m["straggler"].items()},
          "optimizer_step": {k: m["optimizer"][k] for k in ("t0_s", "s_per_byte")},
          "iters": iters,
          "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -249,6 +290,11 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
          "by": "autopar.calibrate.insitu.remeasure"})
     save_profile(prof, profile_path)
     progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: {describe_step_costs(m)}")
+    from pathlib import Path
+
+    from .report import default_report_dir, write_report
+    if default_report_dir(profile_path).is_dir():     # keep the profile's report in step with it
+        progress(f"report rewritten: {write_report(prof, default_report_dir(profile_path), Path(profile_path).name)}")
 
 
 def measure_step_costs(prof, world: int, iters: int, launch=None) -> dict:
@@ -261,15 +307,15 @@ def measure_step_costs(prof, world: int, iters: int, launch=None) -> dict:
     from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
     worlds = range(2, world + 1)
-    kappa = measure_straggler(worlds, iters=iters)
-    apply_straggler(prof, kappa)
-    lat = measure_insitu_latency_s(worlds, iters=iters, kappa=kappa)
+    straggle = measure_straggler(worlds, iters=iters)
+    apply_straggler(prof, straggle)
+    lat = measure_insitu_latency_s(worlds, iters=iters, straggle=straggle)
     apply_insitu(prof, lat)
-    by_kind = measure_insitu_by_kind(worlds, iters=iters, kappa=kappa)
+    by_kind = measure_insitu_by_kind(worlds, iters=iters, straggle=straggle)
     apply_insitu_by_kind(prof, by_kind)
     opt = launch(_optimizer_rank, 1, ())[0]
     add_optimizer_step(prof, opt)
-    return {"kappa": kappa, "latency_s": lat, "by_kind": by_kind, "optimizer": opt}
+    return {"straggler": straggle, "latency_s": lat, "by_kind": by_kind, "optimizer": opt}
 
 
 def describe_step_costs(m: dict) -> str:
@@ -278,7 +324,8 @@ def describe_step_costs(m: dict) -> str:
         return ", ".join(f"p={p} of {w} {s * 1e3:.2f} ms" for w, row in t.items() for p, s in row.items())
     return (f"allreduce: {table(m['latency_s'])}; " +
             "; ".join(f"{kind}: {table(t)}" for kind, t in m["by_kind"].items()) +
-            "; straggler kappa " + ", ".join(f"{w} ranks {k:.3f}" for w, k in m["kappa"].items()) +
+            "; straggler " + ", ".join(f"{w} ranks kappa {st.kappa:.3f} sigma {st.sigma:.4f} s^0.5"
+                                       for w, st in m["straggler"].items()) +
             f"; optimizer {m['optimizer']['t0_s'] * 1e6:.1f} us per tensor, "
             f"{m['optimizer']['s_per_byte'] * 1e12:.1f} ps per byte")
 

@@ -124,10 +124,13 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                   f"{opt['s_per_byte'] * 1e12:.2f} ps per parameter byte (held-out median "
                   f"{_pct(opt.get('heldout_median_rel_err'))}, max {_pct(opt.get('heldout_max_rel_err'))})."]
     kappa = profile.samples.get("straggler_kappa") or {}
+    sigma = profile.samples.get("straggler_sigma") or {}
     if kappa:
-        lines += ["", "Straggler factor (wait at a synchronisation per second of compute since the last, "
-                  "`calibrate.insitu.measure_straggler`): " +
-                  ", ".join(f"{w} ranks {float(k):.3f}" for w, k in sorted(kappa.items(), key=lambda kv: int(kv[0]))) + "."]
+        lines += ["", "Straggler wait at a synchronisation after t seconds of compute since the last one: "
+                  "min(kappa t, sigma sqrt(t)) (`calibrate.insitu.measure_straggler`): " +
+                  ", ".join(f"{w} ranks kappa {float(k):.3f}" + (f", sigma {float(sigma[w]):.4f} s^0.5" if w in sigma else "")
+                            for w, k in sorted(kappa.items(), key=lambda kv: int(kv[0]))) +
+                  ("" if sigma else " (no sigma: the profile predates it, all compute is charged 1 + kappa)") + "."]
     lines += ["", "## Collectives", "",
               "Time = a(p) alpha + b(p) bytes beta (terms per kind in `calibrate.profile`).", "",
               "| kind | level | p | alpha | beta (GB/s) | held-out median | held-out max | measured | source |",

@@ -4,11 +4,28 @@ Compute of one op on a local shape (the slowest rank holds block 0, the largest)
 
     t_phase = profile.exact_time_s(shape_key, phase)                       if measured ("exact")
             = profile.kernel_time_s(class(op, phase), flops, bytes)        otherwise ("fit")
-    t       = t_phase * profile.slowdown(ranks_on_node) * (1 + kappa(ranks_on_node))
+    t       = t_phase * profile.slowdown(ranks_on_node)
 
-``kappa`` (``straggler``, world > 1 only): ranks that synchronise wait for the slowest, which on
-shared cores costs a measured share of the compute between synchronisations. A profile refined
-from runs (``calibrate.refine``) also multiplies by its ``compute_drift`` of that many ranks.
+Stragglers (``StragglerCharge``, world > 1 only): ranks that synchronise wait for the slowest.
+On shared cores the wait after t seconds of compute since the last synchronisation is::
+
+    wait(t) = min(kappa * t, sigma * sqrt(t))
+
+(``calibrate.insitu.measure_straggler``: linear over short segments, then growing as the square
+root; with 4 ranks on 2 cores 3 ms after 15 ms of compute, 32 ms after 543 ms). A layer choice
+pays ``wait`` of each phase in which it issues a blocking collective (``fwd_comm_s`` /
+``bwd_comm_s`` > 0), added to that phase's comm. The compute of phases that synchronise nothing
+runs on to the step's closing synchronisation (the last gradient all-reduce); that wait,
+``wait(U)`` of the plan's unsynchronised compute U, is not linear in the layers' choices, so
+it is priced by its tangent at U0, the unsynchronised compute of the pure data-parallel plan::
+
+    wait(U) ~ wait(U0) + wait'(U0) (U - U0) = closing_s + rate * U
+
+``rate`` multiplies each unsynchronised phase's compute and ``closing_s`` is paid once by every
+plan: exact for data parallelism, at most ``wait(U0) / 2`` too high for a plan that
+synchronises in every layer. A profile measured before sigma (no ``straggler_sigma``)
+multiplies all compute by ``1 + kappa`` instead, as autopar did then. A profile refined from
+runs (``calibrate.refine``) also multiplies compute by its ``compute_drift`` of that many ranks.
 
 FLOPs, bytes and the kernel class of an op come from its op family (``autopar.ops``, the
 formula in each family's docstring): e.g. convolution ``2 * N * F * prod(out_spatial) * C/g *
@@ -40,6 +57,8 @@ assumed to keep their first input. This is the ``activation_bytes`` term of ever
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..calibrate.exact_ops import op_key, op_spec
@@ -183,10 +202,65 @@ def runtime_overhead_s(prof, kind: str, native: bool = False) -> float:
 
 
 def _compute_slowdown(ctx) -> float:
-    """The factor every local compute time is multiplied by (module docstring)."""
+    """The factor every local compute time is multiplied by (module docstring); ``1 + kappa``
+    only for profiles measured before sigma."""
     prof = ctx.profile
-    return prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if ctx.world > 1 else 1.0) \
+    legacy = ctx.world > 1 and straggler_sigma(prof, ctx.ranks_on_node) is None
+    return prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if legacy else 1.0) \
         * compute_drift(prof, ctx.ranks_on_node)
+
+
+def unsynced_compute_s(cost) -> float:
+    """Compute of the phases of ``cost`` (a ``LayerCost``) that issue no blocking collective."""
+    return (cost.fwd_compute_s if cost.fwd_comm_s <= 0 else 0.0) + (cost.bwd_compute_s if cost.bwd_comm_s <= 0 else 0.0)
+
+
+@dataclass(frozen=True)
+class StragglerCharge:
+    """The straggler wait as a table prices it (module docstring)."""
+    kappa: float
+    sigma: float                       # s^0.5
+    rate: float                        # per second of unsynchronised compute
+    closing_s: float                   # paid once by every plan
+    reference_s: float                 # U0
+
+    def wait_s(self, compute_s: float) -> float:
+        t = max(0.0, compute_s)
+        return min(self.kappa * t, self.sigma * math.sqrt(t))
+
+    def apply(self, cost):
+        """``cost`` with its phases' waits: added to the comm of a phase that synchronises,
+        ``rate`` times the compute of one that does not."""
+        from dataclasses import replace
+        f_sync, b_sync = cost.fwd_comm_s > 0, cost.bwd_comm_s > 0
+        return replace(cost,
+                       fwd_compute_s=cost.fwd_compute_s * (1.0 if f_sync else 1.0 + self.rate),
+                       bwd_compute_s=cost.bwd_compute_s * (1.0 if b_sync else 1.0 + self.rate),
+                       fwd_comm_s=cost.fwd_comm_s + (self.wait_s(cost.fwd_compute_s) if f_sync else 0.0),
+                       bwd_comm_s=cost.bwd_comm_s + (self.wait_s(cost.bwd_compute_s) if b_sync else 0.0))
+
+    def to_json(self) -> dict[str, float]:
+        return {"kappa": self.kappa, "sigma": self.sigma, "rate": self.rate,
+                "closing_s": self.closing_s, "reference_unsynced_compute_s": self.reference_s}
+
+
+def straggler_charge(ctx, reference_s: float) -> StragglerCharge | None:
+    """The charge of ``ctx``'s world, linearised at ``reference_s`` of unsynchronised compute
+    (module docstring); None on one rank and for profiles measured before sigma (their compute
+    carries ``1 + kappa``)."""
+    if ctx.world < 2:
+        return None
+    sigma = straggler_sigma(ctx.profile, ctx.ranks_on_node)
+    if sigma is None:
+        return None
+    kappa = straggler(ctx.profile, ctx.ranks_on_node)
+    u0 = max(0.0, reference_s)
+    if kappa * u0 <= sigma * math.sqrt(u0):       # still in the linear regime at U0
+        rate, closing = kappa, 0.0
+    else:
+        rate = sigma / (2.0 * math.sqrt(u0))
+        closing = sigma * math.sqrt(u0) - rate * u0
+    return StragglerCharge(kappa, sigma, rate, closing, u0)
 
 
 def runtime_overhead_applies(graph, decisions, world: int, batch_norm=None, batch_size: int | None = None) -> bool:
@@ -258,6 +332,17 @@ def straggler(prof, ranks_on_node: int) -> float:
     table = _samples(prof).get("straggler_kappa")
     if not table or ranks_on_node < 2:
         return 0.0
+    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
+    return float(table[str(w)])
+
+
+def straggler_sigma(prof, ranks_on_node: int) -> float | None:
+    """sigma (s^0.5) of ``calibrate.insitu.measure_straggler`` for the nearest measured number
+    of ranks running: the wait for the slowest grows as ``sigma sqrt(t)`` over long stretches of
+    compute; None when the profile was measured before sigma (or measured no straggler)."""
+    table = _samples(prof).get("straggler_sigma")
+    if not table or ranks_on_node < 2:
+        return None
     w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
     return float(table[str(w)])
 

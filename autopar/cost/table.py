@@ -36,6 +36,7 @@ from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.buckets import layer_buckets
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
 from ..decomp.transition import EXACT_WORLD, transition_s
+from .primitives import StragglerCharge, straggler_charge, unsynced_compute_s
 
 
 @dataclass
@@ -89,11 +90,12 @@ class CostTable:
     edges: list[EdgeOptions] | None
     topo: list[int]              # layer indices in execution order
     buckets: dict[int, int] | None = None   # layer -> gradient bucket (runtime.gradsync.layer_buckets)
+    straggle: StragglerCharge | None = None  # the straggler wait in the prices (price_stragglers)
 
     def ensure_edges(self) -> "CostTable":
         """Price the transitions if ``build_cost_table`` left them out; returns self."""
         if self.edges is None:
-            self.edges = _build_edges(self.graph, self.ctx, self.layers)
+            self.edges = _edge_waits(_build_edges(self.graph, self.ctx, self.layers), self.layers, self.straggle)
         return self
 
     def bucket_of(self) -> dict[int, int]:
@@ -376,8 +378,10 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
                 "allow more decomposition kinds, or change the world size or batch size")
     opts = _count_tied_once(opts, ctx)
     opts = _price_loss_move(graph, ctx, opts)
+    opts, charge = price_stragglers(graph, ctx, opts)
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
-    table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets)
+    table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets,
+                      straggle=charge)
     return table.ensure_edges() if edges else table
 
 
@@ -417,6 +421,36 @@ def _price_loss_move(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
     out = list(opts)
     out[li] = replace(o, costs=costs)
     return out
+
+
+def price_stragglers(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions],
+                     topo: list[int] | None = None) -> tuple[list[LayerOptions], StragglerCharge | None]:
+    """The straggler wait (``cost.primitives``, ``StragglerCharge``) added to every choice, and
+    its closing wait to every choice of the first layer in execution order (whose backward ends
+    the step), so that the ILP, the solvers' bounds and ``evaluate`` all count it; linearised at
+    the unsynchronised compute of the pure data-parallel plan (``cost.native.native_choice``),
+    or, where there is none, of the plan of each layer's least compute. New option objects, as
+    ``_price_loss_move``. Returns the options and the charge (None: nothing to add)."""
+    from .native import native_choice
+    if ctx.world < 2 or not opts:
+        return opts, None
+    probe = CostTable(graph, ctx, opts, None, topo=topo or [lay.index for lay in graph.layers])
+    dp = native_choice(probe)
+    if dp is not None:
+        ref = sum(unsynced_compute_s(o.costs[i]) for o, i in zip(opts, dp))
+    else:
+        ref = sum(min(c.fwd_compute_s + c.bwd_compute_s for c in o.costs) for o in opts)
+    charge = straggler_charge(ctx, ref)
+    if charge is None:
+        return opts, None
+    first = (topo or [lay.index for lay in graph.layers])[0]
+    out = []
+    for k, o in enumerate(opts):
+        costs = [charge.apply(c) for c in o.costs]
+        if k == first and charge.closing_s > 0:
+            costs = [replace(c, bwd_comm_s=c.bwd_comm_s + charge.closing_s) for c in costs]
+        out.append(replace(o, costs=costs))
+    return out, charge
 
 
 def _count_tied_once(opts: list[LayerOptions], ctx: CostContext) -> list[LayerOptions]:
@@ -518,6 +552,41 @@ def _build_edges(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOption
             edge_cache[key] = _edge_prices(src, dst, shape, item, ctx, pair_cache, local_pairs)
         fwd, bwd = edge_cache[key]
         edges.append(EdgeOptions(u, v, value, [list(r) for r in fwd], [list(r) for r in bwd]))
+    return edges
+
+
+def _edge_waits(edges: list[EdgeOptions], opts: list[LayerOptions],
+                charge: StragglerCharge | None) -> list[EdgeOptions]:
+    """A transition is a blocking collective too: in forward it ends its producer's stretch
+    of compute, in backward its consumer's. Where that phase synchronises nothing of its own
+    (priced at ``charge.rate``, ``price_stragglers``), a transition that moves data (price > 0)
+    adds the difference between the phase's own wait and that rate: ``wait(t) - rate t``
+    (>= 0), t the phase's compute."""
+    if charge is None:
+        return edges
+    import numpy as np
+
+    def extra(costs, phase):
+        out = np.zeros(len(costs))
+        for i, c in enumerate(costs):
+            comm, comp = (c.fwd_comm_s, c.fwd_compute_s) if phase == "fwd" else (c.bwd_comm_s, c.bwd_compute_s)
+            if comm <= 0:
+                t = comp / (1.0 + charge.rate)
+                out[i] = max(0.0, charge.wait_s(t) - charge.rate * t)
+        return out
+
+    fwd_extra: dict[int, np.ndarray] = {}
+    bwd_extra: dict[int, np.ndarray] = {}
+    for e in edges:
+        if e.src not in fwd_extra:
+            fwd_extra[e.src] = extra(opts[e.src].costs, "fwd")
+        if e.dst not in bwd_extra:
+            bwd_extra[e.dst] = extra(opts[e.dst].costs, "bwd")
+        a, b = fwd_extra[e.src], bwd_extra[e.dst]
+        f, g = np.asarray(e.fwd_s, dtype=float), np.asarray(e.bwd_s, dtype=float)
+        if f.size and (a.any() or b.any()):
+            e.fwd_s = (f + (f > 0) * a[:, None]).tolist()
+            e.bwd_s = (g + (g > 0) * b[None, :]).tolist()
     return edges
 
 

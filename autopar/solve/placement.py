@@ -189,6 +189,7 @@ def gain_bound_s(table, base_ctx: CostContext) -> float:
         best = 0.0
         for dec, c in zip(o.choices, o.costs):
             b = dec.cost(o.layer, base_ctx)
+            b = table.straggle.apply(b) if table.straggle is not None else b
             d = sum(max(0.0, getattr(b, t) - getattr(c, t)) for t in TIME_TERMS)
             best = max(best, d)
         seen[key] = best

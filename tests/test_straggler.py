@@ -1,0 +1,102 @@
+"""The straggler wait (``cost.primitives``): a synchronisation waits for the slowest rank
+``min(kappa t, sigma sqrt(t))`` after t seconds of compute since the last one. A layer choice
+pays it in each phase whose blocking collective it issues; the compute of phases that
+synchronise nothing runs on to the step's closing synchronisation, priced by the tangent of the
+wait at the data-parallel plan's unsynchronised compute; a profile measured before sigma
+charges all compute 1 + kappa as before."""
+
+import dataclasses
+import math
+
+import pytest
+
+from autopar.calibrate.insitu import Straggler, apply_straggler, fit_straggler, straggler_point
+from autopar.cost import primitives as prim
+from autopar.decomp.base import CostContext, LayerCost
+
+
+def _ctx(profile, world=4):
+    from autopar.decomp.bn import BatchNormStats
+    return CostContext(profile=profile, world=world, ranks_per_node=world, batch_size=8,
+                       batch_norm=BatchNormStats("local", 8 // world))
+
+
+def test_wait_is_linear_then_square_root():
+    st = Straggler(kappa=0.2, sigma=0.05)
+    assert st.wait_s(0.01) == pytest.approx(0.002)                 # 0.2 t < 0.05 sqrt(t)
+    assert st.wait_s(0.5) == pytest.approx(0.05 * math.sqrt(0.5))  # beyond t* = (sigma / kappa)^2
+    assert st.wait_s(0.0) == 0.0
+
+
+def test_charge_per_phase(profile):
+    apply_straggler(profile, {"4": Straggler(kappa=0.2, sigma=0.05)})
+    ctx = _ctx(profile)
+    ch = prim.straggler_charge(ctx, reference_s=0.5)
+    # tangent of 0.05 sqrt(U) at U0 = 0.5: exact there, half of it at U = 0
+    assert ch.rate == pytest.approx(0.05 / (2 * math.sqrt(0.5)))
+    assert ch.closing_s == pytest.approx(0.05 * math.sqrt(0.5) / 2)
+    assert ch.closing_s + ch.rate * 0.5 == pytest.approx(ch.wait_s(0.5))
+    c = LayerCost(fwd_compute_s=0.01, bwd_compute_s=0.4, fwd_comm_s=0.001, bwd_comm_s=0.0)
+    p = ch.apply(c)
+    assert p.fwd_compute_s == c.fwd_compute_s                                  # forward synchronises:
+    assert p.fwd_comm_s == pytest.approx(0.001 + 0.2 * 0.01)                   # its own wait
+    assert p.bwd_comm_s == 0.0 and p.bwd_compute_s == pytest.approx(0.4 * (1 + ch.rate))  # runs on
+    # a plan short enough to stay linear: the rate is kappa and nothing closes
+    short = prim.straggler_charge(ctx, reference_s=0.01)
+    assert short.rate == pytest.approx(0.2) and short.closing_s == 0.0
+    # compute itself is no longer multiplied by 1 + kappa; one rank waits for nobody
+    assert prim._compute_slowdown(ctx) == pytest.approx(profile.slowdown(4))
+    assert prim.straggler_charge(_ctx(profile, world=1), 0.5) is None
+
+
+def test_profile_without_sigma_keeps_the_linear_factor(profile):
+    profile.samples["straggler_kappa"] = {"4": 0.5}
+    profile.samples.pop("straggler_sigma", None)
+    ctx = _ctx(profile)
+    assert prim.straggler_charge(ctx, 0.5) is None
+    assert prim._compute_slowdown(ctx) == pytest.approx(profile.slowdown(4) * 1.5)
+
+
+def test_data_parallel_plan_pays_the_wait_of_its_whole_step_once(root, profile):
+    """The tangent is exact at the data-parallel plan: its forward + backward grow by exactly
+    wait(U0) (U0 its unsynchronised compute, every layer of it here); the closing part sits in
+    the first layer's backward under all its choices; the solver still minimises evaluate."""
+    from autopar.cost.native import native_choice
+    from autopar.cost.primitives import unsynced_compute_s
+    from autopar.cost.table import build_cost_table, evaluate
+    from autopar.modelfile import load_model_file
+    from autopar.solve.ilp import solve
+    from autopar.trace.tracer import trace_model
+    g = trace_model(load_model_file(root / "strategies/examples/resnet2d.py"), 8)
+    profile.samples["straggler_kappa"] = {"4": 0.0}
+    profile.samples.pop("straggler_sigma", None)
+    bare = build_cost_table(g, _ctx(profile))
+    apply_straggler(profile, {"4": Straggler(kappa=1.0, sigma=0.01)})
+    charged = build_cost_table(g, _ctx(profile))
+    dp = native_choice(bare)
+    u0 = sum(unsynced_compute_s(o.costs[i]) for o, i in zip(bare.layers, dp))
+    assert charged.straggle.reference_s == pytest.approx(u0)
+    assert evaluate(charged, dp).step_time_s >= evaluate(bare, dp).step_time_s
+    assert evaluate(charged, dp).fwd_s + evaluate(charged, dp).bwd_s == pytest.approx(
+        evaluate(bare, dp).fwd_s + evaluate(bare, dp).bwd_s + 0.01 * math.sqrt(u0))
+    for c, c0 in zip(charged.layers[0].costs, bare.layers[0].costs):
+        assert c.bwd_comm_s >= c0.bwd_comm_s + charged.straggle.closing_s - 1e-15
+    sol = solve(charged)
+    assert sol.objective_s == pytest.approx(evaluate(charged, sol.choice).step_time_s)
+    assert sol.objective_s <= evaluate(charged, dp).step_time_s + 1e-12
+
+
+def test_fit_from_rounds():
+    """``straggler_point`` reads the wait within the same rounds; ``fit_straggler`` takes kappa
+    from the short segments and sigma from the long one (the waits measured on the 2-core
+    machine with 4 ranks: 2.1, 7.1, 18.3 ms after 7.1, 34.7, 126.6 ms of compute)."""
+    # two ranks, three rounds: the slower one sets each round
+    t, d = straggler_point([[1.0, 2.0, 3.0], [1.5, 2.0, 2.0]])
+    assert t == pytest.approx(2.0) and d == pytest.approx(0.25)
+    st = fit_straggler([(7.1e-3, 2.14e-3), (34.7e-3, 7.13e-3), (126.6e-3, 18.32e-3)])
+    assert st.kappa == pytest.approx((2.14 / 7.1 + 7.13 / 34.7) / 2)
+    assert st.sigma == pytest.approx(18.32e-3 / math.sqrt(126.6e-3))
+    assert st.wait_s(126.6e-3) == pytest.approx(18.32e-3)
+    # waits that never grew: nothing to charge
+    flat = fit_straggler([(1e-3, -1e-4), (4e-3, 0.0), (16e-3, -1e-3)])
+    assert flat.kappa == 0.0 and flat.sigma == 0.0
