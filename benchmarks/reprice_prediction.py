@@ -7,12 +7,16 @@ On a loaded machine the measured steps move with the load while the predictions 
 the medians of two bench runs made at different times compare the load as much as the model;
 repricing the same runs isolates the model change.
 
-    python benchmarks/reprice_prediction.py DIR [--out FILE] [--before per-op-overhead|conv-one-model]
+    python benchmarks/reprice_prediction.py DIR [--out FILE] [--before per-op-overhead|conv-one-model|linear-straggler]
 
 ``--before conv-one-model``: "before" is the same profile with its convolution shape models
 fitted as one model over both of torch's CPU convolution paths (``fit.fit_conv_shape`` with
 ``split_paths=False``, what ``conv_shape/1`` did) instead of the single per-op overhead; both
 fitted on the profile's sweep rows only, as ``calibrate`` fits them.
+
+``--before linear-straggler``: "before" is the same profile without its straggler sigma, so
+the cost model multiplies all multi-rank compute by ``1 + kappa`` (what it did before the wait
+was priced per segment, ``cost.primitives``), with the same measured kappa.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", help="the --keep folder of a bench_prediction.py run (its fresh-quick.json included)")
     ap.add_argument("--out", help="write the table and medians here too")
-    ap.add_argument("--before", choices=["per-op-overhead", "conv-one-model"], default="per-op-overhead",
+    ap.add_argument("--before", choices=["per-op-overhead", "conv-one-model", "linear-straggler"],
+                    default="per-op-overhead",
                     help="what the 'before' prediction undoes (module docstring)")
     args = ap.parse_args(argv)
     d = Path(args.dir)
@@ -90,6 +95,10 @@ def main(argv=None) -> int:
         prof_new = d / "fresh-quick-conv-two-paths.json"
         atomic_write_text(prof_new, json.dumps(raw))
         prof_old = d / "fresh-quick-conv-one-model.json"
+    elif args.before == "linear-straggler":
+        old = copy.deepcopy(raw)
+        old["samples"].pop("straggler_sigma", None)
+        prof_old = d / "fresh-quick-linear-straggler.json"
     else:
         old = copy.deepcopy(raw)
         for key in ("by_family", "native_by_family"):
@@ -123,7 +132,8 @@ def main(argv=None) -> int:
                 mr = [r for r in rs if r["model"] == mdl]
                 if len(mr) > 2:
                     per[mdl] = round(_spearman([r[key] for r in mr], [r["measured_s"] for r in mr]), 3)
-            what = "per-op overhead" if args.before == "per-op-overhead" else "convolution model"
+            what = {"per-op-overhead": "per-op overhead", "conv-one-model": "convolution model",
+                    "linear-straggler": "straggler wait"}[args.before]
             lines.append(f"{title} ({len(rs)} runs), {what} {'as before' if key == 'before_s' else 'now'}: "
                          f"median |error| {100 * err:.1f} %, Spearman within models {per}")
             print(lines[-1])

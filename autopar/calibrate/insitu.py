@@ -7,11 +7,14 @@ cores shared with the communication threads: it costs more. This measures it the
 runtime meets it: a convolution followed by a synchronised batch norm, forward and backward (two
 collectives), against the same with a local batch norm, for each group size p:
 
-    latency_insitu(p) = (t_sync - t_local) / 2
+    latency_insitu(p) = (t_sync - t_local - straggler wait) / 2
 
 stored in the profile (``apply_insitu``). The cost model prices a blocking collective as
 ``max(isolated fit, latency_insitu(p) + its bandwidth term)`` (``cost.primitives.blocking_s``);
-the asynchronous gradient allreduce keeps the isolated fit.
+the asynchronous gradient allreduce keeps the isolated fit. The same for the other blocking
+kinds (``KIND_GROUPS``), and the straggler wait itself (``measure_straggler``): all of it in one
+launch of w ranks per world w (``measure_in_situ``), since starting w processes and their
+process group costs about as much as one quantity's measurement.
 """
 
 from __future__ import annotations
@@ -108,41 +111,56 @@ def _kind_rank(rank, world, iters, p, kind):
     return _time_variants(body, len(ranks) > 1, iters)
 
 
-def measure_insitu_by_kind(world_sizes, iters: int = 30, timeout_s: float = 300.0,
-                           straggle: dict[str, Straggler] | None = None,
-                           kinds=("all_to_all", "p2p")) -> dict[str, dict[str, dict[str, float]]]:
-    """{kind: {str(w): {str(p): s}}}: ``measure_insitu_latency_s`` for the other blocking
-    collectives the runtime issues (layout transitions: all-to-all; halos: neighbour p2p, p = 2).
-    On the 2-core machine they wait less than a batch-norm all-reduce (fewer dependent steps
-    for a descheduled peer to hold up), and pricing them with the all-reduce's latency
-    over-priced transitions at 4 ranks about 2x."""
-    return {kind: _latency_table(_kind_rank, world_sizes,
-                                 (lambda w: range(2, w + 1)) if kind != "p2p" else (lambda w: [2]),
-                                 iters, timeout_s, straggle, kind)
-            for kind in kinds}
+#: the blocking collectives measured in situ besides the all-reduce (layout transitions:
+#: all-to-all; halos: neighbour exchange, p = 2), and their group sizes with w ranks running.
+#: On the 2-core machine they wait less than a batch-norm all-reduce (fewer dependent steps for
+#: a descheduled peer to hold up), and pricing them with the all-reduce's latency over-priced
+#: transitions at 4 ranks about 2x.
+KIND_GROUPS = {"all_to_all": lambda w: range(2, w + 1), "p2p": lambda w: [2]}
 
 
-def _latency_table(rank_fn, world_sizes, group_sizes, iters, timeout_s, straggle, *extra) -> dict[str, dict[str, float]]:
-    """{str(w): {str(p): s}} from ``rank_fn(rank, w, iters, p, *extra)`` (``_time_variants``
-    results) for each world w >= 2 and group size p in ``group_sizes(w)``::
+def _step_costs_rank(rank, world, iters, lengths):
+    """What ``measure_in_situ`` measures with ``world`` ranks running, in one process group
+    (one start-up of w processes instead of one per quantity): the straggler rounds, then per
+    group size p the all-reduce (``_rank``) and each kind of ``KIND_GROUPS`` (``_kind_rank``)."""
+    out = {"straggler": _straggle_rank(rank, world, iters, lengths)}
+    for p in range(2, world + 1):
+        out[("allreduce", p)] = _rank(rank, world, iters, p)
+    for kind, groups in KIND_GROUPS.items():
+        for p in groups(world):
+            out[(kind, p)] = _kind_rank(rank, world, iters, p, kind)
+    return out
 
-        latency(p, w) = (t_sync - t_local - wait_w(t_local)) / 2
 
-    over the ranks that synchronised (the straggler share is priced with the compute)."""
+def _latency_s(per_rank, w: int, p: int, key, straggle: "Straggler | None") -> float:
+    """latency(p, w) = (t_sync - t_local - wait_w(t_local)) / 2 over the ranks that
+    synchronised (the straggler share is priced with the compute)."""
+    in_groups = [r[key] for r in per_rank[: (w // p) * p]]
+    sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
+    local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
+    return max(0.0, (sync - local - (straggle.wait_s(local) if straggle else 0.0)) / 2.0)
+
+
+def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, lengths=None):
+    """(straggler, all-reduce latency, latency by kind) for each world w >= 2 of
+    ``world_sizes``, one launch of w ranks each (``_step_costs_rank``):
+    ``{str(w): Straggler}`` (``measure_straggler``), ``{str(w): {str(p): s}}`` per blocking
+    all-reduce among p ranks inside a step with w running, and ``{kind: the same}``."""
     from ..runtime.launch import run_ranks
-    res: dict[str, dict[str, float]] = {}
+    lengths = tuple(lengths or STRAGGLER_LENGTHS)
+    straggle: dict[str, Straggler] = {}
+    lat: dict[str, dict[str, float]] = {}
+    by_kind: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KIND_GROUPS}
     for w in world_sizes:
         if w < 2:
             continue
-        res[str(w)] = {}
-        for p in group_sizes(w):
-            per_rank = run_ranks(rank_fn, w, args=(iters, p, *extra), timeout_s=timeout_s)
-            in_groups = per_rank[: (w // p) * p]
-            sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
-            local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
-            st = (straggle or {}).get(str(w))
-            res[str(w)][str(p)] = max(0.0, (sync - local - (st.wait_s(local) if st else 0.0)) / 2.0)
-    return res
+        per_rank = run_ranks(_step_costs_rank, w, args=(iters, lengths), timeout_s=timeout_s)
+        st = straggle[str(w)] = fit_straggler([straggler_point([r["straggler"][L] for r in per_rank])
+                                                for L in lengths])
+        lat[str(w)] = {str(p): _latency_s(per_rank, w, p, ("allreduce", p), st) for p in range(2, w + 1)}
+        for kind, groups in KIND_GROUPS.items():
+            by_kind[kind][str(w)] = {str(p): _latency_s(per_rank, w, p, (kind, p), st) for p in groups(w)}
+    return straggle, lat, by_kind
 
 
 def apply_insitu_by_kind(profile, latency_s: dict) -> None:
@@ -246,11 +264,11 @@ def apply_straggler(profile, straggle: dict[str, Straggler]) -> None:
     profile.samples["straggler_sigma"] = {str(k): float(v.sigma) for k, v in straggle.items()}
 
 
-def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0,
-                             straggle: dict[str, Straggler] | None = None) -> dict[str, dict[str, float]]:
-    """{str(w): {str(p): seconds per blocking collective among p ranks inside a step, with w
-    ranks running}} for each world w in ``world_sizes`` (>= 2) and group size 2 <= p <= w."""
-    return _latency_table(_rank, world_sizes, lambda w: range(2, w + 1), iters, timeout_s, straggle)
+def measure_insitu_latency_s(world_sizes, iters: int = 30, timeout_s: float = 300.0) -> dict[str, dict[str, float]]:
+    """{str(w): {str(p): seconds per blocking all-reduce among p ranks inside a step, with w
+    ranks running}} for each world w in ``world_sizes`` (>= 2) and group size 2 <= p <= w
+    (``measure_in_situ``)."""
+    return measure_in_situ(world_sizes, iters, timeout_s)[1]
 
 
 def apply_insitu(profile, latency_s: dict[str, dict[str, float]]) -> None:
@@ -297,21 +315,19 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
         progress(f"report rewritten: {write_report(prof, default_report_dir(profile_path), Path(profile_path).name)}")
 
 
-def measure_step_costs(prof, world: int, iters: int, launch=None) -> dict:
-    """Measure into ``prof`` what a step meets beyond its kernels, for 2..``world`` ranks: the
-    straggler factor, the in-situ latency of blocking all-reduces and of the other kinds, and
-    the optimizer step, on one rank started by ``launch(fn, world, args)`` (the calibration's
-    backend; default gloo) (``calibrate.run`` and ``remeasure`` alike). Returns what was
-    measured."""
+def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -> dict:
+    """Measure into ``prof`` what a step meets beyond its kernels, for 2..``world`` ranks (or
+    the ``worlds`` given: a quick calibration measures 2 and ``world``, and pricing takes the
+    nearest measured count for the others): the straggler wait, the in-situ latency of
+    blocking all-reduces and of the other kinds, and the optimizer step, on one rank started by
+    ``launch(fn, world, args)`` (the calibration's backend; default gloo) (``calibrate.run``
+    and ``remeasure`` alike). Returns what was measured."""
     from ..runtime.launch import run_ranks
     from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
-    worlds = range(2, world + 1)
-    straggle = measure_straggler(worlds, iters=iters)
+    straggle, lat, by_kind = measure_in_situ(worlds or range(2, world + 1), iters=iters)
     apply_straggler(prof, straggle)
-    lat = measure_insitu_latency_s(worlds, iters=iters, straggle=straggle)
     apply_insitu(prof, lat)
-    by_kind = measure_insitu_by_kind(worlds, iters=iters, straggle=straggle)
     apply_insitu_by_kind(prof, by_kind)
     opt = launch(_optimizer_rank, 1, ())[0]
     add_optimizer_step(prof, opt)

@@ -316,7 +316,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         progress(f"{stamp()} measured backward (instead of 2 x forward), held-out median error: " + ", ".join(
             f"{c} {100 * (prof.kernels[c]['bwd_model']['heldout_median_rel_err'] or 0):.0f} %" for c in backward))
     from .insitu import describe_step_costs, measure_step_costs
-    steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch)
+    steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch,
+                               worlds=sorted({2, world_size}) if quick and world_size >= 2 else None)
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
              f"optimizer): {describe_step_costs(steps)}")
     from .overhead import add_runtime_overhead
