@@ -37,19 +37,25 @@ def _spearman(a, b) -> float:
     return float(spearmanr(a, b).statistic)
 
 
-def reprice(plan_path: Path, model, batch, kinds, profile_path: Path, native_aware: bool) -> float:
+def reprice(plan_path: Path, model, batch, kinds, profile_path: Path, native_aware: bool,
+            extra: dict | None = None) -> float:
     """The step time ``profile_path`` predicts for the plan (every layer pinned to its choice,
     every candidate kept); with ``native_aware``, a plan that runs natively priced so
     (``bench_prediction.native_aware_prediction_s``)."""
     from autopar.artifacts import PlanHooks, PlanOptions, load_plan
+    from autopar.modelfile import model_env
     from autopar.pipeline import make_plan
     from bench_prediction import native_aware_prediction_s
     plan = load_plan(plan_path)
     force = {l.layer: l.choice for l in plan.layers}
-    r = make_plan(model, PlanOptions(world_size=plan.world_size, batch_size=batch, calibration=str(profile_path),
-                                     kinds=kinds, max_candidates=10**6, write=True,
-                                     out_dir=plan_path.parent.parent / (plan_path.parent.name + "-reprice-" + profile_path.stem)),
-                  PlanHooks(force=force))
+    extra = dict(extra or {})     # the candidate's extra plan options and model environment
+    env = extra.pop("env", {})
+    with model_env(env):
+        r = make_plan(model, PlanOptions(world_size=plan.world_size, batch_size=batch, calibration=str(profile_path),
+                                         kinds=kinds, max_candidates=10**6, write=True,
+                                         out_dir=plan_path.parent.parent / (plan_path.parent.name + "-reprice-" + profile_path.stem),
+                                         **extra),
+                      PlanHooks(force=force))
     p = r.plan.predicted.step_time_s
     if native_aware:
         p_plan, native = native_aware_prediction_s(r.plan_path, str(profile_path))
@@ -107,15 +113,18 @@ def main(argv=None) -> int:
     atomic_write_text(prof_old, json.dumps(old))
     lines, rows = [], []
     for tag, cands, title in (("a", CANDIDATES, "in-sample"), ("h", HELDOUT, "held-out")):
-        for i, (label, model, world, batch, kinds, _) in enumerate(cands):
+        for i, row in enumerate(cands):
+            label, model, world, batch, kinds = row[:5]
+            extra = dict(row[6]) if len(row) > 6 else {}
             plan, run = d / f"{tag}-plan{i}" / "plan.json", d / f"{tag}-run{i}" / "run.json"
             if not plan.exists() or not run.exists():
                 continue
             m = json.loads(run.read_text())["measured"]["step_time_s"]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                p_old = reprice(plan, model, batch, kinds, prof_old, native_aware=args.before != "per-op-overhead")
-                p_new = reprice(plan, model, batch, kinds, prof_new, native_aware=True)
+                p_old = reprice(plan, model, batch, kinds, prof_old, native_aware=args.before != "per-op-overhead",
+                                extra=extra)
+                p_new = reprice(plan, model, batch, kinds, prof_new, native_aware=True, extra=extra)
             rows.append({"set": title, "model": Path(model).stem, "label": label, "world": world,
                          "measured_s": m, "before_s": p_old, "now_s": p_new})
             lines.append(f"  {title:<9} {label:<32} world {world}: measured {m * 1e3:8.2f} ms  before {p_old * 1e3:8.2f} ms "

@@ -190,6 +190,9 @@ def test_kernel_exact_slowdown_topology():
     assert prof.slowdown(1) == 1.0 and prof.slowdown(2) == 1.05 and prof.slowdown(4) == 2.0
     assert prof.slowdown(3) == pytest.approx(1.525)  # linear between 2 and 4
     assert prof.slowdown(8) == pytest.approx(4.0)    # 2 effective cores: max(1, 8/2)
+    # a factor measured below 1 (the machine sped up between the windows) is read as 1
+    prof.compute_slowdown = {"1": 1.0, "2": 0.87, "4": 1.8}
+    assert prof.slowdown(2) == 1.0 and prof.slowdown(3) == pytest.approx(1.4)
     assert prof.level_of([0, 1, 3]) == "intra" and prof.level_of([3, 4]) == "inter"
     big = prof.with_topology(8, 128)
     assert big.level_of([3, 4]) == "intra" and big.topology == {"ranks_per_node": 8, "nodes": 128}

@@ -233,14 +233,17 @@ class Profile:
     def slowdown(self, ranks_on_node: int) -> float:
         """Kernel-time factor with ``ranks_on_node`` ranks sharing one node.
 
-        Measured counts are returned as stored; between them the factor is interpolated
-        linearly (with 1.0 at 1 rank); beyond the largest measured count k with factor f it
-        follows the ``max(1, ranks/cores)`` shape with effective cores ``k/f``: ``max(f, r*f/k)``.
+        Measured counts are returned as stored, but never below 1: ranks sharing a node do not
+        run faster than one alone, and a factor under 1 (0.87 for 2 ranks in one calibration
+        of the 2-core VM) is the machine speeding up between the 1-rank and the k-rank windows;
+        between them the factor is interpolated linearly (with 1.0 at 1 rank); beyond the
+        largest measured count k with factor f it follows the ``max(1, ranks/cores)`` shape with
+        effective cores ``k/f``: ``max(f, r*f/k)``.
         """
         r = int(ranks_on_node)
         if r <= 1:
             return 1.0
-        table = {int(k): float(v) for k, v in self.compute_slowdown.items()}
+        table = {int(k): max(1.0, float(v)) for k, v in self.compute_slowdown.items()}
         table.setdefault(1, 1.0)
         if r in table:
             return table[r]
