@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gpt.py (sha256 935730bdc486), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 64.584 ms, memory 3.9 MiB per rank
+Predicted:  step 56.409 ms, memory 4.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gpt_dist.py --steps 5
@@ -31,10 +31,9 @@ class PlannedModel(DistModel):
         embedding_1 = self.op('embedding_1', arange)  # aten.embedding.default  gpt.py:63
         # -- layer 3: (root)  binary  (4, 16, 128)  -> replicate  [R]
         add = self.op('add', embedding, embedding_1)  # aten.add.Tensor  gpt.py:63
-        # -- layer 4: blocks.0.ln1  layer_norm  (4, 16, 128)  -> sample(4)  [N4]
-        add__0 = self.move(add, 'add', [], [[0, 4]], layer=4)  # transition R -> N4
-        layer_norm = self.op('layer_norm', add__0)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> sample(4)  [N4]
+        # -- layer 4: blocks.0.ln1  layer_norm  (4, 16, 128)  -> replicate  [R]
+        layer_norm = self.op('layer_norm', add)  # aten.layer_norm.default  gpt.py:48
+        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> replicate  [R]
         linear = self.op('linear', layer_norm)  # aten.linear.default  gpt.py:32
         getitem = self.op('getitem', linear)  # aten.slice.Tensor  gpt.py:32
         getitem_1 = self.op('getitem_1', linear)  # aten.slice.Tensor  gpt.py:32
@@ -50,23 +49,20 @@ class PlannedModel(DistModel):
         reshape = self.op('reshape', transpose_3)  # aten.reshape.default  gpt.py:35
         linear_1 = self.op('linear_1', reshape)  # aten.linear.default  gpt.py:35
         # -- layer 6: blocks.0  binary  (4, 16, 128)  -> replicate  [R]
-        linear_1__1 = self.move(linear_1, 'linear_1', [[0, 4]], [], layer=6)  # transition N4 -> R
-        add_1 = self.op('add_1', add, linear_1__1)  # aten.add.Tensor  gpt.py:48
+        add_1 = self.op('add_1', add, linear_1)  # aten.add.Tensor  gpt.py:48
         # -- layer 7: blocks.0.ln2  layer_norm  (4, 16, 128)  -> replicate  [R]
         layer_norm_1 = self.op('layer_norm_1', add_1)  # aten.layer_norm.default  gpt.py:49
         # -- layer 8: blocks.0.fc  linear+unary  (4, 16, 512)  -> filter(1,4)  [[2]4]
         linear_2 = self.op('linear_2', layer_norm_1)  # aten.linear.default  gpt.py:49
         gelu = self.op('gelu', linear_2)  # aten.gelu.default  gpt.py:49
-        # -- layer 9: blocks.0.out  linear  (4, 16, 128)  -> filter(1,4)  [[2]4]
-        gelu__2 = self.move(gelu, 'gelu', [[2, 4]], [], layer=9)  # transition [2]4 -> R
-        linear_3 = self.op('linear_3', gelu__2)  # aten.linear.default  gpt.py:49
+        # -- layer 9: blocks.0.out  linear  (4, 16, 128)  -> row_parallel(1,4)  [P4]
+        linear_3 = self.op('linear_3', gelu)  # aten.linear.default  gpt.py:49
         # -- layer 10: blocks.0  binary  (4, 16, 128)  -> replicate  [R]
-        linear_3__3 = self.move(linear_3, 'linear_3', [[2, 4]], [], layer=10)  # transition [2]4 -> R
-        add_2 = self.op('add_2', add_1, linear_3__3)  # aten.add.Tensor  gpt.py:49
-        # -- layer 11: blocks.1.ln1  layer_norm  (4, 16, 128)  -> sample(4)  [N4]
-        add_2__4 = self.move(add_2, 'add_2', [], [[0, 4]], layer=11)  # transition R -> N4
-        layer_norm_2 = self.op('layer_norm_2', add_2__4)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> sample(4)  [N4]
+        linear_3__0 = self.move(linear_3, 'linear_3', {'splits': [], 'partial': 4}, [], layer=10)  # transition P4 -> R
+        add_2 = self.op('add_2', add_1, linear_3__0)  # aten.add.Tensor  gpt.py:49
+        # -- layer 11: blocks.1.ln1  layer_norm  (4, 16, 128)  -> replicate  [R]
+        layer_norm_2 = self.op('layer_norm_2', add_2)  # aten.layer_norm.default  gpt.py:48
+        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> replicate  [R]
         linear_4 = self.op('linear_4', layer_norm_2)  # aten.linear.default  gpt.py:32
         getitem_3 = self.op('getitem_3', linear_4)  # aten.slice.Tensor  gpt.py:32
         getitem_4 = self.op('getitem_4', linear_4)  # aten.slice.Tensor  gpt.py:32
@@ -82,22 +78,19 @@ class PlannedModel(DistModel):
         reshape_1 = self.op('reshape_1', transpose_7)  # aten.reshape.default  gpt.py:35
         linear_5 = self.op('linear_5', reshape_1)  # aten.linear.default  gpt.py:35
         # -- layer 13: blocks.1  binary  (4, 16, 128)  -> replicate  [R]
-        linear_5__5 = self.move(linear_5, 'linear_5', [[0, 4]], [], layer=13)  # transition N4 -> R
-        add_3 = self.op('add_3', add_2, linear_5__5)  # aten.add.Tensor  gpt.py:48
+        add_3 = self.op('add_3', add_2, linear_5)  # aten.add.Tensor  gpt.py:48
         # -- layer 14: blocks.1.ln2  layer_norm  (4, 16, 128)  -> replicate  [R]
         layer_norm_3 = self.op('layer_norm_3', add_3)  # aten.layer_norm.default  gpt.py:49
         # -- layer 15: blocks.1.fc  linear+unary  (4, 16, 512)  -> filter(1,4)  [[2]4]
         linear_6 = self.op('linear_6', layer_norm_3)  # aten.linear.default  gpt.py:49
         gelu_1 = self.op('gelu_1', linear_6)  # aten.gelu.default  gpt.py:49
-        # -- layer 16: blocks.1.out  linear  (4, 16, 128)  -> filter(1,4)  [[2]4]
-        gelu_1__6 = self.move(gelu_1, 'gelu_1', [[2, 4]], [], layer=16)  # transition [2]4 -> R
-        linear_7 = self.op('linear_7', gelu_1__6)  # aten.linear.default  gpt.py:49
-        # -- layer 17: blocks.1  binary  (4, 16, 128)  -> spatial(1,4)  [[2]4]
-        add_3__7 = self.move(add_3, 'add_3', [], [[2, 4]], layer=17)  # transition R -> [2]4
-        add_4 = self.op('add_4', add_3__7, linear_7)  # aten.add.Tensor  gpt.py:49
+        # -- layer 16: blocks.1.out  linear  (4, 16, 128)  -> row_parallel(1,4)  [P4]
+        linear_7 = self.op('linear_7', gelu_1)  # aten.linear.default  gpt.py:49
+        # -- layer 17: blocks.1  binary  (4, 16, 128)  -> replicate  [R]
+        linear_7__1 = self.move(linear_7, 'linear_7', {'splits': [], 'partial': 4}, [], layer=17)  # transition P4 -> R
+        add_4 = self.op('add_4', add_3, linear_7__1)  # aten.add.Tensor  gpt.py:49
         # -- layer 18: ln  layer_norm  (4, 16, 128)  -> replicate  [R]
-        add_4__8 = self.move(add_4, 'add_4', [[2, 4]], [], layer=18)  # transition [2]4 -> R
-        layer_norm_4 = self.op('layer_norm_4', add_4__8)  # aten.layer_norm.default  gpt.py:64
+        layer_norm_4 = self.op('layer_norm_4', add_4)  # aten.layer_norm.default  gpt.py:64
         # -- layer 19: head  linear  (4, 16, 512)  -> filter(1,4)  [[2]4]
         linear_8 = self.op('linear_8', layer_norm_4)  # aten.linear.default  gpt.py:64
         # the loss is computed with samples split: [2]4 -> N4

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 545.830 ms, memory 42.3 MiB per rank
+Predicted:  step 362.688 ms, memory 45.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 wide_resnet_dist.py --steps 5
@@ -31,44 +31,40 @@ class PlannedModel(DistModel):
         conv2d_1 = self.op('conv2d_1', relu)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_1 = self.op('batch_norm_1', conv2d_1)  # aten.batch_norm.default  wide_resnet.py:45
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  wide_resnet.py:45
-        # -- layer 2: blocks.0.conv2  conv+batch_norm  (8, 128, 32, 32)  -> filter(2,2)  [N2xC2]
-        relu_1__0 = self.move(relu_1, 'relu_1', [[0, 4]], [[0, 2]], layer=2)  # transition N4 -> N2
-        conv2d_2 = self.op('conv2d_2', relu_1__0)  # aten.conv2d.default  wide_resnet.py:46
+        # -- layer 2: blocks.0.conv2  conv+batch_norm  (8, 128, 32, 32)  -> sample(4)  [N4]
+        conv2d_2 = self.op('conv2d_2', relu_1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_2 = self.op('batch_norm_2', conv2d_2)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 3: blocks.0.shortcut  conv  (8, 128, 32, 32)  -> sample(4)  [N4]
         conv2d_3 = self.op('conv2d_3', relu)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 4: blocks.0  binary+unary  (8, 128, 32, 32)  -> sample(4)  [N4]
-        batch_norm_2__1 = self.move(batch_norm_2, 'batch_norm_2', [[0, 2], [1, 2]], [[0, 4]], layer=4)  # transition N2xC2 -> N4
-        add = self.op('add', batch_norm_2__1, conv2d_3)  # aten.add.Tensor  wide_resnet.py:48
+        add = self.op('add', batch_norm_2, conv2d_3)  # aten.add.Tensor  wide_resnet.py:48
         relu_2 = self.op('relu_2', add)  # aten.relu.default  wide_resnet.py:48
         # -- layer 5: blocks.1.conv1  conv+batch_norm+unary  (8, 256, 16, 16)  -> sample(4)  [N4]
         conv2d_4 = self.op('conv2d_4', relu_2)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_3 = self.op('batch_norm_3', conv2d_4)  # aten.batch_norm.default  wide_resnet.py:45
         relu_3 = self.op('relu_3', batch_norm_3)  # aten.relu.default  wide_resnet.py:45
-        # -- layer 6: blocks.1.conv2  conv+batch_norm  (8, 256, 16, 16)  -> channel(2,2)  [N2xC2]
-        relu_3__2 = self.move(relu_3, 'relu_3', [[0, 4]], [[0, 2], [1, 2]], layer=6)  # transition N4 -> N2xC2
-        conv2d_5 = self.op('conv2d_5', relu_3__2)  # aten.conv2d.default  wide_resnet.py:46
+        # -- layer 6: blocks.1.conv2  conv+batch_norm  (8, 256, 16, 16)  -> sample(4)  [N4]
+        conv2d_5 = self.op('conv2d_5', relu_3)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_4 = self.op('batch_norm_4', conv2d_5)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 7: blocks.1.shortcut  conv  (8, 256, 16, 16)  -> sample(4)  [N4]
         conv2d_6 = self.op('conv2d_6', relu_2)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 8: blocks.1  binary+unary  (8, 256, 16, 16)  -> sample(4)  [N4]
-        batch_norm_4__3 = self.move(batch_norm_4, 'batch_norm_4', [[0, 2], [1, 2]], [[0, 4]], layer=8)  # transition N2xC2 -> N4
-        add_1 = self.op('add_1', batch_norm_4__3, conv2d_6)  # aten.add.Tensor  wide_resnet.py:48
+        add_1 = self.op('add_1', batch_norm_4, conv2d_6)  # aten.add.Tensor  wide_resnet.py:48
         relu_4 = self.op('relu_4', add_1)  # aten.relu.default  wide_resnet.py:48
-        # -- layer 9: blocks.2.conv1  conv+batch_norm+unary  (8, 512, 8, 8)  -> channel_filter(1,2,2)  [N2xC2]
-        relu_4__4 = self.move(relu_4, 'relu_4', [[0, 4]], [[1, 2]], layer=9)  # transition N4 -> C2
-        conv2d_7 = self.op('conv2d_7', relu_4__4)  # aten.conv2d.default  wide_resnet.py:45
+        # -- layer 9: blocks.2.conv1  conv+batch_norm+unary  (8, 512, 8, 8)  -> filter(1,4)  [C4]
+        relu_4__0 = self.move(relu_4, 'relu_4', [[0, 4]], [], layer=9)  # transition N4 -> R
+        conv2d_7 = self.op('conv2d_7', relu_4__0)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_5 = self.op('batch_norm_5', conv2d_7)  # aten.batch_norm.default  wide_resnet.py:45
         relu_5 = self.op('relu_5', batch_norm_5)  # aten.relu.default  wide_resnet.py:45
         # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> channel_filter(1,2,2)  [N2xC2]
-        relu_5__5 = self.move(relu_5, 'relu_5', [[0, 2], [1, 2]], [[1, 2]], layer=10)  # transition N2xC2 -> C2
-        conv2d_8 = self.op('conv2d_8', relu_5__5)  # aten.conv2d.default  wide_resnet.py:46
+        relu_5__1 = self.move(relu_5, 'relu_5', [[1, 4]], [[1, 2]], layer=10)  # transition C4 -> C2
+        conv2d_8 = self.op('conv2d_8', relu_5__1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_6 = self.op('batch_norm_6', conv2d_8)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 11: blocks.2.shortcut  conv  (8, 512, 8, 8)  -> sample(4)  [N4]
         conv2d_9 = self.op('conv2d_9', relu_4)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 12: blocks.2  binary+unary  (8, 512, 8, 8)  -> sample(4)  [N4]
-        batch_norm_6__6 = self.move(batch_norm_6, 'batch_norm_6', [[0, 2], [1, 2]], [[0, 4]], layer=12)  # transition N2xC2 -> N4
-        add_2 = self.op('add_2', batch_norm_6__6, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
+        batch_norm_6__2 = self.move(batch_norm_6, 'batch_norm_6', [[0, 2], [1, 2]], [[0, 4]], layer=12)  # transition N2xC2 -> N4
+        add_2 = self.op('add_2', batch_norm_6__2, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  wide_resnet.py:48
         # -- layer 13: (root)  adaptive_pool  (8, 512, 1, 1)  -> sample(4)  [N4]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_6)  # aten.adaptive_avg_pool2d.default  wide_resnet.py:75
