@@ -12,7 +12,7 @@ collectives), against the same with a local batch norm, for each group size p:
 stored in the profile (``apply_insitu``). The cost model prices a blocking collective as
 ``max(isolated fit, latency_insitu(p) + its bandwidth term)`` (``cost.primitives.blocking_s``);
 the asynchronous gradient allreduce keeps the isolated fit. The same for the other blocking
-kinds (``KIND_GROUPS``), and the straggler wait itself (``measure_straggler``): all of it in one
+kinds (``KIND_GROUPS``), and the straggler wait itself (``Straggler``): all of it in one
 launch of w ranks per world w (``measure_in_situ``), since starting w processes and their
 process group costs about as much as one quantity's measurement.
 """
@@ -144,7 +144,7 @@ def _latency_s(per_rank, w: int, p: int, key, straggle: "Straggler | None") -> f
 def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, lengths=None):
     """(straggler, all-reduce latency, latency by kind) for each world w >= 2 of
     ``world_sizes``, one launch of w ranks each (``_step_costs_rank``):
-    ``{str(w): Straggler}`` (``measure_straggler``), ``{str(w): {str(p): s}}`` per blocking
+    ``{str(w): Straggler}``, ``{str(w): {str(p): s}}`` per blocking
     all-reduce among p ranks inside a step with w running, and ``{kind: the same}``."""
     from ..runtime.launch import run_ranks
     lengths = tuple(lengths or STRAGGLER_LENGTHS)
@@ -199,7 +199,17 @@ def _straggle_rank(rank, world, iters, lengths):
 @dataclass(frozen=True)
 class Straggler:
     """How long a synchronisation of w ranks waits for the slowest after ``t`` seconds of
-    compute since the previous one: ``min(kappa t, sigma sqrt(t))`` (``cost.primitives``)."""
+    compute since the previous one: ``min(kappa t, sigma sqrt(t))``.
+
+    Each round of w ranks lasts as long as its slowest rank's compute, and the others wait.
+    Measured within the same rounds (``straggler_point``), the wait grows linearly over short
+    segments (whole time slices lost to the other ranks) and as the square root of the compute
+    over long ones (the ranks' compute times drift apart like sums of independent jitters). On
+    the 2-core machine, 4 ranks: 3.2, 12.6, 21.7, 32.1 ms of wait after 15, 56, 243, 543 ms of
+    convolutions (0.21 t, then about 1.4 ms x sqrt(t / 1 ms)); 2 ranks about a third of that.
+    Fitted by ``fit_straggler`` (``measure_in_situ``). On dedicated devices both are about 0; on
+    a CPU whose cores the ranks (and gloo's threads) share they are the step's straggler tax
+    (``cost.primitives.StragglerCharge``)."""
     kappa: float           # wait per second of compute, short segments
     sigma: float           # s^0.5: the spread of long segments, which grows as sqrt(t)
 
@@ -208,32 +218,10 @@ class Straggler:
         return min(self.kappa * t, self.sigma * math.sqrt(t))
 
 
-#: segment lengths (convolutions between two synchronisations) of ``measure_straggler``: the
+#: segment lengths (convolutions between two synchronisations) of the straggler rounds: the
 #: first two short (the linear regime; one convolution alone also waits a fixed part that the
 #: in-situ latency holds), the last long (about 130 ms with 4 ranks on 2 cores)
 STRAGGLER_LENGTHS = (2, 8, 32)
-
-
-def measure_straggler(world_sizes, iters: int = 30, lengths=STRAGGLER_LENGTHS,
-                      timeout_s: float = 300.0) -> dict[str, Straggler]:
-    """{str(w): Straggler}: with w ranks computing between synchronisations, each round lasts
-    as long as its slowest rank's compute, and the others wait. Measured within the same
-    rounds (``straggler_point``), the wait grows linearly over short segments (whole time
-    slices lost to the other ranks) and as the square root of the compute over long ones (the
-    ranks' compute times drift apart like sums of independent jitters). On the 2-core machine,
-    4 ranks: 3.2, 12.6, 21.7, 32.1 ms of wait after 15, 56, 243, 543 ms of convolutions
-    (0.21 t, then about 1.4 ms x sqrt(t / 1 ms)); 2 ranks about a third of that. Fitted as
-    ``min(kappa t, sigma sqrt(t))`` (``fit_straggler``). On dedicated devices both are about 0;
-    on a CPU whose cores the ranks (and gloo's threads) share they are the step's straggler tax
-    (``cost.primitives.price_stragglers``)."""
-    from ..runtime.launch import run_ranks
-    res = {}
-    for w in world_sizes:
-        if w < 2:
-            continue
-        per_rank = run_ranks(_straggle_rank, w, args=(iters, tuple(lengths)), timeout_s=timeout_s)
-        res[str(w)] = fit_straggler([straggler_point([r[L] for r in per_rank]) for L in lengths])
-    return res
 
 
 def straggler_point(rounds_by_rank) -> tuple[float, float]:
@@ -249,7 +237,7 @@ def straggler_point(rounds_by_rank) -> tuple[float, float]:
 
 
 def fit_straggler(points) -> Straggler:
-    """``measure_straggler``'s fit from (compute seconds, wait seconds) per segment length,
+    """The ``Straggler`` fitted from (compute seconds, wait seconds) per segment length,
     shortest first: kappa the median of wait / compute over all but the longest (clipped to
     [0, 2]), sigma the longest's wait / sqrt(compute) (>= 0)."""
     *short, (t_long, d_long) = points

@@ -127,7 +127,7 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
     sigma = profile.samples.get("straggler_sigma") or {}
     if kappa:
         lines += ["", "Straggler wait at a synchronisation after t seconds of compute since the last one: "
-                  "min(kappa t, sigma sqrt(t)) (`calibrate.insitu.measure_straggler`): " +
+                  "min(kappa t, sigma sqrt(t)) (`calibrate.insitu.Straggler`): " +
                   ", ".join(f"{w} ranks kappa {float(k):.3f}" + (f", sigma {float(sigma[w]):.4f} s^0.5" if w in sigma else "")
                             for w, k in sorted(kappa.items(), key=lambda kv: int(kv[0]))) +
                   ("" if sigma else " (no sigma: the profile predates it, all compute is charged 1 + kappa)") + "."]

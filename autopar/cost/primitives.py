@@ -11,7 +11,7 @@ On shared cores the wait after t seconds of compute since the last synchronisati
 
     wait(t) = min(kappa * t, sigma * sqrt(t))
 
-(``calibrate.insitu.measure_straggler``: linear over short segments, then growing as the square
+(``calibrate.insitu.Straggler``: linear over short segments, then growing as the square
 root; with 4 ranks on 2 cores 3 ms after 15 ms of compute, 32 ms after 543 ms). A layer choice
 pays ``wait`` of each phase in which it issues a blocking collective (``fwd_comm_s`` /
 ``bwd_comm_s`` > 0), added to that phase's comm. The compute of phases that synchronise nothing
@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..calibrate.exact_ops import op_key, op_spec
+from ..calibrate.insitu import Straggler
 from ..calibrate.kernels import shape_key
 from ..decomp.ir import OpSpec
 from ..ops import family_of, kernel_class_for
@@ -218,15 +219,13 @@ def unsynced_compute_s(cost) -> float:
 @dataclass(frozen=True)
 class StragglerCharge:
     """The straggler wait as a table prices it (module docstring)."""
-    kappa: float
-    sigma: float                       # s^0.5
+    model: Straggler                   # the measured wait(t)
     rate: float                        # per second of unsynchronised compute
     closing_s: float                   # paid once by every plan
     reference_s: float                 # U0
 
     def wait_s(self, compute_s: float) -> float:
-        t = max(0.0, compute_s)
-        return min(self.kappa * t, self.sigma * math.sqrt(t))
+        return self.model.wait_s(compute_s)
 
     def apply(self, cost):
         """``cost`` with its phases' waits: added to the comm of a phase that synchronises,
@@ -238,10 +237,6 @@ class StragglerCharge:
                        bwd_compute_s=cost.bwd_compute_s * (1.0 if b_sync else 1.0 + self.rate),
                        fwd_comm_s=cost.fwd_comm_s + (self.wait_s(cost.fwd_compute_s) if f_sync else 0.0),
                        bwd_comm_s=cost.bwd_comm_s + (self.wait_s(cost.bwd_compute_s) if b_sync else 0.0))
-
-    def to_json(self) -> dict[str, float]:
-        return {"kappa": self.kappa, "sigma": self.sigma, "rate": self.rate,
-                "closing_s": self.closing_s, "reference_unsynced_compute_s": self.reference_s}
 
 
 def straggler_charge(ctx, reference_s: float) -> StragglerCharge | None:
@@ -260,7 +255,7 @@ def straggler_charge(ctx, reference_s: float) -> StragglerCharge | None:
     else:
         rate = sigma / (2.0 * math.sqrt(u0))
         closing = sigma * math.sqrt(u0) - rate * u0
-    return StragglerCharge(kappa, sigma, rate, closing, u0)
+    return StragglerCharge(Straggler(kappa, sigma), rate, closing, u0)
 
 
 def runtime_overhead_applies(graph, decisions, world: int, batch_norm=None, batch_size: int | None = None) -> bool:
@@ -326,7 +321,7 @@ def compute_drift(prof, ranks_on_node: int) -> float:
 
 
 def straggler(prof, ranks_on_node: int) -> float:
-    """kappa of ``calibrate.insitu.measure_straggler`` for the nearest measured number of ranks
+    """kappa of ``calibrate.insitu.Straggler`` for the nearest measured number of ranks
     running: ranks that synchronise wait for the slowest, about kappa seconds per second of
     compute between synchronisations; 0 when not measured (dedicated devices)."""
     table = _samples(prof).get("straggler_kappa")
@@ -337,7 +332,7 @@ def straggler(prof, ranks_on_node: int) -> float:
 
 
 def straggler_sigma(prof, ranks_on_node: int) -> float | None:
-    """sigma (s^0.5) of ``calibrate.insitu.measure_straggler`` for the nearest measured number
+    """sigma (s^0.5) of ``calibrate.insitu.Straggler`` for the nearest measured number
     of ranks running: the wait for the slowest grows as ``sigma sqrt(t)`` over long stretches of
     compute; None when the profile was measured before sigma (or measured no straggler)."""
     table = _samples(prof).get("straggler_sigma")
