@@ -21,8 +21,14 @@ and the Spearman rank correlation between predicted and measured step times with
 model's candidates (and over the whole set). Targets (issue 14): held-out median <= 15 %,
 in-sample <= 10 %, Spearman >= 0.8 within each model.
 
+Every distinct plan is executed ``--rounds`` times (default 3), round by round with the order
+rotated, and its measured step time is the median over the rounds (``run_all``): one execution
+per plan, as before, measured the same plan 10-30 % apart within one run on this 2-core VM.
+Candidates that plan to the same program (the ILP choosing pure data parallelism, say) are
+executed once, share that measurement, and count once in the figures.
+
     python benchmarks/bench_prediction.py [--calibration PROFILE] [--set both|in-sample|held-out]
-                                          [--steps 8] [--full] [--refine] [--json OUT]
+                                          [--steps 8] [--rounds 3] [--full] [--refine] [--json OUT]
                                           [--models gnn_pcqm4m,pyg_nnconv]
 
 A plan that runs the user's module natively (pure data parallelism, ``runtime.native``;
@@ -97,21 +103,35 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(spearmanr(a, b).statistic)
 
 
+def _plan_key(plan_path, model, env: dict) -> tuple:
+    """What makes two candidates the same program: model file, its environment, world, batch
+    and every layer's decomposition (the generated code and its runtime follow from these)."""
+    from autopar.artifacts import load_plan
+    plan = load_plan(plan_path)
+    return (str(model), tuple(sorted(env.items())), plan.world_size, plan.model.batch_size,
+            tuple(l.choice for l in plan.layers), (plan.extra.get("runtime") or {}).get("expected"))
+
+
 def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | None = None,
-            candidates: list | None = None) -> list[dict]:
+            candidates: list | None = None, rounds: int = 1) -> list[dict]:
+    """Plan every candidate, then execute them ``rounds`` times, round by round (every plan
+    once a round, the order rotated each round so that machine drift, which moves this 2-core
+    VM by tens of percent within minutes, falls on all plans alike); the measured step time of
+    a plan is the median over its rounds of each run's median step. Candidates that plan to the
+    same program (``_plan_key``) are executed once and share the measurement (``same_as``)."""
     from autopar.decomp import REGISTRY
     from autopar.errors import AutoparError
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
     from autopar.modelfile import model_env
     from autopar.pipeline import make_plan
-    rows = []
     # one discarded run first: the first processes after a pause (or after calibration) run slow
     _, model0, world0, batch0, _, _ = CANDIDATES[0]
     r0 = make_plan(model0, PlanOptions(world_size=world0, batch_size=batch0, calibration=calibration,
                                        out_dir=tmp / f"{tag}-warm"))
     execute(r0.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False), out_dir=tmp / f"{tag}-warm-run",
             progress=lambda s: None)
+    planned, first_of = [], {}
     for i, row in enumerate(candidates or CANDIDATES):
         label, model, world, batch, kinds, force = row[:6]
         extra = dict(row[6]) if len(row) > 6 else {}
@@ -128,25 +148,55 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                 r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=calibration,
                                                  out_dir=tmp / f"{tag}-plan{i}", kinds=kinds, **extra),
                               PlanHooks(force=force))
-                run, _ = execute(r.plan_path, ExecuteOptions(steps=steps, warmup=2, ddp=False),
-                                 out_dir=tmp / f"{tag}-run{i}", progress=lambda s: None)
         except AutoparError as e:
             print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
             continue
-        p_plan, m = run.predicted.step_time_s, run.measured.step_time_s
-        p, native = native_aware_prediction_s(r.plan_path, calibration)
+        key = _plan_key(r.plan_path, model, env)
+        planned.append({"i": i, "label": label, "model": model, "world": world, "env": env, "plan_path": r.plan_path,
+                        "same_as": first_of.get(key), "runs": []})
+        first_of.setdefault(key, len(planned) - 1)
+    distinct = [c for c in planned if c["same_as"] is None]
+    for k in range(rounds):
+        shift = (k * len(distinct)) // max(1, rounds)
+        for c in distinct[shift:] + distinct[:shift]:
+            if c.get("failed"):
+                continue
+            try:
+                with model_env(c["env"]):
+                    run, _ = execute(c["plan_path"], ExecuteOptions(steps=steps, warmup=2, ddp=False),
+                                     out_dir=tmp / f"{tag}-run{c['i']}" / f"round{k}", progress=lambda s: None)
+            except AutoparError as e:
+                print(f"  {c['label']} @{c['world']}: {e.__class__.__name__}: {e}")
+                c["failed"] = True
+                continue
+            c["runs"].append(run)
+    rows = []
+    for c in planned:
+        src = planned[c["same_as"]] if c["same_as"] is not None else c
+        if not src["runs"]:
+            continue
+        run = src["runs"][0]
+        per_round = [x.measured.step_time_s for x in src["runs"]]
+        p_plan, m = run.predicted.step_time_s, statistics.median(per_round)
+        p, native = native_aware_prediction_s(c["plan_path"], calibration)
         ran_native = bool((run.extra or {}).get("native_runtime", False))
+        valid = all(x.validation.passed for x in src["runs"])
         note = ""
         if native or ran_native:
             note = (f"  native (plan said {p_plan * 1e3:.2f} ms)" if native else "  ") + \
                    ("" if native == ran_native else f" [ran {'natively' if ran_native else 'traced'}]")
-        rows.append({"index": i, "label": label, "model": Path(model).stem, "world": world,
+        if c["same_as"] is not None:
+            note += f"  = {src['label']} @{src['world']} (the same plan, measured once)"
+        spread = max(per_round) / min(per_round) - 1.0
+        rows.append({"index": c["i"], "label": c["label"], "model": Path(c["model"]).stem, "world": c["world"],
                      "predicted_s": p, "plan_predicted_s": p_plan, "priced_native": native,
-                     "ran_native": ran_native, "measured_s": m,
-                     "error": (p - m) / m, "valid": run.validation.passed,
-                     "plan": str(r.plan_path), "run": run.to_json()})
-        print(f"  {label:<32} world {world}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
-              f"error {100 * (p - m) / m:+6.1f}%  validation {'passed' if run.validation.passed else 'FAILED'}{note}")
+                     "ran_native": ran_native, "measured_s": m, "measured_rounds_s": per_round,
+                     "round_spread": spread, "same_as": src["i"] if c["same_as"] is not None else None,
+                     "error": (p - m) / m, "valid": valid,
+                     "plan": str(c["plan_path"]), "run": run.to_json()})
+        print(f"  {c['label']:<32} world {c['world']}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
+              f"error {100 * (p - m) / m:+6.1f}%  rounds {len(per_round)} spread {100 * spread:4.1f}%  "
+              f"validation {'passed' if valid else 'FAILED'}{note}")
     return rows
 
 
@@ -182,6 +232,10 @@ def _as_planned(rows: list[dict]) -> list[dict]:
 
 
 def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
+    """Median and max |error| and Spearman over the DISTINCT plans (a candidate that planned to
+    the same program as an earlier one shares its measurement and is counted once)."""
+    n_candidates = len(rows)
+    rows = [r for r in rows if r.get("same_as") is None]
     errs = [abs(r["error"]) for r in rows]
     if not errs:
         print(f"{title}: no plan ran")
@@ -192,9 +246,14 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
         mr = [r for r in rows if r.get("model", "?") == m]
         if len(mr) > 2:
             per_model[m] = spearman([r["predicted_s"] for r in mr], [r["measured_s"] for r in mr])
-    s = {"candidates": len(rows), "median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
-         "spearman": rho, "spearman_per_model": per_model}
-    print(f"{title}: {len(rows)} plans; median |error| {100 * s['median_abs_error']:.1f}% "
+    spreads = [r["round_spread"] for r in rows if len(r.get("measured_rounds_s", ())) > 1]
+    s = {"candidates": n_candidates, "distinct_plans": len(rows), "median_abs_error": statistics.median(errs),
+         "max_abs_error": max(errs), "spearman": rho, "spearman_per_model": per_model,
+         "median_round_spread": statistics.median(spreads) if spreads else None}
+    print(f"{title}: {n_candidates} candidates, {len(rows)} distinct plans"
+          + (f" (median spread of a plan's rounds, max/min - 1: {100 * s['median_round_spread']:.1f}%)"
+             if spreads else "")
+          + f"; median |error| {100 * s['median_abs_error']:.1f}% "
           f"(target <= {100 * target:.0f}%), max |error| {100 * s['max_abs_error']:.1f}%, Spearman rank "
           f"correlation {rho:.3f} over all; within each model's candidates (target >= 0.8): "
           + ", ".join(f"{m} {v:.3f}" for m, v in per_model.items()))
@@ -305,7 +364,8 @@ def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
             changed.append(r["index"])
     if changed:
         print(f"re-planning with the refined profile changed {len(changed)} held-out plan(s); measuring them")
-        rows2 = {x["index"]: x for x in run_all(str(refined), args.steps, tmp, "b", only=set(changed))}
+        rows2 = {x["index"]: x for x in run_all(str(refined), args.steps, tmp, "b", only=set(changed),
+                                                 rounds=args.rounds)}
     else:
         rows2 = {}
         print("re-planning with the refined profile chose the same plans")
@@ -321,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", choices=["both", "in-sample", "held-out"], default="both")
     ap.add_argument("--limit", type=int, help="only the first N plans of each set (a smoke test)")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="execute every distinct plan this many times, round by round (median over rounds)")
     ap.add_argument("--full", action="store_true", help="also time a full calibration")
     ap.add_argument("--no-calibration-timing", action="store_true")
     ap.add_argument("--refine", action="store_true", help="refine the profile from the runs and re-predict")
@@ -347,7 +409,7 @@ def main(argv=None) -> int:
         print(f"profile: {args.calibration}")
         if args.set in ("both", "in-sample"):
             rows = run_all(args.calibration, args.steps, tmp, "a",
-                           only=set(range(args.limit)) if args.limit else None)
+                           only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
             out["before"] = out["in_sample"] = summary(rows, "in-sample (shapes in the profile)")
             out["in_sample_plan_figure"] = summary(_as_planned(rows), "in-sample, the plans' own figures "
                                                    "(native plans priced with the traced per-op overhead)")
@@ -355,7 +417,7 @@ def main(argv=None) -> int:
                 out.update(judge_refinement(rows, args, tmp))
         if args.set in ("both", "held-out"):
             hrows = run_all(args.calibration, args.steps, tmp, "h", candidates=HELDOUT,
-                            only=set(range(args.limit)) if args.limit else None)
+                            only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
             out["held_out"] = summary(hrows, "held-out (models never measured)", target=0.15)
             out["held_out_plan_figure"] = summary(_as_planned(hrows), "held-out, the plans' own figures "
                                                   "(native plans priced with the traced per-op overhead)", target=0.15)
