@@ -129,3 +129,32 @@ def test_intensity_model_prices_index_per_element_kernels_apart():
     prof2 = synthetic_profile()
     prof2.samples = {"kernels": {"gather_scatter": [r for r in rows if not kernels.GATHER_SCATTER_FORMS[r["config"]["kind"]]]}}
     assert fit.add_intensity_models(prof2) == [] and "intensity_model" not in prof2.kernels["gather_scatter"]
+
+
+def test_timed_kernels_keep_their_results_alive_as_a_step_keeps_activations(monkeypatch):
+    """The sweep times every kernel with its last KEPT_RESULTS results alive (``_kept``), so a
+    call writes fresh memory as in a training step, not the block the previous call freed."""
+    import gc
+    import weakref
+
+    import torch
+
+    made = []
+
+    def fn():
+        t = torch.empty(1000)
+        made.append(weakref.ref(t))
+        return t
+
+    kept = kernels._kept(fn)
+    for _ in range(kernels.KEPT_RESULTS + 3):
+        kept()
+    gc.collect()
+    alive = [r() is not None for r in made]
+    assert alive == [False] * 3 + [True] * kernels.KEPT_RESULTS
+    # and the sweep times forward and backward through it
+    wrapped = []
+    real = kernels._kept
+    monkeypatch.setattr(kernels, "_kept", lambda f: (wrapped.append(f), real(f))[1])
+    rows = kernels.benchmark_op_class("matmul", [{"m": 64, "k": 64, "o": 64}], repeats=3, warmup=1)
+    assert len(wrapped) == 2 and rows[0]["median_s"] > 0 and rows[0]["bwd_median_s"] > 0

@@ -561,6 +561,21 @@ def _runner(op_class: str, cfg: dict, device: str) -> tuple[Callable[[], object]
     raise ValueError(f"unknown op class {op_class!r}")
 
 
+#: results of a timed kernel kept alive (``_kept``; ``_conv_fns`` keeps its own ring alike)
+KEPT_RESULTS = 8
+
+
+def _kept(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` with its last ``KEPT_RESULTS`` results kept alive, as a training step keeps its
+    activations: each call then writes fresh memory (allocation and, under glibc's defaults
+    that the runtime keeps, a page fault per 4 KiB page of a large result) instead of
+    recycling the block it freed a moment ago. Without it the matmul sweep timed NNConv's
+    edge-weight layer (a [472, 3200] result) at 1.3 ms where a step (and the exact-shape
+    measurement) takes 3.4 ms, and every held-out GNN and Transformer plan was under-predicted."""
+    ring: collections.deque = collections.deque(maxlen=KEPT_RESULTS)
+    return lambda: ring.append(fn())
+
+
 def _round(t: float) -> float:
     return float(f"{t:.6g}")
 
@@ -575,12 +590,14 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
     with torch.no_grad():
         for cfg in configs:
             fn, flops, nbytes = _runner(op_class, cfg, device)
+            fn = _kept(fn)
             times = time_fn(fn, device, repeats, warmup, min_sample_s, budget_s)
             row = {"config": cfg, "flops": flops, "bytes": nbytes,
                    "median_s": _round(statistics.median(times)),
                    "times_s": [_round(t) for t in times]}
             bwd = _backward_runner(op_class, cfg, device)
             if bwd is not None:
+                bwd = _kept(bwd)
                 row["bwd_median_s"] = _round(statistics.median(
                     time_fn(bwd, device, repeats, warmup, min_sample_s, budget_s)))
             out.append(row)
