@@ -1,6 +1,8 @@
 """Cost primitives that read measured in-step behaviour: in-situ latency of blocking
 collectives per (group size, ranks on the node), and the learned correction factors."""
 
+import dataclasses
+
 import pytest
 
 from autopar.cost import primitives as prim
@@ -141,10 +143,54 @@ def test_runtime_overhead_applies_only_off_the_native_path(profile):
     ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
     assert prim.plan_runtime_overhead_s(g, ctx) == pytest.approx(40e-6)
     assert prim.plan_runtime_overhead_s(g, ctx, native=True) == pytest.approx(10e-6)
-    traced = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
-    ctx.native_runtime = True
-    native = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
-    assert traced - native == pytest.approx(30e-6)
+
+    def traced_minus_native():
+        ctx.native_runtime = False
+        traced = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
+        ctx.native_runtime = True
+        native = sum(sum(prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)[:2]) for lay in g.layers for op in lay.ops)
+        return traced - native
+
+    # no op of this parameter-free chain on the data carries a gradient: forward thirds only
+    assert all(op.attrs.get("input_grad") is False for lay in g.layers for op in lay.ops)
+    assert traced_minus_native() == pytest.approx((9e-6 + 10e-6 + 11e-6) / 3)
+    for lay in g.layers:        # the same chain inside a network (its input carries a gradient)
+        for op in lay.ops:
+            op.attrs = {k: v for k, v in op.attrs.items() if k != "input_grad"}
+    assert traced_minus_native() == pytest.approx(30e-6)
+
+
+def test_ops_on_the_data_price_no_input_gradient(profile):
+    """A training step never differentiates its data: the first convolution has no bwd_data
+    phase, a parameter-free op on the data no backward, and everything downstream of a
+    parameter prices its whole backward (``decomp.ir.mark_input_grads``)."""
+    from autopar.decomp.ir import GraphInput, Layer, LayerGraphData, OpSpec
+    x, w = [4, 3, 16, 16], [8, 3, 3, 3]
+    y = [4, 8, 16, 16]
+
+    def conv(name, src, cin):
+        return OpSpec(name=name, kind="conv", target="aten.conv2d.default",
+                      args=[{"v": src}, {"p": f"{name}.w"}, None, [1, 1], [1, 1], [1, 1], 1], kwargs={},
+                      out_shape=y, dtype="float32", inputs=[src], in_shapes=[[4, cin, 16, 16]],
+                      params={"weight": [8, cin, 3, 3]}, param_names={"weight": f"{name}.w"},
+                      attrs={"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1})
+    pad = _op("unary", tuple(x))
+    pad.name, pad.args, pad.inputs = "pre", [{"v": "x"}], ["x"]
+    c1, c2 = conv("c1", "pre", 3), conv("c2", "c1", 8)
+    g = LayerGraphData(layers=[Layer(0, "pre", [pad], ["x"], "pre"), Layer(1, "c1", [c1], ["pre"], "c1"),
+                               Layer(2, "c2", [c2], ["c1"], "c2")],
+                       inputs=[GraphInput("x", x, "float32")], output="c2", batch_size=4)
+    assert [op.attrs.get("input_grad", True) for lay in g.layers for op in lay.ops] == [False, False, True]
+    ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
+    f0, b0, _ = prim.op_compute_s(pad, pad.in_shapes, pad.out_shape, ctx)
+    assert f0 > 0 and b0 == 0.0
+    _, b1, _ = prim.op_compute_s(c1, c1.in_shapes, c1.out_shape, ctx, w_shape=w)
+    whole = dataclasses.replace(c1, attrs={k: v for k, v in c1.attrs.items() if k != "input_grad"})
+    _, b1_whole, _ = prim.op_compute_s(whole, whole.in_shapes, whole.out_shape, ctx, w_shape=w)
+    assert 0.0 < b1 < b1_whole
+    # the round trip through JSON (plans, the trace cache) keeps the mark
+    g2 = LayerGraphData.from_json(g.to_json())
+    assert [op.attrs.get("input_grad", True) for lay in g2.layers for op in lay.ops] == [False, False, True]
 
 
 def test_measured_matmul_backward_prices_the_backward(profile):

@@ -64,7 +64,7 @@ from typing import Sequence
 from ..calibrate.exact_ops import op_key, op_spec
 from ..calibrate.insitu import Straggler
 from ..calibrate.kernels import shape_key
-from ..decomp.ir import OpSpec
+from ..decomp.ir import INPUT_GRAD, OpSpec
 from ..ops import family_of, kernel_class_for
 from ..ops.conv import conv_flops  # noqa: F401  (kept importable here)
 
@@ -101,13 +101,29 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
     The op's family (``autopar.ops``) gives its local FLOPs and bytes, its calibration class
     and what may have measured it exactly: a ``shape_spec`` (convolution, linear: three phases
     measured by ``kernels.measure_exact``), a generic op spec (``exact_measured``:
-    ``calibrate.exact_ops``), or nothing. Views (``free``) cost nothing."""
+    ``calibrate.exact_ops``), or nothing. Views (``free``) cost nothing. An op none of whose
+    inputs carries a gradient (``attrs["input_grad"]`` False, ``decomp.ir.mark_input_grads``)
+    has no data-gradient phase (a convolution's ``bwd_data``, half a linear layer's backward),
+    and no backward at all without parameters."""
     fam = family_of(op.kind)
     prof = ctx.profile
     over = runtime_overhead_s(prof, op.kind, native=bool(getattr(ctx, "native_runtime", False)))
     if fam.free and over <= 0.0:
         return 0.0, 0.0, "fit"
     slow = _compute_slowdown(ctx)
+    # no input carries a gradient (``decomp.ir.mark_input_grads``): no data-gradient phase, and
+    # no backward at all without parameters
+    data_grad = op.attrs.get(INPUT_GRAD) is not False
+    if not data_grad and not op.params:
+        f, _, src = _op_compute_s(fam, op, in_shapes, out_shape, ctx, w_shape, itemsize, over, slow, True)
+        return f, 0.0, src
+    return _op_compute_s(fam, op, in_shapes, out_shape, ctx, w_shape, itemsize, over, slow, data_grad)
+
+
+def _op_compute_s(fam, op: OpSpec, in_shapes, out_shape, ctx, w_shape, itemsize: int, over: float,
+                  slow: float, data_grad: bool) -> tuple[float, float, str]:
+    """``op_compute_s`` past its first checks; ``data_grad``: price the data-gradient phase."""
+    prof = ctx.profile
     if fam.free:      # a view: no kernel, but dispatched (and a backward node) when run op by op
         return over / 3 * slow, 2 * over / 3 * slow, "fit"
     fl = fam.local_flops(op, in_shapes, out_shape, w_shape)
@@ -123,6 +139,9 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
             # every phase its own measurement or class (convolution)
             times, sources = [], []
             for phase, pcls in zip(PHASES, (cls, *fam.bwd_classes)):
+                if phase == "bwd_data" and not data_grad:
+                    times.append(0.0)
+                    continue
                 t = prof.exact_time_s(key, phase) if key else None
                 if t is None:
                     t, src = _kernel_s(prof, pcls, fl, by, spec), "fit"
@@ -137,7 +156,7 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
         # forward measured: backward phases measured too, or as long as forward (linear)
         tf = prof.exact_time_s(key, "fwd") if key else None
         if tf is not None:
-            tbd = prof.exact_time_s(key, "bwd_data") or tf
+            tbd = (prof.exact_time_s(key, "bwd_data") or tf) if data_grad else 0.0
             tbf = prof.exact_time_s(key, "bwd_filter") or tf
             _note_key(ctx, key)
             return (tf + over / 3) * slow, (tbd + tbf + 2 * over / 3) * slow, "exact"
@@ -154,7 +173,10 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
                     return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
     t = prof.kernel_time_s(cls, fl, by)
     tb = _kernel_bwd_s(prof, cls, fl, by)
-    return (t + over / 3) * slow, ((2 * t if tb is None else tb) + 2 * over / 3) * slow, "fit"
+    tb = 2 * t if tb is None else tb
+    if not data_grad and spec is not None:   # a linear layer on the data: the weight gradient only
+        tb /= 2
+    return (t + over / 3) * slow, (tb + 2 * over / 3) * slow, "fit"
 
 
 def _kernel_bwd_s(prof, op_class: str, fl: float, by: float) -> float | None:

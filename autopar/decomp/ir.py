@@ -191,6 +191,9 @@ class LayerGraphData:
     unregistered: list[str] = field(default_factory=list)  # targets no op family matched, one
                                                            # entry per op (run replicated)
 
+    def __post_init__(self) -> None:
+        mark_input_grads(self.layers)
+
     def producer(self) -> dict[str, int]:
         """value name -> index of the layer it leaves (graph inputs are absent)."""
         return {v: lay.index for lay in self.layers for v in lay.outputs}
@@ -233,6 +236,32 @@ class LayerGraphData:
                               buffer_updates=[OpSpec.from_json(o) for o in obj.get("buffer_updates", [])],
                               tracer=obj.get("tracer", ""),
                               unregistered=list(obj.get("unregistered", [])))
+
+
+#: ``OpSpec.attrs`` key set to False on an op none of whose activation inputs carries a gradient
+INPUT_GRAD = "input_grad"
+
+
+def mark_input_grads(layers: list[Layer]) -> None:
+    """Stamp ``attrs["input_grad"] = False`` on every op none of whose activation inputs
+    carries a gradient in training, and clear it elsewhere. The model's inputs carry none (a
+    training step never differentiates its data; ``execute``'s validation step does, and is not
+    timed); an op's floating output carries one when the op has parameters or an input that
+    carries one. Such an op computes no input gradient: a first convolution or linear layer has
+    no data-gradient phase (its input gradient is the costliest phase of a 3-D CNN's first
+    layer), and a parameter-free op on the data (a pad, a gather of the input) has no backward
+    at all (``cost.primitives.op_compute_s``). Called by ``LayerGraphData`` on construction, so
+    traced, cached and planned graphs alike carry it (the layer signature reads it)."""
+    carries: set[str] = set()
+    for lay in layers:
+        for op in lay.ops:
+            grad_in = any(v in carries for v in op.inputs)
+            if (grad_in or op.params) and not op.dtype.startswith(("int", "uint", "bool")):
+                carries.add(op.name)
+            if grad_in and INPUT_GRAD in op.attrs:
+                op.attrs = {k: v for k, v in op.attrs.items() if k != INPUT_GRAD}
+            elif not grad_in and op.attrs.get(INPUT_GRAD) is not False:
+                op.attrs = {**op.attrs, INPUT_GRAD: False}
 
 
 def batch_free_layers(graph) -> frozenset[int]:

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/pyg_nnconv.py (sha256 896b87828a09), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 23.466 ms, memory 2.5 MiB per rank
+Predicted:  step 18.520 ms, memory 2.5 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 pyg_nnconv_dist.py --steps 5
@@ -78,23 +78,23 @@ class PlannedModel(DistModel):
         new_zeros_1 = self.op('new_zeros_1', relu_4)  # aten.new_zeros.default  pyg_nnconv.py:58
         # -- layer 21: (root)  scatter  (2, 32)  -> replicate  [R]
         scatter_add__1 = self.op('scatter_add__1', new_zeros_1, expand_as_1, relu_4)  # aten.scatter_add_.default  pyg_nnconv.py:58
-        # -- layer 22: head.0  linear+unary  (2, 256)  -> replicate  [R]
-        linear_6 = self.op('linear_6', scatter_add__1)  # aten.linear.default  pyg_nnconv.py:59
+        # -- layer 22: head.0  linear+unary  (2, 256)  -> sample(2)  [N2]
+        scatter_add__1__2 = self.move(scatter_add__1, 'scatter_add__1', [], [[0, 2]], layer=22)  # transition R -> N2
+        linear_6 = self.op('linear_6', scatter_add__1__2)  # aten.linear.default  pyg_nnconv.py:59
         relu_5 = self.op('relu_5', linear_6)  # aten.relu.default  pyg_nnconv.py:59
-        # -- layer 23: head.2  linear+unary  (2, 128)  -> replicate  [R]
+        # -- layer 23: head.2  linear+unary  (2, 128)  -> sample(2)  [N2]
         linear_7 = self.op('linear_7', relu_5)  # aten.linear.default  pyg_nnconv.py:59
         relu_6 = self.op('relu_6', linear_7)  # aten.relu.default  pyg_nnconv.py:59
-        # -- layer 24: head.4  linear+unary  (2, 32)  -> replicate  [R]
+        # -- layer 24: head.4  linear+unary  (2, 32)  -> sample(2)  [N2]
         linear_8 = self.op('linear_8', relu_6)  # aten.linear.default  pyg_nnconv.py:59
         relu_7 = self.op('relu_7', linear_8)  # aten.relu.default  pyg_nnconv.py:59
-        # -- layer 25: head.6  linear+unary  (2, 8)  -> replicate  [R]
+        # -- layer 25: head.6  linear+unary  (2, 8)  -> sample(2)  [N2]
         linear_9 = self.op('linear_9', relu_7)  # aten.linear.default  pyg_nnconv.py:59
         relu_8 = self.op('relu_8', linear_9)  # aten.relu.default  pyg_nnconv.py:59
-        # -- layer 26: head.8  linear  (2, 1)  -> replicate  [R]
+        # -- layer 26: head.8  linear  (2, 1)  -> sample(2)  [N2]
         linear_10 = self.op('linear_10', relu_8)  # aten.linear.default  pyg_nnconv.py:59
         # -- layer 27: (root)  squeeze  (2,)  -> sample(2)  [N2]
-        linear_10__2 = self.move(linear_10, 'linear_10', [], [[0, 2]], layer=27)  # transition R -> N2
-        squeeze_1 = self.op('squeeze_1', linear_10__2)  # aten.squeeze.dim  pyg_nnconv.py:59
+        squeeze_1 = self.op('squeeze_1', linear_10)  # aten.squeeze.dim  pyg_nnconv.py:59
         return self.structured(squeeze_1)
 
 
