@@ -377,3 +377,27 @@ def test_batch_norm_and_global_pooling_collectives_are_priced():
                 attrs={"pool": "max", "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0],
                        "dilation": [1, 1], "ceil_mode": False})
     assert Spatial(1, (2, 2)).cost(layer(c, k2), ctx(4)).fwd_comm_s == pytest.approx(plain.fwd_comm_s)
+
+
+def test_no_latency_without_data_and_no_halo_gradient_without_an_input_gradient():
+    """A window op that needs no neighbour's rows sends nothing, so it pays no in-step p2p
+    latency either (the runtime skips the exchange); an op whose input carries no gradient
+    (``decomp.ir.mark_input_grads``: the first layer on the data) sends no halo gradients back."""
+
+    class Measured(FakeProfile):
+        samples = {"insitu_latency_by_kind_s": {"p2p": {"4": {"2": 0.003}}}}
+
+    def mctx():
+        return CostContext(profile=Measured(), world=4, ranks_per_node=4)
+    c = conv_op("c", [4, 8, 32, 32], 16, 3)
+    k2 = follow(c, POOL, "pool", out_shape=[4, 16, 16, 16],
+                attrs={"pool": "max", "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0],
+                       "dilation": [1, 1], "ceil_mode": False})
+    pool_only = Layer(index=0, name="pool", ops=[k2], inputs=["c"], output="pool", module="pool")
+    assert Spatial(1, (2, 2)).cost(pool_only, mctx()).fwd_comm_s == 0.0
+    with_halo = Spatial(1, (2, 2)).cost(layer(c), mctx())
+    assert with_halo.fwd_comm_s > 2 * 0.003 - 2 * ALPHA      # the latency of both split dims
+    assert with_halo.bwd_comm_s == pytest.approx(with_halo.fwd_comm_s)
+    first = OpSpec(**{**c.__dict__, "attrs": {**c.attrs, "input_grad": False}})
+    on_data = Spatial(1, (2, 2)).cost(layer(first), mctx())
+    assert on_data.fwd_comm_s == pytest.approx(with_halo.fwd_comm_s) and on_data.bwd_comm_s == 0.0

@@ -78,7 +78,7 @@ def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float
     """(the runtime decision, the StepPrediction of its choice) for the ILP's ``choice``
     (module docstring); ``evaluate`` is ``cost.table.evaluate``."""
     gaps = layer_gaps_s(table)
-    gap = sum(gaps)
+    gap = sum(f + b for f, b in gaps)
     n_ops = sum(len(lay.ops) for lay in table.graph.layers)
     ilp_pred = evaluate(table, choice)
     nat = native_choice(table)
@@ -106,28 +106,37 @@ def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float
                          f"the native data-parallel plan {why}"), ilp_pred
 
 
-def layer_gaps_s(table) -> list[float]:
-    """Per layer: seconds of per-op runtime work the op-by-op runtime pays beyond the native
-    module (module docstring), on the slowest rank."""
-    from .primitives import _compute_slowdown, runtime_overhead_s
+def layer_gaps_s(table) -> list[tuple[float, float]]:
+    """Per layer: (forward, backward) seconds of per-op runtime work the op-by-op runtime pays
+    beyond the native module (module docstring), on the slowest rank, in the shares
+    ``op_compute_s`` charges (``primitives.overhead_shares``)."""
+    from .primitives import _compute_slowdown, overhead_shares, runtime_overhead_s
     prof = table.ctx.profile
     slow = _compute_slowdown(table.ctx)
-    return [sum(max(0.0, runtime_overhead_s(prof, op.kind) - runtime_overhead_s(prof, op.kind, native=True))
-                for op in lay.ops) * slow for lay in table.graph.layers]
+    out = []
+    for lay in table.graph.layers:
+        f = b = 0.0
+        for op in lay.ops:
+            g = max(0.0, runtime_overhead_s(prof, op.kind) - runtime_overhead_s(prof, op.kind, native=True))
+            sf, sb = overhead_shares(op)
+            f += g * sf
+            b += g * sb
+        out.append((f * slow, b * slow))
+    return out
 
 
-def _native_prediction(table, choice: list[int], evaluate, gaps: list[float]):
-    """``evaluate`` of ``choice`` with every layer's compute less its gap (a third forward,
-    two thirds backward, as the per-op work is priced)."""
+def _native_prediction(table, choice: list[int], evaluate, gaps: list[tuple[float, float]]):
+    """``evaluate`` of ``choice`` with every layer's compute less its gap (forward and
+    backward shares, as the per-op work is priced)."""
     import dataclasses
     layers = list(table.layers)
     for l, ci in enumerate(choice):
-        o, d = layers[l], gaps[l]
-        if d <= 0.0:
+        o, (df, db) = layers[l], gaps[l]
+        if df + db <= 0.0:
             continue
         c = o.costs[ci]
         costs = list(o.costs)
-        costs[ci] = dataclasses.replace(c, fwd_compute_s=max(0.0, c.fwd_compute_s - d / 3.0),
-                                        bwd_compute_s=max(0.0, c.bwd_compute_s - 2.0 * d / 3.0))
+        costs[ci] = dataclasses.replace(c, fwd_compute_s=max(0.0, c.fwd_compute_s - df),
+                                        bwd_compute_s=max(0.0, c.bwd_compute_s - db))
         layers[l] = dataclasses.replace(o, costs=costs)
     return evaluate(dataclasses.replace(table, layers=layers), choice)

@@ -312,6 +312,15 @@ def runtime_overhead_applies(graph, decisions, world: int, batch_norm=None, batc
     return False
 
 
+def overhead_shares(op: OpSpec) -> tuple[float, float]:
+    """(forward, backward) shares of an op's per-op runtime work as ``op_compute_s`` charges it:
+    a third forward, two thirds backward; no backward share for a parameter-free op none of
+    whose inputs carries a gradient (it has no backward node)."""
+    if op.attrs.get(INPUT_GRAD) is False and not op.params:
+        return 1.0 / 3.0, 0.0
+    return 1.0 / 3.0, 2.0 / 3.0
+
+
 def plan_runtime_overhead_s(graph, ctx, native: bool = False) -> float:
     """Seconds of per-op runtime overhead (forward + backward, on the slowest rank) that the
     per-op prices of every op of ``graph`` hold (``op_compute_s``), traced or ``native``: a
@@ -319,7 +328,8 @@ def plan_runtime_overhead_s(graph, ctx, native: bool = False) -> float:
     ``t - plan_runtime_overhead_s(g, ctx) + plan_runtime_overhead_s(g, ctx, native=True)``."""
     prof = ctx.profile
     slow = _compute_slowdown(ctx)
-    return sum(runtime_overhead_s(prof, op.kind, native) for lay in graph.layers for op in lay.ops) * slow
+    return sum(runtime_overhead_s(prof, op.kind, native) * sum(overhead_shares(op))
+               for lay in graph.layers for op in lay.ops) * slow
 
 
 def saved_bytes(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],

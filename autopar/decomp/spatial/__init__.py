@@ -46,7 +46,7 @@ from typing import Any
 
 from ..base import CostContext, Decomposition, LayerCost, divisors, register
 from ..common import price_replicated_weights
-from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
+from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, INPUT_GRAD, MEAN, POOL, UNARY, Layer,
                  OpSpec)
 from .geometry import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
 from ..layout import Layout, block_extent
@@ -399,7 +399,9 @@ class Spatial(Decomposition):
                     nbytes = (sum(ln for _, _, ln in sends) + lo_len + hi_len) * cross * itemsize
                     best_t = max(best_t, t_send, t_recv)
                     best_b = max(best_b, nbytes)
-            if p > 1:   # one blocking exchange round per split dim (latency as met in a step)
+            if p > 1 and best_b > 0:   # one blocking exchange round per split dim that moves
+                # data (latency as met in a step); windows that need no neighbour's rows (a
+                # pooling whose stride equals its kernel, split on window boundaries) send nothing
                 best_t += max(0.0, prim.insitu_latency_s(prof, 2, ctx.ranks_on_node, "p2p") - prof.collective_time_s("p2p", 2, 0.0, "intra"))
             total_t += best_t * prim.correction(prof, "blocking_comm_scale")
             total_b += best_b
@@ -432,7 +434,8 @@ class Spatial(Decomposition):
                   + batch norm statistics over the data group of its input (the world for a
                     spatial input, the sample group after global pooling), by the formula of
                     ``common.price_replicated_weights``
-        bwd comm  = the same: backward-data sends the halo gradients back (same volume),
+        bwd comm  = the same: backward-data sends the halo gradients back (same volume; none
+                    for an op whose input carries no gradient, ``decomp.ir.mark_input_grads``),
                     global pooling's backward allreduces, batch norm's backward allreduce
         grad      = allreduce(param bytes, world)                                -> grad_sync_s
         memory    = params + grads + optimizer state (whole) + saved activations (windows for
@@ -441,7 +444,7 @@ class Spatial(Decomposition):
         from ...cost import primitives as prim  # plan-time half: the runtime never loads cost
         lays = self.value_layouts(layer)
         item = layer.itemsize
-        halo_t = work = gap_t = bn_fwd = bn_bwd = 0.0
+        halo_t = halo_bwd = work = gap_t = bn_fwd = bn_bwd = 0.0
         shapes: dict[str, tuple[list, list]] = {}
         priced_ops = []
         hook = lambda op, ins, out: shapes[op.name]  # noqa: E731
@@ -450,6 +453,8 @@ class Spatial(Decomposition):
             if op.kind in WINDOW_OPS:
                 t, b = self._halo_cost(op, ctx, item)
                 halo_t += t
+                if op.attrs.get(INPUT_GRAD) is not False:   # else no halo gradient flows back
+                    halo_bwd += t
                 work = max(work, b)
             if op.kind == CONV:
                 a = dict(op.attrs)
@@ -474,7 +479,7 @@ class Spatial(Decomposition):
                        output=layer.output, module=layer.module)
         return price_replicated_weights(
             priced, self.reduced_layout(), ctx, extra_fwd_comm_s=halo_t + gap_t + bn_fwd,
-            extra_bwd_comm_s=halo_t + gap_t + bn_bwd, workspace_bytes=work, bn_group_size=1,
+            extra_bwd_comm_s=halo_bwd + gap_t + bn_bwd, workspace_bytes=work, bn_group_size=1,
             compute_shapes=hook)
 
     # ---- runtime ---------------------------------------------------------------------------

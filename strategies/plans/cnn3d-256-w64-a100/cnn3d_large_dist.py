@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 8
 World size: 64 (ranks per node 8, placement block)
-Predicted:  step 5.640 ms, memory 534.3 MiB per rank
+Predicted:  step 5.561 ms, memory 534.3 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 64 cnn3d_large_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 158.162 ms, memory 5.0 MiB per rank
+Predicted:  step 152.265 ms, memory 5.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 18.659 ms, memory 2.7 MiB per rank
+Predicted:  step 18.448 ms, memory 2.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gnn_pcqm4m_dist.py --steps 5
@@ -26,7 +26,7 @@ class PlannedModel(DistModel):
         # input e (2, 118, 3) arrives as layout N2xC2
         # input src (2, 118) arrives as layout N2
         # input dst (2, 118) arrives as layout R
-        # input node_mask (2, 51) arrives as layout R
+        # input node_mask (2, 51) arrives as layout N2
         # -- layer 0: node_embed  linear+unary  (2, 51, 100)  -> sample(2)  [N2]
         linear = self.op('linear', x)  # aten.linear.default  gnn_pcqm4m.py:70
         relu = self.op('relu', linear)  # aten.relu.default  gnn_pcqm4m.py:70
@@ -76,11 +76,10 @@ class PlannedModel(DistModel):
         # -- layer 19: convs.0  binary+unary  (2, 51, 32)  -> sample(2)  [N2]
         add = self.op('add', linear_5, slice_1)  # aten.add.Tensor  gnn_pcqm4m.py:54
         relu_4 = self.op('relu_4', add)  # aten.relu.default  gnn_pcqm4m.py:73
-        # -- layer 20: (root)  squeeze  (2, 51, 1)  -> replicate  [R]
+        # -- layer 20: (root)  squeeze  (2, 51, 1)  -> sample(2)  [N2]
         unsqueeze_3 = self.op('unsqueeze_3', node_mask)  # aten.unsqueeze.default  gnn_pcqm4m.py:74
         # -- layer 21: (root)  binary  (2, 51, 32)  -> sample(2)  [N2]
-        unsqueeze_3__4 = self.move(unsqueeze_3, 'unsqueeze_3', [], [[0, 2]], layer=21)  # transition R -> N2
-        mul = self.op('mul', relu_4, unsqueeze_3__4)  # aten.mul.Tensor  gnn_pcqm4m.py:74
+        mul = self.op('mul', relu_4, unsqueeze_3)  # aten.mul.Tensor  gnn_pcqm4m.py:74
         # -- layer 22: (root)  sum  (2, 32)  -> sample(2)  [N2]
         sum_1 = self.op('sum_1', mul)  # aten.sum.dim_IntList  gnn_pcqm4m.py:74
         # -- layer 23: head.0  linear+unary  (2, 256)  -> sample(2)  [N2]

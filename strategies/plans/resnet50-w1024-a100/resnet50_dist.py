@@ -2,7 +2,7 @@
 
 Model:      ../../examples/resnet50.py (sha256 4209a77386e3), batch 256
 World size: 1024 (ranks per node 8, placement block)
-Predicted:  step 23.566 ms, memory 782.9 MiB per rank
+Predicted:  step 23.536 ms, memory 782.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 1024 resnet50_dist.py --steps 5

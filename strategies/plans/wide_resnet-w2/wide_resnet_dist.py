@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 216.311 ms, memory 66.9 MiB per rank
+Predicted:  step 215.890 ms, memory 66.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 wide_resnet_dist.py --steps 5
