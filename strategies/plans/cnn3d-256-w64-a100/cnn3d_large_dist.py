@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 8
 World size: 64 (ranks per node 8, placement block)
-Predicted:  step 5.561 ms, memory 534.3 MiB per rank
+Predicted:  step 5.547 ms, memory 522.6 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 64 cnn3d_large_dist.py --steps 5
@@ -22,34 +22,34 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, x):
         self.update_buffers()
-        # input x (8, 1, 256, 256, 256) arrives as layout N8x[3]8
-        # -- layer 0: block1.conv  conv+batch_norm+unary  (8, 8, 256, 256, 256)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # input x (8, 1, 256, 256, 256) arrives as layout N8x[2]2x[3]2x[4]2
+        # -- layer 0: block1.conv  conv+batch_norm+unary  (8, 8, 256, 256, 256)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         conv3d = self.op('conv3d', x)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm = self.op('batch_norm', conv3d)  # aten.batch_norm.default  cnn3d_large.py:28
         relu = self.op('relu', batch_norm)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 1: block2.conv  conv+batch_norm+unary  (8, 8, 256, 256, 256)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 1: block2.conv  conv+batch_norm+unary  (8, 8, 256, 256, 256)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         conv3d_1 = self.op('conv3d_1', relu)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_1 = self.op('batch_norm_1', conv3d_1)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 2: pool1  pool  (8, 8, 128, 128, 128)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 2: pool1  pool  (8, 8, 128, 128, 128)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         max_pool3d = self.op('max_pool3d', relu_1)  # aten.max_pool3d.default  cnn3d_large.py:45
-        # -- layer 3: block3.conv  conv+batch_norm+unary  (8, 16, 128, 128, 128)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 3: block3.conv  conv+batch_norm+unary  (8, 16, 128, 128, 128)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         conv3d_2 = self.op('conv3d_2', max_pool3d)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_2 = self.op('batch_norm_2', conv3d_2)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_2 = self.op('relu_2', batch_norm_2)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 4: block4.conv  conv+batch_norm+unary  (8, 16, 128, 128, 128)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 4: block4.conv  conv+batch_norm+unary  (8, 16, 128, 128, 128)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         conv3d_3 = self.op('conv3d_3', relu_2)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_3 = self.op('batch_norm_3', conv3d_3)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_3 = self.op('relu_3', batch_norm_3)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 5: (root)  binary  (8, 16, 128, 128, 128)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 5: (root)  binary  (8, 16, 128, 128, 128)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         add = self.op('add', relu_3, relu_2)  # aten.add.Tensor  cnn3d_large.py:47
-        # -- layer 6: pool2  pool  (8, 16, 64, 64, 64)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 6: pool2  pool  (8, 16, 64, 64, 64)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         max_pool3d_1 = self.op('max_pool3d_1', add)  # aten.max_pool3d.default  cnn3d_large.py:48
-        # -- layer 7: block5.conv  conv+batch_norm+unary  (8, 32, 64, 64, 64)  -> spatial(8,1x8x1)  [N8x[3]8]
+        # -- layer 7: block5.conv  conv+batch_norm+unary  (8, 32, 64, 64, 64)  -> spatial(8,2x2x2)  [N8x[2]2x[3]2x[4]2]
         conv3d_4 = self.op('conv3d_4', max_pool3d_1)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_4 = self.op('batch_norm_4', conv3d_4)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_4 = self.op('relu_4', batch_norm_4)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 8: (root)  adaptive_pool  (8, 32, 1, 1, 1)  -> spatial(8,1x8x1)  [N8]
+        # -- layer 8: (root)  adaptive_pool  (8, 32, 1, 1, 1)  -> spatial(8,2x2x2)  [N8]
         adaptive_avg_pool3d = self.op('adaptive_avg_pool3d', relu_4)  # aten.adaptive_avg_pool3d.default  cnn3d_large.py:49
         # -- layer 9: (root)  flatten  (8, 32)  -> sample(8)  [N8]
         flatten = self.op('flatten', adaptive_avg_pool3d)  # aten.flatten.using_ints  cnn3d_large.py:49

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 100.157 ms, memory 13.4 MiB per rank
+Predicted:  step 98.900 ms, memory 12.4 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5
@@ -32,11 +32,11 @@ class PlannedModel(DistModel):
         conv3d_1 = self.op('conv3d_1', relu__0)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_1 = self.op('batch_norm_1', conv3d_1)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 2: pool1  pool  (4, 8, 16, 16, 16)  -> sample(2)  [N2]
-        relu_1__1 = self.move(relu_1, 'relu_1', [[0, 2], [2, 2]], [[0, 2]], layer=2)  # transition N2x[2]2 -> N2
-        max_pool3d = self.op('max_pool3d', relu_1__1)  # aten.max_pool3d.default  cnn3d_large.py:45
+        # -- layer 2: pool1  pool  (4, 8, 16, 16, 16)  -> spatial(2,2x1x1)  [N2x[2]2]
+        max_pool3d = self.op('max_pool3d', relu_1)  # aten.max_pool3d.default  cnn3d_large.py:45
         # -- layer 3: block3.conv  conv+batch_norm+unary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]
-        conv3d_2 = self.op('conv3d_2', max_pool3d)  # aten.conv3d.default  cnn3d_large.py:28
+        max_pool3d__1 = self.move(max_pool3d, 'max_pool3d', [[0, 2], [2, 2]], [[0, 2]], layer=3)  # transition N2x[2]2 -> N2
+        conv3d_2 = self.op('conv3d_2', max_pool3d__1)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_2 = self.op('batch_norm_2', conv3d_2)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_2 = self.op('relu_2', batch_norm_2)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 4: block4.conv  conv+batch_norm+unary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/meshtangle2d.py (sha256 b964acbe569e), batch 4
 World size: 16 (ranks per node 8, placement block)
-Predicted:  step 6.906 ms, memory 472.5 MiB per rank
+Predicted:  step 6.895 ms, memory 472.5 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 16 meshtangle2d_dist.py --steps 5
