@@ -161,3 +161,25 @@ def test_dead_or_hung_rank_stops_everyone_and_is_named(mode, tmp_path, profile):
     assert msg.startswith("rank 1 failed") or "did not finish" in msg, msg
     if mode == "raise":
         assert "rank one is broken" in msg
+
+
+def test_plan_and_ddp_steps_are_timed_in_alternating_rounds(monkeypatch):
+    """``execute`` times DDP beside the plan in the same rounds (``runner.interleaved``): a block
+    of each per round, the order alternating, every step counted once."""
+    import autopar.execute.timing as timing
+    from autopar.execute.runner import INTERLEAVE_ROUNDS, interleaved
+    calls = []
+
+    def fake(model, optim, inputs, loss_of, finish, n, comm, sync, barrier):
+        calls.append((model, n))
+        return [float(len(calls))] * n
+    monkeypatch.setattr(timing, "timed_steps", fake)
+    plan_t, ddp_t = interleaved(("plan", None, None, None, None), ("ddp", None, None, None, None), 20,
+                                None, None, None)
+    assert len(plan_t) == len(ddp_t) == 20
+    assert len(calls) == 2 * INTERLEAVE_ROUNDS and sum(n for _, n in calls) == 40
+    firsts = [calls[2 * k][0] for k in range(INTERLEAVE_ROUNDS)]
+    assert firsts == ["plan", "ddp"] * (INTERLEAVE_ROUNDS // 2)
+    assert [n for who, n in calls if who == "plan"] == [4, 4, 3, 3, 3, 3]
+    calls.clear()      # 2 steps: 2 rounds, plan first then DDP first (calls 1, 2 | 3, 4)
+    assert interleaved(("plan",) * 5, ("ddp",) * 5, 2, None, None, None) == ([1.0, 4.0], [2.0, 3.0])

@@ -11,17 +11,43 @@ baseline says so. A model without batch norm: plain DDP is always the same funct
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Callable
 
 from ..artifacts import Baseline
 from .timing import timed_steps
 
 
-def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
-                 warmup: int, steps: int, sync: Callable[[], None],
-                 barrier: Callable[[], None], bn_stats=None, graph=None) -> Baseline:
-    """Time torch DDP on the full batch ``xs``/``ys`` (float32), each rank its sample block.
-    A PyG batch (``graph``'s inputs marked as nodes and edges with a batch vector,
+@dataclass
+class DDPRunner:
+    """torch DDP on the plan's batch, ready to step (``ddp_runner``); ``result`` makes the
+    ``Baseline`` of its timed steps."""
+    model: object
+    optim: object
+    inputs: list
+    loss_of: Callable
+    equivalent: bool
+    note: str
+    sync_bn: bool
+    allreduce_bytes: int
+    bn_stats: object = None
+
+    def step_args(self) -> tuple:
+        """What ``execute.timing.timed_steps`` takes before ``n``."""
+        return self.model, self.optim, self.inputs, self.loss_of, lambda: None
+
+    def result(self, times: list[float]) -> Baseline:
+        return Baseline(
+            ddp_step_times_s=tuple(times), ddp_step_time_s=statistics.median(times),
+            ddp_allreduce_bytes_per_step=self.allreduce_bytes, equivalent=self.equivalent, note=self.note,
+            extra={"batch_norm": self.bn_stats.to_json() if self.bn_stats is not None else None,
+                   "sync_batch_norm": self.sync_bn})
+
+
+def ddp_runner(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float, bn_stats=None,
+               graph=None) -> DDPRunner:
+    """torch DDP on the full batch ``xs``/``ys`` (float32), each rank its sample block. A PyG
+    batch (``graph``'s inputs marked as nodes and edges with a batch vector,
     ``decomp.graph.graphs.graph_roles``) is split into whole graphs per rank by the generic
     split of graph parallelism (``runtime.graphs.split_graph_batch``) unless the model file
     says how (``ddp_shard``, an override). Collective: every rank calls it."""
@@ -45,14 +71,18 @@ def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: floa
         loss_of = (lambda o: loss_fn(rows(o), by)) if by is not None else (lambda o: loss_fn(rows(o)))
     else:
         loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
-    timed_steps(ddp, opt, bx, loss_of, lambda: None, warmup, comm, sync, barrier)
-    times = timed_steps(ddp, opt, bx, loss_of, lambda: None, steps, comm, sync, barrier)
-    return Baseline(
-        ddp_step_times_s=tuple(times), ddp_step_time_s=statistics.median(times),
-        ddp_allreduce_bytes_per_step=sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad),
-        equivalent=equivalent, note=note,
-        extra={"batch_norm": bn_stats.to_json() if bn_stats is not None else None,
-               "sync_batch_norm": sync_bn})
+    nbytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    return DDPRunner(ddp, opt, bx, loss_of, equivalent, note, sync_bn, nbytes, bn_stats)
+
+
+def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
+                 warmup: int, steps: int, sync: Callable[[], None],
+                 barrier: Callable[[], None], bn_stats=None, graph=None) -> Baseline:
+    """Time torch DDP alone (``ddp_runner``): ``warmup`` steps, then ``steps`` timed ones.
+    ``autopar execute`` interleaves them with the plan's steps instead (``execute.runner``)."""
+    r = ddp_runner(mf, xs, ys, loss_fn, comm, seed, lr, momentum, bn_stats, graph)
+    timed_steps(*r.step_args(), warmup, comm, sync, barrier)
+    return r.result(timed_steps(*r.step_args(), steps, comm, sync, barrier))
 
 
 def same_function(has_bn: bool, bn_stats, batch: int, world: int, cuda: bool) -> tuple[bool, str, bool]:

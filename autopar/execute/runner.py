@@ -8,7 +8,9 @@ model with the plan's seed and the generated module's ``PlannedModel``, then run
 2. **timing** (``execute.timing``; float32, a fresh copy of the model): ``warmup`` + ``steps``
    training steps, each the slowest rank's wall time, then ``instrumented_steps`` more for
    per-layer times (median per layer);
-3. the **baseline** (``execute.baseline``): torch DDP on the same model and batch.
+3. the **baseline** (``execute.baseline``): torch DDP on the same model and batch, its
+   ``warmup`` + ``steps`` steps timed in the same rounds as the plan's (``interleaved``: a block
+   of each per round, the order alternating), so that plan / DDP compares the same minutes.
 
 ``execute`` checks the plan and its model file before any process starts, launches the ranks,
 and writes ``RUNDIR/run.json`` (a ``RunResult``, ``autopar.artifacts``) with report.md and plots
@@ -96,7 +98,7 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     import torch
 
     from ..runtime.entry import build_user_model, synthetic_batch
-    from .baseline import ddp_baseline
+    from .baseline import ddp_runner
     from .timing import instrumented_steps, timed_steps
 
     gen = _import_generated(Path(module_path))
@@ -139,13 +141,9 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     opt = torch.optim.SGD(dm.parameters(), lr=opts.lr, momentum=opts.momentum)
     local = dm.shard_inputs(xs)
     plan_loss = lambda o: dm.local_loss(o, ys_t, loss_fn)  # noqa: E731
-    timed_steps(dm, opt, local, plan_loss, dm.finish_grads, opts.warmup, comm, sync, barrier)
-    plan_times = timed_steps(dm, opt, local, plan_loss, dm.finish_grads, opts.steps, comm, sync, barrier)
-    per_layer, phases = instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, comm,
-                                           sync, barrier)
+    plan_args = (dm, opt, local, plan_loss, dm.finish_grads)
 
-    # 3. DDP baseline
-    baseline = None
+    # 3. the DDP baseline, in the same processes
     # DDP splits every input along dim 0: only for a batch of samples, unless the model file
     # says how to split its batch (``ddp_shard``: a PyG batch's x [N, F] and edge_index [2, E]
     # split by whole graphs); otherwise no baseline
@@ -153,14 +151,51 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     roles = graph_split_roles(dm.graph)      # a PyG batch: whole graphs per rank
     samples = (len({int(x.shape[0]) for x in xs if x.dim()}) == 1 or mf.ddp_shard() is not None
                or (roles is not None and roles.graphs % world == 0))
+    ddp = None
     if opts.ddp and world > 1 and plan.model.batch_size >= world and samples:
-        baseline = ddp_baseline(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
-                                opts.warmup, opts.steps, sync, barrier, bn_stats=plan.bn_stats(),
-                                graph=dm.graph)
+        ddp = ddp_runner(mf, xs, ys_t, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
+                         bn_stats=plan.bn_stats(), graph=dm.graph)
+
+    # 4. timing: the plan's steps, and DDP's interleaved with them in rounds (``interleaved``)
+    timed_steps(*plan_args, opts.warmup, comm, sync, barrier)
+    if ddp is None:
+        plan_times = timed_steps(*plan_args, opts.steps, comm, sync, barrier)
+        baseline = None
+    else:
+        timed_steps(*ddp.step_args(), opts.warmup, comm, sync, barrier)
+        plan_times, ddp_times = interleaved(plan_args, ddp.step_args(), opts.steps, comm, sync, barrier)
+        baseline = ddp.result(ddp_times)
+    per_layer, phases = instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, comm,
+                                           sync, barrier)
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
             "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step,
             "runtime": _runtime_note(dm)}
+
+
+#: rounds the timed steps of ``autopar execute`` are split into when DDP is timed beside the plan
+INTERLEAVE_ROUNDS = 6
+
+
+def interleaved(plan_args: tuple, ddp_args: tuple, steps: int, comm, sync, barrier
+                ) -> tuple[list[float], list[float]]:
+    """``steps`` timed steps of the plan and of DDP each, in ``INTERLEAVE_ROUNDS`` rounds of a
+    block of each, the order alternating round by round: machine drift over the run (this
+    2-core VM's speed moves by tens of percent within minutes) falls on both alike, where
+    timing all of the plan's steps and then all of DDP's read the same native plan at 1.03x
+    and at 1.20x DDP in two fresh-clone runs of the example."""
+    from .timing import timed_steps
+    rounds = max(1, min(INTERLEAVE_ROUNDS, steps))
+    sizes = [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
+    plan_t: list[float] = []
+    ddp_t: list[float] = []
+    for k, n in enumerate(sizes):
+        for who in ((0, 1) if k % 2 == 0 else (1, 0)):
+            if who == 0:
+                plan_t += timed_steps(*plan_args, n, comm, sync, barrier)
+            else:
+                ddp_t += timed_steps(*ddp_args, n, comm, sync, barrier)
+    return plan_t, ddp_t
 
 
 def _runtime_note(dm) -> dict[str, Any]:
