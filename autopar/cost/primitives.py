@@ -64,7 +64,7 @@ from typing import Sequence
 from ..calibrate.exact_ops import op_key, op_spec
 from ..calibrate.insitu import Straggler
 from ..calibrate.kernels import shape_key
-from ..decomp.ir import INPUT_GRAD, OpSpec
+from ..decomp.ir import OpSpec, has_backward, takes_input_grad
 from ..ops import family_of, kernel_class_for
 from ..ops.conv import conv_flops  # noqa: F401  (kept importable here)
 
@@ -113,11 +113,9 @@ def op_compute_s(op: OpSpec, in_shapes: Sequence[Sequence[int]], out_shape: Sequ
     slow = _compute_slowdown(ctx)
     # no input carries a gradient (``decomp.ir.mark_input_grads``): no data-gradient phase, and
     # no backward at all without parameters
-    data_grad = op.attrs.get(INPUT_GRAD) is not False
-    if not data_grad and not op.params:
-        f, _, src = _op_compute_s(fam, op, in_shapes, out_shape, ctx, w_shape, itemsize, over, slow, True)
-        return f, 0.0, src
-    return _op_compute_s(fam, op, in_shapes, out_shape, ctx, w_shape, itemsize, over, slow, data_grad)
+    f, b, src = _op_compute_s(fam, op, in_shapes, out_shape, ctx, w_shape, itemsize, over, slow,
+                              takes_input_grad(op))
+    return (f, b, src) if has_backward(op) else (f, 0.0, src)
 
 
 def _op_compute_s(fam, op: OpSpec, in_shapes, out_shape, ctx, w_shape, itemsize: int, over: float,
@@ -316,9 +314,7 @@ def overhead_shares(op: OpSpec) -> tuple[float, float]:
     """(forward, backward) shares of an op's per-op runtime work as ``op_compute_s`` charges it:
     a third forward, two thirds backward; no backward share for a parameter-free op none of
     whose inputs carries a gradient (it has no backward node)."""
-    if op.attrs.get(INPUT_GRAD) is False and not op.params:
-        return 1.0 / 3.0, 0.0
-    return 1.0 / 3.0, 2.0 / 3.0
+    return (1.0 / 3.0, 2.0 / 3.0) if has_backward(op) else (1.0 / 3.0, 0.0)
 
 
 def plan_runtime_overhead_s(graph, ctx, native: bool = False) -> float:

@@ -260,8 +260,19 @@ def mark_input_grads(layers: list[Layer]) -> None:
                 carries.add(op.name)
             if grad_in and INPUT_GRAD in op.attrs:
                 op.attrs = {k: v for k, v in op.attrs.items() if k != INPUT_GRAD}
-            elif not grad_in and op.attrs.get(INPUT_GRAD) is not False:
+            elif not grad_in and takes_input_grad(op):
                 op.attrs = {**op.attrs, INPUT_GRAD: False}
+
+
+def takes_input_grad(op: OpSpec) -> bool:
+    """Whether ``op`` computes a gradient for its inputs (``mark_input_grads``)."""
+    return op.attrs.get(INPUT_GRAD) is not False
+
+
+def has_backward(op: OpSpec) -> bool:
+    """Whether ``op`` is in the backward pass at all: it takes an input gradient or has
+    parameters (an op on the data without parameters has no autograd node)."""
+    return takes_input_grad(op) or bool(op.params)
 
 
 def batch_free_layers(graph) -> frozenset[int]:

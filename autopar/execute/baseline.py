@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..artifacts import Baseline
-from .timing import timed_steps
 
 
 @dataclass
@@ -73,16 +72,6 @@ def ddp_runner(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
         loss_of = (lambda o: loss_fn(o, by)) if by is not None else (lambda o: loss_fn(o))
     nbytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
     return DDPRunner(ddp, opt, bx, loss_of, equivalent, note, sync_bn, nbytes, bn_stats)
-
-
-def ddp_baseline(mf, xs, ys, loss_fn, comm, seed: int, lr: float, momentum: float,
-                 warmup: int, steps: int, sync: Callable[[], None],
-                 barrier: Callable[[], None], bn_stats=None, graph=None) -> Baseline:
-    """Time torch DDP alone (``ddp_runner``): ``warmup`` steps, then ``steps`` timed ones.
-    ``autopar execute`` interleaves them with the plan's steps instead (``execute.runner``)."""
-    r = ddp_runner(mf, xs, ys, loss_fn, comm, seed, lr, momentum, bn_stats, graph)
-    timed_steps(*r.step_args(), warmup, comm, sync, barrier)
-    return r.result(timed_steps(*r.step_args(), steps, comm, sync, barrier))
 
 
 def same_function(has_bn: bool, bn_stats, batch: int, world: int, cuda: bool) -> tuple[bool, str, bool]:

@@ -46,8 +46,8 @@ from typing import Any
 
 from ..base import CostContext, Decomposition, LayerCost, divisors, register
 from ..common import price_replicated_weights
-from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, INPUT_GRAD, MEAN, POOL, UNARY, Layer,
-                 OpSpec)
+from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
+                 OpSpec, takes_input_grad)
 from .geometry import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
 from ..layout import Layout, block_extent
 
@@ -453,7 +453,7 @@ class Spatial(Decomposition):
             if op.kind in WINDOW_OPS:
                 t, b = self._halo_cost(op, ctx, item)
                 halo_t += t
-                if op.attrs.get(INPUT_GRAD) is not False:   # else no halo gradient flows back
+                if takes_input_grad(op):   # else no halo gradient flows back
                     halo_bwd += t
                 work = max(work, b)
             if op.kind == CONV:
