@@ -391,6 +391,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", help="comma-separated model file stems (e.g. gnn_pcqm4m,pyg_nnconv): only "
                                      "their plans, in both sets")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        ap.error(f"--rounds {args.rounds} / --steps {args.steps}: each plan needs at least one round of at "
+                 "least one step; use --rounds 1 for one execution per plan")
     if args.models:
         MODEL_FILTER.update(args.models.split(","))
     import os
