@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -112,6 +113,20 @@ def _plan_key(plan_path, model, env: dict) -> tuple:
             tuple(l.choice for l in plan.layers), (plan.extra.get("runtime") or {}).get("expected"))
 
 
+#: timed steps of a short plan: at least this many seconds of them per execution (a GPT step
+#: of 3-4 ms timed 8 times read 46-66 % apart between rounds), at most ``MAX_STEPS`` steps
+MIN_TIMED_S = 0.3
+MAX_STEPS = 64
+
+
+def steps_for(steps: int, predicted_step_s: float) -> int:
+    """Timed steps of one execution: ``steps``, or more for a plan predicted so short that
+    ``steps`` of them last under ``MIN_TIMED_S`` (at most ``MAX_STEPS``)."""
+    if predicted_step_s <= 0:
+        return steps
+    return max(steps, min(MAX_STEPS, math.ceil(MIN_TIMED_S / predicted_step_s)))
+
+
 def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | None = None,
             candidates: list | None = None, rounds: int = 1) -> list[dict]:
     """Plan every candidate, then execute them ``rounds`` times, round by round (every plan
@@ -153,7 +168,8 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
             continue
         key = _plan_key(r.plan_path, model, env)
         planned.append({"i": i, "label": label, "model": model, "world": world, "env": env, "plan_path": r.plan_path,
-                        "same_as": first_of.get(key), "runs": []})
+                        "same_as": first_of.get(key), "runs": [],
+                        "steps": steps_for(steps, r.plan.predicted.step_time_s)})
         first_of.setdefault(key, len(planned) - 1)
     distinct = [c for c in planned if c["same_as"] is None]
     for k in range(rounds):
@@ -163,7 +179,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                 continue
             try:
                 with model_env(c["env"]):
-                    run, _ = execute(c["plan_path"], ExecuteOptions(steps=steps, warmup=2, ddp=False),
+                    run, _ = execute(c["plan_path"], ExecuteOptions(steps=c["steps"], warmup=2, ddp=False),
                                      out_dir=tmp / f"{tag}-run{c['i']}" / f"round{k}", progress=lambda s: None)
             except AutoparError as e:
                 print(f"  {c['label']} @{c['world']}: {e.__class__.__name__}: {e}")

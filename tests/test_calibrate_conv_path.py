@@ -96,5 +96,31 @@ def test_report_names_the_form_and_the_native_path_sub_model():
     prof.kernels["conv_bwd_data"]["shape_model"] = {
         "form": "conv_shape/1", "coef": [0.0] * 9, "heldout_median_rel_err": 0.2, "n_samples": 64}
     md = report_markdown(prof, "p", [])
-    assert "| conv_fwd | 12% | 50% | 21% | 160 | conv_shape/2 | 20% of 40 |" in md
+    assert f"| conv_fwd | 12% | 50% | 21% | 160 | {CONV_SHAPE_FORM} | 20% of 40 |" in md
     assert "| conv_shape/1 | one model |" in md
+
+
+def test_conv_shape_3_adds_layout_terms_and_earlier_forms_price_as_before():
+    """``conv_shape/3`` (``kernels.conv_layout_features``): channel counts off the vector block,
+    strides and tensors past the caches each add a term; a profile of ``conv_shape/2`` keeps
+    its nine coefficients over ``conv_shape_features``."""
+    from autopar.calibrate.kernels import (CONV_CHANNEL_BLOCK, conv_layout_features, conv_model_features,
+                                           conv_model_time_s)
+    aligned = {"op": "conv", "x": [8, 32, 16, 16], "w": [64, 32, 3, 3], "padding": [1, 1]}
+    odd = {"op": "conv", "x": [8, 20, 16, 16], "w": [40, 20, 3, 3], "padding": [1, 1]}
+    strided = dict(aligned, stride=[2, 2])
+    big = {"op": "conv", "x": [16, 64, 64, 64], "w": [64, 64, 1, 1]}
+    assert 32 % CONV_CHANNEL_BLOCK == 0 and 20 % CONV_CHANNEL_BLOCK != 0
+    assert conv_layout_features(aligned) == [0.0] * 5
+    lay = conv_layout_features(odd)
+    assert lay[0] > 0 and lay[1] > 0 and lay[2:] == [0.0] * 3
+    assert conv_layout_features(strided)[2] > 0
+    assert conv_layout_features(big)[3] == 16 * 64 * 64 * 64 and conv_layout_features(big)[4] == 16 * 64 * 64 * 64
+    assert len(conv_model_features(odd)) == len(conv_shape_features(odd)) + 5 == 14
+    assert conv_model_features(odd, "conv_shape/2") == conv_shape_features(odd)
+    coef = [1e-5, 1e-10, 0, 0, 0, 0, 0, 0, 0]
+    two = {"form": "conv_shape/2", "coef": coef, "native": None}
+    three = {"form": CONV_SHAPE_FORM, "coef": coef + [1e-10, 0, 0, 0, 0], "native": None}
+    assert conv_model_time_s(two, odd) == pytest.approx(float(np.dot(coef, conv_shape_features(odd))))
+    assert conv_model_time_s(three, odd) > conv_model_time_s(two, odd)          # C/g = 20: off the block
+    assert conv_model_time_s(three, aligned) == pytest.approx(conv_model_time_s(two, aligned))

@@ -221,3 +221,38 @@ def test_measured_matmul_backward_prices_the_backward(profile):
     f1, b1, _ = prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)
     assert f1 == pytest.approx(f0) and b1 == pytest.approx(3 * f0, rel=1e-6)
     assert add_backward_models(profile) == []          # fitted once
+
+
+def _norm_op(kind: str, target: str, shape):
+    from autopar.decomp.ir import OpSpec
+    return OpSpec(name="n", kind=kind, target=target, args=[{"v": "x"}], kwargs={}, out_shape=list(shape),
+                  dtype="float32", inputs=["x"], in_shapes=[list(shape)], params={}, param_names={},
+                  attrs={"training": True})
+
+
+def test_swept_backward_prices_only_the_families_the_sweep_timed(profile):
+    """The norm sweep times batch norm's backward (``OpFamily.sweep_backward``): with the
+    class's ``bwd_model`` fitted, batch norm's backward is priced by it, while layer norm (the
+    same class, not what the sweep ran) keeps twice its forward."""
+    import numpy as np
+    from autopar.calibrate.fit import add_backward_models
+    from autopar.ops import family_of
+    assert family_of("batch_norm").sweep_backward and family_of("pool").sweep_backward
+    assert not family_of("layer_norm").sweep_backward and not family_of("unary").sweep_backward
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(30):
+        fl, by = float(10 ** rng.uniform(4, 8)), float(10 ** rng.uniform(4, 8))
+        t = profile.kernel_time_s("norm", fl, by)
+        rows.append({"config": {}, "flops": fl, "bytes": by, "median_s": t, "bwd_median_s": 0.5 * t})
+    profile.samples = {"kernels": {"norm": rows}}
+    assert add_backward_models(profile) == ["norm"]
+    ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
+    bn = _norm_op("batch_norm", "aten.batch_norm.default", [8, 16, 32, 32])
+    ln = _norm_op("layer_norm", "aten.layer_norm.default", [8, 64, 256])
+    over = prim.runtime_overhead_s(profile, "batch_norm")
+    f, b, _ = prim.op_compute_s(bn, bn.in_shapes, bn.out_shape, ctx)
+    assert b - 2 * over / 3 == pytest.approx(0.5 * (f - over / 3), rel=1e-6)
+    over = prim.runtime_overhead_s(profile, "layer_norm")
+    f, b, _ = prim.op_compute_s(ln, ln.in_shapes, ln.out_shape, ctx)
+    assert b - 2 * over / 3 == pytest.approx(2 * (f - over / 3), rel=1e-6)

@@ -158,3 +158,16 @@ def test_timed_kernels_keep_their_results_alive_as_a_step_keeps_activations(monk
     monkeypatch.setattr(kernels, "_kept", lambda f: (wrapped.append(f), real(f))[1])
     rows = kernels.benchmark_op_class("matmul", [{"m": 64, "k": 64, "o": 64}], repeats=3, warmup=1)
     assert len(wrapped) == 2 and rows[0]["median_s"] > 0 and rows[0]["bwd_median_s"] > 0
+
+
+def test_norm_and_pool_sweeps_time_the_backward_autograd_runs():
+    """Batch norm and max pooling sweeps time their backward too (``kernels.BACKWARD_CLASSES``):
+    positive, and for max pooling far below the twice-the-forward the cost model assumed
+    before (it zeroes the input's gradient and scatters into it)."""
+    from autopar.calibrate.kernels import BACKWARD_CLASSES, benchmark_op_class
+    assert {"matmul", "norm", "pool"} <= set(BACKWARD_CLASSES)
+    rows = benchmark_op_class("pool", [{"x": [8, 16, 64, 64], "k": 2, "stride": 2},
+                                       {"x": [2, 4, 16, 16, 16], "k": 3, "stride": 1}], repeats=3, warmup=1)
+    rows += benchmark_op_class("norm", [{"shape": [8, 16, 32, 32]}], repeats=3, warmup=1)
+    assert all(r["bwd_median_s"] > 0 for r in rows)
+    assert rows[0]["bwd_median_s"] < 2 * rows[0]["median_s"]

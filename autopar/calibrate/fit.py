@@ -114,12 +114,12 @@ def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = 
     every other fit (one 70/30 split of all rows, then a refit on all).
 
     ``split_paths`` (a CPU profile) with at least ``MIN_NATIVE_ROWS`` rows on torch's native
-    path (``kernels.conv_cpu_path``): ``conv_shape/2``, ``coef`` over ``conv_shape_features``
+    path (``kernels.conv_cpu_path``): ``conv_shape/3``, ``coef`` over ``conv_model_features``
     fitted on the oneDNN rows and ``native`` over ``conv_native_features`` on the native rows
     (the held-out error pools both test parts), kept where its held-out median error is below
     that of one model on all rows (as ``conv_shape/1`` fitted it, ``native`` None), else that."""
-    from .kernels import CONV_SHAPE_FORM, conv_cpu_path, conv_native_features, conv_shape_features
-    X = np.array([conv_shape_features(s) for s in specs], dtype=float)
+    from .kernels import CONV_SHAPE_FORM, conv_cpu_path, conv_model_features, conv_native_features
+    X = np.array([conv_model_features(s) for s in specs], dtype=float)
     t = np.asarray(times_s, dtype=float)
     nat = np.array([split_paths and conv_cpu_path(s) == "native" for s in specs], dtype=bool)
     one = {"form": CONV_SHAPE_FORM, **fit_with_heldout(X, t, seed), "native": None}

@@ -5,8 +5,9 @@ process only imports torch and fits, so it stays safe to fork from):
 
 1. kernels: one 1-rank run per op class (``kernels.benchmark_op_class`` over a size sweep),
    then the exact shapes, if any (``kernels.measure_exact``);
-2. compute slowdown: k = 1..world ranks at once run ``kernels.slowdown_kernel_set`` for the
-   same wall-clock window; factor(k) = t(k) / t(1), t(k) = median over the k ranks of each
+2. compute slowdown: in one launch of ``world`` ranks, k = 1..world of them at once run
+   ``kernels.slowdown_kernel_set`` for the same wall-clock window, in rounds; factor(k) = the
+   median over rounds of t(k) / t(1) of the same round, t(k) = median over the k ranks of each
    rank's MEAN time per kernel-set run (see ``_slowdown_rank``; the mean, because time
    slicing hides the waiting from a per-run median);
 3. collectives: one run of p ranks for each group size p = 2..world
@@ -49,11 +50,13 @@ class Sweep:
     coll_repeats: int = 61
     coll_warmup: int = 2
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
+    slowdown_rounds: int = 3           # ... split into this many rounds over every k
     exact_repeats: int = 11
     op_classes: tuple = OP_CLASSES
     kinds: tuple = COLLECTIVES
     conv_configs: int | None = None     # sizes per conv class (default kernel_configs): the
-                                        # shape-aware conv model has 9 constants to fit
+                                        # shape-aware conv model has 14 constants to fit
+    conv_max_flops: float | None = None  # cap per convolution (default kernel_max_flops)
 
 
 FULL = Sweep(conv_configs=96)
@@ -63,7 +66,10 @@ QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_f
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
-              exact_repeats=5, conv_configs=160)
+              exact_repeats=5, conv_configs=160,
+              # CNN layers reach 1e9 FLOPs at batch 16: capped at 2e8, the fit extrapolated
+              # and priced the shipped CNNs' layers 15-35 % low in sum (about 6 s more)
+              conv_max_flops=1e9)
 TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flops=2e7,
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
@@ -83,12 +89,18 @@ def _exact_rank(rank, world, specs, repeats, device):
     return kernels.measure_exact(specs, device, repeats, return_samples=True)
 
 
-def _slowdown_rank(rank, world, window_s, device):
-    """Run the fixed kernel set for the same ``window_s`` of wall time on every rank.
+def _slowdown_rank(rank, world, window_s, device, rounds=1):
+    """The fixed kernel set under k = 1..world ranks at once, ``rounds`` times over, in ONE
+    launch of ``world`` ranks: in each round, for each k in turn, the first k ranks run it for
+    the same ``window_s`` of wall time while the others wait at the next broadcast. Returns
+    ``{k: [run times of each round]}`` for the k this rank took part in.
 
-    Rank 0 picks a start instant on the machine-wide monotonic clock (``perf_counter`` is
-    CLOCK_MONOTONIC on Linux) and broadcasts it, so all k ranks compete for the whole window;
-    only kernel-set runs that finish inside the window count.
+    Each window starts at an instant rank 0 picks on the machine-wide monotonic clock
+    (``perf_counter`` is CLOCK_MONOTONIC on Linux) and broadcasts, so all k ranks compete for the
+    whole window; only kernel-set runs that finish inside it count. Every count is measured
+    next to a 1-rank window of the same round: one window per count, each in its own launch,
+    read 0.87-1.14 for 2 ranks on the 2-core VM between calibrations (the machine's speed
+    drifting between the windows), which moved every world-2 prediction by as much.
     """
     import torch
     import torch.distributed as dist
@@ -98,24 +110,30 @@ def _slowdown_rank(rank, world, window_s, device):
     for _ in range(2):
         run()
     sync()
-    start = torch.tensor([time.perf_counter() + 0.05 if rank == 0 else 0.0], dtype=torch.float64)
-    if device == "cuda":
-        start = start.cuda()
-    dist.broadcast(start, 0)
-    t_begin = float(start.item())
-    t_end = t_begin + window_s
-    time.sleep(max(0.0, t_begin - time.perf_counter()))
-    times = []
-    t0 = time.perf_counter()
-    while True:
-        run()
-        sync()
-        t1 = time.perf_counter()
-        if t1 > t_end:
-            break
-        times.append(t1 - t0)
-        t0 = t1
-    return times
+    out: dict[int, list] = {k: [] for k in range(rank + 1, world + 1)}
+    for _ in range(rounds):
+        for k in range(1, world + 1):
+            start = torch.tensor([time.perf_counter() + 0.02 if rank == 0 else 0.0], dtype=torch.float64)
+            if device == "cuda":
+                start = start.cuda()
+            dist.broadcast(start, 0)
+            if rank >= k:
+                continue
+            t_begin = float(start.item())
+            t_end = t_begin + window_s
+            time.sleep(max(0.0, t_begin - time.perf_counter()))
+            times = []
+            t0 = time.perf_counter()
+            while True:
+                run()
+                sync()
+                t1 = time.perf_counter()
+                if t1 > t_end:
+                    break
+                times.append(t1 - t0)
+                t0 = t1
+            out[k].append(times)
+    return out
 
 
 def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
@@ -201,7 +219,8 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     for op in sw.op_classes:
         t0 = time.perf_counter()
         n_cfg = (sw.conv_configs or sw.kernel_configs) if op.startswith("conv") else sw.kernel_configs
-        configs = kernels.sweep_configs(op, n_cfg, sw.kernel_max_flops,
+        max_flops = (sw.conv_max_flops or sw.kernel_max_flops) if op.startswith("conv") else sw.kernel_max_flops
+        configs = kernels.sweep_configs(op, n_cfg, max_flops,
                                         sw.kernel_max_numel, conv_min_flops=sw.conv_min_flops)
         kernel_samples[op] = launch(_kernel_rank, 1, (op, configs, sw, device))[0]
         progress(f"{stamp()} kernels {op}: {len(configs)} sizes in {time.perf_counter() - t0:.1f} s")
@@ -211,24 +230,31 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         exact, exact_samples = launch(_exact_rank, 1, (list(exact_specs), sw.exact_repeats, device))[0]
         progress(f"{stamp()} exact shapes: {len(exact)} in {time.perf_counter() - t0:.1f} s")
 
-    # 2. compute slowdown
+    # 2. compute slowdown: every count next to a 1-rank window of the same round
+    window_s = sw.slowdown_window_s / sw.slowdown_rounds
+    per_rank = launch(_slowdown_rank, world_size, (window_s, device, sw.slowdown_rounds))
     slow_times: dict[str, list] = {}
-    slow_mean: dict[str, float] = {}
+    ratios: dict[int, list] = {k: [] for k in range(1, world_size + 1)}
+    base_round: list[float] = []
     for k in range(1, world_size + 1):
-        per_rank = launch(_slowdown_rank, k, (sw.slowdown_window_s, device))
-        slow_times[str(k)] = [[float(f"{t:.6g}") for t in r] for r in per_rank]
-        # Mean, not median, per rank: the OS deschedules a rank for whole time slices, so most
-        # runs go at full speed and a few absorb the waiting; the mean (window / runs) counts
-        # it. The median over ranks then ignores one rank that was luckier than the others.
-        means = [sum(r) / len(r) for r in per_rank if r]
-        if not means:
-            raise CalibrationError(f"compute slowdown at {k} ranks: no kernel-set run finished "
-                                   f"within {sw.slowdown_window_s} s", "use a longer window")
-        slow_mean[str(k)] = statistics.median(means)
-    base = slow_mean["1"]
-    slowdown = {k: round(v / base, 4) for k, v in slow_mean.items()}
+        rows = [r[k] for r in per_rank[:k]]          # rank -> rounds -> run times
+        slow_times[str(k)] = [[float(f"{t:.6g}") for rnd in r for t in rnd] for r in rows]
+        for j in range(sw.slowdown_rounds):
+            # Mean, not median, per rank: the OS deschedules a rank for whole time slices, so
+            # most runs go at full speed and a few absorb the waiting; the mean (window / runs)
+            # counts it. The median over ranks then ignores one rank luckier than the others.
+            means = [sum(r[j]) / len(r[j]) for r in rows if r[j]]
+            if not means:
+                raise CalibrationError(f"compute slowdown at {k} ranks: no kernel-set run finished "
+                                       f"within {window_s:.2f} s", "use a longer window")
+            if k == 1:
+                base_round.append(means[0])
+            ratios[k].append(statistics.median(means) / base_round[j])
+    slowdown = {str(k): round(statistics.median(v), 4) for k, v in ratios.items()}
     slowdown["1"] = 1.0
-    progress(f"{stamp()} compute slowdown: " + ", ".join(f"{k} ranks x{v:.2f}" for k, v in slowdown.items()))
+    progress(f"{stamp()} compute slowdown ({sw.slowdown_rounds} rounds): " + ", ".join(
+        f"{k} ranks x{v:.2f}" + (f" ({min(ratios[int(k)]):.2f}-{max(ratios[int(k)]):.2f})" if int(k) > 1 else "")
+        for k, v in slowdown.items()))
 
     # 3. collectives
     coll_samples: dict[str, dict] = {kind: {} for kind in sw.kinds}

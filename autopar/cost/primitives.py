@@ -33,10 +33,12 @@ prod(k)`` for each of forward, backward-data and backward-filter; linear ``2 * M
 forward and each of the two backward matmuls; elementwise and norm by their output elements
 and bytes moved, pooling by output elements x window size (as the calibrator counts them);
 attention ``4 B H L S D``; gathers and scatters by elements moved. Backward is priced at twice
-forward unless the family names backward classes (convolution) or the profile measured the
-class's backward (``bwd_model``, ``calibrate.fit.add_backward_models``: matmul, whose
-memory-bound shapes, e.g. NNConv's per-edge products, take 3-6x their forward backward). A family's class missing from
-an older profile falls back to the family's ``fallback_class``. Views cost nothing.
+forward unless the family names backward classes (convolution) or the class's sweep timed the
+family's own backward (``OpFamily.sweep_backward``) and the profile fitted it (``bwd_model``,
+``calibrate.fit.add_backward_models``): matmul, whose memory-bound shapes, e.g. NNConv's
+per-edge products, take 3-6x their forward backward; max pooling, whose backward scatters
+into zeros at a tenth of its forward; batch norm. A family's class missing from an older
+profile falls back to the family's ``fallback_class``. Views cost nothing.
 
 Every op also pays the runtime's own per-op work when the profile measured it (pseudo class
 ``runtime_op``, ``calibrate.overhead``; ``runtime_overhead_s``): a third in forward, two thirds
@@ -170,7 +172,7 @@ def _op_compute_s(fam, op: OpSpec, in_shapes, out_shape, ctx, w_shape, itemsize:
                     _note_key(ctx, key)
                     return (tf + over / 3) * slow, (tb + 2 * over / 3) * slow, "exact"
     t = prof.kernel_time_s(cls, fl, by)
-    tb = _kernel_bwd_s(prof, cls, fl, by)
+    tb = _kernel_bwd_s(prof, cls, fl, by) if fam.sweep_backward else None
     tb = 2 * t if tb is None else tb
     if not data_grad and spec is not None:   # a linear layer on the data: the weight gradient only
         tb /= 2

@@ -21,6 +21,7 @@ class Linear(OpFamily):
     aten = frozenset({"linear"})
     n_act = (1,)
     kernel_class = fallback_class = "matmul"
+    sweep_backward = True
     parametric = True
     exact_measured = False            # priced by ``shape_spec`` instead
 
@@ -75,6 +76,7 @@ class Matmul(OpFamily):
     kind = "matmul"
     aten = frozenset({"matmul", "mm", "bmm", "einsum", "addmm", "baddbmm", "linear"})
     kernel_class = fallback_class = "matmul"
+    sweep_backward = True
     parametric = True
 
     def matches(self, base, n_act, node=None):

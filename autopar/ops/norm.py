@@ -17,6 +17,7 @@ class BatchNorm(OpFamily):
     kind = "batch_norm"
     aten = frozenset({"batch_norm"})
     kernel_class = fallback_class = "norm"
+    sweep_backward = True          # the norm sweep is batch norm in training
     transparent = True
     parametric = True
 

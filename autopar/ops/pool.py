@@ -22,6 +22,7 @@ class Pool(OpFamily):
     kind = "pool"
     aten = POOL_OPS
     kernel_class = fallback_class = "pool"
+    sweep_backward = True
 
     def attrs(self, op):
         a = op.args
@@ -58,6 +59,7 @@ class AdaptivePool(OpFamily):
     kind = "adaptive_pool"
     aten = frozenset({"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"})
     kernel_class = fallback_class = "pool"
+    sweep_backward = True
 
     def attrs(self, op):
         a = op.args[1]

@@ -93,6 +93,10 @@ class OpFamily:
     #: extra kernel classes of the backward phases (conv: bwd_data, bwd_filter); empty: the
     #: backward is priced as twice the forward's class
     bwd_classes: ClassVar[tuple[str, ...]] = ()
+    #: the kernel class's sweep times this family's own backward (``calibrate.kernels.
+    #: BACKWARD_CLASSES``): priced by the class's fitted ``bwd_model`` where the profile has
+    #: one, else (and for every other family of the class) at twice the forward
+    sweep_backward: ClassVar[bool] = False
     transparent: ClassVar[bool] = False
     parametric: ClassVar[bool] = False
     free: ClassVar[bool] = False
