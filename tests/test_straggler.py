@@ -100,3 +100,52 @@ def test_fit_from_rounds():
     # waits that never grew: nothing to charge
     flat = fit_straggler([(1e-3, -1e-4), (4e-3, 0.0), (16e-3, -1e-3)])
     assert flat.kappa == 0.0 and flat.sigma == 0.0
+
+
+def test_comm_interference_from_the_overlap_times():
+    """``comm_interference``: the share of an all-reduce that compute beside it does not hide,
+    per rank ``(both - max) / min``, the median over ranks, clipped to [0, 1]."""
+    from autopar.calibrate.insitu import comm_interference
+    hidden = {"compute": 10.0, "comm": 4.0, "both": 10.0}          # fully behind compute
+    half = {"compute": 10.0, "comm": 4.0, "both": 12.0}
+    serial = {"compute": 10.0, "comm": 4.0, "both": 15.0}         # worse than one after the other
+    assert comm_interference([hidden, hidden]) == 0.0
+    assert comm_interference([half, half, serial]) == pytest.approx(0.5)
+    assert comm_interference([serial]) == 1.0
+    assert comm_interference([]) == 0.0
+
+
+def test_gradient_all_reduce_takes_compute_where_measured(root, profile):
+    """With ``samples["comm_interference"]`` measured, every choice that synchronises
+    gradients adds phi x its all-reduce's transfer time (latency terms excluded) to its backward
+    compute; the solver and ``evaluate`` read it alike; one rank, or no measurement, prices as
+    before."""
+    from autopar.calibrate.insitu import apply_comm_interference
+    from autopar.cost.table import build_cost_table, evaluate
+    from autopar.modelfile import load_model_file
+    from autopar.solve.ilp import solve
+    from autopar.trace.tracer import trace_model
+    g = trace_model(load_model_file(root / "strategies/examples/resnet2d.py"), 8)
+    profile.samples.pop("comm_interference", None)
+    bare = build_cost_table(g, _ctx(profile))
+    apply_comm_interference(profile, {"4": 0.5})
+    assert prim.comm_interference(profile, 4) == 0.5 and prim.comm_interference(profile, 1) == 0.0
+    charged = build_cost_table(g, _ctx(profile))
+    synced = 0
+    for o, o0 in zip(charged.layers, bare.layers):
+        for c, c0 in zip(o.costs, o0.costs):
+            transfer = c0.grad_sync_s - sum(t for _, t, _ in c0.grad_sync_latency)
+            assert c.fwd_compute_s == pytest.approx(c0.fwd_compute_s)
+            if c0.grad_sync_s > 0 and transfer > 0:
+                synced += 1
+                assert c.bwd_compute_s > c0.bwd_compute_s
+            else:
+                assert c.bwd_compute_s == pytest.approx(c0.bwd_compute_s)
+    assert synced > 0
+    sol = solve(charged)
+    assert sol.objective_s == pytest.approx(evaluate(charged, sol.choice).step_time_s)
+    one = build_cost_table(g, _ctx(profile, world=1))
+    profile.samples.pop("comm_interference")
+    one_bare = build_cost_table(g, _ctx(profile, world=1))
+    assert [c.bwd_compute_s for o in one.layers for c in o.costs] == \
+        [c.bwd_compute_s for o in one_bare.layers for c in o.costs]

@@ -119,16 +119,81 @@ def _kind_rank(rank, world, iters, p, kind):
 KIND_GROUPS = {"all_to_all": lambda w: range(2, w + 1), "p2p": lambda w: [2]}
 
 
+#: the gradient all-reduce of ``_overlap_rank``: 1 Mi floats (4 MiB, a few ms over gloo)
+OVERLAP_FLOATS = 1 << 20
+#: convolutions (forward and backward) of the compute stretch it runs behind (~10 ms here)
+OVERLAP_CONVS = 6
+
+
+def _overlap_rank(rank, world, iters):
+    """This rank's median times of a compute stretch alone (``OVERLAP_CONVS`` convolutions,
+    forward and backward), of an all-reduce of ``OVERLAP_FLOATS`` floats over the world alone
+    (started asynchronously and waited), and of both together as DDP runs a gradient bucket's
+    all-reduce behind the rest of backward (started, the stretch run, then waited): the three
+    interleaved after a barrier each, so a slow phase of the machine falls on all alike."""
+    import torch
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 32, 32)
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    buf = torch.ones(OVERLAP_FLOATS)
+
+    def compute():
+        for _ in range(OVERLAP_CONVS):
+            torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+
+    def comm():
+        dist.all_reduce(buf, async_op=True).wait()
+
+    def both():
+        h = dist.all_reduce(buf, async_op=True)
+        compute()
+        h.wait()
+    variants = {"compute": compute, "comm": comm, "both": both}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(max(5, iters // 3)):
+        for name, fn in variants.items():
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def comm_interference(per_rank) -> float:
+    """The share of a gradient all-reduce that overlapping compute does NOT hide, from
+    ``_overlap_rank``'s times per rank: ``(both - max(compute, comm)) / min(compute, comm)``,
+    the median over ranks, clipped to [0, 1]. 0: the all-reduce runs free behind backward (a
+    device computes while the network moves the gradients); 1: it costs as much as if run
+    after backward (ranks, gloo's threads and its copies share the same cores)."""
+    vals = []
+    for r in per_rank:
+        c, a, b = r["compute"], r["comm"], r["both"]
+        if min(c, a) > 0:
+            vals.append(min(1.0, max(0.0, (b - max(c, a)) / min(c, a))))
+    return float(statistics.median(vals)) if vals else 0.0
+
+
+def apply_comm_interference(profile, phi: dict[str, float]) -> None:
+    """``samples["comm_interference"]``: ``{str(w): share}`` (``comm_interference``) for each
+    number of ranks running; priced by ``cost.table.price_comm_interference``."""
+    profile.samples["comm_interference"] = {str(w): float(v) for w, v in phi.items()}
+
+
 def _step_costs_rank(rank, world, iters, lengths):
     """What ``measure_in_situ`` measures with ``world`` ranks running, in one process group
     (one start-up of w processes instead of one per quantity): the straggler rounds, then per
-    group size p the all-reduce (``_rank``) and each kind of ``KIND_GROUPS`` (``_kind_rank``)."""
+    group size p the all-reduce (``_rank``) and each kind of ``KIND_GROUPS`` (``_kind_rank``),
+    then the gradient all-reduce behind compute (``_overlap_rank``)."""
     out = {"straggler": _straggle_rank(rank, world, iters, lengths)}
     for p in range(2, world + 1):
         out[("allreduce", p)] = _rank(rank, world, iters, p)
     for kind, groups in KIND_GROUPS.items():
         for p in groups(world):
             out[(kind, p)] = _kind_rank(rank, world, iters, p, kind)
+    out["overlap"] = _overlap_rank(rank, world, iters)
     return out
 
 
@@ -142,15 +207,17 @@ def _latency_s(per_rank, w: int, p: int, key, straggle: "Straggler | None") -> f
 
 
 def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, lengths=None):
-    """(straggler, all-reduce latency, latency by kind) for each world w >= 2 of
-    ``world_sizes``, one launch of w ranks each (``_step_costs_rank``):
-    ``{str(w): Straggler}``, ``{str(w): {str(p): s}}`` per blocking
-    all-reduce among p ranks inside a step with w running, and ``{kind: the same}``."""
+    """(straggler, all-reduce latency, latency by kind, comm interference) for each world
+    w >= 2 of ``world_sizes``, one launch of w ranks each (``_step_costs_rank``):
+    ``{str(w): Straggler}``, ``{str(w): {str(p): s}}`` per blocking all-reduce among p ranks
+    inside a step with w running, ``{kind: the same}``, and ``{str(w): share}`` of a gradient
+    all-reduce that compute does not hide (``comm_interference``)."""
     from ..runtime.launch import run_ranks
     lengths = tuple(lengths or STRAGGLER_LENGTHS)
     straggle: dict[str, Straggler] = {}
     lat: dict[str, dict[str, float]] = {}
     by_kind: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in KIND_GROUPS}
+    phi: dict[str, float] = {}
     for w in world_sizes:
         if w < 2:
             continue
@@ -160,7 +227,8 @@ def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, leng
         lat[str(w)] = {str(p): _latency_s(per_rank, w, p, ("allreduce", p), st) for p in range(2, w + 1)}
         for kind, groups in KIND_GROUPS.items():
             by_kind[kind][str(w)] = {str(p): _latency_s(per_rank, w, p, (kind, p), st) for p in groups(w)}
-    return straggle, lat, by_kind
+        phi[str(w)] = comm_interference([r["overlap"] for r in per_rank])
+    return straggle, lat, by_kind, phi
 
 
 def apply_insitu_by_kind(profile, latency_s: dict) -> None:
@@ -286,9 +354,10 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
         {"what": "in-situ blocking-collective latency per (group size, ranks running), straggler "
                  "factor per ranks running, optimizer step per tensor; re-measured "
                  "(samples.insitu_latency_by_world_s, samples.straggler_kappa, samples.straggler_sigma, "
-                 "kernels.optimizer_step)",
+                 "samples.comm_interference, kernels.optimizer_step)",
          "latency_s": m["latency_s"], "latency_by_kind_s": m["by_kind"], "straggler_kappa": {w: st.kappa for w, st in m["straggler"].items()},
          "straggler_sigma": {w: st.sigma for w, st in m["straggler"].items()},
+         "comm_interference": m["comm_interference"],
          "optimizer_step": {k: m["optimizer"][k] for k in ("t0_s", "s_per_byte")},
          "iters": iters,
          "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -313,13 +382,15 @@ def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -
     from ..runtime.launch import run_ranks
     from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
-    straggle, lat, by_kind = measure_in_situ(worlds or range(2, world + 1), iters=iters)
+    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters)
     apply_straggler(prof, straggle)
     apply_insitu(prof, lat)
     apply_insitu_by_kind(prof, by_kind)
+    apply_comm_interference(prof, phi)
     opt = launch(_optimizer_rank, 1, ())[0]
     add_optimizer_step(prof, opt)
-    return {"straggler": straggle, "latency_s": lat, "by_kind": by_kind, "optimizer": opt}
+    return {"straggler": straggle, "latency_s": lat, "by_kind": by_kind, "comm_interference": phi,
+            "optimizer": opt}
 
 
 def describe_step_costs(m: dict) -> str:
@@ -330,6 +401,8 @@ def describe_step_costs(m: dict) -> str:
             "; ".join(f"{kind}: {table(t)}" for kind, t in m["by_kind"].items()) +
             "; straggler " + ", ".join(f"{w} ranks kappa {st.kappa:.3f} sigma {st.sigma:.4f} s^0.5"
                                        for w, st in m["straggler"].items()) +
+            "; gradient all-reduce not hidden by compute " +
+            ", ".join(f"{w} ranks {100 * v:.0f} %" for w, v in (m.get("comm_interference") or {}).items()) +
             f"; optimizer {m['optimizer']['t0_s'] * 1e6:.1f} us per tensor, "
             f"{m['optimizer']['s_per_byte'] * 1e12:.1f} ps per byte")
 

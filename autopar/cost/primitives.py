@@ -361,6 +361,17 @@ def straggler(prof, ranks_on_node: int) -> float:
     return float(table[str(w)])
 
 
+def comm_interference(prof, ranks_on_node: int) -> float:
+    """The share of a gradient all-reduce's time that compute running beside it does not
+    hide (``calibrate.insitu.comm_interference``), for the nearest measured number of ranks
+    running; 0 when not measured (a device computes while the network moves gradients)."""
+    table = _samples(prof).get("comm_interference")
+    if not table or ranks_on_node < 2:
+        return 0.0
+    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
+    return float(table[str(w)])
+
+
 def straggler_sigma(prof, ranks_on_node: int) -> float | None:
     """sigma (s^0.5) of ``calibrate.insitu.Straggler`` for the nearest measured number
     of ranks running: the wait for the slowest grows as ``sigma sqrt(t)`` over long stretches of
