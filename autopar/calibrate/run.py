@@ -59,7 +59,8 @@ class Sweep:
     conv_max_flops: float | None = None  # cap per convolution (default kernel_max_flops)
 
 
-FULL = Sweep(conv_configs=96)
+FULL = Sweep(conv_configs=160)     # 14 constants of conv_shape/3: with 96 sizes its held-out
+                                   # error beat the flat fit's by 0.7 points on 28 test sizes
 QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_flops=2e8,
               kernel_max_numel=1 << 21, kernel_budget_s=0.06,
               # fewer sizes, but up to 16 MiB: on an oversubscribed node everything below

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 215.890 ms, memory 66.9 MiB per rank
+Predicted:  step 225.080 ms, memory 63.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 wide_resnet_dist.py --steps 5
@@ -68,14 +68,16 @@ class PlannedModel(DistModel):
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  wide_resnet.py:48
         # -- layer 13: (root)  adaptive_pool  (8, 512, 1, 1)  -> sample(2)  [N2]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_6)  # aten.adaptive_avg_pool2d.default  wide_resnet.py:75
-        # -- layer 14: (root)  flatten  (8, 512)  -> sample(2)  [N2]
-        flatten = self.op('flatten', adaptive_avg_pool2d)  # aten.flatten.using_ints  wide_resnet.py:75
-        # -- layer 15: fc1  linear+batch_norm+unary  (8, 1024)  -> sample(2)  [N2]
+        # -- layer 14: (root)  flatten  (8, 512)  -> replicate  [R]
+        adaptive_avg_pool2d__3 = self.move(adaptive_avg_pool2d, 'adaptive_avg_pool2d', [[0, 2]], [], layer=14)  # transition N2 -> R
+        flatten = self.op('flatten', adaptive_avg_pool2d__3)  # aten.flatten.using_ints  wide_resnet.py:75
+        # -- layer 15: fc1  linear+batch_norm+unary  (8, 1024)  -> filter(1,2)  [C2]
         linear = self.op('linear', flatten)  # aten.linear.default  wide_resnet.py:76
         batch_norm_7 = self.op('batch_norm_7', linear)  # aten.batch_norm.default  wide_resnet.py:76
         relu_7 = self.op('relu_7', batch_norm_7)  # aten.relu.default  wide_resnet.py:76
         # -- layer 16: fc2  linear  (8, 10)  -> sample(2)  [N2]
-        linear_1 = self.op('linear_1', relu_7)  # aten.linear.default  wide_resnet.py:77
+        relu_7__4 = self.move(relu_7, 'relu_7', [[1, 2]], [[0, 2]], layer=16)  # transition C2 -> N2
+        linear_1 = self.op('linear_1', relu_7__4)  # aten.linear.default  wide_resnet.py:77
         return self.structured(linear_1)
 
 
