@@ -25,7 +25,8 @@ Every distinct plan is executed ``--rounds`` times (default 3), round by round w
 rotated, and its measured step time is the median over the rounds (``run_all``): one execution
 per plan, as before, measured the same plan 10-30 % apart within one run on this 2-core VM.
 Candidates that plan to the same program (the ILP choosing pure data parallelism, say) are
-executed once, share that measurement, and count once in the figures.
+executed once, share that measurement, and count once in the figures. A plan predicted so short
+that ``--steps`` of it last under ``MIN_TIMED_S`` is timed over more steps (``steps_for``).
 
     python benchmarks/bench_prediction.py [--calibration PROFILE] [--set both|in-sample|held-out]
                                           [--steps 8] [--rounds 3] [--full] [--refine] [--json OUT]
