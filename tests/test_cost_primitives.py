@@ -196,10 +196,22 @@ def test_ops_on_the_data_price_no_input_gradient(profile):
     assert [op.attrs.get("input_grad", True) for lay in g2.layers for op in lay.ops] == [False, False, True]
 
 
+def _swept_rows(profile, op_class: str, bwd_ratio: float, log_flops, log_bytes, seed: int) -> list[dict]:
+    """30 sweep rows of ``op_class`` timed as the profile's forward model says, each backward
+    ``bwd_ratio`` times its forward (FLOPs and bytes log-uniform over the given decades)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(30):
+        fl, by = float(10 ** rng.uniform(*log_flops)), float(10 ** rng.uniform(*log_bytes))
+        t = profile.kernel_time_s(op_class, fl, by)
+        rows.append({"config": {}, "flops": fl, "bytes": by, "median_s": t, "bwd_median_s": bwd_ratio * t})
+    return rows
+
+
 def test_measured_matmul_backward_prices_the_backward(profile):
     """A profile whose matmul sweep timed the backward too (``bwd_median_s``) prices a matmul's
     backward by its ``bwd_model``; without it, backward stays twice the forward."""
-    import numpy as np
     from autopar.calibrate.fit import add_backward_models
     from autopar.decomp.ir import OpSpec
     op = OpSpec(name="mm", kind="matmul", target="aten.matmul.default", args=[{"v": "a"}, {"v": "b"}],
@@ -208,13 +220,7 @@ def test_measured_matmul_backward_prices_the_backward(profile):
     ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
     f0, b0, _ = prim.op_compute_s(op, op.in_shapes, op.out_shape, ctx)
     assert b0 == pytest.approx(2 * f0)
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(30):
-        fl, by = float(10 ** rng.uniform(5, 9)), float(10 ** rng.uniform(4, 7))
-        t = profile.kernel_time_s("matmul", fl, by)
-        rows.append({"config": {}, "flops": fl, "bytes": by, "median_s": t, "bwd_median_s": 3.0 * t})
-    profile.samples = {"kernels": {"matmul": rows}}
+    profile.samples = {"kernels": {"matmul": _swept_rows(profile, "matmul", 3.0, (5, 9), (4, 7), seed=0)}}
     assert add_backward_models(profile) == ["matmul"]
     bm = profile.kernels["matmul"]["bwd_model"]
     assert bm["form"] == "flat" and bm["heldout_median_rel_err"] < 1e-6
@@ -234,18 +240,11 @@ def test_swept_backward_prices_only_the_families_the_sweep_timed(profile):
     """The norm sweep times batch norm's backward (``OpFamily.sweep_backward``): with the
     class's ``bwd_model`` fitted, batch norm's backward is priced by it, while layer norm (the
     same class, not what the sweep ran) keeps twice its forward."""
-    import numpy as np
     from autopar.calibrate.fit import add_backward_models
     from autopar.ops import family_of
     assert family_of("batch_norm").sweep_backward and family_of("pool").sweep_backward
     assert not family_of("layer_norm").sweep_backward and not family_of("unary").sweep_backward
-    rng = np.random.default_rng(1)
-    rows = []
-    for _ in range(30):
-        fl, by = float(10 ** rng.uniform(4, 8)), float(10 ** rng.uniform(4, 8))
-        t = profile.kernel_time_s("norm", fl, by)
-        rows.append({"config": {}, "flops": fl, "bytes": by, "median_s": t, "bwd_median_s": 0.5 * t})
-    profile.samples = {"kernels": {"norm": rows}}
+    profile.samples = {"kernels": {"norm": _swept_rows(profile, "norm", 0.5, (4, 8), (4, 8), seed=1)}}
     assert add_backward_models(profile) == ["norm"]
     ctx = CostContext(profile=profile, world=1, ranks_per_node=1)
     bn = _norm_op("batch_norm", "aten.batch_norm.default", [8, 16, 32, 32])
