@@ -242,7 +242,11 @@ def conv_shape_features(spec: dict) -> list[float]:
 
     Measured on the CPU profile's own samples (2 cores, CNN-like shapes held out): median error
     11 / 20 / 12 % (fwd / bwd-data / bwd-filter) against 13 / 34 / 17 % for the flat roofline."""
-    s = normalize_spec(spec)
+    return _shape_terms(normalize_spec(spec))
+
+
+def _shape_terms(s: dict) -> list[float]:
+    """``conv_shape_features`` of a normalised spec."""
     x, w = s["x"], s["w"]
     fl, by = conv_features(x, w, s["stride"], s["padding"], s["dilation"], s["groups"])
     n, f, c_g = x[0], w[0], w[1]
@@ -267,13 +271,15 @@ def conv_layout_features(spec: dict) -> list[float]:
     ResNet-50; never part of the sweep's fit) against ``conv_shape/2`` on the same sweep: the
     per-shape median error of bwd_data 24 % -> 20 % (its bias -16 % -> -4 %), fwd 13 -> 11 %."""
     s = normalize_spec(spec)
-    x, w = s["x"], s["w"]
-    fl, _ = conv_features(x, w, s["stride"], s["padding"], s["dilation"], s["groups"])
-    n, f, c_g = x[0], w[0], w[1]
-    k = math.prod(w[2:])
-    out_el = fl / (2.0 * c_g * k) if c_g * k else 0.0         # N * F * prod(out spatial)
-    in_el = float(math.prod(x))
-    return [fl if c_g % CONV_CHANNEL_BLOCK else 0.0, fl if f % CONV_CHANNEL_BLOCK else 0.0,
+    return _layout_terms(s, _shape_terms(s))
+
+
+def _layout_terms(s: dict, base: list[float]) -> list[float]:
+    """``conv_layout_features`` of a normalised spec from its ``_shape_terms`` (FLOPs, output
+    and input elements are among them)."""
+    w = s["w"]
+    fl, out_el, in_el = base[1], base[7], base[8]
+    return [fl if w[1] % CONV_CHANNEL_BLOCK else 0.0, fl if w[0] % CONV_CHANNEL_BLOCK else 0.0,
             fl if any(v != 1 for v in s["stride"]) else 0.0,
             out_el if F32 * out_el > CONV_LARGE_TENSOR_BYTES else 0.0,
             in_el if F32 * in_el > CONV_LARGE_TENSOR_BYTES else 0.0]
@@ -281,9 +287,11 @@ def conv_layout_features(spec: dict) -> list[float]:
 
 def conv_model_features(spec: dict, form: str = CONV_SHAPE_FORM) -> list[float]:
     """The features of the oneDNN-path model of a shape-aware ``form``: ``conv_shape_features``
-    (``conv_shape/1``, ``/2``), and ``conv_layout_features`` after them (``/3``)."""
-    base = conv_shape_features(spec)
-    return base + conv_layout_features(spec) if form == CONV_SHAPE_FORM else base
+    (``conv_shape/1``, ``/2``), and ``conv_layout_features`` after them (``/3``); the spec is
+    normalised and counted once (pricing calls this for every convolution it meets)."""
+    s = normalize_spec(spec)
+    base = _shape_terms(s)
+    return base + _layout_terms(s, base) if form == CONV_SHAPE_FORM else base
 
 
 def conv_native_features(spec: dict) -> list[float]:

@@ -350,6 +350,13 @@ def compute_drift(prof, ranks_on_node: int) -> float:
     return float(drift.get(str(int(ranks_on_node)), 1.0))
 
 
+def _nearest_measured(table: dict, ranks_on_node: int) -> float:
+    """The value of ``table`` (``{str(ranks running): value}``) for the measured count nearest
+    ``ranks_on_node``, the larger on a tie."""
+    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
+    return float(table[str(w)])
+
+
 def straggler(prof, ranks_on_node: int) -> float:
     """kappa of ``calibrate.insitu.Straggler`` for the nearest measured number of ranks
     running: ranks that synchronise wait for the slowest, about kappa seconds per second of
@@ -357,8 +364,7 @@ def straggler(prof, ranks_on_node: int) -> float:
     table = _samples(prof).get("straggler_kappa")
     if not table or ranks_on_node < 2:
         return 0.0
-    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
-    return float(table[str(w)])
+    return _nearest_measured(table, ranks_on_node)
 
 
 def comm_interference(prof, ranks_on_node: int) -> float:
@@ -368,8 +374,7 @@ def comm_interference(prof, ranks_on_node: int) -> float:
     table = _samples(prof).get("comm_interference")
     if not table or ranks_on_node < 2:
         return 0.0
-    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
-    return float(table[str(w)])
+    return _nearest_measured(table, ranks_on_node)
 
 
 def straggler_sigma(prof, ranks_on_node: int) -> float | None:
@@ -379,8 +384,7 @@ def straggler_sigma(prof, ranks_on_node: int) -> float | None:
     table = _samples(prof).get("straggler_sigma")
     if not table or ranks_on_node < 2:
         return None
-    w = min((int(k) for k in table), key=lambda x: (abs(x - ranks_on_node), -x))
-    return float(table[str(w)])
+    return _nearest_measured(table, ranks_on_node)
 
 
 def insitu_latency_s(prof, p: int, ranks_on_node: int | None = None, kind: str = "allreduce") -> float:

@@ -439,8 +439,7 @@ def price_comm_interference(ctx: CostContext, opts: list[LayerOptions]) -> list[
         return opts
     out = []
     for o in opts:
-        costs = [replace(c, bwd_compute_s=c.bwd_compute_s + phi * max(
-                     0.0, c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency)))
+        costs = [replace(c, bwd_compute_s=c.bwd_compute_s + phi * max(0.0, grad_sync_transfer_s(c)))
                  if c.grad_sync_s > 0 else c for c in o.costs]
         out.append(replace(o, costs=costs))
     return out
@@ -633,6 +632,12 @@ class StepPrediction:
         return dict(self.__dict__)
 
 
+def grad_sync_transfer_s(c: LayerCost) -> float:
+    """A choice's gradient all-reduce less its latency terms (``grad_sync_latency``, paid once
+    per bucket and group): the part that moves bytes."""
+    return c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency)
+
+
 def bucket_allreduce_s(costs: list[LayerCost], final: bool = False) -> float:
     """All-reduce time of one gradient bucket whose layers are priced ``costs``::
 
@@ -644,7 +649,7 @@ def bucket_allreduce_s(costs: list[LayerCost], final: bool = False) -> float:
     total = 0.0
     lat: dict[str, float] = {}
     for c in costs:
-        total += c.grad_sync_s - sum(t for _, t, _ in c.grad_sync_latency)
+        total += grad_sync_transfer_s(c)
         for sig, t, t_final in c.grad_sync_latency:
             lat[sig] = max(lat.get(sig, 0.0), t_final if final else t)
     return total + sum(lat.values())
