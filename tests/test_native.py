@@ -103,17 +103,30 @@ def _native_vs_traced(rank, world, plan_path, reducer):
         opt = torch.optim.SGD(dm.parameters(), lr=0.1, momentum=0.9)
         rec = {"native": dm.native, "ddp": bool(dm.native and dm._native.ddp is not None),
                "why": dm.native_off_reason, "reducer": dm._native.reducer if dm.native else None}
+        import torch.distributed as dist
+        calls = []
+        real = dist.all_reduce
+
+        def counted(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
         for step in range(2):
             opt.zero_grad(set_to_none=True)
-            o = dm(*local)
-            loss = dm.local_loss(o, ys, mf.loss_fn())
-            loss.backward()
-            dm.finish_grads()
+            dist.all_reduce = counted       # the steps' own collectives, not validation's
+            try:
+                o = dm(*local)
+                loss = dm.local_loss(o, ys, mf.loss_fn())
+                loss.backward()
+                dm.finish_grads()
+            finally:
+                dist.all_reduce = real
             rec[f"out{step}"] = o.detach().clone()
             rec[f"loss{step}"] = loss.detach().clone()
             rec[f"grads{step}"] = dm.full_grads()
             opt.step()
+        rec["step_all_reduces"] = len(calls)
         rec["params"] = dm.full_params()
+        dm.flush_batch_norm()               # the readers' collective (runtime.native: flush)
         rec["buffers"] = {q: b.clone() for q, b in dm.bufs.items()}
         rec["user_untouched"] = all(torch.equal(p, before[q]) and p is not dm.param(q)
                                     for q, p in model.named_parameters())
@@ -148,6 +161,8 @@ def test_native_path_computes_what_the_traced_program_computes(world, reducer, n
     for rank, out in enumerate(res):
         nat, tr = out["native"], out["traced"]
         assert nat["native"] and nat["ddp"] == (reducer == "ddp"), nat["why"]
+        if reducer == "ddp":    # DDP's hook reduces gradients; running statistics wait for a reader
+            assert nat["step_all_reduces"] == 0
         assert not tr["native"] and tr["why"] == "native=False"
         assert nat["user_untouched"] and tr["user_untouched"]
         for step in range(2):

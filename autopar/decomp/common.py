@@ -68,8 +68,9 @@ def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int
            samples (``layout.split_group`` of the spatial dims), k = n_local / g groups each:
            forward one all-reduce of an A x k x (2C+1) table, backward one of k x 2C floats;
            zero when A = 1 (sample, replicate, channel/filter: whole groups on one rank)
-    The running statistics' one all-reduce per step (local) is not priced: (2C floats per
-    batch norm, once per step, off the critical path of the layers).
+    The running statistics are not priced: a native plan sends nothing for them per step
+    (``runtime.native``: averaged when read); the traced program's one all-reduce per step
+    (local; 2C floats per batch norm, overlapping backward) is left out.
     """
     from ..cost import primitives as prim
     c = op.out_shape[1]

@@ -290,7 +290,10 @@ class DistModel(nn.Module):
 
     def flush_batch_norm(self) -> None:
         """Apply the deferred running-statistics updates of local batch-norm statistics
-        (collective over the mesh when any is pending; ``runtime.ops.BatchNormRuntime``)."""
+        (collective over the mesh when any is pending; ``runtime.ops.BatchNormRuntime``, and a
+        native plan's, ``runtime.native``). Every reader of the running statistics calls it, on
+        every rank: ``train()``, ``full_buffers`` (validation, checkpoints), a tournament's
+        exchange; after it every rank holds the plan's values."""
         if self.bn_runtime is not None:
             self.bn_runtime.flush(self.comm)
         nat = self.__dict__.get("_native")
@@ -406,8 +409,13 @@ class DistModel(nn.Module):
         return loss * (n_local / n_global / replicas)
 
     def finish_grads(self) -> None:
+        """Wait for the gradient all-reduces and write the sums back; apply the traced
+        program's deferred running statistics (its all-reduce, started at the output, overlapped
+        backward). A native plan's running statistics are left to their readers
+        (``flush_batch_norm``; ``runtime.native``): no collective per step for them."""
         self.gradsync.finish()
-        self.flush_batch_norm()
+        if self.bn_runtime is not None:
+            self.bn_runtime.flush(self.comm)
 
     # ---- the model's output structure ----------------------------------------------------------
     def structured(self, out_local: torch.Tensor):

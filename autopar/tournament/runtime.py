@@ -240,6 +240,7 @@ def state_tensors(dm, opt, exchange: str) -> list:
     """This rank's tensors that an exchange moves, in one fixed order: every parameter shard,
     every floating buffer and, with "weights+optimizer", every momentum buffer."""
     import torch
+    dm.flush_batch_norm()      # the running statistics the plan defines (collective in the trainer)
     ts = [p.data for p in dm.params.values()]
     ts += [b for _, b in sorted(dm.bufs.items()) if b.is_floating_point()]
     if exchange == "weights+optimizer":
