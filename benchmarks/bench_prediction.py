@@ -392,6 +392,42 @@ def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
     return out
 
 
+def machine_reference_ms(steps: int = 40) -> float:
+    """Median milliseconds of one fixed single-process training step (two 3x3 convolutions
+    with batch norm and ReLU on [8, 16, 32, 32], SGD; one thread), timed in this process: the
+    machine's speed at that moment, printed at the start, after the calibration, between the
+    sets and at the end. The 256^3 matmul probe missed a phase of this VM (2026-12-01 from about
+    15:55 UTC) in which single-process CNN steps ran ~20 % slower than when the quick profile was
+    measured minutes before, and every prediction read 15-45 % low; this reads such a drift."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 16, 32, 32, generator=g)
+        net = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32),
+                                  torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1),
+                                  torch.nn.BatchNorm2d(32), torch.nn.ReLU())
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        ts = []
+        for i in range(steps + 5):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            opt.step()
+            if i >= 5:
+                ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(out: dict, when: str) -> None:
+    ms = machine_reference_ms()
+    out.setdefault("machine_reference_ms", {})[when] = round(ms, 3)
+    print(f"machine reference step ({when}): {ms:.2f} ms")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibration", help="use this profile for both sets (default: a fresh quick one)")
@@ -417,6 +453,7 @@ def main(argv=None) -> int:
     out: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     print(f"load average at the start (1 / 5 / 15 min): {' / '.join(map(str, out['loadavg_start']))}"
           " (other work on this machine slows the measured steps, not the predictions)")
+    _reference(out, "start")
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(args.keep) if args.keep else Path(t)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -427,6 +464,7 @@ def main(argv=None) -> int:
         elif not args.no_calibration_timing:
             time_calibration(args.full, tmp)
         print(f"profile: {args.calibration}")
+        _reference(out, "after calibration")
         if args.set in ("both", "in-sample"):
             rows = run_all(args.calibration, args.steps, tmp, "a",
                            only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
@@ -435,6 +473,8 @@ def main(argv=None) -> int:
                                                    "(native plans priced with the traced per-op overhead)")
             if args.refine:
                 out.update(judge_refinement(rows, args, tmp))
+        if args.set == "both":
+            _reference(out, "between the sets")
         if args.set in ("both", "held-out"):
             hrows = run_all(args.calibration, args.steps, tmp, "h", candidates=HELDOUT,
                             only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
@@ -445,6 +485,7 @@ def main(argv=None) -> int:
             if k in out and out[k].get("candidates"):
                 print(f"{k}: median |error| {100 * out[k]['median_abs_error']:.1f} %, Spearman within "
                       f"models {out[k]['spearman_per_model']}")
+    _reference(out, "end")
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average at the end: {' / '.join(map(str, out['loadavg_end']))}")
     if args.json:
