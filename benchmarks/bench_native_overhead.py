@@ -7,11 +7,14 @@ batch split, steps interleaved (the order rotated every step). Per phase of the 
 forward, loss, backward, finishing the gradient sync, optimizer) it records the main thread's
 CPU time (``time.thread_time``: what the step's own Python and kernels cost, much less moved
 by other processes on the cores than wall time) and the step's wall time, and prints the mean
-CPU per phase and the median wall time per rank. The difference between a native runner and
+CPU per phase and the median wall time per rank. Then ``--blocks`` rounds of ``--block-steps``
+consecutive steps per runner (no barrier between them, as a training loop runs them; runners
+rotated each round): work one step leaves running into the next (an asynchronous collective
+waited a step later) shows there and not in fenced steps. The difference between a native runner and
 DDP, phase by phase, is the per-step overhead the native path pays and DDP does not.
 
     python benchmarks/bench_native_overhead.py [--models gnn_pcqm4m] [--worlds 2 4] [--steps 200]
-        [--calibration PROFILE] [--out FILE]
+        [--calibration PROFILE] [--blocks 8] [--block-steps 15] [--out FILE]
 
 Figures are measured: the machine load is printed at start and end.
 """
@@ -30,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("zero_grad", "forward", "loss", "backward", "finish", "optimizer")
 
 
-def _rank_main(rank: int, world: int, plan_path: str, steps: int) -> dict:
+def _rank_main(rank: int, world: int, plan_path: str, steps: int, blocks: int = 0,
+               block_steps: int = 15) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -96,8 +100,25 @@ def _rank_main(rank: int, world: int, plan_path: str, steps: int) -> dict:
                 for p, a, b in zip(PHASES, t, t[1:]):
                     cpu[n][p].append(b - a)
                 wall[n].append(w1 - w0)
+    # blocks: consecutive steps with nothing between them, as a training loop runs them (the
+    # fence above, a barrier before every step, hides what one step leaves running into the next)
+    block: dict[str, list[float]] = {n: [] for n in names}
+    for k in range(blocks):
+        for n in names[k % len(names):] + names[:k % len(names)]:
+            opt, fwd, loss_of, finish = runners[n]
+            comm.barrier()
+            w0 = time.perf_counter()
+            for _ in range(block_steps):
+                opt.zero_grad(set_to_none=True)
+                loss_of(fwd()).backward()
+                finish()
+                opt.step()
+            dt = torch.tensor([(time.perf_counter() - w0) / block_steps], dtype=torch.float64)
+            comm.all_reduce_(dt, torch.distributed.ReduceOp.MAX)
+            block[n].append(float(dt))
     return {"cpu": {n: {p: statistics.mean(v) for p, v in d.items()} for n, d in cpu.items()},
-            "wall": {n: statistics.median(v) for n, v in wall.items()}, "notes": notes}
+            "wall": {n: statistics.median(v) for n, v in wall.items()}, "notes": notes,
+            "block": block}
 
 
 def main(argv=None) -> int:
@@ -108,6 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default=None, help="profile (default calibration/cpu-2core-gloo.json)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None, help="also write the lines printed to this file")
+    ap.add_argument("--blocks", type=int, default=8,
+                    help="rounds of blocks of consecutive steps per runner (0: none), runners rotated")
+    ap.add_argument("--block-steps", type=int, default=15)
     args = ap.parse_args(argv)
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.pipeline import load_calibration, make_plan
@@ -128,7 +152,8 @@ def main(argv=None) -> int:
                 r = make_plan(ROOT / "strategies/examples" / f"{name}.py",
                               PlanOptions(world_size=world, out_dir=tmp, placement="block"),
                               PlanHooks(profile=profile))
-                res = run_ranks(_rank_main, world, args=(str(r.plan_path), args.steps),
+                res = run_ranks(_rank_main, world, args=(str(r.plan_path), args.steps, args.blocks,
+                                                          args.block_steps),
                                 timeout_s=args.timeout)
             say(f"\n== {name} world {world} ({', '.join(sorted({d.choice for d in r.plan.layers}))})")
             for n, note in res[0]["notes"].items():
@@ -144,6 +169,15 @@ def main(argv=None) -> int:
                 per = [sum(rr["cpu"][n].values()) / sum(rr["cpu"]["torch DDP"].values()) for rr in res]
                 say(f"   {n} / torch DDP, main-thread CPU per step: "
                     + ", ".join(f"rank {i} {x:.3f}" for i, x in enumerate(per)))
+            blk = res[0]["block"]
+            if blk.get("torch DDP"):
+                say(f"   blocks of {args.block_steps} consecutive steps (the slowest rank's wall time per step, "
+                    f"ms; {len(blk['torch DDP'])} rounds, runners rotated): "
+                    + ", ".join(f"{n} {statistics.median(v) * 1e3:.2f}" for n, v in blk.items()))
+                for n, v in blk.items():
+                    if n != "torch DDP":
+                        ratio = statistics.median(a / b for a, b in zip(v, blk["torch DDP"]))
+                        say(f"   {n} / torch DDP, blocks: {ratio:.3f} (median of the rounds' ratios)")
     say(f"machine load at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
     if args.out:
         from autopar.io import atomic_write_text

@@ -18,10 +18,10 @@ checkpoints see one set of tensors), and keeps the plan's function:
   updates its buffers locally, and one all-reduce of every running mean and variance, when
   something reads them (``flush``: ``DistModel.flush_batch_norm``, called by ``train()``/
   ``eval()``, ``full_buffers`` and so validation and checkpoints, and a tournament's exchange),
-  gives every rank the plan's values. Nothing is sent per step: an asynchronous all-reduce of
-  the statistics every step, which gloo serves with threads on the ranks' own cores, made the
-  native ResNet-2D plan 1.10-1.21x torch DDP at world 2 on the 2-core VM and exactly DDP's
-  speed without it (same run, blocks interleaved).
+  gives every rank the plan's values. Nothing is sent per step (an asynchronous all-reduce of
+  the statistics every step did, served by gloo's threads on the ranks' own cores; the cost
+  model never priced it). ``benchmarks/bench_native_overhead.py`` times the native ResNet-2D
+  plan against DDP before and after (``reports/benchmarks/native_overhead_resnet2d*.txt``).
 * gradients: SUM over the mesh (the runtime's convention: each rank back-propagates its share
   ``L_r = loss_r n_r / N`` of the loss). By default by torch DDP's own reducer, configured as the
   DDP baseline is (``execute.baseline``: DDP's default buckets, 1 MiB first, then 25 MiB; C++
