@@ -173,7 +173,9 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                         "steps": steps_for(steps, r.plan.predicted.step_time_s)})
         first_of.setdefault(key, len(planned) - 1)
     distinct = [c for c in planned if c["same_as"] is None]
+    refs: list[float] = []      # the machine reference step before each round
     for k in range(rounds):
+        refs.append(machine_reference_ms(20))
         shift = (k * len(distinct)) // max(1, rounds)
         for c in distinct[shift:] + distinct[:shift]:
             if c.get("failed"):
@@ -209,6 +211,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                      "predicted_s": p, "plan_predicted_s": p_plan, "priced_native": native,
                      "ran_native": ran_native, "measured_s": m, "measured_rounds_s": per_round,
                      "round_spread": spread, "same_as": src["i"] if c["same_as"] is not None else None,
+                     "machine_reference_ms_rounds": [round(x, 3) for x in refs],
                      "error": (p - m) / m, "valid": valid,
                      "plan": str(c["plan_path"]), "run": run.to_json()})
         print(f"  {c['label']:<32} world {c['world']}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
@@ -267,6 +270,10 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
     s = {"candidates": n_candidates, "distinct_plans": len(rows), "median_abs_error": statistics.median(errs),
          "max_abs_error": max(errs), "spearman": rho, "spearman_per_model": per_model,
          "median_round_spread": statistics.median(spreads) if spreads else None}
+    refs = next((r["machine_reference_ms_rounds"] for r in rows if r.get("machine_reference_ms_rounds")), None)
+    if refs:
+        s["machine_reference_ms_rounds"] = refs
+        s["machine_reference_ms"] = statistics.median(refs)
     print(f"{title}: {n_candidates} candidates, {len(rows)} distinct plans"
           + (f" (median spread of a plan's rounds, max/min - 1: {100 * s['median_round_spread']:.1f}%)"
              if spreads else "")
@@ -274,7 +281,21 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
           f"(target <= {100 * target:.0f}%), max |error| {100 * s['max_abs_error']:.1f}%, Spearman rank "
           f"correlation {rho:.3f} over all; within each model's candidates (target >= 0.8): "
           + ", ".join(f"{m} {v:.3f}" for m, v in per_model.items()))
+    if refs:
+        print(f"  machine reference step before each round: {', '.join(f'{x:.2f}' for x in refs)} ms "
+              f"(median {s['machine_reference_ms']:.2f} ms)")
     return s
+
+
+def _drift(out: dict, key: str) -> None:
+    """The machine's speed while ``key``'s set ran against when its profile was measured:
+    the median reference step before its rounds / the one right after the calibration (> 1:
+    slower than the profile's machine, and every prediction reads low by about that)."""
+    cal = (out.get("machine_reference_ms") or {}).get("after calibration")
+    ran = (out.get(key) or {}).get("machine_reference_ms")
+    if cal and ran:
+        out[key]["machine_vs_profile"] = round(ran / cal, 3)
+        print(f"  {key}: the machine reference step ran {ran / cal:.2f}x its time after the calibration")
 
 
 def fresh_profile(tmp: Path) -> tuple[str, float]:
@@ -469,6 +490,7 @@ def main(argv=None) -> int:
             rows = run_all(args.calibration, args.steps, tmp, "a",
                            only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
             out["before"] = out["in_sample"] = summary(rows, "in-sample (shapes in the profile)")
+            _drift(out, "in_sample")
             out["in_sample_plan_figure"] = summary(_as_planned(rows), "in-sample, the plans' own figures "
                                                    "(native plans priced with the traced per-op overhead)")
             if args.refine:
@@ -479,6 +501,7 @@ def main(argv=None) -> int:
             hrows = run_all(args.calibration, args.steps, tmp, "h", candidates=HELDOUT,
                             only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
             out["held_out"] = summary(hrows, "held-out (models never measured)", target=0.15)
+            _drift(out, "held_out")
             out["held_out_plan_figure"] = summary(_as_planned(hrows), "held-out, the plans' own figures "
                                                   "(native plans priced with the traced per-op overhead)", target=0.15)
         for k in ("in_sample", "held_out"):
