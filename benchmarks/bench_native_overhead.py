@@ -102,20 +102,13 @@ def _rank_main(rank: int, world: int, plan_path: str, steps: int, blocks: int = 
                 wall[n].append(w1 - w0)
     # blocks: consecutive steps with nothing between them, as a training loop runs them (the
     # fence above, a barrier before every step, hides what one step leaves running into the next)
+    from autopar.execute.timing import timed_block
     block: dict[str, list[float]] = {n: [] for n in names}
     for k in range(blocks):
         for n in names[k % len(names):] + names[:k % len(names)]:
             opt, fwd, loss_of, finish = runners[n]
-            comm.barrier()
-            w0 = time.perf_counter()
-            for _ in range(block_steps):
-                opt.zero_grad(set_to_none=True)
-                loss_of(fwd()).backward()
-                finish()
-                opt.step()
-            dt = torch.tensor([(time.perf_counter() - w0) / block_steps], dtype=torch.float64)
-            comm.all_reduce_(dt, torch.distributed.ReduceOp.MAX)
-            block[n].append(float(dt))
+            block[n].append(timed_block(lambda fwd=fwd: fwd(), opt, (), loss_of, finish, block_steps,
+                                        comm, lambda: None, comm.barrier))
     return {"cpu": {n: {p: statistics.mean(v) for p, v in d.items()} for n, d in cpu.items()},
             "wall": {n: statistics.median(v) for n, v in wall.items()}, "notes": notes,
             "block": block}

@@ -281,9 +281,6 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
           f"(target <= {100 * target:.0f}%), max |error| {100 * s['max_abs_error']:.1f}%, Spearman rank "
           f"correlation {rho:.3f} over all; within each model's candidates (target >= 0.8): "
           + ", ".join(f"{m} {v:.3f}" for m, v in per_model.items()))
-    if refs:
-        print(f"  machine reference step before each round: {', '.join(f'{x:.2f}' for x in refs)} ms "
-              f"(median {s['machine_reference_ms']:.2f} ms)")
     return s
 
 
@@ -293,6 +290,9 @@ def _drift(out: dict, key: str) -> None:
     slower than the profile's machine, and every prediction reads low by about that)."""
     cal = (out.get("machine_reference_ms") or {}).get("after calibration")
     ran = (out.get(key) or {}).get("machine_reference_ms")
+    if ran:
+        print(f"  machine reference step before each round: "
+              f"{', '.join(f'{x:.2f}' for x in out[key]['machine_reference_ms_rounds'])} ms (median {ran:.2f} ms)")
     if cal and ran:
         out[key]["machine_vs_profile"] = round(ran / cal, 3)
         print(f"  {key}: the machine reference step ran {ran / cal:.2f}x its time after the calibration")
