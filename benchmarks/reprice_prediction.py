@@ -7,7 +7,7 @@ On a loaded machine the measured steps move with the load while the predictions 
 the medians of two bench runs made at different times compare the load as much as the model;
 repricing the same runs isolates the model change.
 
-    python benchmarks/reprice_prediction.py DIR [--out FILE] [--before per-op-overhead|conv-one-model|linear-straggler]
+    python benchmarks/reprice_prediction.py DIR [--out FILE] [--before per-op-overhead|conv-one-model|linear-straggler|relative-fit]
 
 ``--before conv-one-model``: "before" is the same profile with its convolution shape models
 fitted as one model over both of torch's CPU convolution paths (``fit.fit_conv_shape`` with
@@ -17,6 +17,16 @@ fitted on the profile's sweep rows only, as ``calibrate`` fits them.
 ``--before linear-straggler``: "before" is the same profile without its straggler sigma, so
 the cost model multiplies all multi-rank compute by ``1 + kappa`` (what it did before the wait
 was priced per segment, ``cost.primitives``), with the same measured kappa.
+
+``--before relative-fit``: both profiles are fitted again from the kept profile's raw samples
+(``calibrate.run.refit_profile``). "before": every model by the plain relative fit
+(``fit.nnls_relative`` with no reweighting) and the convolution shape models on the sweep rows
+alone, as the benchmark's quick profile was fitted before the in-sample shapes were added.
+"now": the quasi-likelihood fit and the convolution shape models refitted with the profile's
+exact shapes (``calibrate.run.refit_conv_shape_models``, what ``add_exact_shapes`` now does).
+Also prints, per convolution phase, the held-out models' measured convolution time (their
+exact shapes, measured here into a copy of the profile, never into the repriced ones) summed
+against each profile's generic price of the same shapes.
 """
 
 from __future__ import annotations
@@ -82,13 +92,96 @@ def conv_models_refitted(raw: dict, split_paths: bool) -> dict:
     return out
 
 
+def measured_s(run_dir: Path) -> float | None:
+    """A kept plan's measured step time: the median over its rounds (``round*/run.json``, as
+    ``bench_prediction.run_all`` takes it), or its one ``run.json`` (older runs)."""
+    runs = sorted(run_dir.glob("round*/run.json")) or ([run_dir / "run.json"] if (run_dir / "run.json").exists() else [])
+    if not runs:
+        return None
+    return statistics.median(json.loads(r.read_text())["measured"]["step_time_s"] for r in runs)
+
+
+def refitted(raw: dict, plain_relative: bool) -> dict:
+    """A copy of the profile JSON ``raw`` with every model fitted again from its raw samples
+    (module docstring, ``--before relative-fit``)."""
+    from autopar.calibrate import fit
+    from autopar.calibrate.profile import Profile
+    from autopar.calibrate.run import refit_conv_shape_models, refit_profile
+    prof = Profile.from_json(copy.deepcopy(raw))
+    saved = fit.REWEIGHT_ITERATIONS
+    try:
+        if plain_relative:
+            fit.REWEIGHT_ITERATIONS = 0
+            exact, prof.exact = prof.exact, {}
+            refit_profile(prof)         # conv shape models on the sweep rows alone
+            prof.exact = exact
+        else:
+            refit_profile(prof)
+            refit_conv_shape_models(prof)
+    finally:
+        fit.REWEIGHT_ITERATIONS = saved
+    return prof.to_json()
+
+
+def conv_sums(held_out_exact: dict, profiles: dict) -> list[str]:
+    """Per convolution phase: the measured time of the held-out models' convolution shapes,
+    summed, over each profile's generic price of them."""
+    from autopar.calibrate.fit import conv_spec_from_key
+    from autopar.calibrate.kernels import conv_features, normalize_spec
+    from autopar.calibrate.profile import Profile
+    out = []
+    for cls, phase in (("conv_fwd", "fwd"), ("conv_bwd_data", "bwd_data"), ("conv_bwd_filter", "bwd_filter")):
+        parts = []
+        for name, raw in profiles.items():
+            prof = Profile.from_json(copy.deepcopy(raw))
+            meas = priced = 0.0
+            n = 0
+            for key, e in held_out_exact.items():
+                spec = conv_spec_from_key(key)
+                if not spec or not (e or {}).get(phase):
+                    continue
+                s = normalize_spec(spec)
+                fl, by = conv_features(s["x"], s["w"], s["stride"], s["padding"], s["dilation"], s["groups"])
+                meas += e[phase]
+                priced += prof.kernel_time_s(cls, fl, by, spec=spec)
+                n += 1
+            parts.append(f"{name} {meas / priced:.2f}x" if priced else f"{name} -")
+        out.append(f"  {cls}: the held-out CNNs' {n} convolution shapes measured / priced generically: " + ", ".join(parts))
+    return out
+
+
+def held_out_conv_shapes(d: Path, prof_path: Path) -> dict:
+    """The held-out CNNs' exact convolution shapes at the benchmark's worlds and batches, measured
+    into a copy of the profile (kept in ``d`` as ``held-out-shapes.json``; measured once)."""
+    import shutil
+    from autopar.calibrate.profile import load_profile
+    from autopar.calibrate.run import add_exact_shapes
+    from autopar.cost.exact import exact_specs_for_model
+    from bench_prediction import HELDOUT
+    target = d / "held-out-shapes.json"
+    if not target.exists():
+        tmp = d / "held-out-shapes.tmp.json"
+        shutil.copyfile(prof_path, tmp)
+        seen, prof = set(), load_profile(tmp)
+        for row in HELDOUT:
+            _, model, world, batch = row[:4]
+            if "heldout_" not in str(model) or (model, world, batch) in seen:
+                continue
+            seen.add((model, world, batch))
+            specs = exact_specs_for_model(model, world, batch, profile=prof)
+            add_exact_shapes(tmp, [s for s in specs if s["op"] == "conv"], progress=lambda s: None)
+        tmp.replace(target)
+    base = set(json.loads(prof_path.read_text())["exact"])
+    return {k: v for k, v in json.loads(target.read_text())["exact"].items() if k not in base}
+
+
 def main(argv=None) -> int:
     from autopar.io import atomic_write_text
     from bench_prediction import CANDIDATES, HELDOUT
     ap = argparse.ArgumentParser()
     ap.add_argument("dir", help="the --keep folder of a bench_prediction.py run (its fresh-quick.json included)")
     ap.add_argument("--out", help="write the table and medians here too")
-    ap.add_argument("--before", choices=["per-op-overhead", "conv-one-model", "linear-straggler"],
+    ap.add_argument("--before", choices=["per-op-overhead", "conv-one-model", "linear-straggler", "relative-fit"],
                     default="per-op-overhead",
                     help="what the 'before' prediction undoes (module docstring)")
     args = ap.parse_args(argv)
@@ -101,6 +194,12 @@ def main(argv=None) -> int:
         prof_new = d / "fresh-quick-conv-two-paths.json"
         atomic_write_text(prof_new, json.dumps(raw))
         prof_old = d / "fresh-quick-conv-one-model.json"
+    elif args.before == "relative-fit":
+        old = refitted(raw, plain_relative=True)
+        raw = refitted(raw, plain_relative=False)
+        prof_new = d / "fresh-quick-quasi-fit.json"
+        atomic_write_text(prof_new, json.dumps(raw))
+        prof_old = d / "fresh-quick-relative-fit.json"
     elif args.before == "linear-straggler":
         old = copy.deepcopy(raw)
         old["samples"].pop("straggler_sigma", None)
@@ -112,14 +211,16 @@ def main(argv=None) -> int:
         prof_old = d / "fresh-quick-single-overhead.json"
     atomic_write_text(prof_old, json.dumps(old))
     lines, rows = [], []
+    if args.before == "relative-fit":
+        lines += conv_sums(held_out_conv_shapes(d, d / "fresh-quick.json"), {"before": old, "now": raw})
+        print("\n".join(lines), flush=True)
     for tag, cands, title in (("a", CANDIDATES, "in-sample"), ("h", HELDOUT, "held-out")):
         for i, row in enumerate(cands):
             label, model, world, batch, kinds = row[:5]
             extra = dict(row[6]) if len(row) > 6 else {}
-            plan, run = d / f"{tag}-plan{i}" / "plan.json", d / f"{tag}-run{i}" / "run.json"
-            if not plan.exists() or not run.exists():
-                continue
-            m = json.loads(run.read_text())["measured"]["step_time_s"]
+            plan, m = d / f"{tag}-plan{i}" / "plan.json", measured_s(d / f"{tag}-run{i}")
+            if not plan.exists() or m is None:
+                continue      # not kept, or the same program as an earlier candidate (measured once)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 p_old = reprice(plan, model, batch, kinds, prof_old, native_aware=args.before != "per-op-overhead",
@@ -142,7 +243,7 @@ def main(argv=None) -> int:
                 if len(mr) > 2:
                     per[mdl] = round(_spearman([r[key] for r in mr], [r["measured_s"] for r in mr]), 3)
             what = {"per-op-overhead": "per-op overhead", "conv-one-model": "convolution model",
-                    "linear-straggler": "straggler wait"}[args.before]
+                    "linear-straggler": "straggler wait", "relative-fit": "fits"}[args.before]
             lines.append(f"{title} ({len(rs)} runs), {what} {'as before' if key == 'before_s' else 'now'}: "
                          f"median |error| {100 * err:.1f} %, Spearman within models {per}")
             print(lines[-1])

@@ -52,6 +52,7 @@ class Sweep:
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
     slowdown_rounds: int = 3           # ... split into this many rounds over every k
     exact_repeats: int = 11
+    insitu_iters: int = 30              # timed repeats of each in-situ probe (``calibrate.insitu``)
     op_classes: tuple = OP_CLASSES
     kinds: tuple = COLLECTIVES
     conv_configs: int | None = None     # sizes per conv class (default kernel_configs): the
@@ -68,6 +69,9 @@ QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_f
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
               exact_repeats=5, conv_configs=160,
+              # 10 in-situ repeats read the latency at 2 ranks 1.7-3.4 ms in three back-to-back
+              # measurements, 30 read 2.7 ms twice; 20 costs about 3 s more than 10
+              insitu_iters=20,
               # CNN layers reach 1e9 FLOPs at batch 16: capped at 2e8, the fit extrapolated
               # and priced the shipped CNNs' layers 15-35 % low in sum (about 6 s more)
               conv_max_flops=1e9)
@@ -75,7 +79,7 @@ TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flo
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
              message_sizes=(4, 256, 4096, 65536), coll_repeats=3, coll_warmup=1,
-             slowdown_window_s=0.15, exact_repeats=3)
+             slowdown_window_s=0.15, exact_repeats=3, insitu_iters=10)
 """For tests only: a few sizes of everything (seconds, not minutes)."""
 
 
@@ -269,30 +273,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                  f"{len(sw.message_sizes)} sizes in {time.perf_counter() - t0:.1f} s")
 
     # 4. fits
-    kernel_models = {}
-    for op, rows in kernel_samples.items():
-        if len(rows) < 3:
-            raise CalibrationError(f"only {len(rows)} sizes measured for {op}",
-                                   "increase the sweep")
-        m = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows],
-                           [r["median_s"] for r in rows])
-        kernel_models[op] = {**m, "measured": True}
-    coll_models: dict[str, dict] = {}
-    for kind, per_p in coll_samples.items():
-        intra = {}
-        for p, rows in per_p.items():
-            m = fit.fit_collective(kind, int(p), [r["nbytes"] for r in rows],
-                                   [r["median_s"] for r in rows])
-            intra[p] = {**m, "measured": True, "source": f"measured, {p} ranks on one node"}
-        if not intra:
-            continue
-        # One node measured: "inter" is NOT measured. It repeats the intra constants so that a
-        # plan can still be priced, and says so in every entry.
-        inter = {p: {**e, "measured": False,
-                     "heldout_median_rel_err": None, "heldout_max_rel_err": None,
-                     "source": "NOT MEASURED: copy of intra (single-node calibration)"}
-                 for p, e in intra.items()}
-        coll_models[kind] = {"intra": intra, "inter": inter}
+    kernel_models, coll_models = fit_models(kernel_samples, coll_samples)
 
     elapsed = time.perf_counter() - t_start
     prof = Profile(
@@ -320,7 +301,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
                  "compute_slowdown": slow_times, "exact": exact_samples},
     )
-    fitted = fit.add_shape_models(prof)
+    fitted = derived_models(prof, kernel_samples)
     intense = [c for c in fit.INTENSITY_BYTES_PER_FLOP if (prof.kernels.get(c) or {}).get("intensity_model")]
     if intense:
         progress(f"{stamp()} arithmetic-intensity kernel models (index per element, per-edge products), mean of "
@@ -328,12 +309,6 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                      f"{c} {100 * prof.kernels[c]['intensity_model']['stratified_heldout_median_rel_err']:.0f} % "
                      f"(otherwise {100 * prof.kernels[c]['intensity_model']['previous_stratified_heldout_median_rel_err']:.0f} %)"
                      for c in intense))
-    for op, rows in kernel_samples.items():
-        # a class swept in several forms (the GNN kernels): each form's held-out error under
-        # the model the cost model uses for the class
-        forms = fit.heldout_by_form(rows, features=fit.model_features(prof.kernels[op]))
-        if len(forms) > 1:
-            prof.kernels[op]["by_form"] = forms
     if fitted:
         progress(f"{stamp()} shape- and cache-aware kernel models, held-out median error: " + ", ".join(
             f"{c} {100 * ((prof.kernels[c].get('shape_model') or prof.kernels[c].get('cache_model'))['heldout_median_rel_err'] or 0):.0f} % "
@@ -343,7 +318,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         progress(f"{stamp()} measured backward (instead of 2 x forward), held-out median error: " + ", ".join(
             f"{c} {100 * (prof.kernels[c]['bwd_model']['heldout_median_rel_err'] or 0):.0f} %" for c in backward))
     from .insitu import describe_step_costs, measure_step_costs
-    steps = measure_step_costs(prof, world_size, iters=10 if quick else 30, launch=launch,
+    steps = measure_step_costs(prof, world_size, iters=sw.insitu_iters, launch=launch,
                                worlds=sorted({2, world_size}) if quick and world_size >= 2 else None)
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
              f"optimizer): {describe_step_costs(steps)}")
@@ -361,6 +336,81 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     progress(f"{stamp()} wrote {out} (calibration took {prof.provenance['elapsed_s']:.1f} s; kernels and "
              f"collectives {elapsed:.1f} s of it)")
     return out
+
+
+def fit_models(kernel_samples: dict, coll_samples: dict) -> tuple[dict, dict]:
+    """The flat kernel models (``fit.fit_kernel``) and the collective models
+    (``fit.fit_collective``, intra-node; "inter" a marked copy) of the raw samples."""
+    kernel_models = {}
+    for op, rows in kernel_samples.items():
+        if len(rows) < 3:
+            raise CalibrationError(f"only {len(rows)} sizes measured for {op}",
+                                   "increase the sweep")
+        m = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows],
+                           [r["median_s"] for r in rows])
+        kernel_models[op] = {**m, "measured": True}
+    coll_models: dict[str, dict] = {}
+    for kind, per_p in coll_samples.items():
+        intra = {}
+        for p, rows in per_p.items():
+            m = fit.fit_collective(kind, int(p), [r["nbytes"] for r in rows],
+                                   [r["median_s"] for r in rows])
+            intra[p] = {**m, "measured": True, "source": f"measured, {p} ranks on one node"}
+        if not intra:
+            continue
+        # One node measured: "inter" is NOT measured. It repeats the intra constants so that a
+        # plan can still be priced, and says so in every entry.
+        inter = {p: {**e, "measured": False,
+                     "heldout_median_rel_err": None, "heldout_max_rel_err": None,
+                     "source": "NOT MEASURED: copy of intra (single-node calibration)"}
+                 for p, e in intra.items()}
+        coll_models[kind] = {"intra": intra, "inter": inter}
+    return kernel_models, coll_models
+
+
+def derived_models(prof, kernel_samples: dict) -> list[str]:
+    """The shape-, cache-, intensity-aware and backward models fitted on ``prof``'s flat ones
+    (``fit.add_shape_models``), and per class swept in several forms (the GNN kernels) each
+    form's held-out error under the model the cost model uses. Returns the classes whose shape-
+    or cache-aware model was kept."""
+    fitted = fit.add_shape_models(prof)
+    for op, rows in kernel_samples.items():
+        forms = fit.heldout_by_form(rows, features=fit.model_features(prof.kernels[op]))
+        if len(forms) > 1:
+            prof.kernels[op]["by_form"] = forms
+    return fitted
+
+
+def refit_profile(prof) -> None:
+    """Fit every kernel and collective model of ``prof`` again from its raw samples, in place,
+    with the fits of this autopar (what a profile measured before a change of ``fit`` would
+    have been fitted to); the measured in-step costs and per-op overheads are kept. Only a
+    profile measured on one node (``calibrate``), whose samples hold every sweep."""
+    ks = (prof.samples or {}).get("kernels") or {}
+    cs = (prof.samples or {}).get("collectives") or {}
+    if not ks or not cs:
+        raise CalibrationError("the profile has no raw kernel or collective samples to fit again",
+                               "calibrate this machine again")
+    kernel_models, coll_models = fit_models(ks, cs)
+    for op, m in kernel_models.items():
+        prof.kernels[op] = m
+    prof.collectives.update(coll_models)
+    derived_models(prof, ks)
+
+
+def refit_conv_shape_models(prof) -> list[str]:
+    """Fit the shape-aware convolution models of ``prof`` again, from its sweep rows and every
+    exact shape in it (``fit.conv_shape_rows``), so that the layers measured on this machine
+    teach the generic model what the sweep's random shapes do not: a model never measured is
+    then priced from real layers too (with the fit of ``fit.nnls_relative``, the held-out CNNs'
+    convolutions measured 1.00 / 1.08 / 0.95x their generic price, forward / backward-data /
+    backward-filter, against 1.38 / 1.58 / 1.24x before: ``benchmarks/reprice_prediction.py
+    --before relative-fit``). Returns the classes that have a shape-aware model after it (one that does not
+    generalise better than the flat roofline is not kept, ``fit.add_conv_shape_models``)."""
+    for cls in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
+        if isinstance(prof.kernels.get(cls), dict):
+            prof.kernels[cls].pop("shape_model", None)
+    return [c for c in fit.add_conv_shape_models(prof) if prof.kernels[c].get("shape_model")]
 
 
 def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] = print,
@@ -398,12 +448,14 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
                                start_method="spawn" if device == "cuda" else None)[0]
     prof.exact.update(exact)
     prof.samples.setdefault("exact", {}).update(samples)
+    refitted = refit_conv_shape_models(prof)
     prof.provenance.setdefault("exact_added", []).append(
         {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-         "shapes": len(exact), "repeats": reps})
+         "shapes": len(exact), "repeats": reps, "conv_models_refitted": refitted})
     save_profile(prof, path)
     progress(f"exact shapes: {len(exact)} measured in {time.perf_counter() - t0:.1f} s, "
-             f"written to {path}")
+             f"written to {path}" + (f"; the generic convolution models refitted with them ({', '.join(refitted)})"
+                                     if refitted else ""))
     return path
 
 
