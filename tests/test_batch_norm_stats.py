@@ -203,3 +203,62 @@ def test_a_drifting_replica_is_caught(mode, net, tmp_path, profile, drifting):
     r = _plan(net, 2, tmp_path, profile, batch_size=8, batch_norm=mode, kinds=["test_drifting_replicate"])
     with pytest.raises(ValidationFailed, match="replica:buffer:b.\\.running_mean"):
         execute(r.plan_path, FAST, out_dir=tmp_path / "run", progress=lambda s: None)
+
+
+def _deferred_vs_each_step(rank, world, plan_path, steps):
+    """``steps`` SGD steps (float64) of the traced program twice: running statistics flushed
+    after every step (each step's update applied at once), and flushed once after the last."""
+    import torch
+
+    from autopar.artifacts import load_plan
+    from autopar.execute.runner import _import_generated
+    from autopar.runtime.comm import Comm
+    from autopar.runtime.entry import build_user_model, synthetic_batch
+    from pathlib import Path
+
+    comm = Comm.from_env()
+    plan = load_plan(plan_path)
+    gen = _import_generated(Path(plan_path).parent / plan.generated)
+    out = {}
+    for key in ("each_step", "deferred"):
+        mf, model = build_user_model(plan, plan_path, 0)
+        model.double()
+        dm = gen.PlannedModel(plan, model, comm, native=False)
+        dm.train()
+        opt = torch.optim.SGD(dm.parameters(), lr=0.1, momentum=0.9)
+        start = {q: b.clone() for q, b in dm.bufs.items()}
+        unchanged = True
+        for step in range(steps):
+            xs, ys = synthetic_batch(mf, plan.model.batch_size, step)
+            opt.zero_grad(set_to_none=True)
+            o = dm(*dm.shard_inputs([x.double() for x in xs]))
+            dm.local_loss(o, ys, mf.loss_fn()).backward()
+            dm.finish_grads()
+            opt.step()
+            if key == "each_step":
+                dm.flush_batch_norm()
+            else:
+                unchanged &= all(torch.equal(b, start[q]) for q, b in dm.bufs.items() if "running" in q)
+        out[key] = {"pending": dm.bn_runtime.pending, "unchanged": unchanged}
+        out[key]["buffers"] = {q: b.detach().numpy().copy() for q, b in dm.full_buffers().items()}
+    return out
+
+
+@pytest.mark.parametrize("world,mix", [(2, "mix2"), (4, "mix2"), (4, "hybrid")])
+def test_running_statistics_deferred_over_steps_equal_each_steps_update(world, mix, net, tmp_path, profile):
+    """Local statistics: the traced program's running-statistics updates wait for a reader
+    (``BatchNormRuntime``: no collective per step); several steps' updates applied by one flush
+    equal the updates applied step by step, under channel-sharded and spatial layers too."""
+    import numpy as np
+
+    from autopar.runtime.launch import run_ranks
+    force = dict(enumerate(MIXES[world][mix]))
+    r = _plan(net, world, tmp_path, profile, force=force, batch_size=8, batch_norm="local")
+    res = run_ranks(_deferred_vs_each_step, world, args=(str(r.plan_path), 3), timeout_s=180)
+    for rank, out in enumerate(res):
+        assert out["deferred"]["unchanged"], rank      # nothing applied before a reader
+        assert out["deferred"]["pending"] and not out["each_step"]["pending"]
+        for q, b in out["each_step"]["buffers"].items():
+            d = out["deferred"]["buffers"][q]
+            assert np.abs(d - b).max(initial=0.0) <= 1e-12 * np.abs(b).max(initial=1.0), (rank, q)
+        assert any("running_var" in q for q in out["deferred"]["buffers"])

@@ -158,7 +158,7 @@ class DistModel(nn.Module):
         self.buffer_updates = list(self.graph.buffer_updates)
         self.timer: LayerTimer | None = None
         # batch-norm statistics the plan was made for (``decomp.bn``); local ones defer the
-        # running statistics' update to ``flush_batch_norm`` (one all-reduce per step)
+        # running statistics' update to ``flush_batch_norm`` (one all-reduce when read)
         from .ops import BatchNormRuntime
         self.bn_stats = plan.bn_stats()
         self.bn_runtime = (BatchNormRuntime(self.bn_stats, int(plan.model.batch_size or self.graph.batch_size))
@@ -311,8 +311,8 @@ class DistModel(nn.Module):
         return super().train(mode)
 
     def update_buffers(self) -> None:
-        """Buffer-only ops of the traced program (e.g. BatchNorm's num_batches_tracked += 1)."""
-        self.flush_batch_norm()
+        """Buffer-only ops of the traced program (e.g. BatchNorm's num_batches_tracked += 1).
+        The deferred running statistics stay deferred (``flush_batch_norm``)."""
         if not self.training:
             return
         from .ops import call_local
@@ -409,21 +409,17 @@ class DistModel(nn.Module):
         return loss * (n_local / n_global / replicas)
 
     def finish_grads(self) -> None:
-        """Wait for the gradient all-reduces and write the sums back; apply the traced
-        program's deferred running statistics (its all-reduce, started at the output, overlapped
-        backward). A native plan's running statistics are left to their readers
-        (``flush_batch_norm``; ``runtime.native``): no collective per step for them."""
+        """Wait for the gradient all-reduces and write the sums back. Running statistics of
+        local batch norm, the traced program's and a native plan's alike, are left to their
+        readers (``flush_batch_norm``; ``runtime.ops.BatchNormRuntime``, ``runtime.native``): no
+        collective per step for them."""
         self.gradsync.finish()
-        if self.bn_runtime is not None:
-            self.bn_runtime.flush(self.comm)
 
     # ---- the model's output structure ----------------------------------------------------------
     def structured(self, out_local: torch.Tensor):
         """The traced output tensor (this rank's block) in the structure the user's model
         returns (e.g. a Hugging Face ``ModelOutput`` whose ``logits`` it is), so the user's loss
         runs unchanged; the tensor itself when the model returns a tensor."""
-        if self.bn_runtime is not None and self.training:
-            self.bn_runtime.start(self.comm)   # the running statistics' all-reduce overlaps backward
         return rebuild_output(self.output_spec, out_local)
 
     # ---- assembling full tensors (validation) -------------------------------------------------

@@ -221,46 +221,65 @@ def run_batch_norm(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, to
 
 class BatchNormRuntime:
     """The statistics a running plan computes (``decomp.bn.BatchNormStats``) and, under local
-    statistics, the running-statistics updates of this step not yet applied (``flush``)."""
+    statistics, the running-statistics updates not yet applied (``record``, ``flush``).
+
+    A step's update of a running statistic is affine, ``r <- (1 - m) r + m S / k`` with ``S``
+    the sum over the mesh of every rank's (weighted) group statistics (``record``'s ``sm``,
+    ``sv``) and ``k`` the number of groups. The updates of several steps compose to
+    ``r <- D r + m A / k`` with ``D = (1 - m)^T`` and ``A = sum_t (1 - m)^(T - t) S_t``, and ``A``
+    is a sum over the mesh of the same recursion over each rank's own sums. So each rank only
+    accumulates its own ``A`` and ``D`` step by step (no communication), and ``flush`` sums the
+    ``A`` over the mesh in ONE all-reduce when something reads the running statistics (the same
+    deferral as a native plan's, ``runtime.native``): before it, a blocking all-reduce every step
+    cost the traced ResNet-2D 2 ms of a 28 ms step at 2 ranks, unpriced."""
 
     def __init__(self, stats, batch: int) -> None:
         self.stats = stats
         self.stats_groups = stats.groups(batch) if stats.local else 1
-        self.pending: list[tuple] = []   # (running_mean, running_var, momentum, sum_mean, sum_var, weight)
-        self.work = None                 # (async all-reduce, its buffer, the updates it carries)
+        # per running buffer, in the order first recorded (the same program on every rank):
+        # [running_mean, running_var, momentum, A_mean, A_var, D]
+        self.acc: dict[int, list] = {}
 
-    def start(self, comm: Comm) -> None:
-        """Start the all-reduce of the pending updates without waiting (the runtime calls it at
-        the end of forward, so it overlaps backward; every rank starts it at the same point)."""
-        if not self.pending or self.work is not None:
+    @property
+    def pending(self) -> bool:
+        """Whether updates are recorded and not yet applied."""
+        return bool(self.acc)
+
+    def record(self, running_mean, running_var, momentum: float, sm, sv) -> None:
+        """One step's update of ``running_mean`` / ``running_var`` with this rank's sums ``sm``,
+        ``sv`` (float64, full channel vectors, zero outside this rank's channels)."""
+        key = id(running_mean)
+        e = self.acc.get(key)
+        if e is None:
+            self.acc[key] = [running_mean, running_var, momentum, sm.clone(), sv.clone(), 1.0 - momentum]
             return
-        pend, self.pending = self.pending, []
-        flat = torch.cat([torch.cat([sm, sv]) for _, _, _, sm, sv, _ in pend])
-        work = dist.all_reduce(flat, group=comm.mesh_group, async_op=True) if comm.world > 1 else None
-        self.work = (work, flat, pend)
+        if e[2] != momentum:
+            raise RuntimeError("a batch norm's momentum changed between steps with updates pending; "
+                               "call flush_batch_norm() before changing it")
+        e[3].mul_(1.0 - momentum).add_(sm)
+        e[4].mul_(1.0 - momentum).add_(sv)
+        e[5] *= 1.0 - momentum
 
     def flush(self, comm: Comm) -> None:
-        """Apply the deferred updates: ONE all-reduce over the mesh of every batch norm's
-        (weighted) sums of group means and unbiased group variances (``start``ed at the end of
-        forward, or now), then on every rank ``r <- (1 - m) r + m * sum / groups`` (so every
-        rank holds the same running statistics). Collective when anything is pending (every
-        rank runs the same batch norms)."""
-        self.start(comm)
-        if self.work is None:
+        """Apply the recorded updates: ONE all-reduce over the mesh of every buffer's ``A``, then
+        on every rank ``r <- D r + m A / k`` (every rank then holds the same running statistics).
+        Collective when anything is recorded (every rank runs the same batch norms)."""
+        if not self.acc:
             return
-        work, flat, pend = self.work
-        self.work = None
-        if work is not None:
-            work.wait()
+        entries = list(self.acc.values())
+        self.acc = {}
+        flat = torch.cat([torch.cat([am, av]) for _, _, _, am, av, _ in entries])
+        if comm.world > 1:
+            dist.all_reduce(flat, group=comm.mesh_group)
         k = self.stats_groups
         off = 0
         with torch.no_grad():
-            for rm, rv, m, sm, _, _ in pend:
-                c = sm.numel()
+            for rm, rv, m, am, _, d in entries:
+                c = am.numel()
                 mean, var = flat[off:off + c], flat[off + c:off + 2 * c]
                 off += 2 * c
-                rm.mul_(1 - m).add_(mean.to(rm.dtype) / k, alpha=m)
-                rv.mul_(1 - m).add_(var.to(rv.dtype) / k, alpha=m)
+                rm.mul_(d).add_(mean.to(rm.dtype) / k, alpha=m)
+                rv.mul_(d).add_(var.to(rv.dtype) / k, alpha=m)
 
 
 _BN: contextvars.ContextVar[BatchNormRuntime | None] = contextvars.ContextVar("autopar_batch_norm", default=None)
@@ -384,7 +403,7 @@ def group_batch_norm(x, weight, bias, running_mean, running_var, momentum: float
         a, e = channels if channels is not None else (0, full_c)
         sm[a:a + e] = mean.sum(0).double() / replicas
         sv[a:a + e] = (var * (n / max(n - 1.0, 1.0))).sum(0).double() / replicas
-        rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
+        rt.record(running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv)
     return y
 
 
@@ -426,5 +445,5 @@ def _native_group_batch_norm(x, weight, bias, running_mean, running_var, momentu
             a, e = channels
             sm[a:a + e] = sm_k
             sv[a:a + e] = sv_k
-        rt.pending.append((running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv, replicas))
+        rt.record(running_mean, running_var, 0.1 if momentum is None else momentum, sm, sv)
     return y
