@@ -233,6 +233,15 @@ def _compute_slowdown(ctx) -> float:
         * compute_drift(prof, ctx.ranks_on_node)
 
 
+def copy_s(ctx, numel: int, itemsize: int = 4) -> float:
+    """One elementwise pass that reads and writes ``numel`` elements (a layout copy: a
+    transpose made contiguous), by the profile's elementwise kernel model, slowed down like all
+    local compute."""
+    from ..calibrate.kernels import elementwise_features
+    fl, by = elementwise_features(int(numel), 2)
+    return ctx.profile.kernel_time_s("elementwise", fl, by * itemsize / 4) * _compute_slowdown(ctx)
+
+
 def unsynced_compute_s(cost) -> float:
     """Compute of the phases of ``cost`` (a ``LayerCost``) that issue no blocking collective."""
     return (cost.fwd_compute_s if cost.fwd_comm_s <= 0 else 0.0) + (cost.bwd_compute_s if cost.bwd_comm_s <= 0 else 0.0)
