@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 107.262 ms, memory 12.4 MiB per rank
+Predicted:  step 119.843 ms, memory 10.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5
@@ -22,38 +22,39 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, x):
         self.update_buffers()
-        # input x (4, 1, 32, 32, 32) arrives as layout N2
-        # -- layer 0: block1.conv  conv+batch_norm+unary  (4, 8, 32, 32, 32)  -> sample(2)  [N2]
+        # input x (4, 1, 32, 32, 32) arrives as layout N4
+        # -- layer 0: block1.conv  conv+batch_norm+unary  (4, 8, 32, 32, 32)  -> sample(4)  [N4]
         conv3d = self.op('conv3d', x)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm = self.op('batch_norm', conv3d)  # aten.batch_norm.default  cnn3d_large.py:28
         relu = self.op('relu', batch_norm)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 1: block2.conv  conv+batch_norm+unary  (4, 8, 32, 32, 32)  -> spatial(2,2x1x1)  [N2x[2]2]
-        relu__0 = self.move(relu, 'relu', [[0, 2]], [[0, 2], [2, 2]], layer=1)  # transition N2 -> N2x[2]2
+        relu__0 = self.move(relu, 'relu', [[0, 4]], [[0, 2], [2, 2]], layer=1)  # transition N4 -> N2x[2]2
         conv3d_1 = self.op('conv3d_1', relu__0)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_1 = self.op('batch_norm_1', conv3d_1)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 2: pool1  pool  (4, 8, 16, 16, 16)  -> spatial(2,2x1x1)  [N2x[2]2]
-        max_pool3d = self.op('max_pool3d', relu_1)  # aten.max_pool3d.default  cnn3d_large.py:45
+        # -- layer 2: pool1  pool  (4, 8, 16, 16, 16)  -> sample(2)  [N2]
+        relu_1__1 = self.move(relu_1, 'relu_1', [[0, 2], [2, 2]], [[0, 2]], layer=2)  # transition N2x[2]2 -> N2
+        max_pool3d = self.op('max_pool3d', relu_1__1)  # aten.max_pool3d.default  cnn3d_large.py:45
         # -- layer 3: block3.conv  conv+batch_norm+unary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]
-        max_pool3d__1 = self.move(max_pool3d, 'max_pool3d', [[0, 2], [2, 2]], [[0, 2]], layer=3)  # transition N2x[2]2 -> N2
-        conv3d_2 = self.op('conv3d_2', max_pool3d__1)  # aten.conv3d.default  cnn3d_large.py:28
+        conv3d_2 = self.op('conv3d_2', max_pool3d)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_2 = self.op('batch_norm_2', conv3d_2)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_2 = self.op('relu_2', batch_norm_2)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 4: block4.conv  conv+batch_norm+unary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]
         conv3d_3 = self.op('conv3d_3', relu_2)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_3 = self.op('batch_norm_3', conv3d_3)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_3 = self.op('relu_3', batch_norm_3)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 5: (root)  binary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]
-        add = self.op('add', relu_3, relu_2)  # aten.add.Tensor  cnn3d_large.py:47
-        # -- layer 6: pool2  pool  (4, 16, 8, 8, 8)  -> sample(2)  [N2]
+        # -- layer 5: (root)  binary  (4, 16, 16, 16, 16)  -> sample(4)  [N4]
+        relu_3__2 = self.move(relu_3, 'relu_3', [[0, 2]], [[0, 4]], layer=5)  # transition N2 -> N4
+        relu_2__3 = self.move(relu_2, 'relu_2', [[0, 2]], [[0, 4]], layer=5)  # transition N2 -> N4
+        add = self.op('add', relu_3__2, relu_2__3)  # aten.add.Tensor  cnn3d_large.py:47
+        # -- layer 6: pool2  pool  (4, 16, 8, 8, 8)  -> sample(4)  [N4]
         max_pool3d_1 = self.op('max_pool3d_1', add)  # aten.max_pool3d.default  cnn3d_large.py:48
-        # -- layer 7: block5.conv  conv+batch_norm+unary  (4, 32, 8, 8, 8)  -> sample(2)  [N2]
+        # -- layer 7: block5.conv  conv+batch_norm+unary  (4, 32, 8, 8, 8)  -> sample(4)  [N4]
         conv3d_4 = self.op('conv3d_4', max_pool3d_1)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_4 = self.op('batch_norm_4', conv3d_4)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_4 = self.op('relu_4', batch_norm_4)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 8: (root)  adaptive_pool  (4, 32, 1, 1, 1)  -> sample(4)  [N4]
-        relu_4__2 = self.move(relu_4, 'relu_4', [[0, 2]], [[0, 4]], layer=8)  # transition N2 -> N4
-        adaptive_avg_pool3d = self.op('adaptive_avg_pool3d', relu_4__2)  # aten.adaptive_avg_pool3d.default  cnn3d_large.py:49
+        adaptive_avg_pool3d = self.op('adaptive_avg_pool3d', relu_4)  # aten.adaptive_avg_pool3d.default  cnn3d_large.py:49
         # -- layer 9: (root)  flatten  (4, 32)  -> sample(4)  [N4]
         flatten = self.op('flatten', adaptive_avg_pool3d)  # aten.flatten.using_ints  cnn3d_large.py:49
         # -- layer 10: head  linear  (4, 4)  -> sample(4)  [N4]

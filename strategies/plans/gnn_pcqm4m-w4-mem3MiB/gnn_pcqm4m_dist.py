@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 22.558 ms, memory 2.7 MiB per rank
+Predicted:  step 19.666 ms, memory 2.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gnn_pcqm4m_dist.py --steps 5
@@ -24,7 +24,7 @@ class PlannedModel(DistModel):
         self.update_buffers()
         # input x (2, 51, 9) arrives as layout N2
         # input e (2, 118, 3) arrives as layout N2xC2
-        # input src (2, 118) arrives as layout R
+        # input src (2, 118) arrives as layout N2
         # input dst (2, 118) arrives as layout N2
         # input node_mask (2, 51) arrives as layout N2
         # -- layer 0: node_embed  linear+unary  (2, 51, 100)  -> sample(2)  [N2]
@@ -35,12 +35,12 @@ class PlannedModel(DistModel):
         relu_1 = self.op('relu_1', linear_1)  # aten.relu.default  gnn_pcqm4m.py:71
         # -- layer 2: convs.0  pad  (2, 52, 100)  -> sample(2)  [N2]
         pad = self.op('pad', relu)  # aten.pad.default  gnn_pcqm4m.py:48
-        # -- layer 3: convs.0  squeeze  (2, 118, 1)  -> replicate  [R]
+        # -- layer 3: convs.0  squeeze  (2, 118, 1)  -> sample(2)  [N2]
         unsqueeze = self.op('unsqueeze', src)  # aten.unsqueeze.default  gnn_pcqm4m.py:49
-        # -- layer 4: convs.0  expand  (2, 118, 100)  -> replicate  [R]
+        # -- layer 4: convs.0  expand  (2, 118, 100)  -> sample(2)  [N2]
         expand = self.op('expand', unsqueeze)  # aten.expand.default  gnn_pcqm4m.py:49
         # -- layer 5: convs.0  gather  (2, 118, 100)  -> edges(2,2)  [N2xC2]
-        expand__0 = self.move(expand, 'expand', [], [[0, 2], [1, 2]], layer=5)  # transition R -> N2xC2
+        expand__0 = self.move(expand, 'expand', [[0, 2]], [[0, 2], [1, 2]], layer=5)  # transition N2 -> N2xC2
         gather = self.op('gather', pad, expand__0)  # aten.gather.default  gnn_pcqm4m.py:49
         # -- layer 6: convs.0.edge_mlp.0  linear+unary  (2, 118, 64)  -> edges(2,2)  [N2xC2]
         linear_2 = self.op('linear_2', relu_1)  # aten.linear.default  gnn_pcqm4m.py:50
@@ -56,22 +56,23 @@ class PlannedModel(DistModel):
         unsqueeze_1 = self.op('unsqueeze_1', gather)  # aten.unsqueeze.default  gnn_pcqm4m.py:51
         # -- layer 11: convs.0  matmul  (2, 118, 1, 32)  -> edges(2,2)  [N2xC2]
         matmul = self.op('matmul', unsqueeze_1, view)  # aten.matmul.default  gnn_pcqm4m.py:51
-        # -- layer 12: convs.0  squeeze  (2, 118, 32)  -> sample(2)  [N2]
-        matmul__1 = self.move(matmul, 'matmul', [[0, 2], [1, 2]], [[0, 2]], layer=12)  # transition N2xC2 -> N2
-        squeeze = self.op('squeeze', matmul__1)  # aten.squeeze.dim  gnn_pcqm4m.py:51
+        # -- layer 12: convs.0  squeeze  (2, 118, 32)  -> edges(2,2)  [N2xC2]
+        squeeze = self.op('squeeze', matmul)  # aten.squeeze.dim  gnn_pcqm4m.py:51
         # -- layer 13: convs.0  other  (2, 52, 32)  -> replicate  [R]
         zeros = self.op('zeros')  # aten.zeros.default  gnn_pcqm4m.py:52
         # -- layer 14: convs.0  squeeze  (2, 118, 1)  -> sample(2)  [N2]
         unsqueeze_2 = self.op('unsqueeze_2', dst)  # aten.unsqueeze.default  gnn_pcqm4m.py:53
-        # -- layer 15: convs.0  expand  (2, 118, 32)  -> sample(2)  [N2]
-        expand_1 = self.op('expand_1', unsqueeze_2)  # aten.expand.default  gnn_pcqm4m.py:53
-        # -- layer 16: convs.0  scatter  (2, 52, 32)  -> sample(2)  [N2]
+        # -- layer 15: convs.0  expand  (2, 118, 32)  -> edges(2,2)  [N2xC2]
+        unsqueeze_2__1 = self.move(unsqueeze_2, 'unsqueeze_2', [[0, 2]], [[0, 2], [1, 2]], layer=15)  # transition N2 -> N2xC2
+        expand_1 = self.op('expand_1', unsqueeze_2__1)  # aten.expand.default  gnn_pcqm4m.py:53
+        # -- layer 16: convs.0  scatter  (2, 52, 32)  -> edges(2,2)  [N2xP2]
         zeros__2 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
         scatter_add = self.op('scatter_add', zeros__2, expand_1, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
         # -- layer 17: convs.0.root  linear  (2, 51, 32)  -> sample(2)  [N2]
         linear_5 = self.op('linear_5', relu)  # aten.linear.default  gnn_pcqm4m.py:54
         # -- layer 18: convs.0  slice  (2, 51, 32)  -> sample(2)  [N2]
-        slice_1 = self.op('slice_1', scatter_add)  # aten.slice.Tensor  gnn_pcqm4m.py:54
+        scatter_add__3 = self.move(scatter_add, 'scatter_add', {'splits': [[0, 2]], 'partial': 2}, [[0, 2]], layer=18)  # transition N2xP2 -> N2
+        slice_1 = self.op('slice_1', scatter_add__3)  # aten.slice.Tensor  gnn_pcqm4m.py:54
         # -- layer 19: convs.0  binary+unary  (2, 51, 32)  -> sample(2)  [N2]
         add = self.op('add', linear_5, slice_1)  # aten.add.Tensor  gnn_pcqm4m.py:54
         relu_4 = self.op('relu_4', add)  # aten.relu.default  gnn_pcqm4m.py:73

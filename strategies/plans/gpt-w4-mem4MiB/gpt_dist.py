@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gpt.py (sha256 935730bdc486), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 52.470 ms, memory 4.0 MiB per rank
+Predicted:  step 47.065 ms, memory 3.8 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gpt_dist.py --steps 5
@@ -22,18 +22,19 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, idx):
         self.update_buffers()
-        # input idx (4, 16) arrives as layout R
+        # input idx (4, 16) arrives as layout N2
         # -- layer 0: (root)  other  (16,)  -> replicate  [R]
         arange = self.op('arange')  # aten.arange.default  gpt.py:62
-        # -- layer 1: tok  embedding  (4, 16, 128)  -> replicate  [R]
+        # -- layer 1: tok  embedding  (4, 16, 128)  -> vocab(2,2)  [N2xP2]
         embedding = self.op('embedding', idx)  # aten.embedding.default  gpt.py:63
         # -- layer 2: pos  embedding  (16, 128)  -> replicate  [R]
         embedding_1 = self.op('embedding_1', arange)  # aten.embedding.default  gpt.py:63
-        # -- layer 3: (root)  binary  (4, 16, 128)  -> replicate  [R]
-        add = self.op('add', embedding, embedding_1)  # aten.add.Tensor  gpt.py:63
-        # -- layer 4: blocks.0.ln1  layer_norm  (4, 16, 128)  -> replicate  [R]
+        # -- layer 3: (root)  binary  (4, 16, 128)  -> sample(2)  [N2]
+        embedding__0 = self.move(embedding, 'embedding', {'splits': [[0, 2]], 'partial': 2}, [[0, 2]], layer=3)  # transition N2xP2 -> N2
+        add = self.op('add', embedding__0, embedding_1)  # aten.add.Tensor  gpt.py:63
+        # -- layer 4: blocks.0.ln1  layer_norm  (4, 16, 128)  -> sample(2)  [N2]
         layer_norm = self.op('layer_norm', add)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> replicate  [R]
+        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> head(2,2)  [N2xP2]
         linear = self.op('linear', layer_norm)  # aten.linear.default  gpt.py:32
         getitem = self.op('getitem', linear)  # aten.slice.Tensor  gpt.py:32
         getitem_1 = self.op('getitem_1', linear)  # aten.slice.Tensor  gpt.py:32
@@ -48,21 +49,22 @@ class PlannedModel(DistModel):
         transpose_3 = self.op('transpose_3', scaled_dot_product_attention)  # aten.transpose.int  gpt.py:35
         reshape = self.op('reshape', transpose_3)  # aten.reshape.default  gpt.py:35
         linear_1 = self.op('linear_1', reshape)  # aten.linear.default  gpt.py:35
-        # -- layer 6: blocks.0  binary  (4, 16, 128)  -> replicate  [R]
-        add_1 = self.op('add_1', add, linear_1)  # aten.add.Tensor  gpt.py:48
-        # -- layer 7: blocks.0.ln2  layer_norm  (4, 16, 128)  -> replicate  [R]
+        # -- layer 6: blocks.0  binary  (4, 16, 128)  -> sample(2)  [N2]
+        linear_1__1 = self.move(linear_1, 'linear_1', {'splits': [[0, 2]], 'partial': 2}, [[0, 2]], layer=6)  # transition N2xP2 -> N2
+        add_1 = self.op('add_1', add, linear_1__1)  # aten.add.Tensor  gpt.py:48
+        # -- layer 7: blocks.0.ln2  layer_norm  (4, 16, 128)  -> sample(2)  [N2]
         layer_norm_1 = self.op('layer_norm_1', add_1)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 8: blocks.0.fc  linear+unary  (4, 16, 512)  -> filter(1,4)  [[2]4]
+        # -- layer 8: blocks.0.fc  linear+unary  (4, 16, 512)  -> filter(2,2)  [N2x[2]2]
         linear_2 = self.op('linear_2', layer_norm_1)  # aten.linear.default  gpt.py:49
         gelu = self.op('gelu', linear_2)  # aten.gelu.default  gpt.py:49
-        # -- layer 9: blocks.0.out  linear  (4, 16, 128)  -> row_parallel(1,4)  [P4]
+        # -- layer 9: blocks.0.out  linear  (4, 16, 128)  -> row_parallel(2,2)  [N2xP2]
         linear_3 = self.op('linear_3', gelu)  # aten.linear.default  gpt.py:49
-        # -- layer 10: blocks.0  binary  (4, 16, 128)  -> replicate  [R]
-        linear_3__0 = self.move(linear_3, 'linear_3', {'splits': [], 'partial': 4}, [], layer=10)  # transition P4 -> R
-        add_2 = self.op('add_2', add_1, linear_3__0)  # aten.add.Tensor  gpt.py:49
-        # -- layer 11: blocks.1.ln1  layer_norm  (4, 16, 128)  -> replicate  [R]
+        # -- layer 10: blocks.0  binary  (4, 16, 128)  -> sample(2)  [N2]
+        linear_3__2 = self.move(linear_3, 'linear_3', {'splits': [[0, 2]], 'partial': 2}, [[0, 2]], layer=10)  # transition N2xP2 -> N2
+        add_2 = self.op('add_2', add_1, linear_3__2)  # aten.add.Tensor  gpt.py:49
+        # -- layer 11: blocks.1.ln1  layer_norm  (4, 16, 128)  -> sample(2)  [N2]
         layer_norm_2 = self.op('layer_norm_2', add_2)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> replicate  [R]
+        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (4, 16, 128)  -> head(2,2)  [N2xP2]
         linear_4 = self.op('linear_4', layer_norm_2)  # aten.linear.default  gpt.py:32
         getitem_3 = self.op('getitem_3', linear_4)  # aten.slice.Tensor  gpt.py:32
         getitem_4 = self.op('getitem_4', linear_4)  # aten.slice.Tensor  gpt.py:32
@@ -77,24 +79,24 @@ class PlannedModel(DistModel):
         transpose_7 = self.op('transpose_7', scaled_dot_product_attention_1)  # aten.transpose.int  gpt.py:35
         reshape_1 = self.op('reshape_1', transpose_7)  # aten.reshape.default  gpt.py:35
         linear_5 = self.op('linear_5', reshape_1)  # aten.linear.default  gpt.py:35
-        # -- layer 13: blocks.1  binary  (4, 16, 128)  -> replicate  [R]
-        add_3 = self.op('add_3', add_2, linear_5)  # aten.add.Tensor  gpt.py:48
-        # -- layer 14: blocks.1.ln2  layer_norm  (4, 16, 128)  -> replicate  [R]
+        # -- layer 13: blocks.1  binary  (4, 16, 128)  -> sample(2)  [N2]
+        linear_5__3 = self.move(linear_5, 'linear_5', {'splits': [[0, 2]], 'partial': 2}, [[0, 2]], layer=13)  # transition N2xP2 -> N2
+        add_3 = self.op('add_3', add_2, linear_5__3)  # aten.add.Tensor  gpt.py:48
+        # -- layer 14: blocks.1.ln2  layer_norm  (4, 16, 128)  -> sample(2)  [N2]
         layer_norm_3 = self.op('layer_norm_3', add_3)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 15: blocks.1.fc  linear+unary  (4, 16, 512)  -> filter(1,4)  [[2]4]
+        # -- layer 15: blocks.1.fc  linear+unary  (4, 16, 512)  -> filter(2,2)  [N2x[2]2]
         linear_6 = self.op('linear_6', layer_norm_3)  # aten.linear.default  gpt.py:49
         gelu_1 = self.op('gelu_1', linear_6)  # aten.gelu.default  gpt.py:49
-        # -- layer 16: blocks.1.out  linear  (4, 16, 128)  -> row_parallel(1,4)  [P4]
+        # -- layer 16: blocks.1.out  linear  (4, 16, 128)  -> row_parallel(2,2)  [N2xP2]
         linear_7 = self.op('linear_7', gelu_1)  # aten.linear.default  gpt.py:49
-        # -- layer 17: blocks.1  binary  (4, 16, 128)  -> replicate  [R]
-        linear_7__1 = self.move(linear_7, 'linear_7', {'splits': [], 'partial': 4}, [], layer=17)  # transition P4 -> R
-        add_4 = self.op('add_4', add_3, linear_7__1)  # aten.add.Tensor  gpt.py:49
-        # -- layer 18: ln  layer_norm  (4, 16, 128)  -> replicate  [R]
+        # -- layer 17: blocks.1  binary  (4, 16, 128)  -> sample(4)  [N4]
+        add_3__4 = self.move(add_3, 'add_3', [[0, 2]], [[0, 4]], layer=17)  # transition N2 -> N4
+        linear_7__5 = self.move(linear_7, 'linear_7', {'splits': [[0, 2]], 'partial': 2}, [[0, 4]], layer=17)  # transition N2xP2 -> N4
+        add_4 = self.op('add_4', add_3__4, linear_7__5)  # aten.add.Tensor  gpt.py:49
+        # -- layer 18: ln  layer_norm  (4, 16, 128)  -> sample(4)  [N4]
         layer_norm_4 = self.op('layer_norm_4', add_4)  # aten.layer_norm.default  gpt.py:64
-        # -- layer 19: head  linear  (4, 16, 512)  -> filter(1,4)  [[2]4]
+        # -- layer 19: head  linear  (4, 16, 512)  -> sample(4)  [N4]
         linear_8 = self.op('linear_8', layer_norm_4)  # aten.linear.default  gpt.py:64
-        # the loss is computed with samples split: [2]4 -> N4
-        linear_8 = self.move(linear_8, 'linear_8', [[2, 4]], [[0, 4]])
         return self.structured(linear_8)
 
 

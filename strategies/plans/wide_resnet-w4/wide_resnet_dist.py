@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 291.023 ms, memory 45.3 MiB per rank
+Predicted:  step 289.801 ms, memory 45.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 wide_resnet_dist.py --steps 5
@@ -56,14 +56,15 @@ class PlannedModel(DistModel):
         conv2d_7 = self.op('conv2d_7', relu_4__0)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_5 = self.op('batch_norm_5', conv2d_7)  # aten.batch_norm.default  wide_resnet.py:45
         relu_5 = self.op('relu_5', batch_norm_5)  # aten.relu.default  wide_resnet.py:45
-        # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> channel(1,4)  [C4]
-        conv2d_8 = self.op('conv2d_8', relu_5)  # aten.conv2d.default  wide_resnet.py:46
+        # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> filter(1,4)  [C4]
+        relu_5__1 = self.move(relu_5, 'relu_5', [[1, 4]], [], layer=10)  # transition C4 -> R
+        conv2d_8 = self.op('conv2d_8', relu_5__1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_6 = self.op('batch_norm_6', conv2d_8)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 11: blocks.2.shortcut  conv  (8, 512, 8, 8)  -> sample(4)  [N4]
         conv2d_9 = self.op('conv2d_9', relu_4)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 12: blocks.2  binary+unary  (8, 512, 8, 8)  -> sample(4)  [N4]
-        batch_norm_6__1 = self.move(batch_norm_6, 'batch_norm_6', [[1, 4]], [[0, 4]], layer=12)  # transition C4 -> N4
-        add_2 = self.op('add_2', batch_norm_6__1, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
+        batch_norm_6__2 = self.move(batch_norm_6, 'batch_norm_6', [[1, 4]], [[0, 4]], layer=12)  # transition C4 -> N4
+        add_2 = self.op('add_2', batch_norm_6__2, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  wide_resnet.py:48
         # -- layer 13: (root)  adaptive_pool  (8, 512, 1, 1)  -> sample(4)  [N4]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_6)  # aten.adaptive_avg_pool2d.default  wide_resnet.py:75
