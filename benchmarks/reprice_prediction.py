@@ -188,18 +188,16 @@ def main(argv=None) -> int:
     d = Path(args.dir)
     prof_new = d / "fresh-quick.json"
     raw = json.loads(prof_new.read_text())
-    if args.before == "conv-one-model":
-        old = conv_models_refitted(raw, split_paths=False)
-        raw = conv_models_refitted(raw, split_paths=True)
-        prof_new = d / "fresh-quick-conv-two-paths.json"
+    # "before" options that fit both profiles again: (refit, its flag before / now, file names)
+    refits = {"conv-one-model": (lambda r, flag: conv_models_refitted(r, split_paths=not flag),
+                                 "conv-two-paths", "conv-one-model"),
+              "relative-fit": (lambda r, flag: refitted(r, plain_relative=flag), "quasi-fit", "relative-fit")}
+    if args.before in refits:
+        refit, new_name, old_name = refits[args.before]
+        old, raw = refit(raw, True), refit(raw, False)
+        prof_new = d / f"fresh-quick-{new_name}.json"
         atomic_write_text(prof_new, json.dumps(raw))
-        prof_old = d / "fresh-quick-conv-one-model.json"
-    elif args.before == "relative-fit":
-        old = refitted(raw, plain_relative=True)
-        raw = refitted(raw, plain_relative=False)
-        prof_new = d / "fresh-quick-quasi-fit.json"
-        atomic_write_text(prof_new, json.dumps(raw))
-        prof_old = d / "fresh-quick-relative-fit.json"
+        prof_old = d / f"fresh-quick-{old_name}.json"
     elif args.before == "linear-straggler":
         old = copy.deepcopy(raw)
         old["samples"].pop("straggler_sigma", None)
