@@ -129,11 +129,11 @@ def conv_sums(held_out_exact: dict, profiles: dict) -> list[str]:
     from autopar.calibrate.fit import conv_spec_from_key
     from autopar.calibrate.kernels import conv_features, normalize_spec
     from autopar.calibrate.profile import Profile
+    profs = {name: Profile.from_json(copy.deepcopy(raw)) for name, raw in profiles.items()}
     out = []
     for cls, phase in (("conv_fwd", "fwd"), ("conv_bwd_data", "bwd_data"), ("conv_bwd_filter", "bwd_filter")):
         parts = []
-        for name, raw in profiles.items():
-            prof = Profile.from_json(copy.deepcopy(raw))
+        for name, prof in profs.items():
             meas = priced = 0.0
             n = 0
             for key, e in held_out_exact.items():

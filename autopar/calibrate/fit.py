@@ -10,10 +10,13 @@ predicts the *mean* time of a shape, so a step's sum of many ops is priced witho
 
 The plain relative fit, ``sum_i ((X_i @ c - t_i) / t_i)^2`` (the measurement in the denominator,
 the first iterate here), is biased low: a noisy or misfitted slow row weighs less than a fast
-one, by about ``exp(-1.5 s^2)`` for a log-spread ``s``. Measured on a fresh quick profile with the
-shipped examples' layers in it, the held-out CNNs' 142 convolution shapes (forward / backward-data /
-backward-filter) summed to 1.23 / 1.32 / 1.18x what that fit priced, and to 1.00 / 1.01 / 0.94x
-what this one prices (``benchmarks/reprice_prediction.py --before relative-fit``).
+one, by about ``exp(-1.5 s^2)`` for a log-spread ``s``. With the generic convolution models
+refitted with the layers measured into the profile (``calibrate.run.refit_conv_shape_models``),
+the held-out CNNs' 385 local convolution shapes of the prediction benchmark (forward /
+backward-data / backward-filter, never in the profile) summed to 1.38 / 1.58 / 1.24x what the
+plain relative fit on the sweep alone priced, and to 1.00 / 1.08 / 0.95x what this fit prices
+(``benchmarks/reprice_prediction.py --before relative-fit``,
+``reports/benchmarks/prediction_repriced_fit.txt``).
 
 Held-out error: the samples (one per size) are split with a fixed seed into a random 70% for
 fitting and 30% for testing; the median and max of ``|pred - t| / t`` on the test part are
