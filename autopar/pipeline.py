@@ -18,6 +18,7 @@ from typing import Any
 
 from . import __version__
 from .artifacts import (PLAN_SCHEMA, Plan, PlanHooks, PlanOptions, write_plan)
+from .calibrate.speed import profile_nominal_s
 from .errors import AutoparError
 from .io import atomic_write_text, sha256_file
 
@@ -525,7 +526,8 @@ def _build_plan(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_nod
                       local_stride=placed.placement.local_stride),
         placement_search=placed.to_json(),
         calibration={"path": str(cal_path) if cal_path else None, "fingerprint": profile.fingerprint,
-                     "provenance": profile.provenance},
+                     "provenance": profile.provenance,
+                     **({"speed_probe_nominal_s": nominal} if (nominal := profile_nominal_s(profile)) else {})},
         solver=SolverInfo.from_json(solver),
         predicted=Prediction.from_json(pred.to_json()),
         layers=tuple(layers),

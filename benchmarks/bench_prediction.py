@@ -212,6 +212,9 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                      "ran_native": ran_native, "measured_s": m, "measured_rounds_s": per_round,
                      "round_spread": spread, "same_as": src["i"] if c["same_as"] is not None else None,
                      "machine_reference_ms_rounds": [round(x, 3) for x in refs],
+                     "speed_probe_vs_profile_rounds": [
+                         ((x.extra or {}).get("speed_probe") or {}).get("slowdown_vs_calibration")
+                         for x in src["runs"]],
                      "error": (p - m) / m, "valid": valid,
                      "plan": str(c["plan_path"]), "run": run.to_json()})
         print(f"  {c['label']:<32} world {c['world']}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
@@ -270,6 +273,9 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
     s = {"candidates": n_candidates, "distinct_plans": len(rows), "median_abs_error": statistics.median(errs),
          "max_abs_error": max(errs), "spearman": rho, "spearman_per_model": per_model,
          "median_round_spread": statistics.median(spreads) if spreads else None}
+    probe = [x for r in rows for x in r.get("speed_probe_vs_profile_rounds") or () if x]
+    if probe:
+        s["speed_probe_vs_profile"] = statistics.median(probe)
     refs = next((r["machine_reference_ms_rounds"] for r in rows if r.get("machine_reference_ms_rounds")), None)
     if refs:
         s["machine_reference_ms_rounds"] = refs
@@ -296,6 +302,10 @@ def _drift(out: dict, key: str) -> None:
     if cal and ran:
         out[key]["machine_vs_profile"] = round(ran / cal, 3)
         print(f"  {key}: the machine reference step ran {ran / cal:.2f}x its time after the calibration")
+    probe = (out.get(key) or {}).get("speed_probe_vs_profile")
+    if probe:
+        print(f"  {key}: the calibration's speed probe, read after each run's timing, took {probe:.2f}x the "
+              "profile's nominal reading (median over runs; > 1: slower than the kernels were measured)")
 
 
 def fresh_profile(tmp: Path) -> tuple[str, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import warnings
 from pathlib import Path
 
@@ -312,6 +313,18 @@ def test_tiny_calibration_end_to_end(tmp_path):
         t = prof.exact_time_s(shape_key(spec), "bwd_data")
         assert t is not None and 0 < t < 1
     assert prof.samples["collectives"]["allreduce"]["2"][0]["times_s"]
+    # every kernel time is stated at the calibration's nominal machine speed (calibrate.speed):
+    # the median probe reading; each row keeps its raw time and the probe reading around it
+    probe = prof.samples["speed_probe"]
+    assert probe["nominal_s"] == pytest.approx(statistics.median(probe["readings_s"]))
+    for op, rows in prof.samples["kernels"].items():
+        for r in rows:
+            assert r["probe_s"] > 0, op
+            assert r["median_s"] == pytest.approx(r["raw_median_s"] * probe["nominal_s"] / r["probe_s"], rel=1e-5)
+    for spec in specs:
+        raw = prof.samples["exact"][shape_key(spec)]
+        assert prof.exact[shape_key(spec)]["fwd"] == pytest.approx(
+            statistics.median(raw["fwd"]) * probe["nominal_s"] / raw["probe_s"], rel=1e-4)
 
     # exact shapes added later: new ones measured, known ones skipped, file replaced atomically
     from autopar.calibrate.run import add_exact_shapes
@@ -321,6 +334,11 @@ def test_tiny_calibration_end_to_end(tmp_path):
     prof2 = load_profile(out)
     assert set(prof2.exact) == set(prof.exact) | {shape_key(new)}
     assert prof2.exact[shape_key(specs[0])] == prof.exact[shape_key(specs[0])]
+    # ... stated at the profile's nominal speed, not at the speed of their own minute
+    raw = prof2.samples["exact"][shape_key(new)]
+    assert prof2.exact[shape_key(new)]["bwd_filter"] == pytest.approx(
+        statistics.median(raw["bwd_filter"]) * probe["nominal_s"] / raw["probe_s"], rel=1e-4)
+    assert prof2.provenance["exact_added"][-1]["stated_at_nominal_s"] == probe["nominal_s"]
     assert [p.name for p in tmp_path.iterdir()] == ["prof.json"]
 
 

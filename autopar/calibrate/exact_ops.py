@@ -84,17 +84,22 @@ def backward_call_s(repeats: int = 200) -> float:
     return statistics.median(ts)
 
 
-def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2) -> dict[str, dict[str, float]]:
+def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2,
+                track=None) -> dict[str, dict[str, float]]:
     """Median forward and backward time of each op spec (one thread, as ranks run); backward
-    without the engine's start-up (``backward_call_s``)."""
+    without the engine's start-up (``backward_call_s``). With a ``speed.SpeedTrack``, each
+    entry also holds the machine's probe time around its measurement (``"probe_s"``)."""
     import torch
     from ..runtime.ops import call_local
     base_s = backward_call_s()
     out: dict[str, dict[str, float]] = {}
+    segments: dict[str, int] = {}
     for spec in specs:
         key = op_key(spec)
         if key in out:
             continue
+        if track is not None:
+            segments[key] = track.segment()
         op, ins, params, buffers = _build(spec)
         y = call_local(op, ins, params, buffers)
         g = torch.randn_like(y)
@@ -115,11 +120,19 @@ def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2) -> di
                 fwd.append(t1 - t)
                 bwd.append(t2 - t1)
         out[key] = {"fwd": statistics.median(fwd), "bwd_data": max(0.0, statistics.median(bwd) - base_s)}
+    if track is not None:
+        track.close()
+        for key, seg in segments.items():
+            out[key]["probe_s"] = track.probe_s(seg)
     return out
 
 
 def _measure_rank(rank, world, specs, repeats):
-    return measure_ops(specs, repeats)
+    """(``{key: {phase: s}}`` as measured, ``{key: probe_s}``) of ``measure_ops`` with a track."""
+    from .speed import SpeedTrack
+    res = measure_ops(specs, repeats, track=SpeedTrack())
+    return ({k: {ph: t for ph, t in v.items() if ph != "probe_s"} for k, v in res.items()},
+            {k: v.get("probe_s") for k, v in res.items()})
 
 
 def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callable[[str], None] = print,
@@ -141,8 +154,11 @@ def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callabl
         return path
     import torch  # noqa: F401  (before forking)
     t0 = time.perf_counter()
-    res = run_ranks(_measure_rank, 1, (todo, repeats), timeout_s=900)[0]
-    prof.exact.update(res)
+    res, probes = run_ranks(_measure_rank, 1, (todo, repeats), timeout_s=900)[0]
+    from .speed import normalize_exact, profile_nominal_s
+    prof.exact.update(normalize_exact(res, probes, profile_nominal_s(prof)))
+    prof.samples.setdefault("exact_ops", {}).update(      # as measured (``speed.as_measured``)
+        {k: {"raw": v, "probe_s": probes.get(k)} for k, v in res.items()})
     save_profile(prof, path)
     progress(f"exact ops: {len(res)} op shape(s) measured in {time.perf_counter() - t0:.1f} s, written to {path}")
     return path

@@ -649,15 +649,19 @@ STEADY_STATE_CLASSES = ("norm",)
 
 def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cpu",
                        repeats: int = 10, warmup: int = 2, min_sample_s: float = 2e-4,
-                       budget_s: float | None = None) -> list[dict]:
-    """One sample per config: ``{"config", "flops", "bytes", "median_s", "times_s"}``."""
+                       budget_s: float | None = None, track=None) -> list[dict]:
+    """One sample per config: ``{"config", "flops", "bytes", "median_s", "times_s"}``, as
+    measured; with a ``speed.SpeedTrack``, also the machine's probe time around each
+    (``"probe_s"``, for ``speed.normalize_rows``)."""
     import torch
 
     if op_class in STEADY_STATE_CLASSES:
         warmup = max(warmup, KEPT_RESULTS + 1)
-    out = []
+    out, segments = [], []
     with torch.no_grad():
         for cfg in configs:
+            if track is not None:
+                segments.append(track.segment())
             fn, flops, nbytes = _runner(op_class, cfg, device)
             fn = _kept(fn)
             times = time_fn(fn, device, repeats, warmup, min_sample_s, budget_s)
@@ -670,6 +674,10 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
                 row["bwd_median_s"] = _round(statistics.median(
                     time_fn(bwd, device, repeats, warmup, min_sample_s, budget_s)))
             out.append(row)
+    if track is not None:
+        track.close()
+        for row, seg in zip(out, segments):
+            row["probe_s"] = _round(track.probe_s(seg))
     return out
 
 
@@ -726,26 +734,34 @@ def _backward_runner(op_class: str, cfg: dict, device: str) -> Callable[[], obje
 
 
 def measure_exact(shape_specs: Iterable[dict], device: str = "cpu", repeats: int = 10,
-                  warmup: int = 2, return_samples: bool = False):
+                  warmup: int = 2, return_samples: bool = False, track=None):
     """Median time of fwd, bwd_data and bwd_filter of each exact shape, keyed by ``shape_key``.
 
     Returns ``{shape_key: {"fwd": s, "bwd_data": s, "bwd_filter": s}}``; with
-    ``return_samples=True`` also ``{shape_key: {phase: [all repeats]}}``.
+    ``return_samples=True`` also ``{shape_key: {phase: [all repeats]}}``. With a
+    ``speed.SpeedTrack`` the samples of each key also hold the machine's probe time around its
+    measurement (``"probe_s"``; the medians stay as measured: ``speed.normalize_exact``).
     """
     import torch
 
-    result, samples = {}, {}
+    result, samples, segments = {}, {}, {}
     with torch.no_grad():
         for spec in shape_specs:
             key = shape_key(spec)
             if key in result:
                 continue
+            if track is not None:
+                segments[key] = track.segment()
             fns = _conv_fns(spec, device)
             result[key], samples[key] = {}, {}
             for phase, fn in fns.items():
                 times = time_fn(fn, device, repeats, warmup)
                 result[key][phase] = _round(statistics.median(times))
                 samples[key][phase] = [_round(t) for t in times]
+    if track is not None:
+        track.close()
+        for key, seg in segments.items():
+            samples[key]["probe_s"] = _round(track.probe_s(seg))
     return (result, samples) if return_samples else result
 
 

@@ -130,18 +130,27 @@ def competitive_specs(table, choice: list[int], ratio: float = COMPETITIVE) -> l
     return list(out.values())
 
 
-def _measure_rank(rank, world, specs, budget_s, device, est_s):  # pragma: no cover - in child
-    """Measure ``specs`` in order until the next one would overrun ``budget_s``."""
+def _measure_rank(rank, world, specs, budget_s, device, est_s, nominal_s=None):  # pragma: no cover - in child
+    """Measure ``specs`` in order until the next one would overrun ``budget_s``; with the
+    profile's nominal probe time, each stated at that speed of the machine (``speed``)."""
     from .kernels import measure_exact, shape_key
+    from .speed import SpeedTrack, normalize_exact
     t0 = time.perf_counter()
+    track = SpeedTrack(device) if nominal_s else None
     done: dict[str, dict] = {}
+    segments: dict[str, int] = {}
     for spec, est in zip(specs, est_s):
         if time.perf_counter() - t0 + est > budget_s:
             break
+        if track is not None:
+            segments[shape_key(spec)] = track.segment()
         done.update(measure_exact([spec], device, REPEATS, warmup=1))
         if time.perf_counter() - t0 > budget_s:
             break
-    return done, [shape_key(s) for s in specs]
+    if track is not None:
+        track.close()
+    probes = {k: track.probe_s(seg) for k, seg in segments.items()} if track is not None else {}
+    return normalize_exact(done, probes, nominal_s), [shape_key(s) for s in specs]
 
 
 def _estimate_s(profile, spec: dict) -> float:
@@ -208,8 +217,9 @@ class OnDemand:
                  f"{sum(est):.1f} s; --no-measure skips; cached in {self.path})")
         t0 = time.perf_counter()
         import torch  # noqa: F401  (before forking)
-        done, _ = run_ranks(_measure_rank, 1, (todo, budget, device, est), backend=backend,
-                            timeout_s=max(budget, 0) * 2 + 60)[0]
+        from .speed import profile_nominal_s
+        done, _ = run_ranks(_measure_rank, 1, (todo, budget, device, est, profile_nominal_s(self.base)),
+                            backend=backend, timeout_s=max(budget, 0) * 2 + 60)[0]
         self.spent_s += time.perf_counter() - t0
         self.measured += list(done)
         self.left_out = [shape_key(s) for s in todo if shape_key(s) not in done]

@@ -31,7 +31,7 @@ from typing import Callable
 
 from ..errors import CalibrationError
 from . import collectives as coll
-from . import fit, kernels
+from . import fit, kernels, speed
 from .profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint, save_profile
 
 
@@ -86,12 +86,22 @@ TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flo
 # ---- rank functions (module level so that spawn can pickle them) -------------------------
 
 def _kernel_rank(rank, world, op_class, configs, sweep, device):
-    return kernels.benchmark_op_class(op_class, configs, device, sweep.kernel_repeats,
-                                      sweep.kernel_warmup, budget_s=sweep.kernel_budget_s)
+    """The op class's sweep rows (each with the probe time around it) and the probe readings."""
+    track = speed.SpeedTrack(device)
+    rows = kernels.benchmark_op_class(op_class, configs, device, sweep.kernel_repeats,
+                                      sweep.kernel_warmup, budget_s=sweep.kernel_budget_s, track=track)
+    return rows, track.readings_s
 
 
 def _exact_rank(rank, world, specs, repeats, device):
-    return kernels.measure_exact(specs, device, repeats, return_samples=True)
+    """(medians, samples with each key's probe time, the probe readings) of the exact shapes."""
+    track = speed.SpeedTrack(device)
+    exact, samples = kernels.measure_exact(specs, device, repeats, return_samples=True, track=track)
+    return exact, samples, track.readings_s
+
+
+def _exact_probes(samples: dict) -> dict:
+    return {k: v.get("probe_s") for k, v in samples.items() if isinstance(v, dict)}
 
 
 def _slowdown_rank(rank, world, window_s, device, rounds=1):
@@ -221,19 +231,31 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
 
     # 1. kernels
     kernel_samples: dict[str, list] = {}
+    probe_readings: list[float] = []
     for op in sw.op_classes:
         t0 = time.perf_counter()
         n_cfg = (sw.conv_configs or sw.kernel_configs) if op.startswith("conv") else sw.kernel_configs
         max_flops = (sw.conv_max_flops or sw.kernel_max_flops) if op.startswith("conv") else sw.kernel_max_flops
         configs = kernels.sweep_configs(op, n_cfg, max_flops,
                                         sw.kernel_max_numel, conv_min_flops=sw.conv_min_flops)
-        kernel_samples[op] = launch(_kernel_rank, 1, (op, configs, sw, device))[0]
+        kernel_samples[op], readings = launch(_kernel_rank, 1, (op, configs, sw, device))[0]
+        probe_readings += readings
         progress(f"{stamp()} kernels {op}: {len(configs)} sizes in {time.perf_counter() - t0:.1f} s")
     exact, exact_samples = {}, {}
     if exact_specs:
         t0 = time.perf_counter()
-        exact, exact_samples = launch(_exact_rank, 1, (list(exact_specs), sw.exact_repeats, device))[0]
+        exact, exact_samples, readings = launch(_exact_rank, 1, (list(exact_specs), sw.exact_repeats, device))[0]
+        probe_readings += readings
         progress(f"{stamp()} exact shapes: {len(exact)} in {time.perf_counter() - t0:.1f} s")
+    # every kernel time stated at one speed of the machine: the median probe reading
+    speed_probe = speed.speed_entry(probe_readings)
+    for rows in kernel_samples.values():
+        speed.normalize_rows(rows, speed_probe["nominal_s"])
+    exact = speed.normalize_exact(exact, _exact_probes(exact_samples), speed_probe["nominal_s"])
+    if speed_probe["nominal_s"]:
+        progress(f"{stamp()} machine speed probe: {len(probe_readings)} readings, nominal "
+                 f"{speed_probe['nominal_s'] * 1e3:.2f} ms, spread {100 * speed_probe['spread']:.0f} % "
+                 "(kernel times stated at the nominal speed)")
 
     # 2. compute slowdown: every count next to a 1-rank window of the same round
     window_s = sw.slowdown_window_s / sw.slowdown_rounds
@@ -299,7 +321,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
         exact=exact,
         compute_slowdown=slowdown,
         samples={"kernels": kernel_samples, "collectives": coll_samples,
-                 "compute_slowdown": slow_times, "exact": exact_samples},
+                 "compute_slowdown": slow_times, "exact": exact_samples, "speed_probe": speed_probe},
     )
     fitted = derived_models(prof, kernel_samples)
     intense = [c for c in fit.INTENSITY_BYTES_PER_FLOP if (prof.kernels.get(c) or {}).get("intensity_model")]
@@ -443,15 +465,19 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     reps = repeats or int(prof.provenance.get("sweep", {}).get("exact_repeats", FULL.exact_repeats))
     t0 = time.perf_counter()
     progress(f"exact shapes: measuring {len(todo)} new shape(s) ({len(specs) - len(todo)} known)")
-    exact, samples = run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
-                               timeout_s=timeout_s,
-                               start_method="spawn" if device == "cuda" else None)[0]
+    exact, samples, readings = run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
+                                         timeout_s=timeout_s,
+                                         start_method="spawn" if device == "cuda" else None)[0]
+    nominal = speed.profile_nominal_s(prof)    # stated at the speed the profile's kernels are
+    exact = speed.normalize_exact(exact, _exact_probes(samples), nominal)
     prof.exact.update(exact)
     prof.samples.setdefault("exact", {}).update(samples)
     refitted = refit_conv_shape_models(prof)
     prof.provenance.setdefault("exact_added", []).append(
         {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-         "shapes": len(exact), "repeats": reps, "conv_models_refitted": refitted})
+         "shapes": len(exact), "repeats": reps, "conv_models_refitted": refitted,
+         "speed_probe_readings_s": [float(f"{x:.6g}") for x in readings],
+         "stated_at_nominal_s": nominal})
     save_profile(prof, path)
     progress(f"exact shapes: {len(exact)} measured in {time.perf_counter() - t0:.1f} s, "
              f"written to {path}" + (f"; the generic convolution models refitted with them ({', '.join(refitted)})"

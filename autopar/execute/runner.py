@@ -168,9 +168,16 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     per_layer, phases = instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, comm,
                                            sync, barrier)
     barrier()
+    # the machine's speed now, by the probe the profile's kernel times are stated against
+    # (``calibrate.speed``): rank 0 alone, the others waiting at the barrier
+    probe_s = None
+    if rank == 0 and device.type == "cpu" and plan.calibration.get("speed_probe_nominal_s"):
+        from ..calibrate.speed import probe_reading_s
+        probe_s = probe_reading_s("cpu")
+    barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
             "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step,
-            "runtime": _runtime_note(dm)}
+            "runtime": _runtime_note(dm), "speed_probe_s": probe_s}
 
 
 #: rounds the timed steps of ``autopar execute`` are split into when DDP is timed beside the plan
@@ -253,7 +260,19 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
         prediction_error=(predicted - measured) / measured if measured > 0 else None,
         baseline=base, ratio_to_ddp=(measured / base.ddp_step_time_s) if base else None, wall_s=wall_s,
         notes=(r0["runtime"]["note"],) if "runtime" in r0 else (),
-        extra={"native_runtime": r0["runtime"]["native"]} if "runtime" in r0 else {})
+        extra={**({"native_runtime": r0["runtime"]["native"]} if "runtime" in r0 else {}),
+               **speed_note(plan, r0.get("speed_probe_s"))})
+
+
+def speed_note(plan: Plan, probe_s: float | None) -> dict[str, Any]:
+    """``{"speed_probe": ...}`` of a run whose rank 0 read the machine-speed probe after
+    timing: the reading, the profile's nominal one and their ratio (> 1: the machine ran
+    slower than when the profile's kernels were measured, by the probe); {} without both."""
+    nominal = plan.calibration.get("speed_probe_nominal_s")
+    if not probe_s or not nominal:
+        return {}
+    return {"speed_probe": {"execute_s": float(probe_s), "profile_nominal_s": float(nominal),
+                            "slowdown_vs_calibration": float(probe_s) / float(nominal)}}
 
 
 def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,

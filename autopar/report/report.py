@@ -73,6 +73,12 @@ def run_markdown(run: RunResult, plots: list[Path]) -> str:
              f"slowest rank), predicted {_ms(run.predicted.step_time_s)}, "
              f"prediction error {_pct(run.prediction_error)} (predicted - measured) / measured",
              ]
+    sp = (run.extra or {}).get("speed_probe")
+    if sp:
+        lines.append(f"- machine speed: the calibration's probe took {_ms(sp['execute_s'])} after timing, "
+                     f"{_ms(sp['profile_nominal_s'])} when the profile's kernels were measured "
+                     f"({sp['slowdown_vs_calibration']:.2f}x; above 1 this machine ran slower than then, "
+                     "which the prediction does not know)")
     if b:
         lines.append(f"- torch DDP on the same model and batch: {_ms(b.ddp_step_time_s)}; plan / DDP = "
                      f"{run.ratio_to_ddp:.3f}x ({b.note})")

@@ -1,0 +1,112 @@
+"""The machine-speed probe of calibration (``calibrate.speed``): which reading a measurement
+gets, how times are stated at the nominal speed, and that calibration and later additions to a
+profile use it."""
+
+import json
+
+import pytest
+
+from autopar.calibrate import speed
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_track_reads_every_interval_and_averages_the_readings_near_each_measurement():
+    clock, reads = _Clock(), iter([1.0, 2.0, 4.0, 8.0, 16.0])
+    track = speed.SpeedTrack(interval_s=0.5, smooth_s=1.0, read=lambda: next(reads), clock=clock)
+    a = track.segment()              # first reading (1.0, at 0) before the first measurement
+    clock.t = 0.2
+    b = track.segment()              # 0.2 s later: same stretch
+    clock.t = 0.7
+    c = track.segment()              # 0.7 s: a new reading (2.0)
+    clock.t = 3.0
+    d = track.segment()              # a new reading (4.0, at 3.0)
+    clock.t = 3.2
+    track.close()                    # the reading after the last stretch (8.0, at 3.2)
+    assert (a, b, c, d) == (0, 0, 1, 2)
+    assert track.readings_s == [1.0, 2.0, 4.0, 8.0]
+    assert track.at_s == [0.0, 0.7, 3.0, 3.2]
+    # the readings within 1 s of the stretch's middle
+    assert track.probe_s(a) == pytest.approx(1.5)            # middle 0.35: readings at 0, 0.7
+    assert track.probe_s(d) == pytest.approx(6.0)            # middle 3.1: readings at 3.0, 3.2
+    assert track.probe_s(c) == pytest.approx(3.0)            # middle 1.85: none within 1 s -> the two around it
+    wide = speed.SpeedTrack(read=lambda: 1.0, smooth_s=10.0)
+    wide.readings_s, wide.at_s = [1.0, 2.0, 4.0, 8.0], [0.0, 0.7, 3.0, 3.2]
+    assert wide.probe_s(0) == pytest.approx(3.75)            # all four within 10 s
+
+
+def test_rows_are_stated_at_the_nominal_speed_and_keep_their_raw_times():
+    rows = [{"median_s": 2.0, "bwd_median_s": 4.0, "probe_s": 0.010},   # slow phase
+            {"median_s": 1.0, "probe_s": 0.005},                        # fast phase
+            {"median_s": 3.0}]                                          # no reading: as measured
+    speed.normalize_rows(rows, 0.008)
+    assert rows[0]["median_s"] == pytest.approx(1.6) and rows[0]["raw_median_s"] == 2.0
+    assert rows[0]["bwd_median_s"] == pytest.approx(3.2) and rows[0]["raw_bwd_median_s"] == 4.0
+    assert rows[1]["median_s"] == pytest.approx(1.6)
+    assert rows[2] == {"median_s": 3.0}
+    # a second normalisation (another nominal) starts from the raw time, not the stated one
+    speed.normalize_rows(rows, 0.010)
+    assert rows[0]["median_s"] == pytest.approx(2.0)
+    # no nominal: nothing changes
+    before = json.dumps(rows)
+    speed.normalize_rows(rows, None)
+    assert json.dumps(rows) == before
+
+
+def test_exact_entries_are_stated_at_the_nominal_speed():
+    exact = {"a": {"fwd": 1.0, "bwd_data": 2.0}, "b": {"fwd": 1.0}}
+    out = speed.normalize_exact(exact, {"a": 0.02, "b": None}, 0.01)
+    assert out["a"] == {"fwd": pytest.approx(0.5), "bwd_data": pytest.approx(1.0)}
+    assert out["b"] == {"fwd": 1.0}
+    assert speed.normalize_exact(exact, {"a": 0.02}, None) is exact
+
+
+def test_speed_entry_and_profile_nominal():
+    e = speed.speed_entry([0.004, 0.005, 0.006, 0.0])
+    assert e["nominal_s"] == pytest.approx(0.005)
+    assert e["spread"] == pytest.approx(0.5)
+    assert e["readings_s"] == [0.004, 0.005, 0.006]
+
+    class P:
+        samples = {"speed_probe": e}
+    assert speed.profile_nominal_s(P()) == pytest.approx(0.005)
+    P.samples = {}
+    assert speed.profile_nominal_s(P()) is None
+
+
+def test_a_real_reading_is_a_positive_time():
+    t = speed.probe_reading_s(repeats=1)
+    assert 0 < t < 5.0
+
+
+def test_execute_reports_the_probe_against_the_profile_nominal():
+    from autopar.execute.runner import speed_note
+
+    class Plan:
+        calibration = {"speed_probe_nominal_s": 0.004}
+    note = speed_note(Plan(), 0.005)["speed_probe"]
+    assert note == {"execute_s": 0.005, "profile_nominal_s": 0.004,
+                    "slowdown_vs_calibration": pytest.approx(1.25)}
+    assert speed_note(Plan(), None) == {}
+    Plan.calibration = {}                  # a profile made before the probe: nothing to compare
+    assert speed_note(Plan(), 0.005) == {}
+
+
+def test_as_measured_restores_the_raw_times():
+    from autopar.calibrate.profile import Profile
+    prof = Profile(schema=1, fingerprint={}, provenance={}, topology={}, kernels={}, collectives={},
+                   exact={"conv a": {"fwd": 0.5}, "op b": {"fwd": 0.25}},
+                   samples={"kernels": {"matmul": [{"median_s": 2.0, "probe_s": 0.02}]},
+                            "exact": {"conv a": {"fwd": [1.0, 1.2, 0.9], "probe_s": 0.02}},
+                            "exact_ops": {"op b": {"raw": {"fwd": 0.5}, "probe_s": 0.02}}})
+    speed.normalize_rows(prof.samples["kernels"]["matmul"], 0.01)
+    assert prof.samples["kernels"]["matmul"][0]["median_s"] == pytest.approx(1.0)
+    speed.as_measured(prof)
+    assert prof.samples["kernels"]["matmul"][0] == {"median_s": 2.0}
+    assert prof.exact == {"conv a": {"fwd": 1.0}, "op b": {"fwd": 0.5}}
