@@ -170,6 +170,15 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                   "|---|" + "---|" * len(profile.compute_slowdown),
                   "| factor | " + " | ".join(f"{profile.compute_slowdown[k]:.2f}"
                                               for k in sorted(profile.compute_slowdown, key=int)) + " |"]
+    sp = (profile.samples or {}).get("speed_probe") or {}
+    if sp.get("nominal_s"):
+        rd = sp.get("readings_s") or []
+        lines += ["", "## Machine speed while kernels were measured", "",
+                  f"{len(rd)} readings of a fixed probe (`calibrate.speed`) between the kernel measurements: "
+                  f"{min(rd) * 1e3:.2f}-{max(rd) * 1e3:.2f} ms (spread {100 * (sp.get('spread') or 0):.0f} %), "
+                  f"nominal (median) {sp['nominal_s'] * 1e3:.2f} ms. Every kernel time of the profile is stated at "
+                  "the nominal speed (the mean reading within a few seconds of each measurement against the "
+                  "nominal); the raw times stay in the samples."]
     lines += ["", "## Exact shapes", "", f"{len(profile.exact)} local shapes measured exactly "
               "(forward, backward-data, backward-filter); the cost model prefers them to the fits."]
     ref = pv.get("refined")
