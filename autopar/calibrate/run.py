@@ -50,7 +50,11 @@ class Sweep:
     coll_repeats: int = 61
     coll_warmup: int = 2
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
-    slowdown_rounds: int = 3           # ... split into this many rounds over every k
+    slowdown_rounds: int = 12          # ... split into this many rounds over every k: the same
+                                       # 2 s in 3 rounds read 2 ranks at 0.92-1.07 in six
+                                       # repeats, in 12 at 1.02-1.05 (4 ranks: 2.08-2.22,
+                                       # 2.13-2.40; 0.87-1.17 and 1.83-2.63 over the shipped
+                                       # profiles of 3 rounds)
     exact_repeats: int = 11
     insitu_iters: int = 30              # timed repeats of each in-situ probe (``calibrate.insitu``)
     op_classes: tuple = OP_CLASSES
@@ -67,7 +71,7 @@ QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_f
               # fewer sizes, but up to 16 MiB: on an oversubscribed node everything below
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
-              coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6,
+              coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6, slowdown_rounds=8,
               exact_repeats=5, conv_configs=160,
               # 10 in-situ repeats read the latency at 2 ranks 1.7-3.4 ms in three back-to-back
               # measurements, 30 read 2.7 ms twice; 20 costs about 3 s more than 10
@@ -79,7 +83,7 @@ TINY = Sweep(kernel_configs=4, kernel_repeats=3, kernel_warmup=1, kernel_max_flo
              conv_min_flops=1e5,
              kernel_max_numel=1 << 16, kernel_budget_s=0.02,
              message_sizes=(4, 256, 4096, 65536), coll_repeats=3, coll_warmup=1,
-             slowdown_window_s=0.15, exact_repeats=3, insitu_iters=10)
+             slowdown_window_s=0.15, slowdown_rounds=3, exact_repeats=3, insitu_iters=10)
 """For tests only: a few sizes of everything (seconds, not minutes)."""
 
 
@@ -126,8 +130,10 @@ def _slowdown_rank(rank, world, window_s, device, rounds=1):
         run()
     sync()
     out: dict[int, list] = {k: [] for k in range(rank + 1, world + 1)}
-    for _ in range(rounds):
-        for k in range(1, world + 1):
+    for j in range(rounds):
+        # the order of the counts alternates round by round, so that a drift of the machine
+        # over a round does not fall on the large counts alone
+        for k in (range(1, world + 1) if j % 2 == 0 else range(world, 0, -1)):
             start = torch.tensor([time.perf_counter() + 0.02 if rank == 0 else 0.0], dtype=torch.float64)
             if device == "cuda":
                 start = start.cuda()
@@ -149,6 +155,33 @@ def _slowdown_rank(rank, world, window_s, device, rounds=1):
                 t0 = t1
             out[k].append(times)
     return out
+
+
+def slowdown_factors(per_rank, world: int, rounds: int, window_s: float):
+    """(``{str(k): factor}``, ``{k: [per-round ratio]}``, the run times per count and rank) of
+    ``_slowdown_rank``'s result: factor(k) = the median over rounds of t(k) / t(1) of the same
+    round. A count's time in a round: the median over its ranks of each rank's MEAN time per
+    kernel-set run (the OS deschedules a rank for whole time slices, so most runs go at full
+    speed and a few absorb the waiting; the mean counts it; the median over ranks ignores one
+    rank luckier than the others). Against the medians over rounds of t(k) and of t(1), unpaired:
+    as good or slightly worse in six repeats of each (coefficient of variation 0.8-14 % against
+    1.0-11 %)."""
+    slow_times: dict[str, list] = {}
+    per_round: dict[int, list] = {}
+    for k in range(1, world + 1):
+        rows = [r[k] for r in per_rank[:k]]          # rank -> rounds -> run times
+        slow_times[str(k)] = [[float(f"{t:.6g}") for rnd in r for t in rnd] for r in rows]
+        per_round[k] = []
+        for j in range(rounds):
+            means = [sum(r[j]) / len(r[j]) for r in rows if r[j]]
+            if not means:
+                raise CalibrationError(f"compute slowdown at {k} ranks: no kernel-set run finished "
+                                       f"within {window_s:.2f} s", "use a longer window")
+            per_round[k].append(statistics.median(means))
+    ratios = {k: [t / b for t, b in zip(v, per_round[1])] for k, v in per_round.items()}
+    slowdown = {str(k): round(statistics.median(v), 4) for k, v in ratios.items()}
+    slowdown["1"] = 1.0
+    return slowdown, ratios, slow_times
 
 
 def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
@@ -260,25 +293,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     # 2. compute slowdown: every count next to a 1-rank window of the same round
     window_s = sw.slowdown_window_s / sw.slowdown_rounds
     per_rank = launch(_slowdown_rank, world_size, (window_s, device, sw.slowdown_rounds))
-    slow_times: dict[str, list] = {}
-    ratios: dict[int, list] = {k: [] for k in range(1, world_size + 1)}
-    base_round: list[float] = []
-    for k in range(1, world_size + 1):
-        rows = [r[k] for r in per_rank[:k]]          # rank -> rounds -> run times
-        slow_times[str(k)] = [[float(f"{t:.6g}") for rnd in r for t in rnd] for r in rows]
-        for j in range(sw.slowdown_rounds):
-            # Mean, not median, per rank: the OS deschedules a rank for whole time slices, so
-            # most runs go at full speed and a few absorb the waiting; the mean (window / runs)
-            # counts it. The median over ranks then ignores one rank luckier than the others.
-            means = [sum(r[j]) / len(r[j]) for r in rows if r[j]]
-            if not means:
-                raise CalibrationError(f"compute slowdown at {k} ranks: no kernel-set run finished "
-                                       f"within {window_s:.2f} s", "use a longer window")
-            if k == 1:
-                base_round.append(means[0])
-            ratios[k].append(statistics.median(means) / base_round[j])
-    slowdown = {str(k): round(statistics.median(v), 4) for k, v in ratios.items()}
-    slowdown["1"] = 1.0
+    slowdown, ratios, slow_times = slowdown_factors(per_rank, world_size, sw.slowdown_rounds, window_s)
     progress(f"{stamp()} compute slowdown ({sw.slowdown_rounds} rounds): " + ", ".join(
         f"{k} ranks x{v:.2f}" + (f" ({min(ratios[int(k)]):.2f}-{max(ratios[int(k)]):.2f})" if int(k) > 1 else "")
         for k, v in slowdown.items()))
