@@ -409,3 +409,19 @@ def test_cuda_event_timing():
     assert all(math.isfinite(s["median_s"]) and s["median_s"] > 0 for s in samples)
     exact = kernels.measure_exact([{"op": "conv", "x": [2, 3, 16, 16], "w": [8, 3, 3, 3]}], "cuda", 3)
     assert all(v > 0 for e in exact.values() for v in e.values())
+
+
+def test_slowdown_factors_pair_each_count_with_its_rounds_one_rank_window():
+    from autopar.calibrate.run import slowdown_factors
+    # 2 ranks, 3 rounds; the machine runs 2x slower in round 1 for every count alike
+    base = [[0.010, 0.010], [0.020, 0.020], [0.010, 0.010]]          # k = 1, rank 0, per round
+    two = [[0.011, 0.011], [0.022, 0.022], [0.011, 0.011]]           # k = 2, each rank
+    per_rank = [{1: base, 2: two}, {2: [[0.012], [0.024], [0.012]]}]
+    slowdown, ratios, times = slowdown_factors(per_rank, 2, 3, 0.05)
+    assert slowdown["1"] == 1.0
+    # per round: the median over the 2 ranks of their mean (0.0115, 0.023, 0.0115) over t(1)
+    assert ratios[2] == pytest.approx([1.15, 1.15, 1.15])
+    assert slowdown["2"] == pytest.approx(1.15)
+    assert times["2"][1] == [0.012, 0.024, 0.012]
+    with pytest.raises(CalibrationError, match="no kernel-set run finished"):
+        slowdown_factors([{1: [[0.01], [], [0.01]], 2: two}, {2: [[0.01], [0.01], [0.01]]}], 1, 3, 0.05)

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 119.843 ms, memory 10.9 MiB per rank
+Predicted:  step 117.390 ms, memory 12.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5
@@ -22,21 +22,21 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, x):
         self.update_buffers()
-        # input x (4, 1, 32, 32, 32) arrives as layout N4
-        # -- layer 0: block1.conv  conv+batch_norm+unary  (4, 8, 32, 32, 32)  -> sample(4)  [N4]
+        # input x (4, 1, 32, 32, 32) arrives as layout N2
+        # -- layer 0: block1.conv  conv+batch_norm+unary  (4, 8, 32, 32, 32)  -> sample(2)  [N2]
         conv3d = self.op('conv3d', x)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm = self.op('batch_norm', conv3d)  # aten.batch_norm.default  cnn3d_large.py:28
         relu = self.op('relu', batch_norm)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 1: block2.conv  conv+batch_norm+unary  (4, 8, 32, 32, 32)  -> spatial(2,2x1x1)  [N2x[2]2]
-        relu__0 = self.move(relu, 'relu', [[0, 4]], [[0, 2], [2, 2]], layer=1)  # transition N4 -> N2x[2]2
+        relu__0 = self.move(relu, 'relu', [[0, 2]], [[0, 2], [2, 2]], layer=1)  # transition N2 -> N2x[2]2
         conv3d_1 = self.op('conv3d_1', relu__0)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_1 = self.op('batch_norm_1', conv3d_1)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 2: pool1  pool  (4, 8, 16, 16, 16)  -> sample(2)  [N2]
-        relu_1__1 = self.move(relu_1, 'relu_1', [[0, 2], [2, 2]], [[0, 2]], layer=2)  # transition N2x[2]2 -> N2
-        max_pool3d = self.op('max_pool3d', relu_1__1)  # aten.max_pool3d.default  cnn3d_large.py:45
+        # -- layer 2: pool1  pool  (4, 8, 16, 16, 16)  -> spatial(2,2x1x1)  [N2x[2]2]
+        max_pool3d = self.op('max_pool3d', relu_1)  # aten.max_pool3d.default  cnn3d_large.py:45
         # -- layer 3: block3.conv  conv+batch_norm+unary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]
-        conv3d_2 = self.op('conv3d_2', max_pool3d)  # aten.conv3d.default  cnn3d_large.py:28
+        max_pool3d__1 = self.move(max_pool3d, 'max_pool3d', [[0, 2], [2, 2]], [[0, 2]], layer=3)  # transition N2x[2]2 -> N2
+        conv3d_2 = self.op('conv3d_2', max_pool3d__1)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_2 = self.op('batch_norm_2', conv3d_2)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_2 = self.op('relu_2', batch_norm_2)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 4: block4.conv  conv+batch_norm+unary  (4, 16, 16, 16, 16)  -> sample(2)  [N2]

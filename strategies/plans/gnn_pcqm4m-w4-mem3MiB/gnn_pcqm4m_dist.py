@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 19.666 ms, memory 2.7 MiB per rank
+Predicted:  step 20.598 ms, memory 2.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gnn_pcqm4m_dist.py --steps 5
@@ -62,12 +62,12 @@ class PlannedModel(DistModel):
         zeros = self.op('zeros')  # aten.zeros.default  gnn_pcqm4m.py:52
         # -- layer 14: convs.0  squeeze  (2, 118, 1)  -> sample(2)  [N2]
         unsqueeze_2 = self.op('unsqueeze_2', dst)  # aten.unsqueeze.default  gnn_pcqm4m.py:53
-        # -- layer 15: convs.0  expand  (2, 118, 32)  -> edges(2,2)  [N2xC2]
-        unsqueeze_2__1 = self.move(unsqueeze_2, 'unsqueeze_2', [[0, 2]], [[0, 2], [1, 2]], layer=15)  # transition N2 -> N2xC2
-        expand_1 = self.op('expand_1', unsqueeze_2__1)  # aten.expand.default  gnn_pcqm4m.py:53
+        # -- layer 15: convs.0  expand  (2, 118, 32)  -> sample(2)  [N2]
+        expand_1 = self.op('expand_1', unsqueeze_2)  # aten.expand.default  gnn_pcqm4m.py:53
         # -- layer 16: convs.0  scatter  (2, 52, 32)  -> edges(2,2)  [N2xP2]
-        zeros__2 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
-        scatter_add = self.op('scatter_add', zeros__2, expand_1, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
+        zeros__1 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
+        expand_1__2 = self.move(expand_1, 'expand_1', [[0, 2]], [[0, 2], [1, 2]], layer=16)  # transition N2 -> N2xC2
+        scatter_add = self.op('scatter_add', zeros__1, expand_1__2, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
         # -- layer 17: convs.0.root  linear  (2, 51, 32)  -> sample(2)  [N2]
         linear_5 = self.op('linear_5', relu)  # aten.linear.default  gnn_pcqm4m.py:54
         # -- layer 18: convs.0  slice  (2, 51, 32)  -> sample(2)  [N2]

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 237.741 ms, memory 64.4 MiB per rank
+Predicted:  step 210.095 ms, memory 63.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 wide_resnet_dist.py --steps 5
@@ -56,27 +56,28 @@ class PlannedModel(DistModel):
         conv2d_7 = self.op('conv2d_7', relu_4__0)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_5 = self.op('batch_norm_5', conv2d_7)  # aten.batch_norm.default  wide_resnet.py:45
         relu_5 = self.op('relu_5', batch_norm_5)  # aten.relu.default  wide_resnet.py:45
-        # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> channel(1,2)  [C2]
-        conv2d_8 = self.op('conv2d_8', relu_5)  # aten.conv2d.default  wide_resnet.py:46
+        # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> filter(1,2)  [C2]
+        relu_5__1 = self.move(relu_5, 'relu_5', [[1, 2]], [], layer=10)  # transition C2 -> R
+        conv2d_8 = self.op('conv2d_8', relu_5__1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_6 = self.op('batch_norm_6', conv2d_8)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 11: blocks.2.shortcut  conv  (8, 512, 8, 8)  -> sample(2)  [N2]
         conv2d_9 = self.op('conv2d_9', relu_4)  # aten.conv2d.default  wide_resnet.py:47
         # -- layer 12: blocks.2  binary+unary  (8, 512, 8, 8)  -> sample(2)  [N2]
-        batch_norm_6__1 = self.move(batch_norm_6, 'batch_norm_6', [[1, 2]], [[0, 2]], layer=12)  # transition C2 -> N2
-        add_2 = self.op('add_2', batch_norm_6__1, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
+        batch_norm_6__2 = self.move(batch_norm_6, 'batch_norm_6', [[1, 2]], [[0, 2]], layer=12)  # transition C2 -> N2
+        add_2 = self.op('add_2', batch_norm_6__2, conv2d_9)  # aten.add.Tensor  wide_resnet.py:48
         relu_6 = self.op('relu_6', add_2)  # aten.relu.default  wide_resnet.py:48
         # -- layer 13: (root)  adaptive_pool  (8, 512, 1, 1)  -> sample(2)  [N2]
         adaptive_avg_pool2d = self.op('adaptive_avg_pool2d', relu_6)  # aten.adaptive_avg_pool2d.default  wide_resnet.py:75
         # -- layer 14: (root)  flatten  (8, 512)  -> replicate  [R]
-        adaptive_avg_pool2d__2 = self.move(adaptive_avg_pool2d, 'adaptive_avg_pool2d', [[0, 2]], [], layer=14)  # transition N2 -> R
-        flatten = self.op('flatten', adaptive_avg_pool2d__2)  # aten.flatten.using_ints  wide_resnet.py:75
+        adaptive_avg_pool2d__3 = self.move(adaptive_avg_pool2d, 'adaptive_avg_pool2d', [[0, 2]], [], layer=14)  # transition N2 -> R
+        flatten = self.op('flatten', adaptive_avg_pool2d__3)  # aten.flatten.using_ints  wide_resnet.py:75
         # -- layer 15: fc1  linear+batch_norm+unary  (8, 1024)  -> filter(1,2)  [C2]
         linear = self.op('linear', flatten)  # aten.linear.default  wide_resnet.py:76
         batch_norm_7 = self.op('batch_norm_7', linear)  # aten.batch_norm.default  wide_resnet.py:76
         relu_7 = self.op('relu_7', batch_norm_7)  # aten.relu.default  wide_resnet.py:76
         # -- layer 16: fc2  linear  (8, 10)  -> sample(2)  [N2]
-        relu_7__3 = self.move(relu_7, 'relu_7', [[1, 2]], [[0, 2]], layer=16)  # transition C2 -> N2
-        linear_1 = self.op('linear_1', relu_7__3)  # aten.linear.default  wide_resnet.py:77
+        relu_7__4 = self.move(relu_7, 'relu_7', [[1, 2]], [[0, 2]], layer=16)  # transition C2 -> N2
+        linear_1 = self.op('linear_1', relu_7__4)  # aten.linear.default  wide_resnet.py:77
         return self.structured(linear_1)
 
 
