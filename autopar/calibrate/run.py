@@ -163,9 +163,9 @@ def slowdown_factors(per_rank, world: int, rounds: int, window_s: float):
     round. A count's time in a round: the median over its ranks of each rank's MEAN time per
     kernel-set run (the OS deschedules a rank for whole time slices, so most runs go at full
     speed and a few absorb the waiting; the mean counts it; the median over ranks ignores one
-    rank luckier than the others). Against the medians over rounds of t(k) and of t(1), unpaired:
-    as good or slightly worse in six repeats of each (coefficient of variation 0.8-14 % against
-    1.0-11 %)."""
+    rank luckier than the others). The unpaired alternative (the median over rounds of t(k) over
+    that of t(1)) read as well or slightly worse in six repeats of each on this VM: coefficients
+    of variation 0.8-14 % against 1.0-11 % paired."""
     slow_times: dict[str, list] = {}
     per_round: dict[int, list] = {}
     for k in range(1, world + 1):

@@ -26,7 +26,11 @@ probe reading of the calibration (``samples["speed_probe"]``):
 
 Measured side by side on this VM (12 chunks of 10 convolution shapes, six passes, the probe
 read around each chunk): the sum's spread across passes fell from 11 % to 4 % (coefficient of
-variation). Later additions to the profile (``calibrate.run.add_exact_shapes``,
+variation). Across four fresh quick profiles pricing the same plans
+(``benchmarks/bench_profile_stability.py``) the predictions spread 7.9 % with it and 7.7 % on
+the raw times (median over the in-sample plans): no gain when every profile's kernels ran in
+similar stretches; 15.7 % against 19.7 % in a run where one profile was measured in a
+disturbed one. Later additions to the profile (``calibrate.run.add_exact_shapes``,
 ``exact_ops.add_op_shapes``, ``ondemand``) normalise to the profile's nominal, so a shape
 measured in a slow minute is priced as if measured with the rest. What it does not remove: a
 calibration made entirely in a slow phase has a slow nominal, and a plan executed in a
