@@ -50,11 +50,13 @@ class Sweep:
     coll_repeats: int = 61
     coll_warmup: int = 2
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
-    slowdown_rounds: int = 12          # ... split into this many rounds over every k: the same
-                                       # 2 s in 3 rounds read 2 ranks at 0.92-1.07 in six
-                                       # repeats, in 12 at 1.02-1.05 (4 ranks: 2.08-2.22,
-                                       # 2.13-2.40; 0.87-1.17 and 1.83-2.63 over the shipped
-                                       # profiles of 3 rounds)
+    slowdown_rounds: int = 12          # ... split into this many rounds over every k: six
+                                       # repeats of the same 2 s read 2 ranks at 0.94-1.10 in
+                                       # 3 rounds, 1.00-1.08 in 12; 4 ranks 1.96-2.23 and
+                                       # 2.08-2.54, about 8 % higher and no steadier
+                                       # (reports/benchmarks/calibration_noise.txt); the
+                                       # shipped full profiles of 3 rounds read 0.87-1.17 and
+                                       # 1.83-2.63 over one day
     exact_repeats: int = 11
     insitu_iters: int = 30              # timed repeats of each in-situ probe (``calibrate.insitu``)
     op_classes: tuple = OP_CLASSES

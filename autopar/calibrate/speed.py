@@ -7,9 +7,10 @@ apart priced the same ResNet-2D plan's local convolutions 20 % apart, because th
 it needs happened to be measured in a slow phase of one and a fast phase of the other, while
 the same shapes in another stretch of the same runs agreed to 1 %.
 
-The machine's speed moves on two time scales here. Probe readings 25 ms apart correlate 0.69,
-five apart 0.36, twenty apart not at all: phases of a few hundred milliseconds, +-7 % (one
-reading's spread). On top of them, stretches of seconds to minutes run 10-20 % slower or
+The machine's speed moves on two time scales here. Probe readings 25 ms apart correlated 0.69,
+five apart 0.36, twenty apart not at all in one run, 0.47 / 0.08 / 0.01 in another
+(``benchmarks/bench_calibration_noise.py``): phases of a few hundred milliseconds, +-7-10 %
+(one reading's spread). On top of them, stretches of seconds to minutes run 10-20 % slower or
 faster: in the two profiles above the first fifth of the exact shapes was measured 17-50 %
 slower in one than the other, the rest alike. Only the slow stretches can be followed: a
 reading says nothing about a kernel measured half a second later, so one reading per
