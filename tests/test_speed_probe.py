@@ -110,3 +110,14 @@ def test_as_measured_restores_the_raw_times():
     speed.as_measured(prof)
     assert prof.samples["kernels"]["matmul"][0] == {"median_s": 2.0}
     assert prof.exact == {"conv a": {"fwd": 1.0}, "op b": {"fwd": 0.5}}
+
+
+def test_marked_measurements_get_their_stretch_probe():
+    clock, reads = _Clock(), iter([1.0, 3.0, 5.0])
+    track = speed.SpeedTrack(interval_s=0.5, smooth_s=0.1, read=lambda: next(reads), clock=clock)
+    track.mark("a")                  # reading 1.0 at 0
+    clock.t = 1.0
+    track.mark("b")                  # reading 3.0 at 1.0
+    clock.t = 2.0
+    track.close()                    # reading 5.0 at 2.0
+    assert track.probes() == {"a": pytest.approx(2.0), "b": pytest.approx(4.0)}

@@ -88,18 +88,17 @@ def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2,
                 track=None) -> dict[str, dict[str, float]]:
     """Median forward and backward time of each op spec (one thread, as ranks run); backward
     without the engine's start-up (``backward_call_s``). With a ``speed.SpeedTrack``, each
-    entry also holds the machine's probe time around its measurement (``"probe_s"``)."""
+    measurement is ``mark``ed on it (the caller closes it and reads ``probes()``)."""
     import torch
     from ..runtime.ops import call_local
     base_s = backward_call_s()
     out: dict[str, dict[str, float]] = {}
-    segments: dict[str, int] = {}
     for spec in specs:
         key = op_key(spec)
         if key in out:
             continue
         if track is not None:
-            segments[key] = track.segment()
+            track.mark(key)
         op, ins, params, buffers = _build(spec)
         y = call_local(op, ins, params, buffers)
         g = torch.randn_like(y)
@@ -120,19 +119,16 @@ def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2,
                 fwd.append(t1 - t)
                 bwd.append(t2 - t1)
         out[key] = {"fwd": statistics.median(fwd), "bwd_data": max(0.0, statistics.median(bwd) - base_s)}
-    if track is not None:
-        track.close()
-        for key, seg in segments.items():
-            out[key]["probe_s"] = track.probe_s(seg)
     return out
 
 
 def _measure_rank(rank, world, specs, repeats):
     """(``{key: {phase: s}}`` as measured, ``{key: probe_s}``) of ``measure_ops`` with a track."""
     from .speed import SpeedTrack
-    res = measure_ops(specs, repeats, track=SpeedTrack())
-    return ({k: {ph: t for ph, t in v.items() if ph != "probe_s"} for k, v in res.items()},
-            {k: v.get("probe_s") for k, v in res.items()})
+    track = SpeedTrack()
+    res = measure_ops(specs, repeats, track=track)
+    track.close()
+    return res, track.probes()
 
 
 def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callable[[str], None] = print,

@@ -657,11 +657,11 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
 
     if op_class in STEADY_STATE_CLASSES:
         warmup = max(warmup, KEPT_RESULTS + 1)
-    out, segments = [], []
+    out = []
     with torch.no_grad():
-        for cfg in configs:
+        for i, cfg in enumerate(configs):
             if track is not None:
-                segments.append(track.segment())
+                track.mark(i)
             fn, flops, nbytes = _runner(op_class, cfg, device)
             fn = _kept(fn)
             times = time_fn(fn, device, repeats, warmup, min_sample_s, budget_s)
@@ -676,8 +676,9 @@ def benchmark_op_class(op_class: str, configs: Iterable[dict], device: str = "cp
             out.append(row)
     if track is not None:
         track.close()
-        for row, seg in zip(out, segments):
-            row["probe_s"] = _round(track.probe_s(seg))
+        probes = track.probes()
+        for i, row in enumerate(out):
+            row["probe_s"] = _round(probes[i])
     return out
 
 
@@ -744,14 +745,14 @@ def measure_exact(shape_specs: Iterable[dict], device: str = "cpu", repeats: int
     """
     import torch
 
-    result, samples, segments = {}, {}, {}
+    result, samples = {}, {}
     with torch.no_grad():
         for spec in shape_specs:
             key = shape_key(spec)
             if key in result:
                 continue
             if track is not None:
-                segments[key] = track.segment()
+                track.mark(key)
             fns = _conv_fns(spec, device)
             result[key], samples[key] = {}, {}
             for phase, fn in fns.items():
@@ -760,8 +761,8 @@ def measure_exact(shape_specs: Iterable[dict], device: str = "cpu", repeats: int
                 samples[key][phase] = [_round(t) for t in times]
     if track is not None:
         track.close()
-        for key, seg in segments.items():
-            samples[key]["probe_s"] = _round(track.probe_s(seg))
+        for key, probe_s in track.probes().items():
+            samples[key]["probe_s"] = _round(probe_s)
     return (result, samples) if return_samples else result
 
 

@@ -138,18 +138,18 @@ def _measure_rank(rank, world, specs, budget_s, device, est_s, nominal_s=None): 
     t0 = time.perf_counter()
     track = SpeedTrack(device) if nominal_s else None
     done: dict[str, dict] = {}
-    segments: dict[str, int] = {}
     for spec, est in zip(specs, est_s):
         if time.perf_counter() - t0 + est > budget_s:
             break
         if track is not None:
-            segments[shape_key(spec)] = track.segment()
+            track.mark(shape_key(spec))
         done.update(measure_exact([spec], device, REPEATS, warmup=1))
         if time.perf_counter() - t0 > budget_s:
             break
+    probes = {}
     if track is not None:
         track.close()
-    probes = {k: track.probe_s(seg) for k, seg in segments.items()} if track is not None else {}
+        probes = track.probes()
     return normalize_exact(done, probes, nominal_s), [shape_key(s) for s in specs]
 
 

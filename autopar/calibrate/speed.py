@@ -72,10 +72,11 @@ def probe_reading_s(device: str = "cpu", repeats: int = PROBE_REPEATS,
 
 @dataclass
 class SpeedTrack:
-    """Probe readings between the measurements of one process: call ``segment()`` before
-    each measurement (it reads the probe when the last reading is ``interval_s`` old) and
-    keep its index, ``close()`` after the last; ``probe_s(index)`` is then the mean of the
-    readings within ``smooth_s`` of that measurement. ``read`` and ``clock`` are for tests."""
+    """Probe readings between the measurements of one process: call ``mark(key)`` before
+    each measurement (it reads the probe when the last reading is ``interval_s`` old), and
+    ``close()`` after the last; ``probes()`` is then ``{key: the mean of the readings within
+    ``smooth_s`` of that measurement}`` (``segment`` and ``probe_s`` underneath). ``read`` and
+    ``clock`` are for tests."""
 
     device: str = "cpu"
     interval_s: float = READ_INTERVAL_S
@@ -86,6 +87,7 @@ class SpeedTrack:
     at_s: list[float] = field(default_factory=list)       # when each reading ended (clock)
     _last: float = -math.inf
     _probe: Callable[[], None] | None = None
+    _marks: dict = field(default_factory=dict)
 
     def _read(self) -> None:
         if self.read is not None:
@@ -104,6 +106,14 @@ class SpeedTrack:
         if not self.readings_s or self.clock() - self._last >= self.interval_s:
             self._read()
         return len(self.readings_s) - 1
+
+    def mark(self, key) -> None:
+        """Before measuring ``key``: note the stretch it falls in (``segment``)."""
+        self._marks[key] = self.segment()
+
+    def probes(self) -> dict:
+        """``{key: probe_s}`` of every ``mark``ed measurement (after ``close``)."""
+        return {k: self.probe_s(seg) for k, seg in self._marks.items()}
 
     def close(self) -> None:
         """Read once more, so that the last stretch has a reading after it too."""
