@@ -9,8 +9,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # traced graphs are cached per session, never in the user's home
 if "AUTOPAR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], True)
 
 
 @pytest.fixture

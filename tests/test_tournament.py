@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
 
 import pytest
@@ -114,7 +115,17 @@ def _run(plan_path, tmp_path, name, **kw):
     from autopar.tournament.run import execute_tournament
     from autopar.tournament.runtime import TournamentRunOptions
     opts = TournamentRunOptions(rounds=kw.pop("rounds", 3), timeout_s=kw.pop("timeout_s", 120), **kw)
-    return execute_tournament(plan_path, opts, out_dir=tmp_path / name, progress=lambda s: None)
+    # the trainers' board lives in a temporary directory: removed after the run, killed trainers
+    # and time-outs included
+    tmp = tmp_path / f"{name}-tmp"
+    tmp.mkdir()
+    before, tempfile.tempdir = tempfile.tempdir, str(tmp)
+    try:
+        result = execute_tournament(plan_path, opts, out_dir=tmp_path / name, progress=lambda s: None)
+    finally:
+        tempfile.tempdir = before
+    assert list(tmp.iterdir()) == [], f"left behind: {list(tmp.iterdir())}"
+    return result
 
 
 @pytest.mark.dist

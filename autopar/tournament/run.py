@@ -50,7 +50,6 @@ def _median(xs):
 def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_dir: str | Path | None = None,
                        progress=print, validate: bool = True, rtol: float = 1e-9) -> tuple[dict[str, Any], Path]:
     from ..execute.files import check_plan_files
-    from .launch import run_trainers
 
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)
@@ -64,7 +63,19 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(out_dir) if out_dir is not None else Path("reports") / f"{plan.model.name}-ltfb-t{level.trainers}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    board_dir = tempfile.mkdtemp(prefix="autopar-ltfb-board-")
+    # the trainers' coordination files: read back below (who stopped, in which round), then
+    # removed with the directory, whatever happens
+    with tempfile.TemporaryDirectory(prefix="autopar-ltfb-board-", ignore_cleanup_errors=True) as board_dir:
+        return _run_and_report(plan_path, plan, level, module_path, opts, out, board_dir, progress,
+                               validate, rtol)
+
+
+def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentRunOptions, out: Path,
+                    board_dir: str, progress, validate: bool, rtol: float) -> tuple[dict[str, Any], Path]:
+    """``execute_tournament`` past its checks: run the trainers on ``board_dir``, then write
+    the run, its report and its plot to ``out``."""
+    from .launch import run_trainers
+    world = level.world_size
     board = Board(board_dir)
     t0 = time.perf_counter()
     results, stopped = run_trainers(trainer_rank_main, world, level.ranks_per_trainer,
