@@ -1,0 +1,101 @@
+"""Which moves the prediction benchmark's error more: the fresh profile, or when the steps were
+measured? Several ``bench_prediction.py --keep DIR`` runs, each with its own fresh quick profile
+and its own measured steps, crossed: every run's kept plans priced by every run's profile.
+
+A row of the matrix is one set of measured steps priced by each profile (the diagonal is what
+each benchmark run printed); a column, one profile against each set of measurements. On a
+machine whose speed moves for minutes at a time, the measurements' level moves the error in
+every column alike, which no profile made at another moment can know; the spread along a row
+is what a different profile would have changed.
+
+    python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE]
+
+Nothing is executed: the measurements are the kept runs' (``reprice_prediction.measured_s``),
+the predictions each profile's price of the kept plan (``reprice_prediction.reprice``, native
+plans as the planner prices them). Only the runs' own fresh profiles are crossed: a profile
+that measured the held-out models' shapes would not price them as never measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reprice_prediction import measured_s, reprice  # noqa: E402
+
+
+def kept_plans(d: Path) -> list[dict]:
+    """The distinct plans one kept run executed: set, candidate row, plan path, measured s."""
+    from bench_prediction import CANDIDATES, HELDOUT
+    out = []
+    for tag, cands, title in (("a", CANDIDATES, "in-sample"), ("h", HELDOUT, "held-out")):
+        for i, row in enumerate(cands):
+            plan, m = d / f"{tag}-plan{i}" / "plan.json", measured_s(d / f"{tag}-run{i}")
+            if plan.exists() and m is not None:
+                out.append({"set": title, "row": row, "plan": plan, "measured_s": m})
+    return out
+
+
+def errors(plans: list[dict], profile: Path) -> dict[str, list[float]]:
+    """Signed relative errors (predicted - measured) / measured of every plan, by set."""
+    out: dict[str, list[float]] = {"in-sample": [], "held-out": []}
+    for k in plans:
+        label, model, world, batch, kinds = k["row"][:5]
+        extra = dict(k["row"][6]) if len(k["row"]) > 6 else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p = reprice(k["plan"], model, batch, kinds, profile, native_aware=True, extra=extra)
+        out[k["set"]].append((p - k["measured_s"]) / k["measured_s"])
+    return out
+
+
+def main(argv=None) -> int:
+    from autopar.io import atomic_write_text
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dirs", nargs="+", help="--keep folders of bench_prediction.py runs (fresh-quick.json in each)")
+    ap.add_argument("--out", help="write the matrices here too (and the figures as .json beside it)")
+    args = ap.parse_args(argv)
+    dirs = [Path(d) for d in args.dirs]
+    names = [d.name for d in dirs]
+    lines: list[str] = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    cells: dict[str, dict] = {}
+    for d, name in zip(dirs, names):
+        plans = kept_plans(d)
+        for q, pname in zip(dirs, names):
+            cells[f"{name}|{pname}"] = errors(plans, q / "fresh-quick.json")
+    width = max(len(n) for n in names) + 2
+    for title in ("in-sample", "held-out"):
+        for what, f in (("median |error|", lambda e: statistics.median(abs(x) for x in e)),
+                        ("median signed error (< 0: measured slower than predicted)", statistics.median)):
+            say(f"{title}, {what}: a row per set of measured steps, a column per profile")
+            say(" " * width + "".join(f"{p:>{width}}" for p in names))
+            for name in names:
+                say(f"{name:<{width}}" + "".join(
+                    f"{100 * f(cells[f'{name}|{p}'][title]):>{width - 1}.1f}%" for p in names))
+        rows = [[statistics.median(abs(x) for x in cells[f"{m}|{p}"][title]) for p in names] for m in names]
+        along_rows = statistics.median(max(r) - min(r) for r in rows)
+        along_cols = statistics.median(max(c) - min(c) for c in zip(*rows))
+        say(f"{title}: median |error| ranges {100 * along_rows:.1f} points across profiles for the same "
+            f"measurements, {100 * along_cols:.1f} points across measurements for the same profile "
+            f"(medians over the rows / columns); diagonal (each run as the benchmark printed it): "
+            + ", ".join(f"{100 * rows[i][i]:.1f} %" for i in range(len(names))))
+    if args.out:
+        atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
+        atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(
+            {k: v for k, v in cells.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
