@@ -425,3 +425,18 @@ def test_slowdown_factors_pair_each_count_with_its_rounds_one_rank_window():
     assert times["2"][1] == [0.012, 0.024, 0.012]
     with pytest.raises(CalibrationError, match="no kernel-set run finished"):
         slowdown_factors([{1: [[0.01], [], [0.01]], 2: two}, {2: [[0.01], [0.01], [0.01]]}], 1, 3, 0.05)
+
+
+def test_quick_calibration_measures_collectives_at_the_group_sizes_a_mesh_can_have():
+    """Quick mode launches one collectives run per divisor of the world (a plan's groups are
+    the dims of its mesh); full mode every size; an unmeasured size is priced with the nearest
+    measured size's constants and the real p."""
+    from autopar.calibrate.run import FULL, QUICK, collective_group_sizes
+    assert QUICK.coll_groups == "divisors" and FULL.coll_groups == "all"
+    assert collective_group_sizes(4, "divisors") == [2, 4]
+    assert collective_group_sizes(6, "divisors") == [2, 3, 6]
+    assert collective_group_sizes(8, "divisors") == [2, 4, 8]
+    assert collective_group_sizes(2, "divisors") == [2]
+    assert collective_group_sizes(4) == [2, 3, 4]
+    with pytest.raises(ValueError, match="divisors"):
+        collective_group_sizes(4, "powers")

@@ -10,8 +10,8 @@ process only imports torch and fits, so it stays safe to fork from):
    median over rounds of t(k) / t(1) of the same round, t(k) = median over the k ranks of each
    rank's MEAN time per kernel-set run (see ``_slowdown_rank``; the mean, because time
    slicing hides the waiting from a per-run median);
-3. collectives: one run of p ranks for each group size p = 2..world
-   (``collectives.measure_rank``);
+3. collectives: one run of p ranks for each group size p = 2..world, or for the divisors of
+   the world in quick mode (``collective_group_sizes``, ``collectives.measure_rank``);
 4. fits (``fit.fit_kernel``, ``fit.fit_collective``), then ONE atomic write of the profile.
 
 Nothing is written before the end: an interrupted or failed calibration (Ctrl-C included)
@@ -49,6 +49,7 @@ class Sweep:
     message_sizes: tuple = tuple(4 ** i for i in range(1, 13))   # 4 B .. 16 MiB
     coll_repeats: int = 61
     coll_warmup: int = 2
+    coll_groups: str = "all"           # group sizes of the collectives (``collective_group_sizes``)
     slowdown_window_s: float = 2.0     # wall time every rank runs the kernel set, per k
     slowdown_rounds: int = 12          # ... split into this many rounds over every k: six
                                        # repeats of the same 2 s read 2 ranks at 0.94-1.10 in
@@ -74,6 +75,9 @@ QUICK = Sweep(kernel_configs=24, kernel_repeats=5, kernel_warmup=1, kernel_max_f
               # ~1 MiB is latency, and beta needs the large messages to be identifiable
               message_sizes=(4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20),
               coll_repeats=21, coll_warmup=1, slowdown_window_s=0.6, slowdown_rounds=8,
+              # the group sizes a mesh of the world can have: at world 4 the group of 3 took
+              # 5.7 of 59.5 s and no plan of 4 ranks uses it
+              coll_groups="divisors",
               exact_repeats=5, conv_configs=160,
               # 10 in-situ repeats read the latency at 2 ranks 1.7-3.4 ms in three back-to-back
               # measurements, 30 read 2.7 ms twice; 20 costs about 3 s more than 10
@@ -157,6 +161,18 @@ def _slowdown_rank(rank, world, window_s, device, rounds=1):
                 t0 = t1
             out[k].append(times)
     return out
+
+
+def collective_group_sizes(world: int, groups: str = "all") -> list[int]:
+    """The group sizes whose collectives calibration measures, one launch each: every p in
+    2..world (``"all"``), or the divisors of the world from 2 (``"divisors"``, quick): the sizes
+    the dims of a mesh of ``world`` ranks, and so its plans' groups, can have. A plan for
+    another world prices an unmeasured size with the nearest measured size's constants
+    (``Profile.collective_time_s``), as quick in-step costs are taken for the nearest measured
+    number of ranks."""
+    if groups not in ("all", "divisors"):
+        raise ValueError(f"collective groups {groups!r}: 'all' or 'divisors'")
+    return [p for p in range(2, world + 1) if groups == "all" or world % p == 0]
 
 
 def slowdown_factors(per_rank, world: int, rounds: int, window_s: float):
@@ -302,7 +318,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
 
     # 3. collectives
     coll_samples: dict[str, dict] = {kind: {} for kind in sw.kinds}
-    for p in range(2, world_size + 1):
+    for p in collective_group_sizes(world_size, sw.coll_groups):
         t0 = time.perf_counter()
         per_rank = launch(_collective_rank, p, (tuple(sw.kinds), tuple(sw.message_sizes),
                                                 sw.coll_repeats, sw.coll_warmup, device))
