@@ -90,6 +90,11 @@ def main(argv=None) -> int:
             f"measurements, {100 * along_cols:.1f} points across measurements for the same profile "
             f"(medians over the rows / columns); diagonal (each run as the benchmark printed it): "
             + ", ".join(f"{100 * rows[i][i]:.1f} %" for i in range(len(names))))
+        cells_all = sorted(x for r in rows for x in r)
+        say(f"{title}: over all {len(cells_all)} pairings of measured steps and profile, the median |error| "
+            f"ranges {100 * cells_all[0]:.1f}-{100 * cells_all[-1]:.1f} %, median {100 * statistics.median(cells_all):.1f} %; "
+            f"per profile (median over the sets of measured steps): "
+            + ", ".join(f"{p} {100 * statistics.median(c):.1f} %" for p, c in zip(names, zip(*rows))))
     if args.out:
         atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
         atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(
