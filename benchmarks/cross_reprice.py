@@ -76,14 +76,15 @@ def main(argv=None) -> int:
             cells[f"{name}|{pname}"] = errors(plans, q / "fresh-quick.json")
     width = max(len(n) for n in names) + 2
     for title in ("in-sample", "held-out"):
-        for what, f in (("median |error|", lambda e: statistics.median(abs(x) for x in e)),
-                        ("median signed error (< 0: measured slower than predicted)", statistics.median)):
+        # rows: sets of measured steps; columns: profiles
+        rows = [[statistics.median(abs(x) for x in cells[f"{m}|{p}"][title]) for p in names] for m in names]
+        signed = [[statistics.median(cells[f"{m}|{p}"][title]) for p in names] for m in names]
+        for what, table in (("median |error|", rows),
+                            ("median signed error (< 0: measured slower than predicted)", signed)):
             say(f"{title}, {what}: a row per set of measured steps, a column per profile")
             say(" " * width + "".join(f"{p:>{width}}" for p in names))
-            for name in names:
-                say(f"{name:<{width}}" + "".join(
-                    f"{100 * f(cells[f'{name}|{p}'][title]):>{width - 1}.1f}%" for p in names))
-        rows = [[statistics.median(abs(x) for x in cells[f"{m}|{p}"][title]) for p in names] for m in names]
+            for name, row in zip(names, table):
+                say(f"{name:<{width}}" + "".join(f"{100 * x:>{width - 1}.1f}%" for x in row))
         along_rows = statistics.median(max(r) - min(r) for r in rows)
         along_cols = statistics.median(max(c) - min(c) for c in zip(*rows))
         say(f"{title}: median |error| ranges {100 * along_rows:.1f} points across profiles for the same "
@@ -97,8 +98,7 @@ def main(argv=None) -> int:
             + ", ".join(f"{p} {100 * statistics.median(c):.1f} %" for p, c in zip(names, zip(*rows))))
     if args.out:
         atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
-        atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(
-            {k: v for k, v in cells.items()}, indent=1))
+        atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(cells, indent=1))
     return 0
 
 

@@ -429,8 +429,8 @@ def test_slowdown_factors_pair_each_count_with_its_rounds_one_rank_window():
 
 def test_quick_calibration_measures_collectives_at_the_group_sizes_a_mesh_can_have():
     """Quick mode launches one collectives run per divisor of the world (a plan's groups are
-    the dims of its mesh); full mode every size; an unmeasured size is priced with the nearest
-    measured size's constants and the real p."""
+    the dims of its mesh); full mode every size. An unmeasured size is priced with the nearest
+    measured size's constants (``test_unmeasured_group_size_uses_nearest_constants``)."""
     from autopar.calibrate.run import FULL, QUICK, collective_group_sizes
     assert QUICK.coll_groups == "divisors" and FULL.coll_groups == "all"
     assert collective_group_sizes(4, "divisors") == [2, 4]
