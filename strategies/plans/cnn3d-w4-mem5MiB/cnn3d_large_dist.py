@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 143.606 ms, memory 5.0 MiB per rank
+Predicted:  step 140.439 ms, memory 5.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5
@@ -52,8 +52,8 @@ class PlannedModel(DistModel):
         conv3d_4 = self.op('conv3d_4', max_pool3d_1__2)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_4 = self.op('batch_norm_4', conv3d_4)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_4 = self.op('relu_4', batch_norm_4)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 8: (root)  adaptive_pool  (2, 32, 1, 1, 1)  -> spatial(2,1x1x2)  [N2]
-        relu_4__3 = self.move(relu_4, 'relu_4', [[1, 4]], [[0, 2], [4, 2]], layer=8)  # transition C4 -> N2x[4]2
+        # -- layer 8: (root)  adaptive_pool  (2, 32, 1, 1, 1)  -> spatial(2,1x2x1)  [N2]
+        relu_4__3 = self.move(relu_4, 'relu_4', [[1, 4]], [[0, 2], [3, 2]], layer=8)  # transition C4 -> N2x[3]2
         adaptive_avg_pool3d = self.op('adaptive_avg_pool3d', relu_4__3)  # aten.adaptive_avg_pool3d.default  cnn3d_large.py:49
         # -- layer 9: (root)  flatten  (2, 32)  -> sample(2)  [N2]
         flatten = self.op('flatten', adaptive_avg_pool3d)  # aten.flatten.using_ints  cnn3d_large.py:49

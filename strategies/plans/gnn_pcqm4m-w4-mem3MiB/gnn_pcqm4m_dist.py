@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 20.598 ms, memory 2.7 MiB per rank
+Predicted:  step 20.760 ms, memory 2.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gnn_pcqm4m_dist.py --steps 5
@@ -37,11 +37,11 @@ class PlannedModel(DistModel):
         pad = self.op('pad', relu)  # aten.pad.default  gnn_pcqm4m.py:48
         # -- layer 3: convs.0  squeeze  (2, 118, 1)  -> sample(2)  [N2]
         unsqueeze = self.op('unsqueeze', src)  # aten.unsqueeze.default  gnn_pcqm4m.py:49
-        # -- layer 4: convs.0  expand  (2, 118, 100)  -> sample(2)  [N2]
-        expand = self.op('expand', unsqueeze)  # aten.expand.default  gnn_pcqm4m.py:49
+        # -- layer 4: convs.0  expand  (2, 118, 100)  -> edges(2,2)  [N2xC2]
+        unsqueeze__0 = self.move(unsqueeze, 'unsqueeze', [[0, 2]], [[0, 2], [1, 2]], layer=4)  # transition N2 -> N2xC2
+        expand = self.op('expand', unsqueeze__0)  # aten.expand.default  gnn_pcqm4m.py:49
         # -- layer 5: convs.0  gather  (2, 118, 100)  -> edges(2,2)  [N2xC2]
-        expand__0 = self.move(expand, 'expand', [[0, 2]], [[0, 2], [1, 2]], layer=5)  # transition N2 -> N2xC2
-        gather = self.op('gather', pad, expand__0)  # aten.gather.default  gnn_pcqm4m.py:49
+        gather = self.op('gather', pad, expand)  # aten.gather.default  gnn_pcqm4m.py:49
         # -- layer 6: convs.0.edge_mlp.0  linear+unary  (2, 118, 64)  -> edges(2,2)  [N2xC2]
         linear_2 = self.op('linear_2', relu_1)  # aten.linear.default  gnn_pcqm4m.py:50
         relu_2 = self.op('relu_2', linear_2)  # aten.relu.default  gnn_pcqm4m.py:50

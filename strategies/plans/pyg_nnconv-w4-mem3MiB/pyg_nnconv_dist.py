@@ -2,7 +2,7 @@
 
 Model:      ../../examples/pyg_nnconv.py (sha256 896b87828a09), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 21.147 ms, memory 2.5 MiB per rank
+Predicted:  step 20.880 ms, memory 2.5 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 pyg_nnconv_dist.py --steps 5
@@ -42,16 +42,16 @@ class PlannedModel(DistModel):
         # -- layer 5: convs.0.nn.0  linear+unary  (164, 64)  -> edges(1,4)  [N4]
         linear_2 = self.op('linear_2', relu_1)  # aten.linear.default  nn_conv.py:108
         relu_2 = self.op('relu_2', linear_2)  # aten.relu.default  nn_conv.py:108
-        # -- layer 6: convs.0.nn.2  linear+unary  (164, 32)  -> sample(4)  [N4]
+        # -- layer 6: convs.0.nn.2  linear+unary  (164, 32)  -> edges(1,4)  [N4]
         linear_3 = self.op('linear_3', relu_2)  # aten.linear.default  nn_conv.py:108
         relu_3 = self.op('relu_3', linear_3)  # aten.relu.default  nn_conv.py:108
-        # -- layer 7: convs.0.nn.4  linear  (164, 3200)  -> sample(4)  [N4]
+        # -- layer 7: convs.0.nn.4  linear  (164, 3200)  -> edges(1,4)  [N4]
         linear_4 = self.op('linear_4', relu_3)  # aten.linear.default  nn_conv.py:108
         # -- layer 8: convs.0  view  (164, 100, 32)  -> sample(4)  [N4]
         view = self.op('view', linear_4)  # aten.view.default  nn_conv.py:108
-        # -- layer 9: convs.0  squeeze  (164, 1, 100)  -> edges(1,4)  [N4]
+        # -- layer 9: convs.0  squeeze  (164, 1, 100)  -> sample(4)  [N4]
         unsqueeze = self.op('unsqueeze', index_select)  # aten.unsqueeze.default  nn_conv.py:108
-        # -- layer 10: convs.0  matmul  (164, 1, 32)  -> edges(1,4)  [N4]
+        # -- layer 10: convs.0  matmul  (164, 1, 32)  -> sample(4)  [N4]
         matmul = self.op('matmul', unsqueeze, view)  # aten.matmul.default  nn_conv.py:108
         # -- layer 11: convs.0  squeeze  (164, 32)  -> replicate  [R]
         matmul__1 = self.move(matmul, 'matmul', [[0, 4]], [], layer=11)  # transition N4 -> R
@@ -60,9 +60,8 @@ class PlannedModel(DistModel):
         view_1 = self.op('view_1', select)  # aten.view.default  basic.py:22
         # -- layer 13: convs.0.aggr_module  expand_as  (164, 32)  -> replicate  [R]
         expand_as = self.op('expand_as', view_1, squeeze)  # aten.expand_as.default  basic.py:22
-        # -- layer 14: convs.0.aggr_module  new_tensor  (84, 32)  -> edges(1,4)  [R]
-        squeeze__2 = self.move(squeeze, 'squeeze', [], [[0, 4]], layer=14)  # transition R -> N4
-        new_zeros = self.op('new_zeros', squeeze__2)  # aten.new_zeros.default  basic.py:22
+        # -- layer 14: convs.0.aggr_module  new_tensor  (84, 32)  -> replicate  [R]
+        new_zeros = self.op('new_zeros', squeeze)  # aten.new_zeros.default  basic.py:22
         # -- layer 15: convs.0.aggr_module  scatter  (84, 32)  -> replicate  [R]
         scatter_add_ = self.op('scatter_add_', new_zeros, expand_as, squeeze)  # aten.scatter_add_.default  basic.py:22
         # -- layer 16: convs.0.lin  linear  (84, 32)  -> replicate  [R]
@@ -80,8 +79,8 @@ class PlannedModel(DistModel):
         # -- layer 21: (root)  scatter  (2, 32)  -> replicate  [R]
         scatter_add__1 = self.op('scatter_add__1', new_zeros_1, expand_as_1, relu_4)  # aten.scatter_add_.default  pyg_nnconv.py:58
         # -- layer 22: head.0  linear+unary  (2, 256)  -> sample(2)  [N2]
-        scatter_add__1__3 = self.move(scatter_add__1, 'scatter_add__1', [], [[0, 2]], layer=22)  # transition R -> N2
-        linear_6 = self.op('linear_6', scatter_add__1__3)  # aten.linear.default  pyg_nnconv.py:59
+        scatter_add__1__2 = self.move(scatter_add__1, 'scatter_add__1', [], [[0, 2]], layer=22)  # transition R -> N2
+        linear_6 = self.op('linear_6', scatter_add__1__2)  # aten.linear.default  pyg_nnconv.py:59
         relu_5 = self.op('relu_5', linear_6)  # aten.relu.default  pyg_nnconv.py:59
         # -- layer 23: head.2  linear+unary  (2, 128)  -> sample(2)  [N2]
         linear_7 = self.op('linear_7', relu_5)  # aten.linear.default  pyg_nnconv.py:59

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 324.344 ms, memory 44.5 MiB per rank
+Predicted:  step 285.252 ms, memory 45.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 wide_resnet_dist.py --steps 5
@@ -51,13 +51,13 @@ class PlannedModel(DistModel):
         # -- layer 8: blocks.1  binary+unary  (8, 256, 16, 16)  -> sample(4)  [N4]
         add_1 = self.op('add_1', batch_norm_4, conv2d_6)  # aten.add.Tensor  wide_resnet.py:48
         relu_4 = self.op('relu_4', add_1)  # aten.relu.default  wide_resnet.py:48
-        # -- layer 9: blocks.2.conv1  conv+batch_norm+unary  (8, 512, 8, 8)  -> channel_filter(1,2,2)  [N2xC2]
-        relu_4__0 = self.move(relu_4, 'relu_4', [[0, 4]], [[1, 2]], layer=9)  # transition N4 -> C2
+        # -- layer 9: blocks.2.conv1  conv+batch_norm+unary  (8, 512, 8, 8)  -> filter(1,4)  [C4]
+        relu_4__0 = self.move(relu_4, 'relu_4', [[0, 4]], [], layer=9)  # transition N4 -> R
         conv2d_7 = self.op('conv2d_7', relu_4__0)  # aten.conv2d.default  wide_resnet.py:45
         batch_norm_5 = self.op('batch_norm_5', conv2d_7)  # aten.batch_norm.default  wide_resnet.py:45
         relu_5 = self.op('relu_5', batch_norm_5)  # aten.relu.default  wide_resnet.py:45
         # -- layer 10: blocks.2.conv2  conv+batch_norm  (8, 512, 8, 8)  -> filter(1,4)  [C4]
-        relu_5__1 = self.move(relu_5, 'relu_5', [[0, 2], [1, 2]], [], layer=10)  # transition N2xC2 -> R
+        relu_5__1 = self.move(relu_5, 'relu_5', [[1, 4]], [], layer=10)  # transition C4 -> R
         conv2d_8 = self.op('conv2d_8', relu_5__1)  # aten.conv2d.default  wide_resnet.py:46
         batch_norm_6 = self.op('batch_norm_6', conv2d_8)  # aten.batch_norm.default  wide_resnet.py:46
         # -- layer 11: blocks.2.shortcut  conv  (8, 512, 8, 8)  -> sample(4)  [N4]
