@@ -8,7 +8,11 @@ machine whose speed moves for minutes at a time, the measurements' level moves t
 every column alike, which no profile made at another moment can know; the spread along a row
 is what a different profile would have changed.
 
-    python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE]
+    python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE] [--kernel-from CLASS=PROFILE ...]
+
+``--kernel-from elementwise=P`` is a what-if: every crossed profile's fitted model of that kernel
+class (and its sweep rows) is replaced by profile P's before pricing, in temporary copies; the
+runs' folders are not touched.
 
 Nothing is executed: the measurements are the kept runs' (``reprice_prediction.measured_s``),
 the predictions each profile's price of the kept plan (``reprice_prediction.reprice``, native
@@ -22,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -55,11 +60,29 @@ def errors(plans: list[dict], profile: Path) -> dict[str, list[float]]:
     return out
 
 
+def with_kernels_from(profile: Path, swaps: list[tuple[str, str]], out: Path) -> Path:
+    """``profile``, or (with ``swaps``) a copy at ``out`` whose model and sweep rows of each
+    swapped kernel class come from the other profile."""
+    if not swaps:
+        return profile
+    p = json.loads(profile.read_text())
+    for op, src in swaps:
+        q = json.loads(Path(src).read_text())
+        if op not in q.get("kernels", {}):
+            raise SystemExit(f"{src} has no kernel model {op!r}")
+        p["kernels"][op] = q["kernels"][op]
+        p.setdefault("samples", {}).setdefault("kernels", {})[op] = q["samples"]["kernels"][op]
+    out.write_text(json.dumps(p))
+    return out
+
+
 def main(argv=None) -> int:
     from autopar.io import atomic_write_text
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+", help="--keep folders of bench_prediction.py runs (fresh-quick.json in each)")
     ap.add_argument("--out", help="write the matrices here too (and the figures as .json beside it)")
+    ap.add_argument("--kernel-from", action="append", default=[], metavar="CLASS=PROFILE",
+                    help="what-if: price with this kernel class's model taken from PROFILE in every profile")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     names = [d.name for d in dirs]
@@ -69,11 +92,19 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
 
+    swaps = [tuple(a.split("=", 1)) for a in args.kernel_from]
+    if any(len(sw) != 2 or not sw[0] or not sw[1] for sw in swaps):
+        ap.error("--kernel-from takes CLASS=PROFILE, e.g. elementwise=calibration/cpu-2core-gloo.json")
+    for op, src in swaps:
+        say(f"what-if: every profile's {op} kernel model (and its sweep rows) taken from {src}")
     cells: dict[str, dict] = {}
-    for d, name in zip(dirs, names):
-        plans = kept_plans(d)
-        for q, pname in zip(dirs, names):
-            cells[f"{name}|{pname}"] = errors(plans, q / "fresh-quick.json")
+    with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
+        profiles = [with_kernels_from(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json")
+                    for i, q in enumerate(dirs)]
+        for d, name in zip(dirs, names):
+            plans = kept_plans(d)
+            for prof, pname in zip(profiles, names):
+                cells[f"{name}|{pname}"] = errors(plans, prof)
     width = max(len(n) for n in names) + 2
     for title in ("in-sample", "held-out"):
         # rows: sets of measured steps; columns: profiles
