@@ -71,7 +71,12 @@ def with_kernels_from(profile: Path, swaps: list[tuple[str, str]], out: Path) ->
         if op not in q.get("kernels", {}):
             raise SystemExit(f"{src} has no kernel model {op!r}")
         p["kernels"][op] = q["kernels"][op]
-        p.setdefault("samples", {}).setdefault("kernels", {})[op] = q["samples"]["kernels"][op]
+        rows = ((q.get("samples") or {}).get("kernels") or {}).get(op)
+        kept = p.setdefault("samples", {}).setdefault("kernels", {})
+        if rows is None:
+            kept.pop(op, None)         # no sweep rows there: none of the old ones either
+        else:
+            kept[op] = rows
     out.write_text(json.dumps(p))
     return out
 
