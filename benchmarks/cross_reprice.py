@@ -60,16 +60,28 @@ def errors(plans: list[dict], profile: Path) -> dict[str, list[float]]:
     return out
 
 
-def with_kernels_from(profile: Path, swaps: list[tuple[str, str]], out: Path) -> Path:
-    """``profile``, or (with ``swaps``) a copy at ``out`` whose model and sweep rows of each
-    swapped kernel class come from the other profile."""
-    if not swaps:
-        return profile
-    p = json.loads(profile.read_text())
-    for op, src in swaps:
+def load_swaps(specs: list[str]) -> list[tuple[str, dict]]:
+    """``CLASS=PROFILE`` arguments as (class, the other profile's data), each file read once."""
+    out = []
+    for spec in specs:
+        op, _, src = spec.partition("=")
+        if not op or not src:
+            raise SystemExit(f"--kernel-from takes CLASS=PROFILE, got {spec!r} "
+                             "(e.g. elementwise=calibration/cpu-2core-gloo.json)")
         q = json.loads(Path(src).read_text())
         if op not in q.get("kernels", {}):
             raise SystemExit(f"{src} has no kernel model {op!r}")
+        out.append((op, q))
+    return out
+
+
+def with_kernels_from(profile: Path, swaps: list[tuple[str, dict]], out: Path) -> Path:
+    """``profile``, or (with ``swaps``, from ``load_swaps``) a copy at ``out`` whose model and
+    sweep rows of each swapped kernel class come from the other profile."""
+    if not swaps:
+        return profile
+    p = json.loads(profile.read_text())
+    for op, q in swaps:
         p["kernels"][op] = q["kernels"][op]
         rows = ((q.get("samples") or {}).get("kernels") or {}).get(op)
         kept = p.setdefault("samples", {}).setdefault("kernels", {})
@@ -97,10 +109,9 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
 
-    swaps = [tuple(a.split("=", 1)) for a in args.kernel_from]
-    if any(len(sw) != 2 or not sw[0] or not sw[1] for sw in swaps):
-        ap.error("--kernel-from takes CLASS=PROFILE, e.g. elementwise=calibration/cpu-2core-gloo.json")
-    for op, src in swaps:
+    swaps = load_swaps(args.kernel_from)
+    for spec in args.kernel_from:
+        op, _, src = spec.partition("=")
         say(f"what-if: every profile's {op} kernel model (and its sweep rows) taken from {src}")
     cells: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
