@@ -9,6 +9,11 @@ every column alike, which no profile made at another moment can know; the spread
 is what a different profile would have changed.
 
     python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE] [--kernel-from CLASS=PROFILE ...]
+                                      [--time-shared-slowdown CORES]
+
+``--time-shared-slowdown CORES`` restates every crossed profile's compute slowdown beyond
+CORES ranks as time sharing of the cores (``calibrate.run.time_shared_slowdown``, what a
+calibration stores since), in the same temporary copies.
 
 ``--kernel-from elementwise=P`` is a what-if: every crossed profile's fitted model of that kernel
 class (and its sweep rows) is replaced by profile P's before pricing, in temporary copies; the
@@ -48,7 +53,8 @@ def kept_plans(d: Path) -> list[dict]:
 
 
 def errors(plans: list[dict], profile: Path) -> dict[str, list[float]]:
-    """Signed relative errors (predicted - measured) / measured of every plan, by set."""
+    """Signed relative errors (predicted - measured) / measured of every plan, by set, and the
+    same by set and world size (``"in-sample w2"``, ...)."""
     out: dict[str, list[float]] = {"in-sample": [], "held-out": []}
     for k in plans:
         label, model, world, batch, kinds = k["row"][:5]
@@ -56,7 +62,25 @@ def errors(plans: list[dict], profile: Path) -> dict[str, list[float]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             p = reprice(k["plan"], model, batch, kinds, profile, native_aware=True, extra=extra)
-        out[k["set"]].append((p - k["measured_s"]) / k["measured_s"])
+        e = (p - k["measured_s"]) / k["measured_s"]
+        out[k["set"]].append(e)
+        out.setdefault(f"{k['set']} w{world}", []).append(e)
+    return out
+
+
+def by_world_lines(cells: dict[str, dict], names: list[str]) -> list[str]:
+    """Per set and world size, over every plan of every pairing: the median signed and
+    absolute error, and the range of the per-profile signed medians (how far one profile's
+    reading moves that world's plans)."""
+    out = []
+    keys = sorted({k for c in cells.values() for k in c if " w" in k})
+    for key in keys:
+        every = [e for c in cells.values() for e in c.get(key, [])]
+        per_profile = [statistics.median(e for m in names for e in cells[f"{m}|{p}"].get(key, []))
+                       for p in names]
+        out.append(f"{key}: {len(every)} plan-pairings, median signed error {100 * statistics.median(every):+.1f} %, "
+                   f"median |error| {100 * statistics.median(abs(e) for e in every):.1f} %; per profile, the median "
+                   f"signed error ranges {100 * min(per_profile):+.0f} .. {100 * max(per_profile):+.0f} %")
     return out
 
 
@@ -75,12 +99,19 @@ def load_swaps(specs: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def with_kernels_from(profile: Path, swaps: list[tuple[str, dict]], out: Path) -> Path:
+def with_kernels_from(profile: Path, swaps: list[tuple[str, dict]], out: Path,
+                      time_shared_cores: int | None = None) -> Path:
     """``profile``, or (with ``swaps``, from ``load_swaps``) a copy at ``out`` whose model and
-    sweep rows of each swapped kernel class come from the other profile."""
-    if not swaps:
+    sweep rows of each swapped kernel class come from the other profile; with
+    ``time_shared_cores``, its compute slowdown restated as time sharing of that many cores
+    (``calibrate.run.time_shared_slowdown``) from its measured readings."""
+    if not swaps and time_shared_cores is None:
         return profile
     p = json.loads(profile.read_text())
+    if time_shared_cores is not None:
+        from autopar.calibrate.run import time_shared_slowdown
+        measured = (p.get("samples") or {}).get("compute_slowdown_measured") or p["compute_slowdown"]
+        p["compute_slowdown"] = time_shared_slowdown(measured, time_shared_cores)
     for op, q in swaps:
         p["kernels"][op] = q["kernels"][op]
         rows = ((q.get("samples") or {}).get("kernels") or {}).get(op)
@@ -100,6 +131,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the matrices here too (and the figures as .json beside it)")
     ap.add_argument("--kernel-from", action="append", default=[], metavar="CLASS=PROFILE",
                     help="what-if: price with this kernel class's model taken from PROFILE in every profile")
+    ap.add_argument("--time-shared-slowdown", type=int, metavar="CORES",
+                    help="what-if: every profile's compute slowdown beyond CORES ranks restated as time sharing "
+                         "(calibrate.run.time_shared_slowdown), as a calibration now stores it")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     names = [d.name for d in dirs]
@@ -113,9 +147,13 @@ def main(argv=None) -> int:
     for spec in args.kernel_from:
         op, _, src = spec.partition("=")
         say(f"what-if: every profile's {op} kernel model (and its sweep rows) taken from {src}")
+    if args.time_shared_slowdown is not None:
+        say(f"what-if: every profile's compute slowdown beyond {args.time_shared_slowdown} ranks restated as "
+            "time sharing of the cores (calibrate.run.time_shared_slowdown)")
     cells: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
-        profiles = [with_kernels_from(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json")
+        profiles = [with_kernels_from(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json",
+                                      args.time_shared_slowdown)
                     for i, q in enumerate(dirs)]
         for d, name in zip(dirs, names):
             plans = kept_plans(d)
@@ -143,6 +181,8 @@ def main(argv=None) -> int:
             f"ranges {100 * cells_all[0]:.1f}-{100 * cells_all[-1]:.1f} %, median {100 * statistics.median(cells_all):.1f} %; "
             f"per profile (median over the sets of measured steps): "
             + ", ".join(f"{p} {100 * statistics.median(c):.1f} %" for p, c in zip(names, zip(*rows))))
+    for line in by_world_lines(cells, names):
+        say(line)
     if args.out:
         atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
         atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(cells, indent=1))

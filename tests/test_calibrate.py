@@ -309,6 +309,11 @@ def test_tiny_calibration_end_to_end(tmp_path):
         assert prof.collectives[kind]["inter"]["2"]["measured"] is False
         assert prof.collective_time_s(kind, 2, 65536) > 0
     assert set(prof.compute_slowdown) == {"1", "2"}
+    # the readings are kept; at 2 ranks on this machine (>= 2 cores) they are what is priced
+    assert set(prof.samples["compute_slowdown_measured"]) == {"1", "2"}
+    assert prof.samples["cores"] >= 1
+    if prof.samples["cores"] >= 2:
+        assert prof.compute_slowdown == prof.samples["compute_slowdown_measured"]
     for spec in specs:
         t = prof.exact_time_s(shape_key(spec), "bwd_data")
         assert t is not None and 0 < t < 1
@@ -425,6 +430,23 @@ def test_slowdown_factors_pair_each_count_with_its_rounds_one_rank_window():
     assert times["2"][1] == [0.012, 0.024, 0.012]
     with pytest.raises(CalibrationError, match="no kernel-set run finished"):
         slowdown_factors([{1: [[0.01], [], [0.01]], 2: two}, {2: [[0.01], [0.01], [0.01]]}], 1, 3, 0.05)
+
+
+def test_time_shared_slowdown_prices_ranks_beyond_the_cores_as_time_sharing():
+    from autopar.calibrate.run import time_shared_slowdown
+    measured = {"1": 1.0, "2": 1.05, "3": 1.83, "4": 2.96}
+    # 2 cores: up to 2 ranks as measured, then 1.05 * k / 2 (each rank gets 2/k of a core)
+    assert time_shared_slowdown(measured, 2) == {"1": 1.0, "2": 1.05, "3": pytest.approx(1.575),
+                                                 "4": pytest.approx(2.1)}
+    # a reading under 1 at one rank per core is the machine speeding up between windows: 1
+    assert time_shared_slowdown({"1": 1.0, "2": 0.96, "4": 2.5}, 2)["4"] == pytest.approx(2.0)
+    # as many cores as ranks (or more): nothing is restated
+    assert time_shared_slowdown(measured, 4) == measured
+    assert time_shared_slowdown(measured, 16) == measured
+    # one core: k ranks take k times as long
+    assert time_shared_slowdown(measured, 1) == {"1": 1.0, "2": 2.0, "3": 3.0, "4": 4.0}
+    # the input is not changed
+    assert measured["4"] == 2.96
 
 
 def test_quick_calibration_measures_collectives_at_the_group_sizes_a_mesh_can_have():

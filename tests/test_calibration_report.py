@@ -17,3 +17,20 @@ def test_report_lists_every_fit_and_its_plots(tmp_path, profile):
     assert "| 4 | 3.00 ms | 8.00 ms |" in text      # in-situ row: w = 4, p = 2 and 4
     for png in (tmp_path / "rep").glob("*.png"):
         assert f"]({png.name})" in text
+
+
+def test_report_shows_the_slowdown_readings_beside_the_time_shared_factors(tmp_path, profile):
+    from autopar.calibrate.report import write_report
+    from autopar.calibrate.run import time_shared_slowdown
+    read = {"1": 1.0, "2": 1.05, "4": 2.9}
+    profile.compute_slowdown = time_shared_slowdown(read, 2)
+    profile.samples["compute_slowdown_measured"] = read
+    profile.samples["cores"] = 2
+    text = write_report(profile, tmp_path / "rep", "p.json").read_text()
+    assert "| factor | 1.00 | 1.05 | 2.10 |" in text
+    assert "| measured | 1.00 | 1.05 | 2.90 |" in text
+    assert "time sharing of the cores" in text
+    # nothing restated (as many cores as ranks): no second row
+    profile.compute_slowdown = dict(read)
+    again = write_report(profile, tmp_path / "rep2", "p.json").read_text()
+    assert "| measured | 1.00 |" not in again and "time sharing of the cores" not in again

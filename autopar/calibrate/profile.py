@@ -138,7 +138,9 @@ class Profile:
       ``source``. A multi-node calibration keeps its "inter" samples in
       ``samples["collectives_inter"]`` (``samples["collectives"]`` holds "intra").
     - ``exact[shape_key] = {"fwd": s, "bwd_data": s, "bwd_filter": s}``.
-    - ``compute_slowdown[str(k)]``: kernel-time factor with k ranks running on one node.
+    - ``compute_slowdown[str(k)]``: kernel-time factor with k ranks running on one node (a CPU
+      calibration prices counts beyond one rank per core as time sharing,
+      ``calibrate.run.time_shared_slowdown``; its readings: ``samples["compute_slowdown_measured"]``).
     """
 
     schema: str

@@ -170,6 +170,13 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                   "|---|" + "---|" * len(profile.compute_slowdown),
                   "| factor | " + " | ".join(f"{profile.compute_slowdown[k]:.2f}"
                                               for k in sorted(profile.compute_slowdown, key=int)) + " |"]
+        read = (profile.samples or {}).get("compute_slowdown_measured") or {}
+        if read and any(read.get(k) != v for k, v in profile.compute_slowdown.items()):
+            lines += ["| measured | " + " | ".join(f"{read[k]:.2f}" if k in read else "-"
+                                                  for k in sorted(profile.compute_slowdown, key=int)) + " |",
+                      "", f"Beyond one rank per core ({profile.samples.get('cores')} cores) the factor priced is "
+                      "time sharing of the cores, the reading at one rank per core times k / cores "
+                      "(`calibrate.run.time_shared_slowdown`); the measured row is what the windows read."]
     sp = (profile.samples or {}).get("speed_probe") or {}
     if sp.get("nominal_s"):
         rd = sp.get("readings_s") or []
