@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 20.760 ms, memory 2.7 MiB per rank
+Predicted:  step 20.934 ms, memory 2.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gnn_pcqm4m_dist.py --steps 5
@@ -37,11 +37,11 @@ class PlannedModel(DistModel):
         pad = self.op('pad', relu)  # aten.pad.default  gnn_pcqm4m.py:48
         # -- layer 3: convs.0  squeeze  (2, 118, 1)  -> sample(2)  [N2]
         unsqueeze = self.op('unsqueeze', src)  # aten.unsqueeze.default  gnn_pcqm4m.py:49
-        # -- layer 4: convs.0  expand  (2, 118, 100)  -> edges(2,2)  [N2xC2]
-        unsqueeze__0 = self.move(unsqueeze, 'unsqueeze', [[0, 2]], [[0, 2], [1, 2]], layer=4)  # transition N2 -> N2xC2
-        expand = self.op('expand', unsqueeze__0)  # aten.expand.default  gnn_pcqm4m.py:49
+        # -- layer 4: convs.0  expand  (2, 118, 100)  -> sample(2)  [N2]
+        expand = self.op('expand', unsqueeze)  # aten.expand.default  gnn_pcqm4m.py:49
         # -- layer 5: convs.0  gather  (2, 118, 100)  -> edges(2,2)  [N2xC2]
-        gather = self.op('gather', pad, expand)  # aten.gather.default  gnn_pcqm4m.py:49
+        expand__0 = self.move(expand, 'expand', [[0, 2]], [[0, 2], [1, 2]], layer=5)  # transition N2 -> N2xC2
+        gather = self.op('gather', pad, expand__0)  # aten.gather.default  gnn_pcqm4m.py:49
         # -- layer 6: convs.0.edge_mlp.0  linear+unary  (2, 118, 64)  -> edges(2,2)  [N2xC2]
         linear_2 = self.op('linear_2', relu_1)  # aten.linear.default  gnn_pcqm4m.py:50
         relu_2 = self.op('relu_2', linear_2)  # aten.relu.default  gnn_pcqm4m.py:50
@@ -62,12 +62,12 @@ class PlannedModel(DistModel):
         zeros = self.op('zeros')  # aten.zeros.default  gnn_pcqm4m.py:52
         # -- layer 14: convs.0  squeeze  (2, 118, 1)  -> sample(2)  [N2]
         unsqueeze_2 = self.op('unsqueeze_2', dst)  # aten.unsqueeze.default  gnn_pcqm4m.py:53
-        # -- layer 15: convs.0  expand  (2, 118, 32)  -> sample(2)  [N2]
-        expand_1 = self.op('expand_1', unsqueeze_2)  # aten.expand.default  gnn_pcqm4m.py:53
+        # -- layer 15: convs.0  expand  (2, 118, 32)  -> edges(2,2)  [N2xC2]
+        unsqueeze_2__1 = self.move(unsqueeze_2, 'unsqueeze_2', [[0, 2]], [[0, 2], [1, 2]], layer=15)  # transition N2 -> N2xC2
+        expand_1 = self.op('expand_1', unsqueeze_2__1)  # aten.expand.default  gnn_pcqm4m.py:53
         # -- layer 16: convs.0  scatter  (2, 52, 32)  -> edges(2,2)  [N2xP2]
-        zeros__1 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
-        expand_1__2 = self.move(expand_1, 'expand_1', [[0, 2]], [[0, 2], [1, 2]], layer=16)  # transition N2 -> N2xC2
-        scatter_add = self.op('scatter_add', zeros__1, expand_1__2, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
+        zeros__2 = self.move(zeros, 'zeros', [], [[0, 2]], layer=16)  # transition R -> N2
+        scatter_add = self.op('scatter_add', zeros__2, expand_1, squeeze)  # aten.scatter_add.default  gnn_pcqm4m.py:53
         # -- layer 17: convs.0.root  linear  (2, 51, 32)  -> sample(2)  [N2]
         linear_5 = self.op('linear_5', relu)  # aten.linear.default  gnn_pcqm4m.py:54
         # -- layer 18: convs.0  slice  (2, 51, 32)  -> sample(2)  [N2]

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gpt.py (sha256 935730bdc486), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 46.029 ms, memory 3.8 MiB per rank
+Predicted:  step 46.391 ms, memory 3.8 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gpt_dist.py --steps 5
@@ -89,12 +89,12 @@ class PlannedModel(DistModel):
         gelu_1 = self.op('gelu_1', linear_6)  # aten.gelu.default  gpt.py:49
         # -- layer 16: blocks.1.out  linear  (4, 16, 128)  -> row_parallel(2,2)  [N2xP2]
         linear_7 = self.op('linear_7', gelu_1)  # aten.linear.default  gpt.py:49
-        # -- layer 17: blocks.1  binary  (4, 16, 128)  -> sample(2)  [N2]
-        linear_7__4 = self.move(linear_7, 'linear_7', {'splits': [[0, 2]], 'partial': 2}, [[0, 2]], layer=17)  # transition N2xP2 -> N2
-        add_4 = self.op('add_4', add_3, linear_7__4)  # aten.add.Tensor  gpt.py:49
+        # -- layer 17: blocks.1  binary  (4, 16, 128)  -> sample(4)  [N4]
+        add_3__4 = self.move(add_3, 'add_3', [[0, 2]], [[0, 4]], layer=17)  # transition N2 -> N4
+        linear_7__5 = self.move(linear_7, 'linear_7', {'splits': [[0, 2]], 'partial': 2}, [[0, 4]], layer=17)  # transition N2xP2 -> N4
+        add_4 = self.op('add_4', add_3__4, linear_7__5)  # aten.add.Tensor  gpt.py:49
         # -- layer 18: ln  layer_norm  (4, 16, 128)  -> sample(4)  [N4]
-        add_4__5 = self.move(add_4, 'add_4', [[0, 2]], [[0, 4]], layer=18)  # transition N2 -> N4
-        layer_norm_4 = self.op('layer_norm_4', add_4__5)  # aten.layer_norm.default  gpt.py:64
+        layer_norm_4 = self.op('layer_norm_4', add_4)  # aten.layer_norm.default  gpt.py:64
         # -- layer 19: head  linear  (4, 16, 512)  -> sample(4)  [N4]
         linear_8 = self.op('linear_8', layer_norm_4)  # aten.linear.default  gpt.py:64
         return self.structured(linear_8)
