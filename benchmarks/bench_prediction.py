@@ -273,6 +273,13 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
     s = {"candidates": n_candidates, "distinct_plans": len(rows), "median_abs_error": statistics.median(errs),
          "max_abs_error": max(errs), "spearman": rho, "spearman_per_model": per_model,
          "median_round_spread": statistics.median(spreads) if spreads else None}
+    by_world = {}
+    for w in sorted({r["world"] for r in rows if "world" in r}):
+        e = [r["error"] for r in rows if r.get("world") == w]
+        by_world[str(w)] = {"plans": len(e), "median_signed_error": statistics.median(e),
+                            "median_abs_error": statistics.median(abs(x) for x in e)}
+    if by_world:
+        s["by_world"] = by_world
     probe = [x for r in rows for x in r.get("speed_probe_vs_profile_rounds") or () if x]
     if probe:
         s["speed_probe_vs_profile"] = statistics.median(probe)
@@ -287,6 +294,10 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
           f"(target <= {100 * target:.0f}%), max |error| {100 * s['max_abs_error']:.1f}%, Spearman rank "
           f"correlation {rho:.3f} over all; within each model's candidates (target >= 0.8): "
           + ", ".join(f"{m} {v:.3f}" for m, v in per_model.items()))
+    if by_world:
+        print(f"  {title.split(' (')[0]} by world size: " + "; ".join(
+            f"world {w}: {v['plans']} plans, median signed error {100 * v['median_signed_error']:+.1f}%, "
+            f"median |error| {100 * v['median_abs_error']:.1f}%" for w, v in by_world.items()))
     return s
 
 
