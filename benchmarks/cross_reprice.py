@@ -99,8 +99,8 @@ def load_swaps(specs: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def with_kernels_from(profile: Path, swaps: list[tuple[str, dict]], out: Path,
-                      time_shared_cores: int | None = None) -> Path:
+def restated_profile(profile: Path, swaps: list[tuple[str, dict]], out: Path,
+                     time_shared_cores: int | None = None) -> Path:
     """``profile``, or (with ``swaps``, from ``load_swaps``) a copy at ``out`` whose model and
     sweep rows of each swapped kernel class come from the other profile; with
     ``time_shared_cores``, its compute slowdown restated as time sharing of that many cores
@@ -152,8 +152,8 @@ def main(argv=None) -> int:
             "time sharing of the cores (calibrate.run.time_shared_slowdown)")
     cells: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
-        profiles = [with_kernels_from(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json",
-                                      args.time_shared_slowdown)
+        profiles = [restated_profile(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json",
+                                     args.time_shared_slowdown)
                     for i, q in enumerate(dirs)]
         for d, name in zip(dirs, names):
             plans = kept_plans(d)

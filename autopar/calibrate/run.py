@@ -234,7 +234,7 @@ def time_shared_slowdown(measured: dict[str, float], cores: int) -> dict[str, fl
     if not counts:
         return table
     c = max((k for k in counts if k <= max(1, int(cores))), default=counts[0])
-    base = max(1.0, table[str(c)]) if c > 1 else 1.0
+    base = max(1.0, table[str(c)])
     out = dict(table)
     for k in counts:
         if k > c:
