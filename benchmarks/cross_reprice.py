@@ -9,11 +9,16 @@ every column alike, which no profile made at another moment can know; the spread
 is what a different profile would have changed.
 
     python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE] [--kernel-from CLASS=PROFILE ...]
-                                      [--time-shared-slowdown CORES]
+                                      [--time-shared-slowdown CORES] [--insitu-from W=PROFILE ...]
 
 ``--time-shared-slowdown CORES`` restates every crossed profile's compute slowdown beyond
 CORES ranks as time sharing of the cores (``calibrate.run.time_shared_slowdown``, what a
 calibration stores since), in the same temporary copies.
+
+``--insitu-from 2=P`` is a what-if: every crossed profile's in-step costs with 2 ranks running
+(straggler kappa and sigma, the in-situ latency of each blocking kind and group size, the share
+of a gradient all-reduce that compute does not hide: ``calibrate.insitu``) are replaced by
+profile P's, in the same temporary copies.
 
 ``--kernel-from elementwise=P`` is a what-if: every crossed profile's fitted model of that kernel
 class (and its sweep rows) is replaced by profile P's before pricing, in temporary copies; the
@@ -99,15 +104,50 @@ def load_swaps(specs: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
+#: the in-step samples of one number of ranks running (``calibrate.insitu``), keyed by world
+INSITU_BY_WORLD = ("straggler_kappa", "straggler_sigma", "comm_interference", "insitu_latency_by_world_s")
+
+
+def load_insitu_swaps(specs: list[str]) -> list[tuple[str, dict]]:
+    """``W=PROFILE`` arguments as (world, the other profile's samples), each file read once."""
+    out = []
+    for spec in specs:
+        w, _, src = spec.partition("=")
+        if not w.isdigit() or not src:
+            raise SystemExit(f"--insitu-from takes W=PROFILE, got {spec!r} (e.g. 2=calibration/cpu-2core-gloo.json)")
+        q = json.loads(Path(src).read_text()).get("samples") or {}
+        if w not in (q.get("straggler_sigma") or {}) or w not in (q.get("insitu_latency_by_world_s") or {}):
+            raise SystemExit(f"{src} measured no in-step costs with {w} ranks running")
+        out.append((w, q))
+    return out
+
+
+def swap_insitu(samples: dict, w: str, q: dict) -> None:
+    """``samples``' in-step costs of ``w`` ranks running replaced by ``q``'s (in place)."""
+    for key in INSITU_BY_WORLD:
+        if w in (q.get(key) or {}):
+            samples.setdefault(key, {})[w] = q[key][w]
+    for kind, table in (q.get("insitu_latency_by_kind_s") or {}).items():
+        if w in table:
+            samples.setdefault("insitu_latency_by_kind_s", {}).setdefault(kind, {})[w] = table[w]
+    diagonal = (q.get("insitu_latency_by_world_s") or {}).get(w, {}).get(w)
+    if diagonal is not None:
+        samples.setdefault("insitu_latency_s", {})[w] = diagonal
+
+
 def restated_profile(profile: Path, swaps: list[tuple[str, dict]], out: Path,
-                     time_shared_cores: int | None = None) -> Path:
+                     time_shared_cores: int | None = None,
+                     insitu: list[tuple[str, dict]] = ()) -> Path:
     """``profile``, or (with ``swaps``, from ``load_swaps``) a copy at ``out`` whose model and
     sweep rows of each swapped kernel class come from the other profile; with
     ``time_shared_cores``, its compute slowdown restated as time sharing of that many cores
-    (``calibrate.run.time_shared_slowdown``) from its measured readings."""
-    if not swaps and time_shared_cores is None:
+    (``calibrate.run.time_shared_slowdown``) from its measured readings; with ``insitu`` (from
+    ``load_insitu_swaps``), its in-step costs of those worlds from the other profiles."""
+    if not swaps and time_shared_cores is None and not insitu:
         return profile
     p = json.loads(profile.read_text())
+    for w, q in insitu:
+        swap_insitu(p.setdefault("samples", {}), w, q)
     if time_shared_cores is not None:
         from autopar.calibrate.run import time_shared_slowdown
         measured = (p.get("samples") or {}).get("compute_slowdown_measured") or p["compute_slowdown"]
@@ -134,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--time-shared-slowdown", type=int, metavar="CORES",
                     help="what-if: every profile's compute slowdown beyond CORES ranks restated as time sharing "
                          "(calibrate.run.time_shared_slowdown), as a calibration now stores it")
+    ap.add_argument("--insitu-from", action="append", default=[], metavar="W=PROFILE",
+                    help="what-if: every profile's in-step costs with W ranks running (straggler, in-situ "
+                         "latencies, comm interference) taken from PROFILE")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     names = [d.name for d in dirs]
@@ -144,6 +187,11 @@ def main(argv=None) -> int:
         lines.append(s)
 
     swaps = load_swaps(args.kernel_from)
+    insitu = load_insitu_swaps(args.insitu_from)
+    for spec in args.insitu_from:
+        w, _, src = spec.partition("=")
+        say(f"what-if: every profile's in-step costs with {w} ranks running (straggler, in-situ latencies, "
+            f"comm interference) taken from {src}")
     for spec in args.kernel_from:
         op, _, src = spec.partition("=")
         say(f"what-if: every profile's {op} kernel model (and its sweep rows) taken from {src}")
@@ -153,7 +201,7 @@ def main(argv=None) -> int:
     cells: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
         profiles = [restated_profile(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json",
-                                     args.time_shared_slowdown)
+                                     args.time_shared_slowdown, insitu)
                     for i, q in enumerate(dirs)]
         for d, name in zip(dirs, names):
             plans = kept_plans(d)

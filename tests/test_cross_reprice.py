@@ -1,0 +1,49 @@
+"""benchmarks/cross_reprice.py's what-ifs restate copies of profiles; the runs' files stay as
+they were. Only the pure restating is tested here (crossing prices kept runs, minutes)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import cross_reprice  # noqa: E402
+
+
+def _samples(lat2: float, sigma2: float) -> dict:
+    return {"straggler_kappa": {"2": 0.05, "4": 0.3}, "straggler_sigma": {"2": sigma2, "4": 0.06},
+            "comm_interference": {"2": 0.8, "4": 1.0},
+            "insitu_latency_by_world_s": {"2": {"2": lat2}, "4": {"2": 0.0027, "4": 0.0070}},
+            "insitu_latency_s": {"2": lat2, "4": 0.0070},
+            "insitu_latency_by_kind_s": {"all_to_all": {"2": {"2": lat2 / 4}, "4": {"4": 0.0025}},
+                                         "p2p": {"2": {"2": lat2 / 2}, "4": {"2": 0.003}}}}
+
+
+def test_insitu_swap_replaces_one_world_only(tmp_path):
+    mine = {"kernels": {}, "compute_slowdown": {"1": 1.0, "2": 1.0, "4": 2.0}, "samples": _samples(0.0015, 0.003)}
+    theirs = {"samples": _samples(0.0030, 0.009)}
+    src = tmp_path / "theirs.json"
+    src.write_text(json.dumps(theirs))
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(mine))
+    out = cross_reprice.restated_profile(path, [], tmp_path / "out.json",
+                                         insitu=cross_reprice.load_insitu_swaps([f"2={src}"]))
+    s = json.loads(out.read_text())["samples"]
+    assert s["insitu_latency_by_world_s"]["2"] == {"2": 0.0030}
+    assert s["insitu_latency_s"]["2"] == 0.0030
+    assert s["straggler_sigma"] == {"2": 0.009, "4": 0.06}
+    assert s["insitu_latency_by_kind_s"]["p2p"]["2"] == {"2": 0.0015}
+    assert s["insitu_latency_by_kind_s"]["all_to_all"]["4"] == {"4": 0.0025}   # world 4 untouched
+    assert s["insitu_latency_by_world_s"]["4"] == mine["samples"]["insitu_latency_by_world_s"]["4"]
+    assert json.loads(path.read_text()) == mine                                # the original untouched
+
+
+def test_insitu_swap_bad_arguments_are_named(tmp_path):
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps({"samples": _samples(0.002, 0.005)}))
+    with pytest.raises(SystemExit, match="takes W=PROFILE"):
+        cross_reprice.load_insitu_swaps([str(src)])
+    with pytest.raises(SystemExit, match="no in-step costs with 3 ranks"):
+        cross_reprice.load_insitu_swaps([f"3={src}"])
