@@ -325,9 +325,9 @@ def calibrate_cli(quick: bool, out: Path) -> tuple[float, float]:
     process of its own: (the command's own timing, the wall time from starting it, interpreter and
     imports included). Not ``calibrate()`` in this process: called after this process had run a
     training step (``machine_reference_ms``), the forked ranks of the in-situ measurements read
-    the 2-rank blocking-collective latency 0.8-2.1 ms and the straggler sigma 0.0016-0.0047
-    s^0.5, against 2.5-3.0 ms and 0.0067-0.0131 from a fresh process (four of each, alternated,
-    2026-12-02), and every world-2 plan of the benchmark was predicted low."""
+    the 2-rank straggler sigma at about half its value from a fresh process and the latency
+    lower (``bench_calibration_caller.py``, ``reports/benchmarks/calibration_caller_state.txt``),
+    and the benchmark's world-2 plans were predicted low."""
     import subprocess
     cmd = [sys.executable, "-m", "autopar.calibrate.run", "--world-size", "4", "--out", str(out)]
     t = time.perf_counter()

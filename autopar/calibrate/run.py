@@ -295,10 +295,11 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
 
     Call it from a process that has not trained or run kernels itself (the command,
     ``python -m autopar.calibrate.run``, or ``autopar calibrate``): forked ranks inherit the
-    caller's malloc state (``runtime.memory``). Called in a process that had just run one
-    small training step, it read the 2-rank in-situ latency 0.8-2.1 ms and straggler sigma
-    0.0016-0.0047 s^0.5, against 2.5-3.0 ms and 0.0067-0.0131 from a fresh process (four of
-    each, alternated), and the prediction benchmark's world-2 plans were all predicted low.
+    caller's malloc state (``runtime.memory``). Measured in a process that had just run one
+    small training step, the 2-rank straggler sigma read 0.0050 s^0.5 against 0.0109 from a
+    fresh process, and the in-situ latency 1.98 against 2.33 ms (medians of four, alternated:
+    ``benchmarks/bench_calibration_caller.py``), and the prediction benchmark, which had
+    calibrated that way, predicted its world-2 plans low.
     """
     from ..runtime.launch import run_ranks
 
