@@ -329,9 +329,10 @@ def calibrate_cli(quick: bool, out: Path) -> tuple[float, float]:
     lower (``bench_calibration_caller.py``, ``reports/benchmarks/calibration_caller_state.txt``),
     and the benchmark's world-2 plans were predicted low."""
     import subprocess
-    cmd = [sys.executable, "-m", "autopar.calibrate.run", "--world-size", "4", "--out", str(out)]
+    cmd = [sys.executable, "-m", "autopar.calibrate.run", "--world-size", "4", "--out", str(out)] + \
+        (["--quick"] if quick else [])
     t = time.perf_counter()
-    r = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if r.returncode != 0:
         raise SystemExit(f"calibration failed ({' '.join(cmd)}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
