@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,6 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
 
-    import os
     say(f"# python benchmarks/bench_calibration_caller.py --rounds {args.rounds} --iters {args.iters}; "
         f"load average at the start {os.getloadavg()[0]:.2f}")
     got: dict[str, list[dict]] = {"fresh": [], "after_step": []}
