@@ -10,6 +10,10 @@ is what a different profile would have changed.
 
     python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE] [--kernel-from CLASS=PROFILE ...]
                                       [--time-shared-slowdown CORES] [--insitu-from W=PROFILE ...]
+                                      [--profiles-of DIR ...]
+
+``--profiles-of DIR ...`` prices every run's steps with those runs' profiles only (the
+columns), e.g. the runs whose fresh profile the current calibration code made.
 
 ``--time-shared-slowdown CORES`` restates every crossed profile's compute slowdown beyond
 CORES ranks as time sharing of the cores (``calibrate.run.time_shared_slowdown``, what a
@@ -73,16 +77,18 @@ def errors(plans: list[dict], profile: Path) -> dict[str, list[float]]:
     return out
 
 
-def by_world_lines(cells: dict[str, dict], names: list[str]) -> list[str]:
+def by_world_lines(cells: dict[str, dict], names: list[str], pnames: list[str] | None = None) -> list[str]:
     """Per set and world size, over every plan of every pairing: the median signed and
     absolute error, and the range of the per-profile signed medians (how far one profile's
-    reading moves that world's plans)."""
+    reading moves that world's plans). ``names``: the sets of measured steps, ``pnames`` the
+    profiles (default the same runs')."""
+    pnames = names if pnames is None else pnames
     out = []
     keys = sorted({k for c in cells.values() for k in c if " w" in k})
     for key in keys:
         every = [e for c in cells.values() for e in c.get(key, [])]
         per_profile = [statistics.median(e for m in names for e in cells[f"{m}|{p}"].get(key, []))
-                       for p in names]
+                       for p in pnames]
         out.append(f"{key}: {len(every)} plan-pairings, median signed error {100 * statistics.median(every):+.1f} %, "
                    f"median |error| {100 * statistics.median(abs(e) for e in every):.1f} %; per profile, the median "
                    f"signed error ranges {100 * min(per_profile):+.0f} .. {100 * max(per_profile):+.0f} %")
@@ -169,6 +175,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+", help="--keep folders of bench_prediction.py runs (fresh-quick.json in each)")
     ap.add_argument("--out", help="write the matrices here too (and the figures as .json beside it)")
+    ap.add_argument("--profiles-of", nargs="+", metavar="DIR",
+                    help="price with these runs' profiles only (the columns; default: every run's): e.g. only "
+                         "the runs whose profile the current code made")
     ap.add_argument("--kernel-from", action="append", default=[], metavar="CLASS=PROFILE",
                     help="what-if: price with this kernel class's model taken from PROFILE in every profile")
     ap.add_argument("--time-shared-slowdown", type=int, metavar="CORES",
@@ -180,6 +189,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     names = [d.name for d in dirs]
+    pdirs = [Path(d) for d in args.profiles_of] if args.profiles_of else dirs
+    pnames = [d.name for d in pdirs]
+    if len(set(pnames)) != len(pnames) or len(set(names)) != len(names):
+        raise SystemExit("run folders must have distinct names (they label the rows and columns)")
     lines: list[str] = []
 
     def say(s: str) -> None:
@@ -202,20 +215,20 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
         profiles = [restated_profile(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json",
                                      args.time_shared_slowdown, insitu)
-                    for i, q in enumerate(dirs)]
+                    for i, q in enumerate(pdirs)]
         for d, name in zip(dirs, names):
             plans = kept_plans(d)
-            for prof, pname in zip(profiles, names):
+            for prof, pname in zip(profiles, pnames):
                 cells[f"{name}|{pname}"] = errors(plans, prof)
-    width = max(len(n) for n in names) + 2
+    width = max(len(n) for n in names + pnames) + 2
     for title in ("in-sample", "held-out"):
         # rows: sets of measured steps; columns: profiles
-        rows = [[statistics.median(abs(x) for x in cells[f"{m}|{p}"][title]) for p in names] for m in names]
-        signed = [[statistics.median(cells[f"{m}|{p}"][title]) for p in names] for m in names]
+        rows = [[statistics.median(abs(x) for x in cells[f"{m}|{p}"][title]) for p in pnames] for m in names]
+        signed = [[statistics.median(cells[f"{m}|{p}"][title]) for p in pnames] for m in names]
         for what, table in (("median |error|", rows),
                             ("median signed error (< 0: measured slower than predicted)", signed)):
             say(f"{title}, {what}: a row per set of measured steps, a column per profile")
-            say(" " * width + "".join(f"{p:>{width}}" for p in names))
+            say(" " * width + "".join(f"{p:>{width}}" for p in pnames))
             for name, row in zip(names, table):
                 say(f"{name:<{width}}" + "".join(f"{100 * x:>{width - 1}.1f}%" for x in row))
         along_rows = statistics.median(max(r) - min(r) for r in rows)
@@ -223,13 +236,14 @@ def main(argv=None) -> int:
         say(f"{title}: median |error| ranges {100 * along_rows:.1f} points across profiles for the same "
             f"measurements, {100 * along_cols:.1f} points across measurements for the same profile "
             f"(medians over the rows / columns); diagonal (each run as the benchmark printed it): "
-            + ", ".join(f"{100 * rows[i][i]:.1f} %" for i in range(len(names))))
+            + (", ".join(f"{100 * rows[names.index(p)][j]:.1f} %" for j, p in enumerate(pnames) if p in names)
+               or "none (no run priced by its own profile)"))
         cells_all = sorted(x for r in rows for x in r)
         say(f"{title}: over all {len(cells_all)} pairings of measured steps and profile, the median |error| "
             f"ranges {100 * cells_all[0]:.1f}-{100 * cells_all[-1]:.1f} %, median {100 * statistics.median(cells_all):.1f} %; "
             f"per profile (median over the sets of measured steps): "
-            + ", ".join(f"{p} {100 * statistics.median(c):.1f} %" for p, c in zip(names, zip(*rows))))
-    for line in by_world_lines(cells, names):
+            + ", ".join(f"{p} {100 * statistics.median(c):.1f} %" for p, c in zip(pnames, zip(*rows))))
+    for line in by_world_lines(cells, names, pnames):
         say(line)
     if args.out:
         atomic_write_text(Path(args.out), "\n".join(lines) + "\n")

@@ -47,3 +47,15 @@ def test_insitu_swap_bad_arguments_are_named(tmp_path):
         cross_reprice.load_insitu_swaps([str(src)])
     with pytest.raises(SystemExit, match="no in-step costs with 3 ranks"):
         cross_reprice.load_insitu_swaps([f"3={src}"])
+
+
+def test_by_world_lines_with_fewer_profiles_than_runs():
+    """Rows (sets of measured steps) and columns (profiles) may differ: three runs' steps
+    priced by two runs' profiles; each world's line covers every pairing and ranges over the
+    two profiles' medians only."""
+    runs, profs = ["a", "b", "c"], ["b", "c"]
+    cells = {f"{m}|{p}": {"in-sample w2": [-0.2 if p == "b" else 0.1, -0.1 if p == "b" else 0.3]}
+             for m in runs for p in profs}
+    (line,) = cross_reprice.by_world_lines(cells, runs, profs)
+    assert line.startswith("in-sample w2: 12 plan-pairings")
+    assert "ranges -15 .. +20 %" in line      # b's median -0.15, c's +0.20
