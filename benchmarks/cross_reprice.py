@@ -10,10 +10,21 @@ is what a different profile would have changed.
 
     python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE] [--kernel-from CLASS=PROFILE ...]
                                       [--time-shared-slowdown CORES] [--insitu-from W=PROFILE ...]
-                                      [--profiles-of DIR ...]
+                                      [--profiles-of DIR ...] [--collective-stat mean] [--insitu-stat mean]
 
 ``--profiles-of DIR ...`` prices every run's steps with those runs' profiles only (the
 columns), e.g. the runs whose fresh profile the current calibration code made.
+
+``--collective-stat mean`` is a what-if: every crossed profile's collective models (intra-node,
+each kind and group size) fitted again from the sweep rows' MEAN time instead of the median
+(``calibrate.collectives.combine_ranks`` keeps both: on oversubscribed cores a collective either
+runs at once or waits a time slice, and a step that meets several pays the mean).
+
+``--insitu-stat mean`` is a what-if: every crossed profile's in-step costs (straggler kappa and
+sigma, in-situ latencies of every kind) read again from its stored probe rounds
+(``samples["insitu_raw"]``, ``calibrate.insitu.estimate_in_situ``) by their mean instead of
+their median, so that the stalls a minority of rounds meet are counted. Profiles made before
+the rounds were stored cannot take part (named error).
 
 ``--time-shared-slowdown CORES`` restates every crossed profile's compute slowdown beyond
 CORES ranks as time sharing of the cores (``calibrate.run.time_shared_slowdown``, what a
@@ -141,17 +152,65 @@ def swap_insitu(samples: dict, w: str, q: dict) -> None:
         samples.setdefault("insitu_latency_s", {})[w] = diagonal
 
 
+def refit_collectives(p: dict, stat: str) -> None:
+    """The profile data ``p``'s intra-node collective models fitted again from its sweep rows'
+    ``stat`` time (``"mean_s"`` or ``"median_s"``), in place; "inter" stays a marked copy of
+    "intra" (``calibrate.run.fit_models``)."""
+    from autopar.calibrate import fit
+    rows_by_kind = ((p.get("samples") or {}).get("collectives") or {})
+    for kind, per_p in rows_by_kind.items():
+        models = p.get("collectives", {}).get(kind)
+        if not models:
+            continue
+        for g, rows in per_p.items():
+            rows = [r for r in rows if isinstance(r, dict) and r.get(stat, 0) > 0]
+            if len(rows) < 3 or g not in models.get("intra", {}):
+                continue
+            m = fit.fit_collective(kind, int(g), [r["nbytes"] for r in rows], [r[stat] for r in rows])
+            models["intra"][g] = {**models["intra"][g], **m}
+            if g in models.get("inter", {}):
+                models["inter"][g] = {**models["inter"][g], "alpha_s": m["alpha_s"],
+                                      "beta_s_per_byte": m["beta_s_per_byte"]}
+
+
+def reestimate_insitu(p: dict, stat: str, where: str = "the profile") -> None:
+    """The profile data ``p``'s in-step costs of every world it measured, read again from its
+    stored probe rounds with ``stat`` (``calibrate.insitu.estimate_in_situ``), in place."""
+    from autopar.calibrate.insitu import estimate_in_situ
+    samples = p.setdefault("samples", {})
+    raw = samples.get("insitu_raw")
+    if not raw:
+        raise SystemExit(f"{where} has no stored in-situ probe rounds (samples.insitu_raw): it was "
+                         "calibrated before they were kept; leave it out of --insitu-stat")
+    for w, rounds in raw.items():
+        st, allreduce, by_kind = estimate_in_situ(rounds, int(w), stat)
+        samples.setdefault("straggler_kappa", {})[w] = st.kappa
+        samples.setdefault("straggler_sigma", {})[w] = st.sigma
+        samples.setdefault("insitu_latency_by_world_s", {})[w] = allreduce
+        if w in allreduce:
+            samples.setdefault("insitu_latency_s", {})[w] = allreduce[w]
+        for kind, table in by_kind.items():
+            samples.setdefault("insitu_latency_by_kind_s", {}).setdefault(kind, {})[w] = table
+
+
 def restated_profile(profile: Path, swaps: list[tuple[str, dict]], out: Path,
                      time_shared_cores: int | None = None,
-                     insitu: list[tuple[str, dict]] = ()) -> Path:
+                     insitu: list[tuple[str, dict]] = (), collective_stat: str | None = None,
+                     insitu_stat: str | None = None) -> Path:
     """``profile``, or (with ``swaps``, from ``load_swaps``) a copy at ``out`` whose model and
     sweep rows of each swapped kernel class come from the other profile; with
     ``time_shared_cores``, its compute slowdown restated as time sharing of that many cores
     (``calibrate.run.time_shared_slowdown``) from its measured readings; with ``insitu`` (from
-    ``load_insitu_swaps``), its in-step costs of those worlds from the other profiles."""
-    if not swaps and time_shared_cores is None and not insitu:
+    ``load_insitu_swaps``), its in-step costs of those worlds from the other profiles; with
+    ``collective_stat`` ("mean_s"), its collective models fitted from that statistic; with
+    ``insitu_stat`` ("mean"), its in-step costs read from its probe rounds with it."""
+    if not swaps and time_shared_cores is None and not insitu and not collective_stat and not insitu_stat:
         return profile
     p = json.loads(profile.read_text())
+    if insitu_stat:
+        reestimate_insitu(p, insitu_stat, str(profile))
+    if collective_stat:
+        refit_collectives(p, collective_stat)
     for w, q in insitu:
         swap_insitu(p.setdefault("samples", {}), w, q)
     if time_shared_cores is not None:
@@ -186,6 +245,10 @@ def main(argv=None) -> int:
     ap.add_argument("--insitu-from", action="append", default=[], metavar="W=PROFILE",
                     help="what-if: every profile's in-step costs with W ranks running (straggler, in-situ "
                          "latencies, comm interference) taken from PROFILE")
+    ap.add_argument("--collective-stat", choices=["mean"],
+                    help="what-if: every profile's collective models fitted from the sweep rows' mean time")
+    ap.add_argument("--insitu-stat", choices=["mean"],
+                    help="what-if: every profile's in-step costs read from its stored probe rounds by their mean")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     names = [d.name for d in dirs]
@@ -208,13 +271,20 @@ def main(argv=None) -> int:
     for spec in args.kernel_from:
         op, _, src = spec.partition("=")
         say(f"what-if: every profile's {op} kernel model (and its sweep rows) taken from {src}")
+    if args.insitu_stat:
+        say("what-if: every profile's in-step costs (straggler, in-situ latencies) read from its stored probe "
+            "rounds by their mean, not the median")
+    if args.collective_stat:
+        say("what-if: every profile's collective models fitted from the sweep rows' mean time, not the median")
     if args.time_shared_slowdown is not None:
         say(f"what-if: every profile's compute slowdown beyond {args.time_shared_slowdown} ranks restated as "
             "time sharing of the cores (calibrate.run.time_shared_slowdown)")
     cells: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="autopar-cross-") as tmp:
         profiles = [restated_profile(q / "fresh-quick.json", swaps, Path(tmp) / f"{i}.json",
-                                     args.time_shared_slowdown, insitu)
+                                     args.time_shared_slowdown, insitu,
+                                     f"{args.collective_stat}_s" if args.collective_stat else None,
+                                     args.insitu_stat)
                     for i, q in enumerate(pdirs)]
         for d, name in zip(dirs, names):
             plans = kept_plans(d)

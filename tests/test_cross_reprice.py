@@ -59,3 +59,44 @@ def test_by_world_lines_with_fewer_profiles_than_runs():
     (line,) = cross_reprice.by_world_lines(cells, runs, profs)
     assert line.startswith("in-sample w2: 12 plan-pairings")
     assert "ranges -15 .. +20 %" in line      # b's median -0.15, c's +0.20
+
+
+def test_collectives_refitted_from_the_mean(tmp_path):
+    """--collective-stat mean: the intra models fitted from the rows' mean time (here twice the
+    median at every size), "inter" following as a copy; the original file untouched."""
+    rows = [{"nbytes": n, "median_s": 1e-4 + 1e-9 * n, "mean_s": 2 * (1e-4 + 1e-9 * n)}
+            for n in (4, 1024, 65536, 1 << 20, 4 << 20)]
+    entry = {"alpha_s": 1.0, "beta_s_per_byte": 1.0, "measured": True}
+    prof = {"kernels": {}, "compute_slowdown": {"1": 1.0},
+            "collectives": {"allreduce": {"intra": {"2": dict(entry)}, "inter": {"2": dict(entry)}}},
+            "samples": {"collectives": {"allreduce": {"2": rows}}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    out = json.loads(cross_reprice.restated_profile(path, [], tmp_path / "o.json",
+                                                    collective_stat="mean_s").read_text())
+    median = json.loads(json.dumps(prof))
+    cross_reprice.refit_collectives(median, "median_s")
+    m, md = out["collectives"]["allreduce"]["intra"]["2"], median["collectives"]["allreduce"]["intra"]["2"]
+    assert m["alpha_s"] == pytest.approx(2 * md["alpha_s"], rel=1e-3)
+    assert m["beta_s_per_byte"] == pytest.approx(2 * md["beta_s_per_byte"], rel=1e-3)
+    assert out["collectives"]["allreduce"]["inter"]["2"]["alpha_s"] == m["alpha_s"]
+    assert m["measured"] is True
+    assert json.loads(path.read_text())["collectives"]["allreduce"]["intra"]["2"]["alpha_s"] == 1.0
+
+
+def test_insitu_stat_reads_the_stored_rounds_and_names_old_profiles(tmp_path):
+    """--insitu-stat mean: the in-step costs of each world read again from the profile's
+    stored probe rounds; a profile without them is named, not silently left as it was."""
+    from test_straggler import _rounds
+    prof = {"kernels": {}, "compute_slowdown": {"1": 1.0}, "samples": {**_samples(0.001, 0.0),
+                                                                        "insitu_raw": {"2": _rounds(2, 0.01)}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    s = json.loads(cross_reprice.restated_profile(path, [], tmp_path / "o.json", insitu_stat="mean").read_text())["samples"]
+    assert s["insitu_latency_by_world_s"]["2"]["2"] > 0.0014 and s["insitu_latency_s"]["2"] > 0.0014
+    assert s["straggler_sigma"]["2"] > 0.0
+    assert s["insitu_latency_by_world_s"]["4"] == prof["samples"]["insitu_latency_by_world_s"]["4"]   # not measured: kept
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"kernels": {}, "compute_slowdown": {"1": 1.0}, "samples": _samples(0.001, 0.0)}))
+    with pytest.raises(SystemExit, match="no stored in-situ probe rounds"):
+        cross_reprice.restated_profile(old, [], tmp_path / "o2.json", insitu_stat="mean")

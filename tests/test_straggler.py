@@ -149,3 +149,36 @@ def test_gradient_all_reduce_takes_compute_where_measured(root, profile):
     one_bare = build_cost_table(g, _ctx(profile, world=1))
     assert [c.bwd_compute_s for o in one.layers for c in o.costs] == \
         [c.bwd_compute_s for o in one_bare.layers for c in o.costs]
+
+
+def _rounds(w: int, stall_s: float) -> dict:
+    """Synthetic probe rounds of w ranks (``insitu.raw_rounds``' layout): every probe's sync
+    rounds take 3 ms against 1 ms local, one sync round in ten stalls ``stall_s`` more; rank
+    1's long straggler segments run 2 ms over rank 0's in a fifth of the rounds."""
+    from autopar.calibrate.insitu import KIND_GROUPS, VARIANTS
+    probe = {name: ([3e-3] * 9 + [3e-3 + stall_s]) if sync else [1e-3] * 10 for name, sync in VARIANTS}
+    raw = {"straggler": {str(L): [[L * 1e-3] * 10, [L * 1e-3 + (2e-3 if i % 5 == 0 else 0.0) for i in range(10)]]
+                         + [[L * 1e-3] * 10] * (w - 2) for L in (2, 8, 32)}}
+    for p in range(2, w + 1):
+        raw[f"allreduce:{p}"] = [probe] * w
+    for kind, groups in KIND_GROUPS.items():
+        for p in groups(w):
+            raw[f"{kind}:{p}"] = [probe] * w
+    return raw
+
+
+def test_in_situ_estimates_from_stored_rounds():
+    """The median reading (what calibration stores) ignores a stall one round in ten meets and
+    the occasional straggler; the mean counts both (``estimate_in_situ``)."""
+    from autopar.calibrate.insitu import estimate_in_situ, latency_s
+    raw = _rounds(2, stall_s=0.01)
+    st, lat, by_kind = estimate_in_situ(raw, 2)
+    assert st.kappa == 0.0 and st.sigma == 0.0                   # the median round waits nothing
+    assert lat == {"2": pytest.approx(1e-3)}                     # (3 ms - 1 ms) / 2
+    assert by_kind["p2p"] == {"2": pytest.approx(1e-3)}
+    st_m, lat_m, _ = estimate_in_situ(raw, 2, "mean")
+    assert st_m.sigma == pytest.approx(0.2e-3 / math.sqrt(32e-3 + 0.2e-3))   # max - mean: 1 ms in 2 rounds of 10
+    assert lat_m["2"] > lat["2"] + 4e-4                           # the stall's 1 ms per sync, less the mean straggler wait
+    assert latency_s(raw["allreduce:2"], None, "mean") == pytest.approx((4e-3 - 1e-3) / 2)
+    with pytest.raises(ValueError, match="one of median, mean"):
+        estimate_in_situ(raw, 2, "p90")

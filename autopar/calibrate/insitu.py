@@ -58,12 +58,14 @@ def _rank(rank, world, iters, p=None):
     return _time_variants(body, len(ranks) > 1, iters)
 
 
-def _time_variants(body, can_sync: bool, iters: int) -> dict[str, float]:
-    """Median time of ``body(sync)`` for the variants local, sync, local2, sync2 (interleaved,
-    so that a slow phase of the machine does not fall on one variant), after a barrier."""
+def _time_variants(body, can_sync: bool, iters: int) -> dict[str, list[float]]:
+    """The times of ``iters`` runs of ``body(sync)`` for each of the variants local, sync,
+    local2, sync2 (one after another, so that a slow phase of the machine does not fall on one
+    variant alone), after a barrier each: ``{variant: [s, ...]}`` (``latency_s`` reduces
+    them)."""
     import torch.distributed as dist
     out = {}
-    for name, sync in (("local", False), ("sync", True), ("local2", False), ("sync2", True)):
+    for name, sync in VARIANTS:
         sync = sync and can_sync
         for _ in range(3):
             body(sync)
@@ -73,8 +75,12 @@ def _time_variants(body, can_sync: bool, iters: int) -> dict[str, float]:
             t = time.perf_counter()
             body(sync)
             ts.append(time.perf_counter() - t)
-        out[name] = statistics.median(ts)
+        out[name] = [float(f"{t:.6g}") for t in ts]
     return out
+
+
+#: the in-situ probes' variants (name, synchronises): each pair timed twice, interleaved
+VARIANTS = (("local", False), ("sync", True), ("local2", False), ("sync2", True))
 
 
 def _kind_rank(rank, world, iters, p, kind):
@@ -199,21 +205,66 @@ def _step_costs_rank(rank, world, iters, lengths):
     return out
 
 
-def _latency_s(per_rank, w: int, p: int, key, straggle: "Straggler | None") -> float:
-    """latency(p, w) = (t_sync - t_local - wait_w(t_local)) / 2 over the ranks that
-    synchronised (the straggler share is priced with the compute)."""
-    in_groups = [r[key] for r in per_rank[: (w // p) * p]]
-    sync = statistics.median([min(r["sync"], r["sync2"]) for r in in_groups])
-    local = statistics.median([min(r["local"], r["local2"]) for r in in_groups])
+#: how the in-step estimators reduce a probe's repeated rounds: "median" (what calibration
+#: stores: a stall that most rounds miss is not counted) or "mean" (every stall counted, as a
+#: long training run pays them; a what-if read from the stored rounds, ``insitu_raw``)
+STATS = ("median", "mean")
+
+
+def _reduce(xs, stat: str) -> float:
+    return statistics.median(xs) if stat == "median" else statistics.fmean(xs)
+
+
+def latency_s(rounds_by_rank: list[dict], straggle: "Straggler | None", stat: str = "median") -> float:
+    """latency = (t_sync - t_local - wait(t_local)) / 2 from the probe rounds of the ranks
+    that synchronised (``{variant: [s, ...]}`` each, ``_time_variants``); the straggler share
+    is priced with the compute. ``stat`` "median": per rank the lower of the two passes'
+    medians of each variant, then the median over ranks (as calibrated); "mean": per rank the
+    mean over both passes' rounds, then the median over ranks."""
+    def per_rank(r, a, b):
+        return min(_reduce(r[a], "median"), _reduce(r[b], "median")) if stat == "median" \
+            else _reduce(list(r[a]) + list(r[b]), stat)
+    sync = statistics.median([per_rank(r, "sync", "sync2") for r in rounds_by_rank])
+    local = statistics.median([per_rank(r, "local", "local2") for r in rounds_by_rank])
     return max(0.0, (sync - local - (straggle.wait_s(local) if straggle else 0.0)) / 2.0)
 
 
-def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, lengths=None):
+def raw_rounds(per_rank: list[dict]) -> dict:
+    """``_step_costs_rank``'s results of one world as JSON data (``samples["insitu_raw"]``):
+    ``{"straggler": {str(L): [per rank: [s per round]]}, "allreduce:2": [per rank: {variant:
+    [s, ...]}], ...}``."""
+    out: dict = {"straggler": {str(L): [r["straggler"][L] for r in per_rank] for L in per_rank[0]["straggler"]}}
+    for key in per_rank[0]:
+        if isinstance(key, tuple):
+            out[f"{key[0]}:{key[1]}"] = [r[key] for r in per_rank]
+    return out
+
+
+def estimate_in_situ(raw: dict, w: int, stat: str = "median"):
+    """(Straggler, ``{str(p): all-reduce latency}``, ``{kind: {str(p): latency}}``) of w ranks
+    running, from one world's probe rounds (``raw_rounds``), each quantity reduced by ``stat``
+    (``STATS``): what ``measure_in_situ`` stores (median), or the what-if (mean)."""
+    if stat not in STATS:
+        raise ValueError(f"in-situ statistic {stat!r}: one of {', '.join(STATS)}")
+    lengths = sorted(raw["straggler"], key=int)
+    st = fit_straggler([straggler_point(raw["straggler"][L], stat) for L in lengths])
+
+    def lat(kind, p):
+        return latency_s(raw[f"{kind}:{p}"][: (w // p) * p], st, stat)
+    allreduce = {str(p): lat("allreduce", p) for p in range(2, w + 1)}
+    by_kind = {kind: {str(p): lat(kind, p) for p in groups(w)} for kind, groups in KIND_GROUPS.items()}
+    return st, allreduce, by_kind
+
+
+def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, lengths=None,
+                    raw: dict | None = None):
     """(straggler, all-reduce latency, latency by kind, comm interference) for each world
     w >= 2 of ``world_sizes``, one launch of w ranks each (``_step_costs_rank``):
     ``{str(w): Straggler}``, ``{str(w): {str(p): s}}`` per blocking all-reduce among p ranks
     inside a step with w running, ``{kind: the same}``, and ``{str(w): share}`` of a gradient
-    all-reduce that compute does not hide (``comm_interference``)."""
+    all-reduce that compute does not hide (``comm_interference``). ``raw``, when given, gets
+    each world's probe rounds (``raw_rounds``) under ``str(w)``, so that another statistic can
+    be read from them later (``estimate_in_situ``)."""
     from ..runtime.launch import run_ranks
     lengths = tuple(lengths or STRAGGLER_LENGTHS)
     straggle: dict[str, Straggler] = {}
@@ -224,11 +275,12 @@ def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, leng
         if w < 2:
             continue
         per_rank = run_ranks(_step_costs_rank, w, args=(iters, lengths), timeout_s=timeout_s)
-        st = straggle[str(w)] = fit_straggler([straggler_point([r["straggler"][L] for r in per_rank])
-                                                for L in lengths])
-        lat[str(w)] = {str(p): _latency_s(per_rank, w, p, ("allreduce", p), st) for p in range(2, w + 1)}
-        for kind, groups in KIND_GROUPS.items():
-            by_kind[kind][str(w)] = {str(p): _latency_s(per_rank, w, p, (kind, p), st) for p in groups(w)}
+        rounds = raw_rounds(per_rank)
+        if raw is not None:
+            raw[str(w)] = rounds
+        straggle[str(w)], lat[str(w)], kinds = estimate_in_situ(rounds, w)
+        for kind, table in kinds.items():
+            by_kind[kind][str(w)] = table
         phi[str(w)] = comm_interference([r["overlap"] for r in per_rank])
     return straggle, lat, by_kind, phi
 
@@ -272,7 +324,7 @@ def _straggle_rank(rank, world, iters, lengths):
         for _ in range(straggler_rounds(L, lengths, iters)):
             t = time.perf_counter()
             compute()
-            ts.append(time.perf_counter() - t)
+            ts.append(float(f"{time.perf_counter() - t:.6g}"))
             dist.all_reduce(one)
         out[L] = ts
     return out
@@ -306,15 +358,15 @@ class Straggler:
 STRAGGLER_LENGTHS = (2, 8, 32)
 
 
-def straggler_point(rounds_by_rank) -> tuple[float, float]:
+def straggler_point(rounds_by_rank, stat: str = "median") -> tuple[float, float]:
     """(compute seconds, wait seconds) of one segment length from each rank's compute time per
     synchronised round: a round lasts as long as its slowest rank's compute, so a rank waits
-    ``max_r c_r - c_self``. Medians over the rounds of the ranks' mean compute and mean wait:
-    measured within the same rounds, not as the difference of two separately timed runs,
-    which the machine's drift between them swamped."""
+    ``max_r c_r - c_self``. Medians (``stat`` "mean": means) over the rounds of the ranks' mean
+    compute and mean wait: measured within the same rounds, not as the difference of two
+    separately timed runs, which the machine's drift between them swamped."""
     rounds = list(zip(*rounds_by_rank))
-    compute = statistics.median(statistics.fmean(r) for r in rounds)
-    wait = statistics.median(max(r) - statistics.fmean(r) for r in rounds)
+    compute = _reduce([statistics.fmean(r) for r in rounds], stat)
+    wait = _reduce([max(r) - statistics.fmean(r) for r in rounds], stat)
     return compute, wait
 
 
@@ -396,7 +448,9 @@ def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -
     from ..runtime.launch import run_ranks
     from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
-    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters)
+    raw: dict = {}
+    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw)
+    prof.samples["insitu_raw"] = raw
     apply_straggler(prof, straggle)
     apply_insitu(prof, lat)
     apply_insitu_by_kind(prof, by_kind)

@@ -141,6 +141,10 @@ class Profile:
     - ``compute_slowdown[str(k)]``: kernel-time factor with k ranks running on one node (a CPU
       calibration prices counts beyond one rank per core as time sharing,
       ``calibrate.run.time_shared_slowdown``; its readings: ``samples["compute_slowdown_measured"]``).
+    - ``samples["insitu_raw"][str(w)]``: the in-step probes' rounds with w ranks running
+      (``calibrate.insitu.raw_rounds``), from which the stored straggler and in-situ latencies
+      were read (their medians) and another statistic can be read later
+      (``insitu.estimate_in_situ``); absent from profiles made before they were kept.
     """
 
     schema: str
