@@ -15,6 +15,13 @@ the asynchronous gradient allreduce keeps the isolated fit. The same for the oth
 kinds (``KIND_GROUPS``), and the straggler wait itself (``Straggler``): all of it in one
 launch of w ranks per world w (``measure_in_situ``), since starting w processes and their
 process group costs about as much as one quantity's measurement.
+
+Every probe is repeated, and the stored figures are medians over its rounds: a stall that a
+minority of rounds meet (a rank descheduled for a time slice) is not counted, though a step
+that meets several synchronisations meets it more often. The rounds themselves are kept in the
+profile (``samples["insitu_raw"]``, ``raw_rounds``), and ``estimate_in_situ`` reads them by
+either statistic, so that another one can be tried against measured steps without calibrating
+again (``benchmarks/cross_reprice.py --insitu-stat mean``).
 """
 
 from __future__ import annotations
