@@ -169,7 +169,8 @@ def main(argv=None) -> int:
             f"+ a blocking all-reduce of the gradients' size {1e3 * (med['allreduce'] - med['local']):+.2f} ms, "
             f"+ DDP {1e3 * (med['ddp'] - med['local']):+.2f} ms")
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        from autopar.io import atomic_write_text
+        atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
     return 0
 
 
