@@ -47,27 +47,27 @@ SPLIT = [("resnet2d", EX / "resnet2d.py", 16), ("gpt", EX / "gpt.py", 8)]
 
 
 def _step_fn(path: str, batch: int, wrap=None):
-    """A closure running one training step of the model file at ``batch`` samples (the user's
-    module, SGD with momentum), and the model; ``wrap(model)`` returns the module called."""
+    """A closure running one training step of the model file at ``batch`` samples
+    (``execute.timing.step_once``: the user's module, SGD with momentum, on the synthetic batch
+    ``autopar execute`` makes), and the model; ``wrap(model)`` returns the module called."""
     import torch
 
+    from autopar.execute.timing import step_once
     from autopar.modelfile import load_model_file
+    from autopar.runtime.entry import synthetic_batch
     mf = load_model_file(path)
     torch.manual_seed(0)
     model = mf.build_model()
-    xs = [x.float() if x.is_floating_point() else x for x in mf.example_inputs(batch)]
-    ys = mf.example_targets(batch)
+    xs, ys = synthetic_batch(mf, batch, 1)
     loss_fn = mf.loss_fn()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     called = wrap(model) if wrap else model
 
+    def loss_of(out):
+        return loss_fn(out, ys) if ys is not None else loss_fn(out)
+
     def step(after_backward=None):
-        opt.zero_grad(set_to_none=True)
-        out = called(*xs)
-        (loss_fn(out, ys) if ys is not None else loss_fn(out)).backward()
-        if after_backward is not None:
-            after_backward()
-        opt.step()
+        step_once(called, opt, xs, loss_of, after_backward or (lambda: None))
     return step, model
 
 

@@ -153,44 +153,34 @@ def swap_insitu(samples: dict, w: str, q: dict) -> None:
 
 
 def refit_collectives(p: dict, stat: str) -> None:
-    """The profile data ``p``'s intra-node collective models fitted again from its sweep rows'
-    ``stat`` time (``"mean_s"`` or ``"median_s"``), in place; "inter" stays a marked copy of
-    "intra" (``calibrate.run.fit_models``)."""
-    from autopar.calibrate import fit
-    rows_by_kind = ((p.get("samples") or {}).get("collectives") or {})
-    for kind, per_p in rows_by_kind.items():
-        models = p.get("collectives", {}).get(kind)
-        if not models:
-            continue
-        for g, rows in per_p.items():
-            rows = [r for r in rows if isinstance(r, dict) and r.get(stat, 0) > 0]
-            if len(rows) < 3 or g not in models.get("intra", {}):
-                continue
-            m = fit.fit_collective(kind, int(g), [r["nbytes"] for r in rows], [r[stat] for r in rows])
-            models["intra"][g] = {**models["intra"][g], **m}
-            if g in models.get("inter", {}):
-                models["inter"][g] = {**models["inter"][g], "alpha_s": m["alpha_s"],
-                                      "beta_s_per_byte": m["beta_s_per_byte"]}
+    """The profile data ``p``'s collective models fitted again from its sweep rows' ``stat``
+    time (``"mean_s"`` or ``"median_s"``) as calibration fits them
+    (``calibrate.run.fit_collective_models``), in place."""
+    from autopar.calibrate.run import fit_collective_models
+    p.setdefault("collectives", {}).update(
+        fit_collective_models(((p.get("samples") or {}).get("collectives") or {}), stat))
 
 
 def reestimate_insitu(p: dict, stat: str, where: str = "the profile") -> None:
-    """The profile data ``p``'s in-step costs of every world it measured, read again from its
-    stored probe rounds with ``stat`` (``calibrate.insitu.estimate_in_situ``), in place."""
-    from autopar.calibrate.insitu import estimate_in_situ
+    """The profile data ``p``'s in-step costs of every world its stored probe rounds hold, read
+    again with ``stat`` (``calibrate.insitu.estimate_in_situ``), in place: each world's figures
+    laid out by the calibration's own writers (``apply_straggler``, ``apply_insitu``,
+    ``apply_insitu_by_kind``) and put in world by world (``swap_insitu``)."""
+    from types import SimpleNamespace
+
+    from autopar.calibrate.insitu import apply_insitu, apply_insitu_by_kind, apply_straggler, estimate_in_situ
     samples = p.setdefault("samples", {})
     raw = samples.get("insitu_raw")
     if not raw:
         raise SystemExit(f"{where} has no stored in-situ probe rounds (samples.insitu_raw): it was "
                          "calibrated before they were kept; leave it out of --insitu-stat")
     for w, rounds in raw.items():
-        st, allreduce, by_kind = estimate_in_situ(rounds, int(w), stat)
-        samples.setdefault("straggler_kappa", {})[w] = st.kappa
-        samples.setdefault("straggler_sigma", {})[w] = st.sigma
-        samples.setdefault("insitu_latency_by_world_s", {})[w] = allreduce
-        if w in allreduce:
-            samples.setdefault("insitu_latency_s", {})[w] = allreduce[w]
-        for kind, table in by_kind.items():
-            samples.setdefault("insitu_latency_by_kind_s", {}).setdefault(kind, {})[w] = table
+        st, lat, by_kind = estimate_in_situ(rounds, int(w), stat)
+        q = SimpleNamespace(samples={})
+        apply_straggler(q, {w: st})
+        apply_insitu(q, {w: lat})
+        apply_insitu_by_kind(q, {kind: {w: table} for kind, table in by_kind.items()})
+        swap_insitu(samples, w, q.samples)
 
 
 def restated_profile(profile: Path, swaps: list[tuple[str, dict]], out: Path,

@@ -456,12 +456,19 @@ def fit_models(kernel_samples: dict, coll_samples: dict) -> tuple[dict, dict]:
         m = fit.fit_kernel([r["flops"] for r in rows], [r["bytes"] for r in rows],
                            [r["median_s"] for r in rows])
         kernel_models[op] = {**m, "measured": True}
+    return kernel_models, fit_collective_models(coll_samples)
+
+
+def fit_collective_models(coll_samples: dict, stat: str = "median_s") -> dict:
+    """The collective models (``fit.fit_collective`` of each kind and group size's sweep rows,
+    by their ``stat`` time: the median, as calibration fits them; ``benchmarks/cross_reprice.py
+    --collective-stat mean`` tries the mean), intra-node, "inter" a marked copy."""
     coll_models: dict[str, dict] = {}
     for kind, per_p in coll_samples.items():
         intra = {}
         for p, rows in per_p.items():
             m = fit.fit_collective(kind, int(p), [r["nbytes"] for r in rows],
-                                   [r["median_s"] for r in rows])
+                                   [r[stat] for r in rows])
             intra[p] = {**m, "measured": True, "source": f"measured, {p} ranks on one node"}
         if not intra:
             continue
@@ -472,7 +479,7 @@ def fit_models(kernel_samples: dict, coll_samples: dict) -> tuple[dict, dict]:
                      "source": "NOT MEASURED: copy of intra (single-node calibration)"}
                  for p, e in intra.items()}
         coll_models[kind] = {"intra": intra, "inter": inter}
-    return kernel_models, coll_models
+    return coll_models
 
 
 def derived_models(prof, kernel_samples: dict) -> list[str]:
