@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     for w in a.worlds:
         per_rank = run_ranks(_straggle_rank, w, args=(a.iters, tuple(a.lengths)), timeout_s=1200)
-        pts = {L: straggler_point([r[L] for r in per_rank]) for L in a.lengths}
+        pts = {L: straggler_point([r[L] for r in per_rank], "median") for L in a.lengths}
         st = fit_straggler([pts[L] for L in STRAGGLER_LENGTHS if L in pts])
         lines.append(f"== {w} ranks: fitted kappa {st.kappa:.3f}, sigma {st.sigma:.4f} s^0.5")
         for L in a.lengths:

@@ -10,7 +10,7 @@ is what a different profile would have changed.
 
     python benchmarks/cross_reprice.py DIR [DIR ...] [--out FILE] [--kernel-from CLASS=PROFILE ...]
                                       [--time-shared-slowdown CORES] [--insitu-from W=PROFILE ...]
-                                      [--profiles-of DIR ...] [--collective-stat mean] [--insitu-stat mean]
+                                      [--profiles-of DIR ...] [--collective-stat mean] [--insitu-stat median|mean]
 
 ``--profiles-of DIR ...`` prices every run's steps with those runs' profiles only (the
 columns), e.g. the runs whose fresh profile the current calibration code made.
@@ -20,11 +20,12 @@ each kind and group size) fitted again from the sweep rows' MEAN time instead of
 (``calibrate.collectives.combine_ranks`` keeps both: on oversubscribed cores a collective either
 runs at once or waits a time slice, and a step that meets several pays the mean).
 
-``--insitu-stat mean`` is a what-if: every crossed profile's in-step costs (straggler kappa and
-sigma, in-situ latencies of every kind) read again from its stored probe rounds
-(``samples["insitu_raw"]``, ``calibrate.insitu.estimate_in_situ``) by their mean instead of
-their median, so that the stalls a minority of rounds meet are counted. Profiles made before
-the rounds were stored cannot take part (named error).
+``--insitu-stat {median,mean}`` reads every crossed profile's in-step costs (straggler kappa
+and sigma, in-situ latencies of every kind) again from its stored probe rounds
+(``samples["insitu_raw"]``, ``calibrate.insitu.estimate_in_situ``) by that statistic: the mean
+counts the stalls a minority of rounds meet, the median does not (the one calibration stored
+is ``samples["insitu_stat"]``; absent, the median). Profiles made before the rounds were
+stored cannot take part (named error).
 
 ``--time-shared-slowdown CORES`` restates every crossed profile's compute slowdown beyond
 CORES ranks as time sharing of the cores (``calibrate.run.time_shared_slowdown``, what a
@@ -181,6 +182,7 @@ def reestimate_insitu(p: dict, stat: str, where: str = "the profile") -> None:
         apply_insitu(q, {w: lat})
         apply_insitu_by_kind(q, {kind: {w: table} for kind, table in by_kind.items()})
         swap_insitu(samples, w, q.samples)
+    samples["insitu_stat"] = stat
 
 
 def restated_profile(profile: Path, swaps: list[tuple[str, dict]], out: Path,
@@ -193,7 +195,7 @@ def restated_profile(profile: Path, swaps: list[tuple[str, dict]], out: Path,
     (``calibrate.run.time_shared_slowdown``) from its measured readings; with ``insitu`` (from
     ``load_insitu_swaps``), its in-step costs of those worlds from the other profiles; with
     ``collective_stat`` ("mean_s"), its collective models fitted from that statistic; with
-    ``insitu_stat`` ("mean"), its in-step costs read from its probe rounds with it."""
+    ``insitu_stat`` ("median" or "mean"), its in-step costs read from its probe rounds with it."""
     if not swaps and time_shared_cores is None and not insitu and not collective_stat and not insitu_stat:
         return profile
     p = json.loads(profile.read_text())
@@ -237,8 +239,8 @@ def main(argv=None) -> int:
                          "latencies, comm interference) taken from PROFILE")
     ap.add_argument("--collective-stat", choices=["mean"],
                     help="what-if: every profile's collective models fitted from the sweep rows' mean time")
-    ap.add_argument("--insitu-stat", choices=["mean"],
-                    help="what-if: every profile's in-step costs read from its stored probe rounds by their mean")
+    ap.add_argument("--insitu-stat", choices=["median", "mean"],
+                    help="every profile's in-step costs read from its stored probe rounds by this statistic")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     names = [d.name for d in dirs]
@@ -262,8 +264,8 @@ def main(argv=None) -> int:
         op, _, src = spec.partition("=")
         say(f"what-if: every profile's {op} kernel model (and its sweep rows) taken from {src}")
     if args.insitu_stat:
-        say("what-if: every profile's in-step costs (straggler, in-situ latencies) read from its stored probe "
-            "rounds by their mean, not the median")
+        say(f"every profile's in-step costs (straggler, in-situ latencies) read from its stored probe "
+            f"rounds by their {args.insitu_stat}")
     if args.collective_stat:
         say("what-if: every profile's collective models fitted from the sweep rows' mean time, not the median")
     if args.time_shared_slowdown is not None:

@@ -318,9 +318,11 @@ def test_tiny_calibration_end_to_end(tmp_path):
         t = prof.exact_time_s(shape_key(spec), "bwd_data")
         assert t is not None and 0 < t < 1
     assert prof.samples["collectives"]["allreduce"]["2"][0]["times_s"]
-    # the in-step probes' rounds are kept, and read by their median they are what is stored
-    from autopar.calibrate.insitu import estimate_in_situ
-    st, lat, by_kind = estimate_in_situ(prof.samples["insitu_raw"]["2"], 2)
+    # the in-step probes' rounds are kept, and read by the statistic the profile names they are
+    # what is stored
+    from autopar.calibrate.insitu import STORED_STAT, estimate_in_situ
+    assert prof.samples["insitu_stat"] == STORED_STAT
+    st, lat, by_kind = estimate_in_situ(prof.samples["insitu_raw"]["2"], 2, prof.samples["insitu_stat"])
     assert (st.kappa, st.sigma) == (prof.samples["straggler_kappa"]["2"], prof.samples["straggler_sigma"]["2"])
     assert lat == prof.samples["insitu_latency_by_world_s"]["2"]
     assert by_kind["p2p"] == prof.samples["insitu_latency_by_kind_s"]["p2p"]["2"]

@@ -85,8 +85,9 @@ def test_collectives_refitted_from_the_mean(tmp_path):
 
 
 def test_insitu_stat_reads_the_stored_rounds_and_names_old_profiles(tmp_path):
-    """--insitu-stat mean: the in-step costs of each world read again from the profile's
-    stored probe rounds; a profile without them is named, not silently left as it was."""
+    """--insitu-stat mean / median: the in-step costs of each world read again from the
+    profile's stored probe rounds; a profile without them is named, not silently left as it
+    was."""
     from test_straggler import _rounds
     prof = {"kernels": {}, "compute_slowdown": {"1": 1.0}, "samples": {**_samples(0.001, 0.0),
                                                                         "insitu_raw": {"2": _rounds(2, 0.01)}}}
@@ -96,6 +97,10 @@ def test_insitu_stat_reads_the_stored_rounds_and_names_old_profiles(tmp_path):
     assert s["insitu_latency_by_world_s"]["2"]["2"] > 0.0014 and s["insitu_latency_s"]["2"] > 0.0014
     assert s["straggler_sigma"]["2"] > 0.0
     assert s["insitu_latency_by_world_s"]["4"] == prof["samples"]["insitu_latency_by_world_s"]["4"]   # not measured: kept
+    assert s["insitu_stat"] == "mean"
+    back = json.loads(cross_reprice.restated_profile(path, [], tmp_path / "m.json", insitu_stat="median").read_text())
+    assert back["samples"]["insitu_stat"] == "median"
+    assert back["samples"]["insitu_latency_by_world_s"]["2"]["2"] == pytest.approx(1e-3)   # the stall not counted
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"kernels": {}, "compute_slowdown": {"1": 1.0}, "samples": _samples(0.001, 0.0)}))
     with pytest.raises(SystemExit, match="no stored in-situ probe rounds"):

@@ -91,8 +91,10 @@ def test_fit_from_rounds():
     from the short segments and sigma from the long one (the waits measured on the 2-core
     machine with 4 ranks: 2.1, 7.1, 18.3 ms after 7.1, 34.7, 126.6 ms of compute)."""
     # two ranks, three rounds: the slower one sets each round
-    t, d = straggler_point([[1.0, 2.0, 3.0], [1.5, 2.0, 2.0]])
+    t, d = straggler_point([[1.0, 2.0, 3.0], [1.5, 2.0, 2.0]], "median")
     assert t == pytest.approx(2.0) and d == pytest.approx(0.25)
+    t, d = straggler_point([[1.0, 2.0, 3.0], [1.5, 2.0, 2.0]])        # the mean, as calibration reads it
+    assert t == pytest.approx((1.25 + 2.0 + 2.5) / 3) and d == pytest.approx(0.25)
     st = fit_straggler([(7.1e-3, 2.14e-3), (34.7e-3, 7.13e-3), (126.6e-3, 18.32e-3)])
     assert st.kappa == pytest.approx((2.14 / 7.1 + 7.13 / 34.7) / 2)
     assert st.sigma == pytest.approx(18.32e-3 / math.sqrt(126.6e-3))
@@ -168,15 +170,16 @@ def _rounds(w: int, stall_s: float) -> dict:
 
 
 def test_in_situ_estimates_from_stored_rounds():
-    """The median reading (what calibration stores) ignores a stall one round in ten meets and
-    the occasional straggler; the mean counts both (``estimate_in_situ``)."""
-    from autopar.calibrate.insitu import estimate_in_situ, latency_s
+    """The median reading ignores a stall one round in ten meets and the occasional straggler;
+    the mean counts both (``estimate_in_situ``; calibration stores ``STORED_STAT``'s)."""
+    from autopar.calibrate.insitu import STORED_STAT, estimate_in_situ, latency_s
     raw = _rounds(2, stall_s=0.01)
-    st, lat, by_kind = estimate_in_situ(raw, 2)
+    st, lat, by_kind = estimate_in_situ(raw, 2, "median")
     assert st.kappa == 0.0 and st.sigma == 0.0                   # the median round waits nothing
     assert lat == {"2": pytest.approx(1e-3)}                     # (3 ms - 1 ms) / 2
     assert by_kind["p2p"] == {"2": pytest.approx(1e-3)}
     st_m, lat_m, _ = estimate_in_situ(raw, 2, "mean")
+    assert estimate_in_situ(raw, 2) == estimate_in_situ(raw, 2, STORED_STAT)
     assert st_m.sigma == pytest.approx(0.2e-3 / math.sqrt(32e-3 + 0.2e-3))   # max - mean: 1 ms in 2 rounds of 10
     assert lat_m["2"] > lat["2"] + 4e-4                           # the stall's 1 ms per sync, less the mean straggler wait
     assert latency_s(raw["allreduce:2"], None, "mean") == pytest.approx((4e-3 - 1e-3) / 2)

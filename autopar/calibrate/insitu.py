@@ -16,12 +16,19 @@ kinds (``KIND_GROUPS``), and the straggler wait itself (``Straggler``): all of i
 launch of w ranks per world w (``measure_in_situ``), since starting w processes and their
 process group costs about as much as one quantity's measurement.
 
-Every probe is repeated, and the stored figures are medians over its rounds: a stall that a
-minority of rounds meet (a rank descheduled for a time slice) is not counted, though a step
-that meets several synchronisations meets it more often. The rounds themselves are kept in the
-profile (``samples["insitu_raw"]``, ``raw_rounds``), and ``estimate_in_situ`` reads them by
-either statistic, so that another one can be tried against measured steps without calibrating
-again (``benchmarks/cross_reprice.py --insitu-stat mean``).
+Every probe is repeated, and the stored figures (but the comm interference share, from a probe
+of its own) are read from its rounds by ``STORED_STAT``, their mean: a training run pays every stall, including one that only a minority of rounds meet
+(a rank descheduled for a time slice), and a step's time is the mean of its steps, so a
+per-step cost is priced by its mean too. Calibrations made before 2026-12-02 stored medians,
+which leave such stalls out; re-read by their mean, the five profiles that had kept their
+rounds priced twenty-two prediction runs' measured steps at 11.8 / 15.1 % (in-sample /
+held-out median error, 110 pairings) against 12.5 / 14.9 % by the median, the world-2 plans'
+under-prediction narrowing from 12.1 to 10.3 % in-sample
+(``reports/benchmarks/prediction_cross_reprice_twenty-two_sets_*.txt``). The rounds themselves
+are kept in the profile (``samples["insitu_raw"]``, ``raw_rounds``) with the statistic that
+read them (``samples["insitu_stat"]``), and ``estimate_in_situ`` reads them by either, so that
+the other one can be tried against measured steps without calibrating again
+(``benchmarks/cross_reprice.py --insitu-stat``).
 """
 
 from __future__ import annotations
@@ -212,21 +219,22 @@ def _step_costs_rank(rank, world, iters, lengths):
     return out
 
 
-#: how the in-step estimators reduce a probe's repeated rounds: "median" (what calibration
-#: stores: a stall that most rounds miss is not counted) or "mean" (every stall counted, as a
-#: long training run pays them; a what-if read from the stored rounds, ``insitu_raw``)
+#: how the in-step estimators reduce a probe's repeated rounds: "median" (a stall that most
+#: rounds miss is not counted) or "mean" (every stall counted, as a long training run pays them)
 STATS = ("median", "mean")
+#: the statistic calibration stores (``measure_in_situ``; ``samples["insitu_stat"]``)
+STORED_STAT = "mean"
 
 
 def _reduce(xs, stat: str) -> float:
     return statistics.median(xs) if stat == "median" else statistics.fmean(xs)
 
 
-def latency_s(rounds_by_rank: list[dict], straggle: "Straggler | None", stat: str = "median") -> float:
+def latency_s(rounds_by_rank: list[dict], straggle: "Straggler | None", stat: str = STORED_STAT) -> float:
     """latency = (t_sync - t_local - wait(t_local)) / 2 from the probe rounds of the ranks
     that synchronised (``{variant: [s, ...]}`` each, ``_time_variants``); the straggler share
     is priced with the compute. ``stat`` "median": per rank the lower of the two passes'
-    medians of each variant, then the median over ranks (as calibrated); "mean": per rank the
+    medians of each variant, then the median over ranks; "mean": per rank the
     mean over both passes' rounds, then the median over ranks."""
     def per_rank(r, a, b):
         return min(_reduce(r[a], "median"), _reduce(r[b], "median")) if stat == "median" \
@@ -247,10 +255,10 @@ def raw_rounds(per_rank: list[dict]) -> dict:
     return out
 
 
-def estimate_in_situ(raw: dict, w: int, stat: str = "median"):
+def estimate_in_situ(raw: dict, w: int, stat: str = STORED_STAT):
     """(Straggler, ``{str(p): all-reduce latency}``, ``{kind: {str(p): latency}}``) of w ranks
     running, from one world's probe rounds (``raw_rounds``), each quantity reduced by ``stat``
-    (``STATS``): what ``measure_in_situ`` stores (median), or the what-if (mean)."""
+    (``STATS``): what ``measure_in_situ`` stores (``STORED_STAT``), or the other one."""
     if stat not in STATS:
         raise ValueError(f"in-situ statistic {stat!r}: one of {', '.join(STATS)}")
     lengths = sorted(raw["straggler"], key=int)
@@ -264,14 +272,14 @@ def estimate_in_situ(raw: dict, w: int, stat: str = "median"):
 
 
 def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, lengths=None,
-                    raw: dict | None = None):
+                    raw: dict | None = None, stat: str = STORED_STAT):
     """(straggler, all-reduce latency, latency by kind, comm interference) for each world
     w >= 2 of ``world_sizes``, one launch of w ranks each (``_step_costs_rank``):
     ``{str(w): Straggler}``, ``{str(w): {str(p): s}}`` per blocking all-reduce among p ranks
     inside a step with w running, ``{kind: the same}``, and ``{str(w): share}`` of a gradient
     all-reduce that compute does not hide (``comm_interference``). ``raw``, when given, gets
     each world's probe rounds (``raw_rounds``) under ``str(w)``, so that another statistic can
-    be read from them later (``estimate_in_situ``)."""
+    be read from them later; ``stat`` is the one read now (``estimate_in_situ``)."""
     from ..runtime.launch import run_ranks
     lengths = tuple(lengths or STRAGGLER_LENGTHS)
     straggle: dict[str, Straggler] = {}
@@ -285,7 +293,7 @@ def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, leng
         rounds = raw_rounds(per_rank)
         if raw is not None:
             raw[str(w)] = rounds
-        straggle[str(w)], lat[str(w)], kinds = estimate_in_situ(rounds, w)
+        straggle[str(w)], lat[str(w)], kinds = estimate_in_situ(rounds, w, stat)
         for kind, table in kinds.items():
             by_kind[kind][str(w)] = table
         phi[str(w)] = comm_interference([r["overlap"] for r in per_rank])
@@ -365,10 +373,10 @@ class Straggler:
 STRAGGLER_LENGTHS = (2, 8, 32)
 
 
-def straggler_point(rounds_by_rank, stat: str = "median") -> tuple[float, float]:
+def straggler_point(rounds_by_rank, stat: str = STORED_STAT) -> tuple[float, float]:
     """(compute seconds, wait seconds) of one segment length from each rank's compute time per
     synchronised round: a round lasts as long as its slowest rank's compute, so a rank waits
-    ``max_r c_r - c_self``. Medians (``stat`` "mean": means) over the rounds of the ranks' mean
+    ``max_r c_r - c_self``. Means (``stat`` "median": medians) over the rounds of the ranks' mean
     compute and mean wait: measured within the same rounds, not as the difference of two
     separately timed runs, which the machine's drift between them swamped."""
     rounds = list(zip(*rounds_by_rank))
@@ -456,8 +464,10 @@ def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -
     from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
     raw: dict = {}
-    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw)
+    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw,
+                                                  stat=STORED_STAT)
     prof.samples["insitu_raw"] = raw
+    prof.samples["insitu_stat"] = STORED_STAT
     apply_straggler(prof, straggle)
     apply_insitu(prof, lat)
     apply_insitu_by_kind(prof, by_kind)

@@ -143,7 +143,8 @@ class Profile:
       ``calibrate.run.time_shared_slowdown``; its readings: ``samples["compute_slowdown_measured"]``).
     - ``samples["insitu_raw"][str(w)]``: the in-step probes' rounds with w ranks running
       (``calibrate.insitu.raw_rounds``), from which the stored straggler and in-situ latencies
-      were read (their medians) and another statistic can be read later
+      were read, by ``samples["insitu_stat"]`` ("mean"; absent: "median", as calibration read
+      them before 2026-12-02), and another statistic can be read later
       (``insitu.estimate_in_situ``); absent from profiles made before they were kept.
     """
 
