@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 4
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 51.922 ms, memory 16.2 MiB per rank
+Predicted:  step 50.429 ms, memory 16.2 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 cnn3d_large_dist.py --steps 5

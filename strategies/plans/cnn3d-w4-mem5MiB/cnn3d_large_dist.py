@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 142.299 ms, memory 5.0 MiB per rank
+Predicted:  step 128.892 ms, memory 4.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5
@@ -34,28 +34,27 @@ class PlannedModel(DistModel):
         relu_1 = self.op('relu_1', batch_norm_1)  # aten.relu.default  cnn3d_large.py:28
         # -- layer 2: pool1  pool  (2, 8, 16, 16, 16)  -> spatial(1,4x1x1)  [[2]4]
         max_pool3d = self.op('max_pool3d', relu_1)  # aten.max_pool3d.default  cnn3d_large.py:45
-        # -- layer 3: block3.conv  conv+batch_norm+unary  (2, 16, 16, 16, 16)  -> filter(1,4)  [C4]
-        max_pool3d__1 = self.move(max_pool3d, 'max_pool3d', [[2, 4]], [], layer=3)  # transition [2]4 -> R
+        # -- layer 3: block3.conv  conv+batch_norm+unary  (2, 16, 16, 16, 16)  -> spatial(2,1x2x1)  [N2x[3]2]
+        max_pool3d__1 = self.move(max_pool3d, 'max_pool3d', [[2, 4]], [[0, 2], [3, 2]], layer=3)  # transition [2]4 -> N2x[3]2
         conv3d_2 = self.op('conv3d_2', max_pool3d__1)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_2 = self.op('batch_norm_2', conv3d_2)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_2 = self.op('relu_2', batch_norm_2)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 4: block4.conv  conv+batch_norm+unary  (2, 16, 16, 16, 16)  -> spatial(2,1x1x2)  [N2x[4]2]
-        relu_2__2 = self.move(relu_2, 'relu_2', [[1, 4]], [[0, 2], [4, 2]], layer=4)  # transition C4 -> N2x[4]2
-        conv3d_3 = self.op('conv3d_3', relu_2__2)  # aten.conv3d.default  cnn3d_large.py:28
+        # -- layer 4: block4.conv  conv+batch_norm+unary  (2, 16, 16, 16, 16)  -> spatial(2,1x2x1)  [N2x[3]2]
+        conv3d_3 = self.op('conv3d_3', relu_2)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_3 = self.op('batch_norm_3', conv3d_3)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_3 = self.op('relu_3', batch_norm_3)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 5: (root)  binary  (2, 16, 16, 16, 16)  -> spatial(2,1x1x2)  [N2x[4]2]
-        add = self.op('add', relu_3, relu_2__2)  # aten.add.Tensor  cnn3d_large.py:47
-        # -- layer 6: pool2  pool  (2, 16, 8, 8, 8)  -> spatial(2,1x1x2)  [N2x[4]2]
+        # -- layer 5: (root)  binary  (2, 16, 16, 16, 16)  -> spatial(2,1x2x1)  [N2x[3]2]
+        add = self.op('add', relu_3, relu_2)  # aten.add.Tensor  cnn3d_large.py:47
+        # -- layer 6: pool2  pool  (2, 16, 8, 8, 8)  -> spatial(2,1x2x1)  [N2x[3]2]
         max_pool3d_1 = self.op('max_pool3d_1', add)  # aten.max_pool3d.default  cnn3d_large.py:48
         # -- layer 7: block5.conv  conv+batch_norm+unary  (2, 32, 8, 8, 8)  -> filter(1,4)  [C4]
-        max_pool3d_1__3 = self.move(max_pool3d_1, 'max_pool3d_1', [[0, 2], [4, 2]], [], layer=7)  # transition N2x[4]2 -> R
-        conv3d_4 = self.op('conv3d_4', max_pool3d_1__3)  # aten.conv3d.default  cnn3d_large.py:28
+        max_pool3d_1__2 = self.move(max_pool3d_1, 'max_pool3d_1', [[0, 2], [3, 2]], [], layer=7)  # transition N2x[3]2 -> R
+        conv3d_4 = self.op('conv3d_4', max_pool3d_1__2)  # aten.conv3d.default  cnn3d_large.py:28
         batch_norm_4 = self.op('batch_norm_4', conv3d_4)  # aten.batch_norm.default  cnn3d_large.py:28
         relu_4 = self.op('relu_4', batch_norm_4)  # aten.relu.default  cnn3d_large.py:28
-        # -- layer 8: (root)  adaptive_pool  (2, 32, 1, 1, 1)  -> spatial(2,1x1x2)  [N2]
-        relu_4__4 = self.move(relu_4, 'relu_4', [[1, 4]], [[0, 2], [4, 2]], layer=8)  # transition C4 -> N2x[4]2
-        adaptive_avg_pool3d = self.op('adaptive_avg_pool3d', relu_4__4)  # aten.adaptive_avg_pool3d.default  cnn3d_large.py:49
+        # -- layer 8: (root)  adaptive_pool  (2, 32, 1, 1, 1)  -> sample(2)  [N2]
+        relu_4__3 = self.move(relu_4, 'relu_4', [[1, 4]], [[0, 2]], layer=8)  # transition C4 -> N2
+        adaptive_avg_pool3d = self.op('adaptive_avg_pool3d', relu_4__3)  # aten.adaptive_avg_pool3d.default  cnn3d_large.py:49
         # -- layer 9: (root)  flatten  (2, 32)  -> sample(2)  [N2]
         flatten = self.op('flatten', adaptive_avg_pool3d)  # aten.flatten.using_ints  cnn3d_large.py:49
         # -- layer 10: head  linear  (2, 4)  -> sample(2)  [N2]

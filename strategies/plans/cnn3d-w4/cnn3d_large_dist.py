@@ -2,7 +2,7 @@
 
 Model:      ../../examples/cnn3d_large.py (sha256 e0c128015064), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 104.878 ms, memory 12.0 MiB per rank
+Predicted:  step 100.450 ms, memory 12.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 cnn3d_large_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 13.614 ms, memory 8.9 MiB per rank
+Predicted:  step 14.346 ms, memory 8.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 gnn_pcqm4m_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gnn_pcqm4m.py (sha256 6f4cc07563cc), batch 2
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 20.934 ms, memory 2.7 MiB per rank
+Predicted:  step 18.283 ms, memory 2.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gnn_pcqm4m_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gpt.py (sha256 935730bdc486), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 4.402 ms, memory 0.6 MiB per rank
+Predicted:  step 4.533 ms, memory 0.6 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 gpt_dist.py --steps 5

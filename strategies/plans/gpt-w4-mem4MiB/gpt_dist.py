@@ -2,7 +2,7 @@
 
 Model:      ../../examples/gpt.py (sha256 935730bdc486), batch 4
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 46.391 ms, memory 3.8 MiB per rank
+Predicted:  step 38.961 ms, memory 3.8 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gpt_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/hf_gpt2.py (sha256 0edc6e20e5e9), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 4.744 ms, memory 1.0 MiB per rank
+Predicted:  step 5.127 ms, memory 1.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 hf_gpt2_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/hf_gpt2.py (sha256 0edc6e20e5e9), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 12.473 ms, memory 0.7 MiB per rank
+Predicted:  step 10.819 ms, memory 0.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 hf_gpt2_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/pyg_nnconv.py (sha256 896b87828a09), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 9.858 ms, memory 6.7 MiB per rank
+Predicted:  step 10.420 ms, memory 6.7 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 pyg_nnconv_dist.py --steps 5

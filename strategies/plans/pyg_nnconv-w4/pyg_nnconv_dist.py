@@ -2,7 +2,7 @@
 
 Model:      ../../examples/pyg_nnconv.py (sha256 896b87828a09), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 18.988 ms, memory 4.6 MiB per rank
+Predicted:  step 17.376 ms, memory 4.6 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 pyg_nnconv_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/resnet2d.py (sha256 1c8027376d1c), batch 16
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 35.689 ms, memory 4.3 MiB per rank
+Predicted:  step 28.167 ms, memory 4.3 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 resnet2d_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 2 (ranks per node 4, placement block)
-Predicted:  step 191.518 ms, memory 63.9 MiB per rank
+Predicted:  step 212.790 ms, memory 63.9 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 2 wide_resnet_dist.py --steps 5

@@ -2,7 +2,7 @@
 
 Model:      ../../examples/wide_resnet.py (sha256 a322ebfd952b), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 279.817 ms, memory 45.0 MiB per rank
+Predicted:  step 268.264 ms, memory 45.0 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 wide_resnet_dist.py --steps 5
