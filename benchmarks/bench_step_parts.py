@@ -7,10 +7,12 @@ momentum, synthetic batches as ``autopar execute`` makes them):
    per number of ranks running (``Profile.slowdown``), measured on a fixed kernel set
    (``calibrate.kernels.slowdown_kernel_set``). Here the same windows (``calibrate.run.
    _slowdown_rank``'s idea: k of the ranks run the same local work for the same wall time, the
-   others wait; counts alternating round by round) are run for the kernel set and for each
-   model's local training step, k = 1, 2 and 4, so the kernel set's factor can be read
-   against the work it stands for. Per round the ratio t(k) / t(1) (t: the median over the k
-   ranks of each rank's mean step), the median over rounds printed with its quartiles.
+   others wait; counts alternating round by round) are run for the kernel set, for two
+   memory-bound elementwise workloads (``MEMORY_BOUND``) and for each model's local training
+   step, k = 1, 2 and 4, so the kernel set's factor can be read against the work it stands
+   for. Per round the ratio t(k) / t(1) (t: the median over the k ranks of each rank's mean
+   step), the median over rounds printed with its quartiles, and the same ratio for the
+   slowest of the k ranks (which a synchronised step waits for).
 2. **A world-2 step's parts.** On 2 ranks, one model's local step (half the batch each), in
    blocks of steps fenced once (``execute.timing.timed_block``'s way): ``local`` with no
    communication at all, ``allreduce`` with one blocking all-reduce after backward of as many
@@ -71,6 +73,25 @@ def _step_fn(path: str, batch: int, wrap=None):
     return step, model
 
 
+#: (label, float32 elements per operand, adds per call): memory-bound elementwise work, an
+#: out-of-place add over operands of 8 MiB (beyond the caches) and of 0.5 MiB
+MEMORY_BOUND = (("elementwise 8 MiB", 2 << 20, 4), ("elementwise 0.5 MiB", 128 << 10, 64))
+
+
+def _memory_bound_work() -> dict:
+    """``MEMORY_BOUND`` as closures, beside the compute-bound kernel set."""
+    import torch
+    out = {}
+    for label, numel, reps in MEMORY_BOUND:
+        a, b = torch.randn(numel), torch.empty(numel)
+
+        def fn(a=a, b=b, reps=reps):
+            for _ in range(reps):
+                torch.add(a, 1.0, out=b)
+        out[label] = fn
+    return out
+
+
 def _slowdown_rank(rank, world, rounds, window_s):
     import torch
     import torch.distributed as dist
@@ -81,7 +102,7 @@ def _slowdown_rank(rank, world, rounds, window_s):
     def kset():
         with torch.no_grad():
             kernel_set()
-    work = {"kernel set": kset}
+    work = {"kernel set": kset, **_memory_bound_work()}
     for label, path, batch in WORKLOADS:
         work[label] = _step_fn(str(path), batch)[0]
     counts = [k for k in (1, 2, 4) if k <= world]
@@ -150,14 +171,16 @@ def main(argv=None) -> int:
     say(f"1. compute slowdown by workload ({args.rounds} rounds of {args.window:.2f} s windows per count; "
         "ratio = t(k) / t(1) of the same round, median (quartiles) over rounds)")
     res = run_ranks(_slowdown_rank, 4, args=(args.rounds, args.window), timeout_s=3600)
-    names = ["kernel set"] + [w[0] for w in WORKLOADS]
+    names = ["kernel set"] + [m[0] for m in MEMORY_BOUND] + [w[0] for w in WORKLOADS]
     for name in names:
         one = res[0][f"{name}|1"]
         row = f"  {name:<20} 1 rank {1e3 * statistics.median(one):8.2f} ms"
         for k in (2, 4):
             tk = [statistics.median(res[r][f"{name}|{k}"][j] for r in range(k)) for j in range(len(one))]
+            slowest = [max(res[r][f"{name}|{k}"][j] for r in range(k)) for j in range(len(one))]
             q1, med, q3 = _quartiles([b / a for a, b in zip(one, tk)])
-            row += f" | {k} ranks x{med:.3f} ({q1:.2f}-{q3:.2f})"
+            row += (f" | {k} ranks x{med:.3f} ({q1:.2f}-{q3:.2f}), slowest rank "
+                    f"x{statistics.median(b / a for a, b in zip(one, slowest)):.3f}")
         say(row)
     say(f"2. a world-2 step's parts ({args.split_rounds} rounds of {args.split_steps} steps per block, "
         "the slower rank's block; median over rounds)")
