@@ -17,9 +17,10 @@ launch of w ranks per world w (``measure_in_situ``), since starting w processes 
 process group costs about as much as one quantity's measurement.
 
 Every probe is repeated, and the stored figures (but the comm interference share, from a probe
-of its own) are read from its rounds by ``STORED_STAT``, their mean: a training run pays every stall, including one that only a minority of rounds meet
-(a rank descheduled for a time slice), and a step's time is the mean of its steps, so a
-per-step cost is priced by its mean too. Calibrations made before 2026-12-02 stored medians,
+of its own) are read from its rounds by ``STORED_STAT``, their mean: a training run pays every
+stall, including one that only a minority of rounds meet (a rank descheduled for a time
+slice), and a step's time is the mean of its steps, so a per-step cost is priced by its mean
+too. Calibrations made before 2026-12-02 stored medians,
 which leave such stalls out; re-read by their mean, the five profiles that had kept their
 rounds priced twenty-two prediction runs' measured steps at 11.8 / 15.1 % (in-sample /
 held-out median error, 110 pairings) against 12.5 / 14.9 % by the median, the world-2 plans'
@@ -464,8 +465,7 @@ def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -
     from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
     raw: dict = {}
-    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw,
-                                                  stat=STORED_STAT)
+    straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw)
     prof.samples["insitu_raw"] = raw
     prof.samples["insitu_stat"] = STORED_STAT
     apply_straggler(prof, straggle)
