@@ -112,17 +112,10 @@ def _calibrated_sums_s(timer: ConvTimer) -> tuple[float, float]:
     return f, b
 
 
-def _timed(step, steps: int) -> float:
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def measure(path: Path, batch: int, rounds: int, steps: int) -> dict:
     import torch
+
+    from autopar.calibrate.overhead import _median_s as timed     # one untimed call, then the median
     torch.set_num_threads(1)
     step, model = _step_fn(str(path), batch)
     timer = ConvTimer(model)
@@ -133,11 +126,11 @@ def measure(path: Path, batch: int, rounds: int, steps: int) -> dict:
     for _ in range(rounds):
         timer.clear()
         timer.on = True
-        hooked = _timed(step, steps)
+        hooked = timed(step, steps)
         timer.on = False
         fi, bi = timer.sums_s()
         fc, bc = _calibrated_sums_s(timer)
-        plain = _timed(step, steps)
+        plain = timed(step, steps)
         for k, v in (("fwd_ratio", fi / fc), ("bwd_ratio", bi / bc), ("step_s", plain), ("hooked_step_s", hooked),
                      ("fwd_in_step_s", fi), ("bwd_in_step_s", bi), ("fwd_calibrated_s", fc), ("bwd_calibrated_s", bc)):
             out[k].append(v)
