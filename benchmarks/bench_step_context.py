@@ -45,9 +45,12 @@ WORKLOADS = [("resnet2d", EX / "resnet2d.py", 4), ("resnet2d", EX / "resnet2d.py
 
 
 def _conv_spec(mod, x) -> dict:
-    """The exact-shape spec (``calibrate.kernels.shape_key``'s input) of ``mod`` applied to ``x``."""
+    """The exact-shape spec (``calibrate.kernels.shape_key``'s input) of ``mod`` applied to ``x``,
+    as ``ops.conv``'s ``shape_spec`` writes it for a traced convolution (``padding="same"`` stays
+    a string)."""
+    pad = mod.padding if isinstance(mod.padding, str) else list(mod.padding)
     return {"op": "conv", "x": list(x.shape), "w": list(mod.weight.shape), "stride": list(mod.stride),
-            "padding": list(mod.padding), "dilation": list(mod.dilation), "groups": int(mod.groups)}
+            "padding": pad, "dilation": list(mod.dilation), "groups": int(mod.groups)}
 
 
 class ConvTimer:
