@@ -255,6 +255,32 @@ def _as_planned(rows: list[dict]) -> list[dict]:
              "error": (r["plan_predicted_s"] - r["measured_s"]) / r["measured_s"]} for r in rows]
 
 
+def at_profile_speed(row: dict) -> float | None:
+    """A plan's measured step time stated at the machine speed its profile was measured at:
+    the median over its rounds of each round's time divided by that round's speed-probe ratio
+    (``speed_probe_vs_profile_rounds``: the calibration's probe read after the round's timing,
+    against the profile's nominal reading). None unless every round has its reading.
+
+    A diagnostic, not the prediction's figure: the prediction cannot know the machine's speed
+    during a later run; this separates what the cost model misses from the machine's drift
+    between calibration and run (``benchmarks/speed_drift_across_runs.py``)."""
+    times, probes = row.get("measured_rounds_s") or (), row.get("speed_probe_vs_profile_rounds") or ()
+    if not times or len(probes) != len(times) or not all(probes):
+        return None
+    return statistics.median(t / p for t, p in zip(times, probes))
+
+
+#: the per-plan fields kept in ``--json`` (``plans_in_sample`` / ``plans_held_out``), enough to
+#: recompute every figure of a run later without the ``--keep`` folder
+PLAN_FIELDS = ("label", "model", "world", "predicted_s", "plan_predicted_s", "priced_native", "ran_native",
+               "measured_s", "measured_rounds_s", "speed_probe_vs_profile_rounds",
+               "machine_reference_ms_rounds", "same_as", "index", "valid")
+
+
+def plan_rows(rows: list[dict]) -> list[dict]:
+    return [{k: r.get(k) for k in PLAN_FIELDS} for r in rows]
+
+
 def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
     """Median and max |error| and Spearman over the DISTINCT plans (a candidate that planned to
     the same program as an earlier one shares its measurement and is counted once)."""
@@ -281,6 +307,12 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
                             "median_abs_error": statistics.median(abs(x) for x in e)}
     if by_world:
         s["by_world"] = by_world
+    speed = [(r, at_profile_speed(r)) for r in rows]
+    speed = [(r, m) for r, m in speed if m]
+    if len(speed) == len(rows):
+        e = [(r["predicted_s"] - m) / m for r, m in speed]
+        s["at_profile_speed"] = {"median_abs_error": statistics.median(abs(x) for x in e),
+                                 "median_signed_error": statistics.median(e)}
     probe = [x for r in rows for x in r.get("speed_probe_vs_profile_rounds") or () if x]
     if probe:
         s["speed_probe_vs_profile"] = statistics.median(probe)
@@ -295,6 +327,11 @@ def summary(rows: list[dict], title: str, target: float = 0.10) -> dict:
           f"(target <= {100 * target:.0f}%), max |error| {100 * s['max_abs_error']:.1f}%, Spearman rank "
           f"correlation {rho:.3f} over all; within each model's candidates (target >= 0.8): "
           + ", ".join(f"{m} {v:.3f}" for m, v in per_model.items()))
+    if "at_profile_speed" in s:
+        a = s["at_profile_speed"]
+        print(f"  diagnostic, not the target: with each round's time stated at the profile's machine speed "
+              f"(divided by that round's speed-probe ratio), median |error| {100 * a['median_abs_error']:.1f}%, "
+              f"median signed {100 * a['median_signed_error']:+.1f}%")
     if by_world:
         print(f"  {title.split(' (')[0]} by world size: " + "; ".join(
             f"world {w}: {v['plans']} plans, median signed error {100 * v['median_signed_error']:+.1f}%, "
@@ -529,6 +566,7 @@ def main(argv=None) -> int:
             rows = run_all(args.calibration, args.steps, tmp, "a",
                            only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
             out["before"] = out["in_sample"] = summary(rows, "in-sample (shapes in the profile)")
+            out["plans_in_sample"] = plan_rows(rows)
             _drift(out, "in_sample")
             out["in_sample_plan_figure"] = summary(_as_planned(rows), "in-sample, the plans' own figures "
                                                    "(native plans priced with the traced per-op overhead)")
@@ -540,6 +578,7 @@ def main(argv=None) -> int:
             hrows = run_all(args.calibration, args.steps, tmp, "h", candidates=HELDOUT,
                             only=set(range(args.limit)) if args.limit else None, rounds=args.rounds)
             out["held_out"] = summary(hrows, "held-out (models never measured)", target=0.15)
+            out["plans_held_out"] = plan_rows(hrows)
             _drift(out, "held_out")
             out["held_out_plan_figure"] = summary(_as_planned(hrows), "held-out, the plans' own figures "
                                                   "(native plans priced with the traced per-op overhead)", target=0.15)
