@@ -21,7 +21,8 @@ Printed:
    before it (at least three), ``(1 + e) * typical / after_calibration - 1``; if the machine's
    typical speed predicted a run's speed better than its own calibration did, this would
    lower the miss;
-5. for runs that kept their plans (``plans_in_sample`` / ``plans_held_out``, from the
+5. world 4's median signed error minus world 2's, per run and set;
+6. for runs that kept their plans (``plans_in_sample`` / ``plans_held_out``, from the
    twenty-ninth on): the per-plan median |error| as predicted and at the profile's speed
    (``bench_prediction.at_profile_speed``).
 
@@ -132,6 +133,16 @@ def analyse(runs: list[tuple[int, str, dict]], history_min: int = 3) -> tuple[li
                      f"{100 * out['median_abs_signed_history']:.1f}% against "
                      f"{100 * out['median_abs_signed_same_sets']:.1f}% as predicted on the same "
                      f"{len(hist_pts)} sets")
+    gaps = [(key, s["by_world"]["4"]["median_signed_error"] - s["by_world"]["2"]["median_signed_error"])
+            for _, _, d in runs for key in ("in_sample", "held_out")
+            for s in [d.get(key) or {}] if {"2", "4"} <= set(s.get("by_world") or {})]
+    for key in ("in_sample", "held_out"):
+        g = [x for k, x in gaps if k == key]
+        if g:
+            out[f"world_gap_{key}"] = statistics.median(g)
+            lines.append(f"{key}: world 4's median signed error minus world 2's, per run: median "
+                         f"{100 * statistics.median(g):+.1f} points, positive in {sum(x > 0 for x in g)} of {len(g)} "
+                         "runs (a bias between the world sizes that no speed correction removes)")
     if plan_pts:
         out["plans"] = len(plan_pts)
         out["plan_median_abs"] = statistics.median(abs(a) for *_, a, _ in plan_pts)
