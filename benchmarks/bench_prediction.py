@@ -357,6 +357,21 @@ def _drift(out: dict, key: str) -> None:
               "profile's nominal reading (median over runs; > 1: slower than the kernels were measured)")
 
 
+def profile_figures(path: str) -> dict:
+    """The profile's figures that move every prediction, kept in ``--json`` so that runs can be
+    compared later without their profiles: the nominal speed-probe reading its kernel times are
+    stated at, and the 2- and 4-rank in-step costs and compute slowdowns."""
+    try:
+        s = json.loads(Path(path).read_text()).get("samples") or {}
+    except (OSError, ValueError):
+        return {}
+    lat = s.get("insitu_latency_by_world_s") or {}
+    return {"speed_probe_nominal_s": (s.get("speed_probe") or {}).get("nominal_s"),
+            "straggler_sigma": s.get("straggler_sigma"), "straggler_kappa": s.get("straggler_kappa"),
+            "insitu_latency_2_s": (lat.get("2") or {}).get("2"), "insitu_latency_4_s": (lat.get("4") or {}).get("4"),
+            "compute_slowdown_measured": s.get("compute_slowdown_measured")}
+
+
 def calibrate_cli(quick: bool, out: Path) -> tuple[float, float]:
     """A calibration at world 4 made as a user makes it, ``python -m autopar.calibrate.run`` in a
     process of its own: (the command's own timing, the wall time from starting it, interpreter and
@@ -561,6 +576,7 @@ def main(argv=None) -> int:
         elif not args.no_calibration_timing:
             time_calibration(args.full, tmp)
         print(f"profile: {args.calibration}")
+        out["profile"] = profile_figures(args.calibration)
         _reference(out, "after calibration")
         if args.set in ("both", "in-sample"):
             rows = run_all(args.calibration, args.steps, tmp, "a",

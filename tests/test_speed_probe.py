@@ -121,3 +121,15 @@ def test_marked_measurements_get_their_stretch_probe():
     clock.t = 2.0
     track.close()                    # reading 5.0 at 2.0
     assert track.probes() == {"a": pytest.approx(2.0), "b": pytest.approx(4.0)}
+
+
+def test_the_report_states_the_prediction_at_the_speed_the_probe_read():
+    from types import SimpleNamespace
+
+    from autopar.report.report import _at_run_speed
+    run = SimpleNamespace(measured=SimpleNamespace(step_time_s=0.012), predicted=SimpleNamespace(step_time_s=0.010))
+    line = _at_run_speed(run, {"slowdown_vs_calibration": 1.2})
+    # 10 ms predicted at the profile's speed is 12 ms at a machine 1.2x slower: the miss was the machine
+    assert "12.00 ms" in line and "error +0.0%" in line and "diagnostic" in line
+    run.measured.step_time_s = 0.0
+    assert _at_run_speed(run, {"slowdown_vs_calibration": 1.2}) == ""

@@ -60,6 +60,19 @@ def plot_run(run: RunResult, out: Path) -> list[Path]:
     return paths
 
 
+def _at_run_speed(run: RunResult, sp: dict) -> str:
+    """The prediction scaled by the probe's ratio, against the measured step: a diagnostic of
+    how much of a miss is the machine's speed since calibration rather than the cost model
+    (across the prediction benchmark's runs the signed miss followed the ratio at -0.72 per
+    unit, ``reports/benchmarks/speed_drift_across_runs.txt``; so it explains most, not all)."""
+    m, p = run.measured.step_time_s, run.predicted.step_time_s
+    if not m or not p:
+        return ""
+    at = p * sp["slowdown_vs_calibration"]
+    return (f"; stated at the speed the probe read, the prediction would be {_ms(at)}, "
+            f"error {_pct((at - m) / m)} (a diagnostic, not the prediction)")
+
+
 def run_markdown(run: RunResult, plots: list[Path]) -> str:
     v = run.validation
     m = run.measured
@@ -78,7 +91,7 @@ def run_markdown(run: RunResult, plots: list[Path]) -> str:
         lines.append(f"- machine speed: the calibration's probe took {_ms(sp['execute_s'])} after timing, "
                      f"{_ms(sp['profile_nominal_s'])} when the profile's kernels were measured "
                      f"({sp['slowdown_vs_calibration']:.2f}x; above 1 this machine ran slower than then, "
-                     "which the prediction does not know)")
+                     "which the prediction does not know)" + _at_run_speed(run, sp))
     if b:
         lines.append(f"- torch DDP on the same model and batch: {_ms(b.ddp_step_time_s)}; plan / DDP = "
                      f"{run.ratio_to_ddp:.3f}x ({b.note})")
