@@ -76,12 +76,6 @@ def set_signed(s: dict) -> float:
     return statistics.fmean(v["median_signed_error"] for v in s["by_world"].values())
 
 
-def _corr(a: list[float], b: list[float]) -> float:
-    ma, mb = statistics.fmean(a), statistics.fmean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
-    return cov / (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
-
-
 def analyse(runs: list[tuple[int, str, dict]], history_min: int = 3) -> tuple[list[str], dict]:
     from bench_prediction import at_profile_speed
     lines, pts, hist_pts, plan_pts = [], [], [], []
@@ -113,9 +107,8 @@ def analyse(runs: list[tuple[int, str, dict]], history_min: int = 3) -> tuple[li
     out: dict = {"sets": len(pts)}
     if len(pts) > 2:
         ps, es = [p for p, _ in pts], [e for _, e in pts]
-        mp, me = statistics.fmean(ps), statistics.fmean(es)
-        slope = sum((p - mp) * (e - me) for p, e in pts) / sum((p - mp) ** 2 for p in ps)
-        out.update(correlation=_corr(ps, es), slope=slope, intercept=me - slope * (mp - 1),
+        slope, intercept = statistics.linear_regression([p - 1 for p in ps], es)
+        out.update(correlation=statistics.correlation(ps, es), slope=slope, intercept=intercept,
                    median_abs_signed=statistics.median(abs(e) for e in es),
                    median_abs_signed_at_probe=statistics.median(abs((1 + e) * p - 1) for p, e in pts))
         lines += ["", f"{len(pts)} sets (in-sample and held-out of {len(runs)} runs): correlation of the signed "

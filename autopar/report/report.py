@@ -63,8 +63,8 @@ def plot_run(run: RunResult, out: Path) -> list[Path]:
 def _at_run_speed(run: RunResult, sp: dict) -> str:
     """The prediction scaled by the probe's ratio, against the measured step: a diagnostic of
     how much of a miss is the machine's speed since calibration rather than the cost model
-    (across the prediction benchmark's runs the signed miss followed the ratio at -0.72 per
-    unit, ``reports/benchmarks/speed_drift_across_runs.txt``; so it explains most, not all)."""
+    (across the prediction benchmark's runs the signed miss follows the ratio, though less than
+    one for one: ``reports/benchmarks/speed_drift_across_runs.txt``; so it explains most, not all)."""
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     if not m or not p:
         return ""
