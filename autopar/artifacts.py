@@ -1024,6 +1024,9 @@ class PlanOptions:
     # default, ``--no-measure`` off), within this many seconds
     measure_shapes: bool = False
     measure_budget_s: float = 30.0
+    # state the profile's kernels at this machine's usual speed (``calibrate.history``: the
+    # speed probe's readings of earlier calibrations and runs here); False prices as measured
+    speed_history: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:

@@ -138,7 +138,8 @@ def cmd_plan(args) -> int:
                           max_candidates=args.max_candidates, placement=args.placement,
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
-                          measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget)
+                          measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget,
+                          speed_history=not args.no_speed_history)
     if args.graph_sizes and (args.trainers is not None or sweep):
         from .errors import AutoparError
         raise AutoparError("--graph-sizes plans one padded GNN job: it does not combine with "
@@ -393,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "are measured only with a profile made on this machine)")
     p.add_argument("--measure-budget", type=float, default=30.0, metavar="SEC",
                    help="at most this long measuring shapes on demand (default 30)")
+    p.add_argument("--no-speed-history", action="store_true",
+                   help="price the profile's kernels at the speed they were measured at, not at "
+                        "this machine's usual speed (the probe readings of earlier calibrations "
+                        "and runs here; AUTOPAR_SPEED_HISTORY=off turns the history off)")
     p.add_argument("--verbose", action="store_true",
                    help="print where planning time went (also in plan.json, timings_s)")
     p.add_argument("--no-trace-cache", action="store_true",

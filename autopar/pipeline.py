@@ -171,9 +171,18 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     elif o.batch_norm == "local":
         say(f"batch-norm statistics: global (batch {batch_size} does not split evenly over {world_size} "
             f"ranks, so no per-rank group exists; --bn-group G chooses local groups)")
+    machine, machine_why = None, "off (--no-speed-history)"
+    if o.speed_history:
+        from .calibrate.history import usual_speed
+        machine, machine_why = usual_speed(profile)
+    if machine is not None:
+        say(f"machine speed: the probe usually reads {machine.usual_probe_s * 1e3:.2f} ms here "
+            f"({machine.events} readings), the profile's kernels were measured at "
+            f"{machine.profile_nominal_s * 1e3:.2f} ms: local compute priced x{machine.factor:.3f}")
     ctx = CostContext(profile=pricing_profile(profile), world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
                       max_candidates=o.max_candidates, batch_norm=bn,
+                      speed_factor=machine.factor if machine is not None else 1.0,
                       loss_output=vocab_loss_output_cached(mf, graph, batch_size, o.trace_cache))
     tables_s = []
 
@@ -257,7 +266,9 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     out_dir = Path(o.out_dir) if o.out_dir is not None else default_plan_dir(mf.name, world_size)
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
+    speed = machine.to_json() if machine is not None else {"speed_factor": 1.0, "not_applied": machine_why}
     plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json(),
+                               calibration={**plan.calibration, "machine_speed": speed},
                                extra={**plan.extra, "runtime": runtime.to_json()})
     if graph_record is not None:
         from .artifacts import SolverInfo

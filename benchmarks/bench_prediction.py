@@ -169,7 +169,9 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
             print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
             continue
         key = _plan_key(r.plan_path, model, env)
+        speed = r.plan.calibration.get("machine_speed") or {}
         planned.append({"i": i, "label": label, "model": model, "world": world, "env": env, "plan_path": r.plan_path,
+                        "speed_factor": float(speed.get("speed_factor", 1.0)),
                         "same_as": first_of.get(key), "runs": [],
                         "steps": steps_for(steps, r.plan.predicted.step_time_s)})
         first_of.setdefault(key, len(planned) - 1)
@@ -216,7 +218,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
                      "speed_probe_vs_profile_rounds": [
                          ((x.extra or {}).get("speed_probe") or {}).get("slowdown_vs_calibration")
                          for x in src["runs"]],
-                     "error": (p - m) / m, "valid": valid,
+                     "error": (p - m) / m, "valid": valid, "speed_factor": c["speed_factor"],
                      "plan": str(c["plan_path"]), "run": run.to_json()})
         print(f"  {c['label']:<32} world {c['world']}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms  "
               f"error {100 * (p - m) / m:+6.1f}%  rounds {len(per_round)} spread {100 * spread:4.1f}%  "
@@ -245,7 +247,8 @@ def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prof = load_profile(calibration, check_machine=False)
-    ctx = CostContext(profile=prof, world=plan.world_size, ranks_per_node=plan.mesh.ranks_per_node)
+    ctx = CostContext(profile=prof, world=plan.world_size, ranks_per_node=plan.mesh.ranks_per_node,
+                      speed_factor=float((plan.calibration.get("machine_speed") or {}).get("speed_factor", 1.0)))
     return p - plan_runtime_overhead_s(graph, ctx) + plan_runtime_overhead_s(graph, ctx, native=True), True
 
 
@@ -263,18 +266,21 @@ def at_profile_speed(row: dict) -> float | None:
 
     A diagnostic, not the prediction's figure: the prediction cannot know the machine's speed
     during a later run; this separates what the cost model misses from the machine's drift
-    between calibration and run (``benchmarks/speed_drift_across_runs.py``)."""
+    between calibration and run (``benchmarks/speed_drift_across_runs.py``). A plan priced at
+    the machine's usual speed (``speed_factor``, ``calibrate.history``) is compared at that
+    speed: each round's ratio is taken to the reading its compute was priced at."""
     times, probes = row.get("measured_rounds_s") or (), row.get("speed_probe_vs_profile_rounds") or ()
     if not times or len(probes) != len(times) or not all(probes):
         return None
-    return statistics.median(t / p for t, p in zip(times, probes))
+    f = float(row.get("speed_factor") or 1.0)
+    return statistics.median(t * f / p for t, p in zip(times, probes))
 
 
 #: the per-plan fields kept in ``--json`` (``plans_in_sample`` / ``plans_held_out``), enough to
 #: recompute every figure of a run later without the ``--keep`` folder
 PLAN_FIELDS = ("label", "model", "world", "predicted_s", "plan_predicted_s", "priced_native", "ran_native",
                "measured_s", "measured_rounds_s", "speed_probe_vs_profile_rounds",
-               "machine_reference_ms_rounds", "same_as", "index", "valid")
+               "machine_reference_ms_rounds", "same_as", "index", "valid", "speed_factor")
 
 
 def plan_rows(rows: list[dict]) -> list[dict]:
@@ -370,6 +376,26 @@ def profile_figures(path: str) -> dict:
             "straggler_sigma": s.get("straggler_sigma"), "straggler_kappa": s.get("straggler_kappa"),
             "insitu_latency_2_s": (lat.get("2") or {}).get("2"), "insitu_latency_4_s": (lat.get("4") or {}).get("4"),
             "compute_slowdown_measured": s.get("compute_slowdown_measured")}
+
+
+def machine_speed(path: str) -> dict:
+    """Whether the plans about to be made price the profile's kernels at this machine's usual
+    speed (``autopar.calibrate.history``: the speed-probe readings of earlier calibrations and
+    runs here, ``AUTOPAR_SPEED_HISTORY``), and at which: printed, and kept in ``--json``."""
+    import warnings
+
+    from autopar.calibrate.history import usual_speed
+    from autopar.calibrate.profile import load_profile
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ms, why = usual_speed(load_profile(path, check_machine=False))
+    if ms is None:
+        print(f"machine speed history: not applied ({why}); kernels priced at the profile's own speed")
+        return {"not_applied": why}
+    print(f"machine speed history: the probe usually reads {ms.usual_probe_s * 1e3:.2f} ms here ({ms.events} "
+          f"readings), the profile's kernels were measured at {ms.profile_nominal_s * 1e3:.2f} ms: local compute "
+          f"priced x{ms.factor:.3f} (held-out plans, planned after the in-sample runs, see theirs too)")
+    return ms.to_json()
 
 
 def calibrate_cli(quick: bool, out: Path) -> tuple[float, float]:
@@ -577,6 +603,7 @@ def main(argv=None) -> int:
             time_calibration(args.full, tmp)
         print(f"profile: {args.calibration}")
         out["profile"] = profile_figures(args.calibration)
+        out["machine_speed"] = machine_speed(args.calibration)
         _reference(out, "after calibration")
         if args.set in ("both", "in-sample"):
             rows = run_all(args.calibration, args.steps, tmp, "a",

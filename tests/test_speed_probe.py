@@ -92,7 +92,13 @@ def test_execute_reports_the_probe_against_the_profile_nominal():
         calibration = {"speed_probe_nominal_s": 0.004}
     note = speed_note(Plan(), 0.005)["speed_probe"]
     assert note == {"execute_s": 0.005, "profile_nominal_s": 0.004,
-                    "slowdown_vs_calibration": pytest.approx(1.25)}
+                    "slowdown_vs_calibration": pytest.approx(1.25),
+                    "priced_at_s": 0.004, "slowdown_vs_pricing": pytest.approx(1.25)}
+    # a plan priced at the machine's usual speed (its speed history): the ratio to that too
+    Plan.calibration = {"speed_probe_nominal_s": 0.004, "machine_speed": {"usual_probe_s": 0.005}}
+    note = speed_note(Plan(), 0.005)["speed_probe"]
+    assert note["slowdown_vs_calibration"] == pytest.approx(1.25) and note["slowdown_vs_pricing"] == pytest.approx(1.0)
+    Plan.calibration = {"speed_probe_nominal_s": 0.004}
     assert speed_note(Plan(), None) == {}
     Plan.calibration = {}                  # a profile made before the probe: nothing to compare
     assert speed_note(Plan(), 0.005) == {}
@@ -131,5 +137,8 @@ def test_the_report_states_the_prediction_at_the_speed_the_probe_read():
     line = _at_run_speed(run, {"slowdown_vs_calibration": 1.2})
     # 10 ms predicted at the profile's speed is 12 ms at a machine 1.2x slower: the miss was the machine
     assert "12.00 ms" in line and "error +0.0%" in line and "diagnostic" in line
+    # a plan priced at the machine's usual speed is restated from that speed, not the profile's
+    line = _at_run_speed(run, {"slowdown_vs_calibration": 1.5, "slowdown_vs_pricing": 1.2})
+    assert "12.00 ms" in line
     run.measured.step_time_s = 0.0
     assert _at_run_speed(run, {"slowdown_vs_calibration": 1.2}) == ""

@@ -440,6 +440,9 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     prof.provenance["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     prof.provenance["elapsed_kernels_collectives_s"] = round(elapsed, 1)
     save_profile(prof, out)
+    if device == "cpu":      # this machine's speed history (``calibrate.history``): CPU probes only
+        from .history import record
+        record(speed_probe.get("nominal_s"), "calibrate")
     progress(f"{stamp()} wrote {out} (calibration took {prof.provenance['elapsed_s']:.1f} s; kernels and "
              f"collectives {elapsed:.1f} s of it)")
     return out

@@ -230,7 +230,7 @@ def _compute_slowdown(ctx) -> float:
     prof = ctx.profile
     legacy = ctx.world > 1 and straggler_sigma(prof, ctx.ranks_on_node) is None
     return prof.slowdown(ctx.ranks_on_node) * (1.0 + straggler(prof, ctx.ranks_on_node) if legacy else 1.0) \
-        * compute_drift(prof, ctx.ranks_on_node)
+        * compute_drift(prof, ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
 
 
 def copy_s(ctx, numel: int, itemsize: int = 4) -> float:

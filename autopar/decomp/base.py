@@ -193,6 +193,9 @@ class CostContext:
     # the model's output value when its loss is one cross-entropy over the output's last dim
     # (the vocabulary-parallel loss of ``tensor_parallel.vocab.VocabHead`` is possible); None else
     loss_output: str | None = None
+    # every local compute time is multiplied by this: the machine's usual speed against the
+    # one the profile's kernels are stated at (``calibrate.history``); 1.0 prices as measured
+    speed_factor: float = 1.0
     # price every op as run inside the user's module (``runtime.native``), not op by op:
     # ``cost.primitives.runtime_overhead_s(..., native=True)``
     native_runtime: bool = False

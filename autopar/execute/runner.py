@@ -267,12 +267,16 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
 def speed_note(plan: Plan, probe_s: float | None) -> dict[str, Any]:
     """``{"speed_probe": ...}`` of a run whose rank 0 read the machine-speed probe after
     timing: the reading, the profile's nominal one and their ratio (> 1: the machine ran
-    slower than when the profile's kernels were measured, by the probe); {} without both."""
+    slower than when the profile's kernels were measured, by the probe), and the reading the
+    plan's compute was priced at (the nominal, or the machine's usual reading where the plan
+    used the speed history, ``calibrate.history``) with the ratio to it; {} without both."""
     nominal = plan.calibration.get("speed_probe_nominal_s")
     if not probe_s or not nominal:
         return {}
+    priced_at = float((plan.calibration.get("machine_speed") or {}).get("usual_probe_s") or nominal)
     return {"speed_probe": {"execute_s": float(probe_s), "profile_nominal_s": float(nominal),
-                            "slowdown_vs_calibration": float(probe_s) / float(nominal)}}
+                            "slowdown_vs_calibration": float(probe_s) / float(nominal),
+                            "priced_at_s": priced_at, "slowdown_vs_pricing": float(probe_s) / priced_at}}
 
 
 def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,
@@ -300,6 +304,10 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     results = run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
                         backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
+    # the probe read after the timed steps joins this machine's speed history, which later
+    # plans are priced at (``calibrate.history``)
+    from ..calibrate.history import record
+    record(results[0].get("speed_probe_s"), "execute")
     for note in run.notes:
         progress(note)
     v = run.validation

@@ -68,7 +68,7 @@ def _at_run_speed(run: RunResult, sp: dict) -> str:
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     if not m or not p:
         return ""
-    at = p * sp["slowdown_vs_calibration"]
+    at = p * sp.get("slowdown_vs_pricing", sp["slowdown_vs_calibration"])
     return (f"; stated at the speed the probe read, the prediction would be {_ms(at)}, "
             f"error {_pct((at - m) / m)} (a diagnostic, not the prediction)")
 
@@ -90,8 +90,11 @@ def run_markdown(run: RunResult, plots: list[Path]) -> str:
     if sp:
         lines.append(f"- machine speed: the calibration's probe took {_ms(sp['execute_s'])} after timing, "
                      f"{_ms(sp['profile_nominal_s'])} when the profile's kernels were measured "
-                     f"({sp['slowdown_vs_calibration']:.2f}x; above 1 this machine ran slower than then, "
-                     "which the prediction does not know)" + _at_run_speed(run, sp))
+                     f"({sp['slowdown_vs_calibration']:.2f}x; above 1 this machine ran slower than then"
+                     + (f"; the plan priced its compute at this machine's usual {_ms(sp['priced_at_s'])} "
+                        f"(its speed history), {sp['slowdown_vs_pricing']:.2f}x that"
+                        if abs(sp.get("priced_at_s", sp["profile_nominal_s"]) - sp["profile_nominal_s"]) > 1e-12 else "")
+                     + ", which the prediction does not know)" + _at_run_speed(run, sp))
     if b:
         lines.append(f"- torch DDP on the same model and batch: {_ms(b.ddp_step_time_s)}; plan / DDP = "
                      f"{run.ratio_to_ddp:.3f}x ({b.note})")

@@ -31,6 +31,10 @@ def _families() -> list[str]:
                   for k, f in FAMILIES.items())
 
 
+#: AUTOPAR_ variables that say where state lives, not what the model is (not in the trace key)
+_NOT_MODEL_ENV = frozenset({"AUTOPAR_CACHE_DIR", "AUTOPAR_SPEED_HISTORY"})
+
+
 def cache_dir() -> Path:
     env = os.environ.get("AUTOPAR_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "autopar" / "traces"
@@ -60,7 +64,7 @@ def trace_key(model_path: Path, batch_size: int) -> str:
         "model": _sha(model_path),
         "siblings": {p.name: _sha(p) for p in sorted(model_path.parent.glob("*.py")) if p != model_path},
         "batch_size": int(batch_size),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("AUTOPAR_") and k != "AUTOPAR_CACHE_DIR"},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("AUTOPAR_") and k not in _NOT_MODEL_ENV},
         "torch": _torch_version(),
         "autopar": __version__,
         "tracer": [_sha(p) for p in _SOURCES if p.is_file()],
