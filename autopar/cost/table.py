@@ -159,7 +159,7 @@ def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> 
     if t is None:
         n = cost.param_bytes / 4.0
         t = ctx.profile.kernel_time_s("elementwise", 4.0 * n, 5.0 * cost.param_bytes)
-    return t * ctx.profile.slowdown(ctx.ranks_on_node) * ctx.speed_factor
+    return t * ctx.profile.slowdown(ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
 
 
 def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int):
