@@ -33,6 +33,7 @@ Part of neither the runtime nor the solver; imports nothing heavy.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -67,8 +68,9 @@ def history_path() -> Path | None:
     return Path(base) / "autopar" / "speed_history.json"
 
 
+@functools.lru_cache(maxsize=1)
 def machine_key() -> str:
-    """This machine instance: host name and (on Linux) the boot id."""
+    """This machine instance: host name and (on Linux) the boot id (read once per process)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -152,6 +154,12 @@ class MachineSpeed:
     def to_json(self) -> dict:
         return {"usual_probe_s": self.usual_probe_s, "profile_nominal_s": self.profile_nominal_s,
                 "events": self.events, "speed_factor": round(self.factor, 4), "history": self.path}
+
+
+def plan_speed_factor(calibration) -> float:
+    """The factor a plan's local compute was priced with (its ``calibration.machine_speed``;
+    1.0 for a plan made before the history, or with it off)."""
+    return float(((calibration or {}).get("machine_speed") or {}).get("speed_factor", 1.0))
 
 
 def usual_speed(profile, path: Path | None = None) -> tuple[MachineSpeed | None, str]:

@@ -93,7 +93,7 @@ def run_markdown(run: RunResult, plots: list[Path]) -> str:
                      f"({sp['slowdown_vs_calibration']:.2f}x; above 1 this machine ran slower than then"
                      + (f"; the plan priced its compute at this machine's usual {_ms(sp['priced_at_s'])} "
                         f"(its speed history), {sp['slowdown_vs_pricing']:.2f}x that"
-                        if abs(sp.get("priced_at_s", sp["profile_nominal_s"]) - sp["profile_nominal_s"]) > 1e-12 else "")
+                        if sp.get("priced_at_s", sp["profile_nominal_s"]) != sp["profile_nominal_s"] else "")
                      + ", which the prediction does not know)" + _at_run_speed(run, sp))
     if b:
         lines.append(f"- torch DDP on the same model and batch: {_ms(b.ddp_step_time_s)}; plan / DDP = "
