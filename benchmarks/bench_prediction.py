@@ -438,6 +438,10 @@ def fresh_profile(tmp: Path) -> tuple[str, float]:
               f"shape-aware {100 * (sm.get('heldout_median_rel_err') or float('nan')):.0f} %"
               + (f" (torch's native CPU path fitted apart: {100 * (nat.get('heldout_median_rel_err') or float('nan')):.0f} % "
                  f"on its {nat.get('n_samples')} rows)" if nat else ""))
+    red = prof.samples.get("grad_reducer")
+    if red:
+        print(f"  torch DDP's reducer (charged to native plans): {red['fixed_s'] * 1e6:.0f} us a step + "
+              f"{red['per_tensor_s'] * 1e6:.2f} us per parameter tensor + {red['per_byte_s'] * 1e12:.0f} us per MB")
     t = time.perf_counter()
     seen = set()
     for _, model, world, batch, kinds, _ in CANDIDATES:

@@ -15,7 +15,12 @@ with the history and once without. Nothing is executed.
 The folders must come from one machine instance (one boot of one VM: the history is kept per
 instance); pass them in the order they were made.
 
-    python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE]
+``--reducer-from PROFILE`` is a what-if for runs whose profiles predate the measurement of torch
+DDP's reducer (``calibrate.overhead.measure_grad_reducer``): PROFILE's ``samples.grad_reducer``
+is put into a temporary copy of every run's profile (a profile that measured its own keeps it),
+so native plans are charged it (``cost.native``).
+
+    python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE] [--reducer-from PROFILE]
 """
 
 from __future__ import annotations
@@ -69,6 +74,19 @@ def history_file(events: list[tuple[dt.datetime, float, str]], at: dt.datetime, 
     return len(kept)
 
 
+def with_reducer(profile: Path, reducer: dict | None, out: Path) -> Path:
+    """``profile``, or a copy at ``out`` holding ``reducer`` as its measured DDP reducer when it
+    measured none (``--reducer-from``)."""
+    if reducer is None:
+        return profile
+    p = json.loads(profile.read_text())
+    if (p.get("samples") or {}).get("grad_reducer"):
+        return profile
+    p.setdefault("samples", {})["grad_reducer"] = reducer
+    out.write_text(json.dumps(p))
+    return out
+
+
 def main(argv=None) -> int:
     from cross_reprice import errors, kept_plans
 
@@ -78,6 +96,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+", help="--keep folders of bench_prediction.py runs, oldest first")
     ap.add_argument("--out", help="write the table here too (and the figures as .json beside it)")
+    ap.add_argument("--reducer-from", metavar="PROFILE",
+                    help="what-if: price every run's native plans with PROFILE's measured DDP reducer where "
+                         "the run's own profile has none")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     lines: list[str] = []
@@ -85,6 +106,15 @@ def main(argv=None) -> int:
     def say(s: str) -> None:
         print(s, flush=True)
         lines.append(s)
+
+    reducer = None
+    if args.reducer_from:
+        reducer = (json.loads(Path(args.reducer_from).read_text()).get("samples") or {}).get("grad_reducer")
+        if not reducer:
+            raise SystemExit(f"{args.reducer_from} measured no DDP reducer (samples.grad_reducer)")
+        say(f"what-if: profiles without a measured DDP reducer priced with {args.reducer_from}'s: "
+            f"{reducer['fixed_s'] * 1e6:.0f} us a step + {reducer['per_tensor_s'] * 1e6:.2f} us per tensor + "
+            f"{reducer['per_byte_s'] * 1e12:.0f} us per MB")
 
     every = sorted((e for d in dirs for e in readings(d)), key=lambda e: e[0])
     say(f"{len(every)} speed-probe readings in {len(dirs)} kept runs "
@@ -103,10 +133,11 @@ def main(argv=None) -> int:
                     prof = load_profile(d / "fresh-quick.json", check_machine=False)
                 ms, why = usual_speed(prof, hist)
                 plans = kept_plans(d)
+                priced_by = with_reducer(d / "fresh-quick.json", reducer, Path(tmp) / f"{d.name}-profile.json")
                 res = {}
                 for mode, env in (("off", "off"), ("history", str(hist))):
                     os.environ[HISTORY_ENV] = env
-                    e = errors(plans, d / "fresh-quick.json")
+                    e = errors(plans, priced_by)
                     res[mode] = {k: {"median_abs_error": statistics.median(abs(x) for x in v),
                                      "median_signed_error": statistics.median(v), "plans": len(v)}
                                  for k, v in e.items() if v}

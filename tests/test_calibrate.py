@@ -470,3 +470,29 @@ def test_quick_calibration_measures_collectives_at_the_group_sizes_a_mesh_can_ha
     assert collective_group_sizes(4) == [2, 3, 4]
     with pytest.raises(ValueError, match="divisors"):
         collective_group_sizes(4, "powers")
+
+
+@pytest.mark.dist
+def test_ddps_reducer_is_measured_on_one_rank_and_fitted_non_negative():
+    """``measure_grad_reducer`` in a process group of one rank: every probe's plain and DDP
+    medians kept, the fit non-negative; copying 4 MiB of gradients into DDP's bucket and back
+    costs the largest probe something beyond the plain step. Outside a group: None."""
+    from autopar.calibrate import overhead
+    from autopar.runtime.launch import run_ranks
+    assert overhead.measure_grad_reducer(repeats=1) is None
+    red = run_ranks(_reducer_rank, 1, timeout_s=240)[0]
+    assert {"fixed_s", "per_tensor_s", "per_byte_s", "rows"} <= set(red)
+    assert all(red[k] >= 0.0 and math.isfinite(red[k]) for k in ("fixed_s", "per_tensor_s", "per_byte_s"))
+    assert [(r["tensors"], r["elements"]) for r in red["rows"]] == list(overhead.REDUCER_PROBES)
+    for r in red["rows"]:
+        assert r["plain_s"] > 0 and r["ddp_s"] > 0 and r["reducer_s"] == max(0.0, r["ddp_s"] - r["plain_s"])
+    big = max(red["rows"], key=lambda r: r["bytes"])
+    assert big["bytes"] == 16 * 65536 * 4 and big["reducer_s"] > 0.0
+    assert red["fixed_s"] + red["per_tensor_s"] + red["per_byte_s"] > 0.0
+
+
+def _reducer_rank(rank, world):
+    import torch
+    from autopar.calibrate.overhead import measure_grad_reducer
+    torch.set_num_threads(1)
+    return measure_grad_reducer(repeats=8)

@@ -177,3 +177,42 @@ def test_the_native_plan_replaces_an_op_by_op_plan_only_when_predicted_faster(ti
     assert pred4.fwd_s + pred4.bwd_s == pytest.approx(
         full.fwd_s + full.bwd_s - weight * 6e-7 * _compute_slowdown(table.ctx), rel=1e-9)
     assert math.isfinite(pred4.step_time_s)
+
+
+def test_a_native_step_pays_torch_ddps_reducer_as_measured(tiny_gpt, profile):
+    """A profile that measured DDP's reducer (``samples["grad_reducer"]``) charges a native
+    step its fixed cost once (first layer, forward) and each parameter tensor's hook and bucket
+    copies in that tensor's layer's backward, at the compute slowdown; without it nothing
+    changes; the op-by-op plan is never charged."""
+    from autopar.cost.native import choose_runtime, reducer_charges_s
+    from autopar.cost.primitives import _compute_slowdown
+    from autopar.cost.table import evaluate
+    _with_gap(profile, 1e-6, 4e-7)
+    profile.samples.pop("grad_reducer", None)
+    table, rep, nat = _table_and_choices(tiny_gpt, profile)
+    assert all(c == (0.0, 0.0) for c in reducer_charges_s(table))
+    rt0, p0 = choose_runtime(table, nat, evaluate, None)
+    assert rt0.reducer_s == 0.0 and rt0.to_json()["native_reducer_s"] == 0.0
+    t_rep0 = evaluate(table, rep).step_time_s
+    red = {"fixed_s": 2.5e-4, "per_tensor_s": 5e-6, "per_byte_s": 2e-10}
+    profile.samples["grad_reducer"] = red
+    table, rep, nat = _table_and_choices(tiny_gpt, profile)
+    slow = _compute_slowdown(table.ctx)
+    charges = reducer_charges_s(table)
+    tensors = [(s, lay.itemsize) for lay in table.graph.layers for op in lay.ops for s in op.params.values()]
+    assert len(tensors) >= 4
+    want = slow * (red["fixed_s"] + sum(red["per_tensor_s"] + red["per_byte_s"] * math.prod(s) * item
+                                        for s, item in tensors))
+    assert sum(f + b for f, b in charges) == pytest.approx(want, rel=1e-12)
+    assert charges[0][0] == pytest.approx(slow * red["fixed_s"], rel=1e-12)
+    assert all(f == 0.0 for f, _ in charges[1:])
+    # each layer's backward carries its own tensors' share
+    for lay, (_, b) in zip(table.graph.layers, charges):
+        mine = [(s, lay.itemsize) for op in lay.ops for s in op.params.values()]
+        assert b == pytest.approx(slow * sum(red["per_tensor_s"] + red["per_byte_s"] * math.prod(s) * i
+                                             for s, i in mine), rel=1e-12, abs=0.0)
+    rt, p = choose_runtime(table, nat, evaluate, None)
+    assert rt.runtime == "native" and rt.reducer_s == pytest.approx(want, rel=1e-12)
+    assert p.fwd_s + p.bwd_s == pytest.approx(p0.fwd_s + p0.bwd_s + want, rel=1e-9)
+    # the op-by-op plan's own price does not change
+    assert evaluate(table, rep).step_time_s == t_rep0

@@ -313,3 +313,84 @@ def add_runtime_overhead(profile, seconds_per_op: float, by_family: dict[str, fl
     if native_by_family:
         k["native_by_family"] = {f: float(v) for f, v in sorted(native_by_family.items())}
     profile.kernels["runtime_op"] = k
+
+
+# ---- torch DDP's reducer --------------------------------------------------------------------
+
+#: (parameter tensors, elements per tensor) of the reducer probes (``measure_grad_reducer``):
+#: few and many small tensors, and few large ones, so the fit can tell a step's fixed cost, the
+#: per-tensor hook and the per-byte bucket copies apart
+REDUCER_PROBES = ((4, 64), (16, 64), (64, 64), (16, 65536))
+#: interleaved runs of each probe, plain and under DDP
+REDUCER_REPEATS = 40
+
+
+def _reducer_probe(n_tensors: int, numel: int):
+    """A chain of ``n_tensors`` bias-free square linear layers of ``numel`` weights each, and
+    its input (fixed seed)."""
+    import math
+
+    import torch
+    width = int(math.isqrt(numel))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(n_tensors)])
+    return model, torch.randn(2, width)
+
+
+def measure_grad_reducer(repeats: int = REDUCER_REPEATS) -> dict | None:
+    """What torch DDP's reducer costs a training step beyond its all-reduces, measured in a
+    process group of one rank (the calibration's overhead launch): for each probe of
+    ``REDUCER_PROBES`` one forward + backward of the module itself and of the same module under
+    DDP as ``runtime.native`` builds it (SUM hook, no buffer broadcast), interleaved, the
+    difference of the medians; then, by non-negative least squares over the probes::
+
+        reducer(step) = fixed_s + per_tensor_s * parameter tensors + per_byte_s * gradient bytes
+
+    (``fixed_s``: preparing the backward and finalising it, the all-reduce call of a group of
+    one; ``per_tensor_s``: the autograd hook per parameter; ``per_byte_s``: copying each gradient
+    into its bucket and back). ``cost.native`` charges it to a plan that runs natively. Returns
+    ``{"fixed_s", "per_tensor_s", "per_byte_s", "rows": [...]}``; the rows keep the medians.
+    None outside a gloo process group (the probes run on the CPU; a GPU profile does not price
+    the reducer)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from scipy.optimize import nnls
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..runtime.native import _sum_hook
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return None
+    group = dist.group.WORLD
+    rows = []
+    for n_tensors, numel in REDUCER_PROBES:
+        plain, x = _reducer_probe(n_tensors, numel)
+        wrapped, _ = _reducer_probe(n_tensors, numel)
+        ddp = DDP(wrapped, forward_sync_buffers=False, init_sync=False)
+        ddp.register_comm_hook(group, _sum_hook)
+
+        def step(mod, params):
+            mod(x).sum().backward()
+            for p in params:
+                p.grad = None
+        runs = {"plain": (plain, list(plain.parameters())), "ddp": (ddp, list(wrapped.parameters()))}
+        times: dict[str, list[float]] = {"plain": [], "ddp": []}
+        for i in range(repeats + 2):
+            for name in (("plain", "ddp") if i % 2 else ("ddp", "plain")):
+                mod, params = runs[name]
+                t = time.perf_counter()
+                step(mod, params)
+                if i >= 2:
+                    times[name].append(time.perf_counter() - t)
+        p_s, d_s = statistics.median(times["plain"]), statistics.median(times["ddp"])
+        rows.append({"tensors": n_tensors, "elements": numel, "bytes": n_tensors * numel * 4,
+                     "plain_s": p_s, "ddp_s": d_s, "reducer_s": max(0.0, d_s - p_s)})
+        del ddp
+    A = np.array([[1.0, r["tensors"], r["bytes"]] for r in rows])
+    b = np.array([r["reducer_s"] for r in rows])
+    scale = A.max(axis=0)
+    coef, _ = nnls(A / scale, b)
+    coef = coef / scale
+    return {"fixed_s": float(coef[0]), "per_tensor_s": float(coef[1]), "per_byte_s": float(coef[2]),
+            "rows": rows, "probe": "calibrate.overhead.measure_grad_reducer",
+            "note": "torch DDP's reducer beyond its all-reduces, one rank; charged to plans that run natively"}

@@ -120,6 +120,13 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                       "|---|---|---|"]
             lines += [f"| {f} | {v * 1e6:.1f} | {nat[f] * 1e6:.1f} |" if f in nat else f"| {f} | {v * 1e6:.1f} | - |"
                       for f, v in ro["by_family"].items()]
+    red = profile.samples.get("grad_reducer")
+    if red:
+        lines += ["", f"torch DDP's reducer beyond its all-reduces (one rank; charged to native plans, "
+                  f"`cost.native`): {red['fixed_s'] * 1e6:.0f} us a step + {red['per_tensor_s'] * 1e6:.2f} us "
+                  f"per parameter tensor + {red['per_byte_s'] * 1e12:.0f} us per MB of gradients, fitted to "
+                  + ", ".join(f"{r['tensors']} x {r['elements']} floats {r['reducer_s'] * 1e6:.0f} us"
+                              for r in red.get("rows", [])) + "."]
     opt = profile.kernels.get("optimizer_step")
     if opt:
         lines += ["", f"Optimizer step (SGD, momentum): {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "

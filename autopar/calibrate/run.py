@@ -249,8 +249,9 @@ def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
 # ---- driver -------------------------------------------------------------------------------
 
 def _overhead_rank(rank, world, prof):
-    from .overhead import measure_runtime_overhead_by_family, measure_runtime_overhead_s
-    return measure_runtime_overhead_s(profile=prof), *measure_runtime_overhead_by_family(prof)
+    from .overhead import measure_grad_reducer, measure_runtime_overhead_by_family, measure_runtime_overhead_s
+    return (measure_runtime_overhead_s(profile=prof), *measure_runtime_overhead_by_family(prof),
+            measure_grad_reducer())
 
 
 def _check_backend(backend: str, world_size: int) -> str:
@@ -430,11 +431,16 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
              f"optimizer): {describe_step_costs(steps)}")
     from .overhead import add_runtime_overhead
-    overhead_s, by_family, native_by_family = launch(_overhead_rank, 1, (prof,))[0]
+    overhead_s, by_family, native_by_family, reducer = launch(_overhead_rank, 1, (prof,))[0]
     add_runtime_overhead(prof, overhead_s, by_family, native_by_family)
     progress(f"{stamp()} runtime per-op cost beyond the kernel model: {overhead_s * 1e6:.1f} us; per family "
              + ", ".join(f"{f} {v * 1e6:.1f}" for f, v in by_family.items()) + " us (natively: "
              + ", ".join(f"{f} {v * 1e6:.1f}" for f, v in native_by_family.items()) + " us)")
+    if reducer is not None:
+        prof.samples["grad_reducer"] = reducer
+        progress(f"{stamp()} torch DDP's reducer beyond its all-reduces: {reducer['fixed_s'] * 1e6:.0f} us a step + "
+                 f"{reducer['per_tensor_s'] * 1e6:.2f} us per parameter tensor + "
+                 f"{reducer['per_byte_s'] * 1e12:.0f} us per MB of gradients")
     # the whole calibration (kernels, collectives, in-step costs, per-op overhead), as timed
     # by a caller around ``calibrate``; ``elapsed`` above stopped before the in-step costs
     prof.provenance["elapsed_s"] = round(time.perf_counter() - t_start, 1)
