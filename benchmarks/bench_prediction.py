@@ -440,7 +440,7 @@ def fresh_profile(tmp: Path) -> tuple[str, float]:
                  f"on its {nat.get('n_samples')} rows)" if nat else ""))
     red = prof.samples.get("grad_reducer")
     if red:
-        print(f"  torch DDP's reducer (charged to native plans): {red['fixed_s'] * 1e6:.0f} us a step + "
+        print(f"  the gradient reducer (torch DDP's, charged to every plan that syncs gradients): {red['fixed_s'] * 1e6:.0f} us a step + "
               f"{red['per_tensor_s'] * 1e6:.2f} us per parameter tensor + {red['per_byte_s'] * 1e12:.0f} us per MB")
     t = time.perf_counter()
     seen = set()

@@ -15,12 +15,13 @@ with the history and once without. Nothing is executed.
 The folders must come from one machine instance (one boot of one VM: the history is kept per
 instance); pass them in the order they were made.
 
+``--no-reducer`` prices every run without the gradient reducer (as before it was measured);
 ``--reducer-from PROFILE`` is a what-if for runs whose profiles predate the measurement of torch
 DDP's reducer (``calibrate.overhead.measure_grad_reducer``): PROFILE's ``samples.grad_reducer``
 is put into a temporary copy of every run's profile (a profile that measured its own keeps it),
-so native plans are charged it (``cost.native``).
+so every plan that syncs gradients is charged it (``cost.table.price_grad_reducer``).
 
-    python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE] [--reducer-from PROFILE]
+    python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE] [--reducer-from PROFILE | --no-reducer]
 """
 
 from __future__ import annotations
@@ -75,14 +76,19 @@ def history_file(events: list[tuple[dt.datetime, float, str]], at: dt.datetime, 
 
 
 def with_reducer(profile: Path, reducer: dict | None, out: Path) -> Path:
-    """``profile``, or a copy at ``out`` holding ``reducer`` as its measured DDP reducer when it
-    measured none (``--reducer-from``)."""
+    """``profile`` as it is (``reducer`` None), or a copy at ``out``: without its gradient
+    reducer (``reducer`` empty, ``--no-reducer``), or holding ``reducer`` when it measured none
+    (``--reducer-from``)."""
     if reducer is None:
         return profile
     p = json.loads(profile.read_text())
-    if (p.get("samples") or {}).get("grad_reducer"):
+    samples = p.setdefault("samples", {})
+    if not reducer:
+        samples.pop("grad_reducer", None)
+    elif samples.get("grad_reducer"):
         return profile
-    p.setdefault("samples", {})["grad_reducer"] = reducer
+    else:
+        samples["grad_reducer"] = reducer
     out.write_text(json.dumps(p))
     return out
 
@@ -97,8 +103,11 @@ def main(argv=None) -> int:
     ap.add_argument("dirs", nargs="+", help="--keep folders of bench_prediction.py runs, oldest first")
     ap.add_argument("--out", help="write the table here too (and the figures as .json beside it)")
     ap.add_argument("--reducer-from", metavar="PROFILE",
-                    help="what-if: price every run's native plans with PROFILE's measured DDP reducer where "
+                    help="what-if: price every run's plans with PROFILE's measured gradient reducer where "
                          "the run's own profile has none")
+    ap.add_argument("--no-reducer", action="store_true",
+                    help="what-if: price every run's plans without the gradient reducer, even where its profile "
+                         "measured one (as the code before 2026-12-02 priced them)")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     lines: list[str] = []
@@ -108,7 +117,12 @@ def main(argv=None) -> int:
         lines.append(s)
 
     reducer = None
-    if args.reducer_from:
+    if args.no_reducer and args.reducer_from:
+        raise SystemExit("--no-reducer and --reducer-from exclude each other")
+    if args.no_reducer:
+        reducer = {}
+        say("what-if: every profile priced without a gradient reducer (samples.grad_reducer removed)")
+    elif args.reducer_from:
         reducer = (json.loads(Path(args.reducer_from).read_text()).get("samples") or {}).get("grad_reducer")
         if not reducer:
             raise SystemExit(f"{args.reducer_from} measured no DDP reducer (samples.grad_reducer)")

@@ -34,3 +34,15 @@ def test_report_shows_the_slowdown_readings_beside_the_time_shared_factors(tmp_p
     profile.compute_slowdown = dict(read)
     again = write_report(profile, tmp_path / "rep2", "p.json").read_text()
     assert "| measured | 1.00 |" not in again and "time sharing of the cores" not in again
+
+
+def test_the_report_states_the_measured_gradient_reducer_and_its_rows():
+    from autopar.calibrate.report import report_markdown
+    from fakes import synthetic_profile
+    prof = synthetic_profile()
+    assert "DDP's reducer" not in report_markdown(prof, "p", [])
+    prof.samples["grad_reducer"] = {"fixed_s": 2.5e-4, "per_tensor_s": 4.5e-6, "per_byte_s": 2e-10,
+                                    "rows": [{"tensors": 4, "elements": 64, "reducer_s": 2.7e-4}]}
+    md = report_markdown(prof, "p", [])
+    assert "250 us a step + 4.50 us per parameter tensor + 200 us per MB of gradients" in md
+    assert "4 x 64 floats 270 us" in md

@@ -179,40 +179,41 @@ def test_the_native_plan_replaces_an_op_by_op_plan_only_when_predicted_faster(ti
     assert math.isfinite(pred4.step_time_s)
 
 
-def test_a_native_step_pays_torch_ddps_reducer_as_measured(tiny_gpt, profile):
-    """A profile that measured DDP's reducer (``samples["grad_reducer"]``) charges a native
-    step its fixed cost once (first layer, forward) and each parameter tensor's hook and bucket
-    copies in that tensor's layer's backward, at the compute slowdown; without it nothing
-    changes; the op-by-op plan is never charged."""
-    from autopar.cost.native import choose_runtime, reducer_charges_s
+def test_every_plan_that_syncs_gradients_pays_the_reducer_as_measured(tiny_gpt, profile):
+    """A profile that measured the gradient reducer (``samples["grad_reducer"]``) charges every
+    choice that all-reduces gradients its tensors' hooks and bucket copies in backward, and a
+    step its fixed cost once, at the compute slowdown, native and op-by-op plans alike; without
+    the measurement every price is unchanged."""
+    from autopar.cost.native import choose_runtime
     from autopar.cost.primitives import _compute_slowdown
-    from autopar.cost.table import evaluate
+    from autopar.cost.table import evaluate, layer_param_tensors, plan_grad_reducer_s
     _with_gap(profile, 1e-6, 4e-7)
     profile.samples.pop("grad_reducer", None)
-    table, rep, nat = _table_and_choices(tiny_gpt, profile)
-    assert all(c == (0.0, 0.0) for c in reducer_charges_s(table))
-    rt0, p0 = choose_runtime(table, nat, evaluate, None)
-    assert rt0.reducer_s == 0.0 and rt0.to_json()["native_reducer_s"] == 0.0
-    t_rep0 = evaluate(table, rep).step_time_s
+    table0, rep, nat = _table_and_choices(tiny_gpt, profile)
+    assert plan_grad_reducer_s(table0, nat) == 0.0 == plan_grad_reducer_s(table0, rep)
+    rt0, p0 = choose_runtime(table0, nat, evaluate, None)
+    assert rt0.reducer_s == 0.0 and rt0.to_json()["grad_reducer_s"] == 0.0
+    before = {tuple(plan): evaluate(table0, plan) for plan in (nat, rep)}
     red = {"fixed_s": 2.5e-4, "per_tensor_s": 5e-6, "per_byte_s": 2e-10}
     profile.samples["grad_reducer"] = red
-    table, rep, nat = _table_and_choices(tiny_gpt, profile)
+    table, rep2, nat2 = _table_and_choices(tiny_gpt, profile)
+    assert (rep2, nat2) == (rep, nat)
     slow = _compute_slowdown(table.ctx)
-    charges = reducer_charges_s(table)
-    tensors = [(s, lay.itemsize) for lay in table.graph.layers for op in lay.ops for s in op.params.values()]
-    assert len(tensors) >= 4
-    want = slow * (red["fixed_s"] + sum(red["per_tensor_s"] + red["per_byte_s"] * math.prod(s) * item
-                                        for s, item in tensors))
-    assert sum(f + b for f, b in charges) == pytest.approx(want, rel=1e-12)
-    assert charges[0][0] == pytest.approx(slow * red["fixed_s"], rel=1e-12)
-    assert all(f == 0.0 for f, _ in charges[1:])
-    # each layer's backward carries its own tensors' share
-    for lay, (_, b) in zip(table.graph.layers, charges):
-        mine = [(s, lay.itemsize) for op in lay.ops for s in op.params.values()]
-        assert b == pytest.approx(slow * sum(red["per_tensor_s"] + red["per_byte_s"] * math.prod(s) * i
-                                             for s, i in mine), rel=1e-12, abs=0.0)
+    for plan in (nat, rep):
+        syncing = [(o.layer, o.costs[i]) for o, i in zip(table.layers, plan) if o.costs[i].grad_sync_s > 0]
+        assert len(syncing) >= 3
+        want = slow * (red["fixed_s"] + sum(red["per_tensor_s"] * layer_param_tensors(lay)
+                                            + red["per_byte_s"] * c.grad_sync_bytes for lay, c in syncing))
+        assert plan_grad_reducer_s(table, plan) == pytest.approx(want, rel=1e-12)
+        # each syncing layer's backward carries its own share, nothing else moves
+        for o0, o, i in zip(table0.layers, table.layers, plan):
+            c0, c = o0.costs[i], o.costs[i]
+            share = (slow * (red["per_tensor_s"] * layer_param_tensors(o.layer) + red["per_byte_s"] * c.grad_sync_bytes)
+                     if c.grad_sync_s > 0 else 0.0)
+            assert c.bwd_compute_s == pytest.approx(c0.bwd_compute_s + share, rel=1e-12, abs=1e-15)
+            assert c.fwd_compute_s == c0.fwd_compute_s
+        e0, e = before[tuple(plan)], evaluate(table, plan)
+        assert e.fwd_s + e.bwd_s == pytest.approx(e0.fwd_s + e0.bwd_s + want, rel=1e-9)
     rt, p = choose_runtime(table, nat, evaluate, None)
-    assert rt.runtime == "native" and rt.reducer_s == pytest.approx(want, rel=1e-12)
-    assert p.fwd_s + p.bwd_s == pytest.approx(p0.fwd_s + p0.bwd_s + want, rel=1e-9)
-    # the op-by-op plan's own price does not change
-    assert evaluate(table, rep).step_time_s == t_rep0
+    assert rt.runtime == "native" and rt.reducer_s == pytest.approx(plan_grad_reducer_s(table, nat), rel=1e-12)
+    assert p.fwd_s + p.bwd_s == pytest.approx(p0.fwd_s + p0.bwd_s + rt.reducer_s, rel=1e-9)

@@ -348,7 +348,8 @@ def measure_grad_reducer(repeats: int = REDUCER_REPEATS) -> dict | None:
 
     (``fixed_s``: preparing the backward and finalising it, the all-reduce call of a group of
     one; ``per_tensor_s``: the autograd hook per parameter; ``per_byte_s``: copying each gradient
-    into its bucket and back). ``cost.native`` charges it to a plan that runs natively. Returns
+    into its bucket and back). ``cost.table.price_grad_reducer`` charges it to every plan that
+    all-reduces gradients (``cost.primitives.grad_reducer_s``). Returns
     ``{"fixed_s", "per_tensor_s", "per_byte_s", "rows": [...]}``; the rows keep the medians.
     None outside a gloo process group (the probes run on the CPU; a GPU profile does not price
     the reducer)."""

@@ -148,7 +148,7 @@ class Profile:
       (``insitu.estimate_in_situ``); absent from profiles made before they were kept.
     - ``samples["grad_reducer"]``: torch DDP's reducer work beyond its all-reduces,
       ``fixed_s, per_tensor_s, per_byte_s`` and the probe rows they were fitted to
-      (``calibrate.overhead.measure_grad_reducer``; priced by ``cost.native``); absent from
+      (``calibrate.overhead.measure_grad_reducer``; priced by ``cost.primitives.grad_reducer_s``); absent from
       profiles made before 2026-12-02 and from GPU profiles.
     """
 

@@ -122,9 +122,9 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                       for f, v in ro["by_family"].items()]
     red = profile.samples.get("grad_reducer")
     if red:
-        lines += ["", f"torch DDP's reducer beyond its all-reduces (one rank; charged to native plans, "
-                  f"`cost.native`): {red['fixed_s'] * 1e6:.0f} us a step + {red['per_tensor_s'] * 1e6:.2f} us "
-                  f"per parameter tensor + {red['per_byte_s'] * 1e12:.0f} us per MB of gradients, fitted to "
+        lines += ["", f"torch DDP's reducer beyond its all-reduces (one rank; charged to every choice that "
+                  f"all-reduces gradients, `cost.table.price_grad_reducer`): {red['fixed_s'] * 1e6:.0f} us a step + "
+                  f"{red['per_tensor_s'] * 1e6:.2f} us per parameter tensor + {red['per_byte_s'] * 1e12:.0f} us per MB of gradients, fitted to "
                   + ", ".join(f"{r['tensors']} x {r['elements']} floats {r['reducer_s'] * 1e6:.0f} us"
                               for r in red.get("rows", [])) + "."]
     opt = profile.kernels.get("optimizer_step")

@@ -14,19 +14,7 @@ charge the op-by-op figures (``cost.primitives.op_compute_s``), so::
 
 (``T``: ``cost.table.evaluate``, the ILP's step model, so the gradient all-reduces' overlap is
 recomputed; a third of each gap in forward, two thirds in backward, as the per-op work is
-priced). A native step syncs its gradients through torch DDP's reducer, whose own work (an
-autograd hook per parameter tensor, each gradient copied into its bucket and back, preparing
-and finishing the backward) is main-thread CPU work beyond the all-reduces. The profile
-measures it on one rank (``calibrate.overhead.measure_grad_reducer``), and ``T_native`` adds::
-
-    reducer(layer) = slowdown * sum over its parameter tensors t of (per_tensor_s + per_byte_s * bytes(t))
-                     (in the layer's backward, where the hooks fire: it delays the bucket's all-reduce)
-    + slowdown * fixed_s                                   (once a step, in the first layer's forward)
-
-On this 2-core machine it measured about 0.25 ms a step + 4-5 us per tensor + 0.2 ms per MB
-of gradients, e.g. 0.4 ms of the hand-written GPT's 4 ms world-2 step. Profiles made before
-2026-12-02 did not measure it and charge nothing. The op-by-op runtime's ``GradSync`` is not
-charged it (it was not measured). The ILP prices layers alone and cannot see this plan-wide difference, so after it
+priced). The ILP prices layers alone and cannot see this plan-wide difference, so after it
 (``choose_runtime``) the native data-parallel assignment (``sample(P)`` everywhere, batch-free
 layers ``replicate``) is priced and taken when it fits the memory limit and
 ``T_native(dp) <= T_traced(ILP plan)``: a user who would otherwise train with DDP never gets a
@@ -34,6 +22,14 @@ plan the model itself says is slower than DDP's. Reasons only the module can tel
 updated in forward, an output whose block differs; ``runtime.native.why_not_native``) may still
 send such a plan op by op at run time, where the run says so; the plan records what the planner
 expected (``plan.json`` key ``runtime``).
+
+Both runtimes also pay a gradient reducer's own work beyond the all-reduces (a hook per
+parameter tensor, each gradient copied into its bucket and back): the table prices it in every
+choice that syncs gradients (``cost.table.price_grad_reducer``; measured on torch DDP's
+reducer, which the native runtime uses, and charged the same to the op-by-op runtime's
+``GradSync``, which does the same work in Python), so the two plans compare on it too.
+``RuntimeChoice.reducer_s`` says how much of the chosen plan's step it is (``plan.json``
+``runtime.grad_reducer_s``).
 """
 
 from __future__ import annotations
@@ -53,13 +49,13 @@ class RuntimeChoice:
     gap_s: float                        # op-by-op minus native per-op work, whole plan, slowest rank
     n_ops: int
     reason: str
-    reducer_s: float = 0.0              # torch DDP's reducer work a native step pays (``reducer_charges_s``)
+    reducer_s: float = 0.0              # gradient reducer work in the chosen plan's step (``plan_grad_reducer_s``)
 
     def to_json(self) -> dict[str, Any]:
         return {"expected": self.runtime, "step_time_s": self.step_time_s,
                 "ilp_step_time_s": self.ilp_step_time_s,
                 "native_data_parallel_step_time_s": self.native_dp_step_time_s,
-                "op_by_op_runtime_gap_s": self.gap_s, "native_reducer_s": self.reducer_s,
+                "op_by_op_runtime_gap_s": self.gap_s, "grad_reducer_s": self.reducer_s,
                 "ops": self.n_ops, "reason": self.reason}
 
 
@@ -91,36 +87,36 @@ def runs_native(table, choice: list[int]) -> bool:
 def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float | None) -> tuple[RuntimeChoice, Any]:
     """(the runtime decision, the StepPrediction of its choice) for the ILP's ``choice``
     (module docstring); ``evaluate`` is ``cost.table.evaluate``."""
+    from .table import plan_grad_reducer_s
     gaps = layer_gaps_s(table)
     gap = sum(f + b for f, b in gaps)
-    reducer = reducer_charges_s(table)
-    red_s = sum(f + b for f, b in reducer)
     n_ops = sum(len(lay.ops) for lay in table.graph.layers)
     ilp_pred = evaluate(table, choice)
     nat = native_choice(table)
     if nat is not None and list(nat) == list(choice):
-        pred = _native_prediction(table, choice, evaluate, gaps, reducer)
+        pred = _native_prediction(table, choice, evaluate, gaps)
         return RuntimeChoice(list(choice), "native", pred.step_time_s, ilp_pred.step_time_s,
                              pred.step_time_s, gap, n_ops,
                              "the ILP's plan is pure data parallelism: it runs the user's module",
-                             red_s), pred
+                             plan_grad_reducer_s(table, choice)), pred
     if nat is None:
         return RuntimeChoice(list(choice), "traced", ilp_pred.step_time_s, ilp_pred.step_time_s, None, gap,
                              n_ops, "no native data-parallel plan: some layer cannot take sample over the "
                                     "whole world"), ilp_pred
-    nat_pred = _native_prediction(table, nat, evaluate, gaps, reducer)
+    nat_pred = _native_prediction(table, nat, evaluate, gaps)
     fits = memory_limit_bytes is None or nat_pred.memory_per_rank_bytes <= memory_limit_bytes
     if fits and nat_pred.step_time_s <= ilp_pred.step_time_s:
         return RuntimeChoice(list(nat), "native", nat_pred.step_time_s, ilp_pred.step_time_s,
                              nat_pred.step_time_s, gap, n_ops,
                              f"native data parallelism ({nat_pred.step_time_s * 1e3:.3f} ms: {n_ops} ops "
                              f"in the user's module, {gap * 1e3:.3f} ms less runtime work than op by op) "
-                             f"beats the ILP's op-by-op plan ({ilp_pred.step_time_s * 1e3:.3f} ms)", red_s), nat_pred
+                             f"beats the ILP's op-by-op plan ({ilp_pred.step_time_s * 1e3:.3f} ms)",
+                             plan_grad_reducer_s(table, nat)), nat_pred
     why = ("does not fit the memory limit" if not fits else
            f"is slower ({nat_pred.step_time_s * 1e3:.3f} ms vs {ilp_pred.step_time_s * 1e3:.3f} ms)")
     return RuntimeChoice(list(choice), "traced", ilp_pred.step_time_s, ilp_pred.step_time_s,
                          nat_pred.step_time_s, gap, n_ops,
-                         f"the native data-parallel plan {why}", red_s), ilp_pred
+                         f"the native data-parallel plan {why}", plan_grad_reducer_s(table, choice)), ilp_pred
 
 
 def layer_gaps_s(table) -> list[tuple[float, float]]:
@@ -142,47 +138,18 @@ def layer_gaps_s(table) -> list[tuple[float, float]]:
     return out
 
 
-def reducer_charges_s(table) -> list[tuple[float, float]]:
-    """Per layer: (forward, backward) seconds of torch DDP's reducer work in a native step
-    (module docstring), on the slowest rank: each parameter tensor's hook and bucket copies
-    in its layer's backward, the step's fixed cost in the first layer's forward. All zero
-    when the profile did not measure the reducer (``samples["grad_reducer"]``, calibrations
-    before 2026-12-02) or the plan has one rank."""
-    from .primitives import _compute_slowdown, _samples
-    red = _samples(table.ctx.profile).get("grad_reducer") or {}
-    out = [(0.0, 0.0)] * len(table.graph.layers)
-    if not red or table.ctx.world <= 1 or not out:
-        return out
-    slow = _compute_slowdown(table.ctx)
-    out = [(0.0, slow * sum(reducer_tensor_s(red, op.params.values(), lay.itemsize) for op in lay.ops))
-           for lay in table.graph.layers]
-    f, b = out[0]
-    out[0] = (f + slow * float(red.get("fixed_s", 0.0)), b)
-    return out
-
-
-def reducer_tensor_s(red: dict, shapes, itemsize: int) -> float:
-    """``per_tensor_s + per_byte_s * bytes`` summed over the parameter ``shapes`` (the
-    reducer's per-tensor terms, ``calibrate.overhead.measure_grad_reducer``)."""
-    import math
-    return sum(float(red.get("per_tensor_s", 0.0)) + float(red.get("per_byte_s", 0.0)) * math.prod(s) * itemsize
-               for s in shapes)
-
-
-def _native_prediction(table, choice: list[int], evaluate, gaps: list[tuple[float, float]],
-                       reducer: list[tuple[float, float]]):
+def _native_prediction(table, choice: list[int], evaluate, gaps: list[tuple[float, float]]):
     """``evaluate`` of ``choice`` with every layer's compute less its gap (forward and
-    backward shares, as the per-op work is priced) and plus torch DDP's reducer work
-    (``reducer_charges_s``)."""
+    backward shares, as the per-op work is priced)."""
     import dataclasses
     layers = list(table.layers)
     for l, ci in enumerate(choice):
-        o, (df, db), (rf, rb) = layers[l], gaps[l], reducer[l]
-        if df + db <= 0.0 and rf + rb <= 0.0:
+        o, (df, db) = layers[l], gaps[l]
+        if df + db <= 0.0:
             continue
         c = o.costs[ci]
         costs = list(o.costs)
-        costs[ci] = dataclasses.replace(c, fwd_compute_s=max(0.0, c.fwd_compute_s - df) + rf,
-                                        bwd_compute_s=max(0.0, c.bwd_compute_s - db) + rb)
+        costs[ci] = dataclasses.replace(c, fwd_compute_s=max(0.0, c.fwd_compute_s - df),
+                                        bwd_compute_s=max(0.0, c.bwd_compute_s - db))
         layers[l] = dataclasses.replace(o, costs=costs)
     return evaluate(dataclasses.replace(table, layers=layers), choice)

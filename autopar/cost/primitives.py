@@ -233,6 +233,31 @@ def _compute_slowdown(ctx) -> float:
         * compute_drift(prof, ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
 
 
+def grad_reducer_s(ctx, n_tensors: int, grad_bytes: float) -> float:
+    """Main-thread work of the gradient reducer for one layer's gradients (beyond the all-reduce
+    itself), on the slowest rank::
+
+        reducer(layer) = slowdown * (per_tensor_s * n_tensors + per_byte_s * grad_bytes)
+
+    ``n_tensors`` parameter tensors (an autograd hook each), ``grad_bytes`` the rank's gradient
+    bytes the layer all-reduces (each copied into its bucket and back). The figures are
+    torch DDP's reducer measured on one rank (``calibrate.overhead.measure_grad_reducer``,
+    ``samples["grad_reducer"]``); autopar's ``GradSync`` does the same work per tensor and per
+    byte in Python and is charged the same. 0 for a profile that did not measure it."""
+    red = _samples(ctx.profile).get("grad_reducer")
+    if not red or n_tensors <= 0:
+        return 0.0
+    return _compute_slowdown(ctx) * (float(red.get("per_tensor_s", 0.0)) * n_tensors
+                                     + float(red.get("per_byte_s", 0.0)) * grad_bytes)
+
+
+def grad_reducer_fixed_s(ctx) -> float:
+    """The reducer's work once a step when any gradient is all-reduced (preparing the backward,
+    finishing it), at the slowdown: ``slowdown * fixed_s``; 0 when not measured."""
+    red = _samples(ctx.profile).get("grad_reducer")
+    return _compute_slowdown(ctx) * float(red.get("fixed_s", 0.0)) if red else 0.0
+
+
 def copy_s(ctx, numel: int, itemsize: int = 4) -> float:
     """One elementwise pass that reads and writes ``numel`` elements (a layout copy: a
     transpose made contiguous), by the profile's elementwise kernel model, slowed down like all

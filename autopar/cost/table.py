@@ -36,7 +36,8 @@ from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.buckets import layer_buckets
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
 from ..decomp.transition import EXACT_WORLD, transition_s
-from .primitives import StragglerCharge, comm_interference, straggler_charge, unsynced_compute_s
+from .primitives import (StragglerCharge, comm_interference, grad_reducer_fixed_s, grad_reducer_s, straggler_charge,
+                         unsynced_compute_s)
 
 
 @dataclass
@@ -379,6 +380,7 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
     opts = _count_tied_once(opts, ctx)
     opts = _price_loss_move(graph, ctx, opts)
     opts = price_comm_interference(ctx, opts)
+    opts = price_grad_reducer(ctx, opts)
     opts, charge = price_stragglers(graph, ctx, opts)
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
     table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets,
@@ -443,6 +445,38 @@ def price_comm_interference(ctx: CostContext, opts: list[LayerOptions]) -> list[
                  if c.grad_sync_s > 0 else c for c in o.costs]
         out.append(replace(o, costs=costs))
     return out
+
+
+def layer_param_tensors(layer: Layer) -> int:
+    """Parameter tensors of ``layer`` (one gradient each, one reducer hook each)."""
+    return sum(len(op.params) for op in layer.ops)
+
+
+def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions]) -> list[LayerOptions]:
+    """Each choice that all-reduces gradients adds the reducer's work for its layer's tensors
+    and gradient bytes to its backward compute (``cost.primitives.grad_reducer_s``: the hooks
+    fire and the copies into the buckets run as backward produces them, delaying the bucket's
+    all-reduce); the step's fixed share is added once by ``evaluate``. Nothing changes for a
+    profile that did not measure the reducer. New option objects."""
+    from .primitives import _samples
+    if not _samples(ctx.profile).get("grad_reducer"):
+        return opts
+    out = []
+    for o in opts:
+        n = layer_param_tensors(o.layer)
+        costs = [replace(c, bwd_compute_s=c.bwd_compute_s + grad_reducer_s(ctx, n, c.grad_sync_bytes))
+                 if c.grad_sync_s > 0 else c for c in o.costs]
+        out.append(replace(o, costs=costs))
+    return out
+
+
+def plan_grad_reducer_s(table: "CostTable", choice: list[int]) -> float:
+    """The reducer work ``evaluate`` counts for ``choice``: every syncing layer's share
+    (``price_grad_reducer``) and the fixed share once."""
+    ctx = table.ctx
+    costs = [(o.layer, o.costs[i]) for o, i in zip(table.layers, choice)]
+    per = sum(grad_reducer_s(ctx, layer_param_tensors(lay), c.grad_sync_bytes) for lay, c in costs if c.grad_sync_s > 0)
+    return per + (grad_reducer_fixed_s(ctx) if any(c.grad_sync_s > 0 for _, c in costs) else 0.0)
 
 
 def price_stragglers(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions],
@@ -658,7 +692,8 @@ def bucket_allreduce_s(costs: list[LayerCost], final: bool = False) -> float:
 def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     """Step time of one choice per layer, by the model the ILP encodes::
 
-        T_fwd  = sum_l fwd(l) + sum_e fwd(e)
+        T_fwd  = sum_l fwd(l) + sum_e fwd(e) (+ the gradient reducer's fixed share once a step
+                 when any layer all-reduces gradients: ``price_grad_reducer``)
         T_bwd  = sum_l bwd(l) + sum_e bwd(e)
         ready_b = T_fwd + sum of bwd over layers at or after the first layer of gradient
                   bucket b (and their input edges): the moment all of b's gradients exist
@@ -673,6 +708,8 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     e_f = [e.fwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
     e_b = [e.bwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
     t_fwd = sum(c.fwd_s for c in cs) + sum(e_f)
+    if any(c.grad_sync_s > 0 for c in cs):
+        t_fwd += grad_reducer_fixed_s(table.ctx)    # the reducer's share once a step (price_grad_reducer)
     t_bwd = sum(c.bwd_s for c in cs) + sum(e_b)
     edge_bwd_into = [0.0] * len(cs)
     for e, b in zip(table.edges, e_b):
