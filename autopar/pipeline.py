@@ -178,7 +178,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     if machine is not None:
         say(f"machine speed: the probe usually reads {machine.usual_probe_s * 1e3:.2f} ms here "
             f"({machine.events} readings), the profile's kernels were measured at "
-            f"{machine.profile_nominal_s * 1e3:.2f} ms: local compute priced x{machine.factor:.3f}")
+            f"{machine.profile_nominal_s * 1e3:.2f} ms: local compute priced at {machine.priced_at_s * 1e3:.2f} ms "
+            f"between them, x{machine.factor:.3f}")
     ctx = CostContext(profile=pricing_profile(profile), world=world_size, ranks_per_node=rpn,
                       optimizer_state_per_param=o.optimizer_state_per_param, batch_size=batch_size,
                       max_candidates=o.max_candidates, batch_norm=bn,

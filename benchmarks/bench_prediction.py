@@ -395,7 +395,8 @@ def machine_speed(path: str) -> dict:
         return {"not_applied": why}
     print(f"machine speed history: the probe usually reads {ms.usual_probe_s * 1e3:.2f} ms here ({ms.events} "
           f"readings), the profile's kernels were measured at {ms.profile_nominal_s * 1e3:.2f} ms: local compute "
-          f"priced x{ms.factor:.3f} (held-out plans, planned after the in-sample runs, see theirs too)")
+          f"priced at {ms.priced_at_s * 1e3:.2f} ms between them, x{ms.factor:.3f} (held-out plans, planned after "
+          "the in-sample runs, see theirs too)")
     return ms.to_json()
 
 

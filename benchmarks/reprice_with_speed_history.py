@@ -15,13 +15,16 @@ with the history and once without. Nothing is executed.
 The folders must come from one machine instance (one boot of one VM: the history is kept per
 instance); pass them in the order they were made.
 
+``--usual-weight W`` prices with that weight of the usual reading against the profile's own
+(``calibrate.history.USUAL_WEIGHT``, 0.5; 1 prices at the usual reading itself).
 ``--no-reducer`` prices every run without the gradient reducer (as before it was measured);
 ``--reducer-from PROFILE`` is a what-if for runs whose profiles predate the measurement of torch
 DDP's reducer (``calibrate.overhead.measure_grad_reducer``): PROFILE's ``samples.grad_reducer``
 is put into a temporary copy of every run's profile (a profile that measured its own keeps it),
 so every plan that syncs gradients is charged it (``cost.table.price_grad_reducer``).
 
-    python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE] [--reducer-from PROFILE | --no-reducer]
+    python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE] [--usual-weight W]
+        [--reducer-from PROFILE | --no-reducer]
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reducer-from", metavar="PROFILE",
                     help="what-if: price every run's plans with PROFILE's measured gradient reducer where "
                          "the run's own profile has none")
+    ap.add_argument("--usual-weight", type=float, metavar="W",
+                    help="what-if: the weight of the usual reading against the profile's own "
+                         "(calibrate.history.USUAL_WEIGHT; 1 prices at the usual reading)")
     ap.add_argument("--no-reducer", action="store_true",
                     help="what-if: price every run's plans without the gradient reducer, even where its profile "
                          "measured one (as the code before 2026-12-02 priced them)")
@@ -116,6 +122,10 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
 
+    if args.usual_weight is not None:
+        import autopar.calibrate.history as history
+        history.USUAL_WEIGHT = args.usual_weight
+        say(f"what-if: the usual reading weighted {args.usual_weight:g} against the profile's own")
     reducer = None
     if args.no_reducer and args.reducer_from:
         raise SystemExit("--no-reducer and --reducer-from exclude each other")

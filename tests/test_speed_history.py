@@ -54,8 +54,13 @@ def test_usual_speed_needs_enough_readings_of_this_machine(tmp_path):
     got, why = H.usual_speed(prof, hist)
     assert why == "" and got.events == H.MIN_EVENTS
     assert got.usual_probe_s == pytest.approx(0.006)          # the median of 4 x 6 ms and 8 ms
-    assert got.factor == pytest.approx(0.006 / NOMINAL_S)
-    assert got.to_json()["speed_factor"] == pytest.approx(1.2)
+    # priced at the geometric mean of the usual reading and the profile's (USUAL_WEIGHT 0.5)
+    assert H.USUAL_WEIGHT == 0.5
+    assert got.factor == pytest.approx((0.006 / NOMINAL_S) ** 0.5)
+    assert got.priced_at_s == pytest.approx((0.006 * NOMINAL_S) ** 0.5)
+    js = got.to_json()
+    assert js["speed_factor"] == pytest.approx(1.2 ** 0.5, abs=1e-4) and js["usual_weight"] == 0.5
+    assert js["priced_at_s"] == pytest.approx(NOMINAL_S * 1.2 ** 0.5)
 
 
 def test_window_keeps_the_last_hours(tmp_path):
@@ -105,9 +110,10 @@ def test_off_and_corrupt_history(tmp_path, monkeypatch):
     assert H.record(None, "execute", hist) is False            # no reading, nothing written
 
 
-def test_plan_prices_local_compute_at_the_usual_speed(tmp_path, monkeypatch):
-    """A world-1 plan is all local compute: with a history reading 1.5x the profile's nominal
-    its predicted step is 1.5x the one priced as measured, and plan.json says so."""
+def test_plan_prices_local_compute_between_the_usual_and_the_profiles_speed(tmp_path, monkeypatch):
+    """A world-1 plan is all local compute: with a history reading 2.25x the profile's nominal
+    its predicted step is 1.5x the one priced as measured (the geometric mean of the two
+    readings, ``USUAL_WEIGHT`` 0.5), and plan.json says so."""
     from autopar.artifacts import PlanOptions
     from autopar.pipeline import make_plan
     model = tmp_path / "tiny.py"
@@ -115,7 +121,7 @@ def test_plan_prices_local_compute_at_the_usual_speed(tmp_path, monkeypatch):
     _, prof_path = _here_profile(tmp_path)
     hist = tmp_path / "h.json"
     for _ in range(H.MIN_EVENTS):
-        H.record(1.5 * NOMINAL_S, "execute", hist)
+        H.record(2.25 * NOMINAL_S, "execute", hist)
     monkeypatch.setenv(H.HISTORY_ENV, str(hist))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,6 +132,7 @@ def test_plan_prices_local_compute_at_the_usual_speed(tmp_path, monkeypatch):
     assert on.plan.predicted.step_time_s == pytest.approx(1.5 * off.plan.predicted.step_time_s, rel=1e-9)
     ms = json.loads((tmp_path / "on" / "plan.json").read_text())["calibration"]["machine_speed"]
     assert ms["speed_factor"] == pytest.approx(1.5) and ms["events"] == H.MIN_EVENTS
+    assert ms["priced_at_s"] == pytest.approx(1.5 * NOMINAL_S) and ms["usual_probe_s"] == pytest.approx(2.25 * NOMINAL_S)
     ms_off = json.loads((tmp_path / "off" / "plan.json").read_text())["calibration"]["machine_speed"]
     assert ms_off["speed_factor"] == 1.0 and "--no-speed-history" in ms_off["not_applied"]
 

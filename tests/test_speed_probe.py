@@ -98,6 +98,11 @@ def test_execute_reports_the_probe_against_the_profile_nominal():
     Plan.calibration = {"speed_probe_nominal_s": 0.004, "machine_speed": {"usual_probe_s": 0.005}}
     note = speed_note(Plan(), 0.005)["speed_probe"]
     assert note["slowdown_vs_calibration"] == pytest.approx(1.25) and note["slowdown_vs_pricing"] == pytest.approx(1.0)
+    # a plan priced between the two readings (USUAL_WEIGHT): the ratio to the reading it records
+    Plan.calibration = {"speed_probe_nominal_s": 0.004,
+                        "machine_speed": {"usual_probe_s": 0.005, "priced_at_s": 0.0045}}
+    note = speed_note(Plan(), 0.005)["speed_probe"]
+    assert note["priced_at_s"] == 0.0045 and note["slowdown_vs_pricing"] == pytest.approx(0.005 / 0.0045)
     Plan.calibration = {"speed_probe_nominal_s": 0.004}
     assert speed_note(Plan(), None) == {}
     Plan.calibration = {}                  # a profile made before the probe: nothing to compare

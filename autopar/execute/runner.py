@@ -268,12 +268,15 @@ def speed_note(plan: Plan, probe_s: float | None) -> dict[str, Any]:
     """``{"speed_probe": ...}`` of a run whose rank 0 read the machine-speed probe after
     timing: the reading, the profile's nominal one and their ratio (> 1: the machine ran
     slower than when the profile's kernels were measured, by the probe), and the reading the
-    plan's compute was priced at (the nominal, or the machine's usual reading where the plan
-    used the speed history, ``calibrate.history``) with the ratio to it; {} without both."""
+    plan's compute was priced at (the nominal, or where the plan used the speed history the
+    reading between it and the machine's usual one, ``calibrate.history``) with the ratio to it;
+    {} without both."""
     nominal = plan.calibration.get("speed_probe_nominal_s")
     if not probe_s or not nominal:
         return {}
-    priced_at = float((plan.calibration.get("machine_speed") or {}).get("usual_probe_s") or nominal)
+    ms = plan.calibration.get("machine_speed") or {}
+    # plans of the first speed-history code priced at the usual reading itself (no priced_at_s)
+    priced_at = float(ms.get("priced_at_s") or ms.get("usual_probe_s") or nominal)
     return {"speed_probe": {"execute_s": float(probe_s), "profile_nominal_s": float(nominal),
                             "slowdown_vs_calibration": float(probe_s) / float(nominal),
                             "priced_at_s": priced_at, "slowdown_vs_pricing": float(probe_s) / priced_at}}

@@ -91,8 +91,8 @@ def run_markdown(run: RunResult, plots: list[Path]) -> str:
         lines.append(f"- machine speed: the calibration's probe took {_ms(sp['execute_s'])} after timing, "
                      f"{_ms(sp['profile_nominal_s'])} when the profile's kernels were measured "
                      f"({sp['slowdown_vs_calibration']:.2f}x; above 1 this machine ran slower than then"
-                     + (f"; the plan priced its compute at this machine's usual {_ms(sp['priced_at_s'])} "
-                        f"(its speed history), {sp['slowdown_vs_pricing']:.2f}x that"
+                     + (f"; the plan priced its compute at {_ms(sp['priced_at_s'])} (between that and this "
+                        f"machine's usual reading, its speed history), {sp['slowdown_vs_pricing']:.2f}x that"
                         if sp.get("priced_at_s", sp["profile_nominal_s"]) != sp["profile_nominal_s"] else "")
                      + ", which the prediction does not know)" + _at_run_speed(run, sp))
     if b:
