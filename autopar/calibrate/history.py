@@ -23,7 +23,7 @@ their geometric mean, ``MachineSpeed.priced_at_s``), and records it in ``plan.js
 after it was measured, when the machine may still be in the stretch the calibration met, and
 a stretch can last an hour. The prediction benchmark's thirteen kept runs of one VM boot,
 replayed (``benchmarks/reprice_with_speed_history.py``,
-``reports/benchmarks/speed_history_weight_runs_29-41.txt``): the median of the runs' median
+``reports/benchmarks/speed_history_weight_0.5_runs_29-41.txt`` and ``_weight_1_``): the median of the runs' median
 |error| in-sample / held-out 7.6 / 14.4 % with the history off, 8.4 / 12.7 % priced at the
 usual reading, 5.7 / 12.7 % at the geometric mean; the two runs calibrated in the boot's fastest
 stretch, whose machine stayed fast, were over-predicted 10.2-28.7 % at the usual reading and
