@@ -205,13 +205,15 @@ def test_every_plan_that_syncs_gradients_pays_the_reducer_as_measured(tiny_gpt, 
         want = slow * (red["fixed_s"] + sum(red["per_tensor_s"] * layer_param_tensors(lay)
                                             + red["per_byte_s"] * c.grad_sync_bytes for lay, c in syncing))
         assert plan_grad_reducer_s(table, plan) == pytest.approx(want, rel=1e-12)
-        # each syncing layer's backward carries its own share, nothing else moves
-        for o0, o, i in zip(table0.layers, table.layers, plan):
+        # each syncing layer's backward carries its own share, the first layer's forward the
+        # fixed share (where the solvers see it too), nothing else moves
+        for k, (o0, o, i) in enumerate(zip(table0.layers, table.layers, plan)):
             c0, c = o0.costs[i], o.costs[i]
             share = (slow * (red["per_tensor_s"] * layer_param_tensors(o.layer) + red["per_byte_s"] * c.grad_sync_bytes)
                      if c.grad_sync_s > 0 else 0.0)
             assert c.bwd_compute_s == pytest.approx(c0.bwd_compute_s + share, rel=1e-12, abs=1e-15)
-            assert c.fwd_compute_s == c0.fwd_compute_s
+            assert c.fwd_compute_s == pytest.approx(c0.fwd_compute_s + (slow * red["fixed_s"] if k == 0 else 0.0),
+                                                    rel=1e-12, abs=1e-15)
         e0, e = before[tuple(plan)], evaluate(table, plan)
         assert e.fwd_s + e.bwd_s == pytest.approx(e0.fwd_s + e0.bwd_s + want, rel=1e-9)
     rt, p = choose_runtime(table, nat, evaluate, None)

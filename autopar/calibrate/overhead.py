@@ -394,4 +394,5 @@ def measure_grad_reducer(repeats: int = REDUCER_REPEATS) -> dict | None:
     coef = coef / scale
     return {"fixed_s": float(coef[0]), "per_tensor_s": float(coef[1]), "per_byte_s": float(coef[2]),
             "rows": rows, "probe": "calibrate.overhead.measure_grad_reducer",
-            "note": "torch DDP's reducer beyond its all-reduces, one rank; charged to plans that run natively"}
+            "note": "torch DDP's reducer beyond its all-reduces, one rank; charged to every plan that "
+                    "all-reduces gradients"}

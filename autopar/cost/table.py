@@ -237,7 +237,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
     keys: list[list[str]] = []
     illegal: dict[str, str] = {}
     illegal_decs: list[Decomposition] = []
-    n_params = sum(len(op.params) for op in layer.ops)
+    n_params = layer_param_tensors(layer)
     for kind, cls in REGISTRY.items():
         if kinds is not None and kind not in kinds:
             continue
@@ -452,31 +452,39 @@ def layer_param_tensors(layer: Layer) -> int:
     return sum(len(op.params) for op in layer.ops)
 
 
-def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions]) -> list[LayerOptions]:
+def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions],
+                       topo: list[int] | None = None) -> list[LayerOptions]:
     """Each choice that all-reduces gradients adds the reducer's work for its layer's tensors
     and gradient bytes to its backward compute (``cost.primitives.grad_reducer_s``: the hooks
     fire and the copies into the buckets run as backward produces them, delaying the bucket's
-    all-reduce); the step's fixed share is added once by ``evaluate``. Nothing changes for a
-    profile that did not measure the reducer. New option objects."""
+    all-reduce), and every choice of the first layer in execution order the step's fixed share
+    in forward (``grad_reducer_fixed_s``: one per step, paid by every plan with more than one
+    rank, as ``price_stragglers`` charges its closing wait), so that the ILP, the dynamic
+    program's bounds and ``evaluate`` all count it. Nothing changes for a profile that did not
+    measure the reducer, or at world 1. New option objects."""
     from .primitives import _samples
-    if not _samples(ctx.profile).get("grad_reducer"):
+    if ctx.world < 2 or not opts or not _samples(ctx.profile).get("grad_reducer"):
         return opts
+    first = (topo or [o.layer.index for o in opts])[0]
+    fixed = grad_reducer_fixed_s(ctx)
     out = []
-    for o in opts:
+    for k, o in enumerate(opts):
         n = layer_param_tensors(o.layer)
         costs = [replace(c, bwd_compute_s=c.bwd_compute_s + grad_reducer_s(ctx, n, c.grad_sync_bytes))
                  if c.grad_sync_s > 0 else c for c in o.costs]
+        if k == first:
+            costs = [replace(c, fwd_compute_s=c.fwd_compute_s + fixed) for c in costs]
         out.append(replace(o, costs=costs))
     return out
 
 
 def plan_grad_reducer_s(table: "CostTable", choice: list[int]) -> float:
-    """The reducer work ``evaluate`` counts for ``choice``: every syncing layer's share
-    (``price_grad_reducer``) and the fixed share once."""
+    """The reducer work ``price_grad_reducer`` put into ``choice``'s layer costs: every syncing
+    layer's share and the fixed share once."""
     ctx = table.ctx
     costs = [(o.layer, o.costs[i]) for o, i in zip(table.layers, choice)]
     per = sum(grad_reducer_s(ctx, layer_param_tensors(lay), c.grad_sync_bytes) for lay, c in costs if c.grad_sync_s > 0)
-    return per + (grad_reducer_fixed_s(ctx) if any(c.grad_sync_s > 0 for _, c in costs) else 0.0)
+    return per + (grad_reducer_fixed_s(ctx) if ctx.world > 1 and costs else 0.0)
 
 
 def price_stragglers(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions],
@@ -692,8 +700,7 @@ def bucket_allreduce_s(costs: list[LayerCost], final: bool = False) -> float:
 def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     """Step time of one choice per layer, by the model the ILP encodes::
 
-        T_fwd  = sum_l fwd(l) + sum_e fwd(e) (+ the gradient reducer's fixed share once a step
-                 when any layer all-reduces gradients: ``price_grad_reducer``)
+        T_fwd  = sum_l fwd(l) + sum_e fwd(e)
         T_bwd  = sum_l bwd(l) + sum_e bwd(e)
         ready_b = T_fwd + sum of bwd over layers at or after the first layer of gradient
                   bucket b (and their input edges): the moment all of b's gradients exist
@@ -708,8 +715,6 @@ def evaluate(table: CostTable, choice: list[int]) -> StepPrediction:
     e_f = [e.fwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
     e_b = [e.bwd_s[choice[e.src]][choice[e.dst]] for e in table.edges]
     t_fwd = sum(c.fwd_s for c in cs) + sum(e_f)
-    if any(c.grad_sync_s > 0 for c in cs):
-        t_fwd += grad_reducer_fixed_s(table.ctx)    # the reducer's share once a step (price_grad_reducer)
     t_bwd = sum(c.bwd_s for c in cs) + sum(e_b)
     edge_bwd_into = [0.0] * len(cs)
     for e, b in zip(table.edges, e_b):

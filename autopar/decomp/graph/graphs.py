@@ -218,8 +218,8 @@ def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
     (``cost.table.evaluate``); ``illegal`` says why not when it cannot run. ``shares``: None
     (the mean share), or a function of the roles giving the largest rank's node / edge
     fractions of an actual batch (``graphs_cost``)."""
-    from ...cost.table import (CostTable, LayerOptions, _optimizer_step_s, evaluate, price_grad_reducer,
-                               price_stragglers)
+    from ...cost.table import (CostTable, LayerOptions, _optimizer_step_s, evaluate, layer_param_tensors,
+                               price_grad_reducer, price_stragglers)
     p = ctx.world
     roles, why = graph_roles(graph)
     if roles is None:
@@ -245,9 +245,9 @@ def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
             return GraphAlternative(p, illegal=f"layer {lay.index} ({lay.module or lay.name}): {why}",
                                     roles=roles)
         c = dec.cost(lay, ctx) if fractions is None else graphs_cost(dec, lay, ctx, fractions)
-        c = dataclasses.replace(c, optim_step_s=_optimizer_step_s(c, ctx, sum(len(op.params) for op in lay.ops)))
+        c = dataclasses.replace(c, optim_step_s=_optimizer_step_s(c, ctx, layer_param_tensors(lay)))
         opts.append(LayerOptions(lay, [dec], [c]))
-    opts = price_grad_reducer(ctx, opts)        # the native runtime's gradient reducer, as every plan pays it
+    opts = price_grad_reducer(ctx, opts, list(table.topo))   # the native runtime's reducer, as every plan pays it
     opts, charge = price_stragglers(graph, ctx, opts, list(table.topo))
     gt = CostTable(graph, ctx, opts, None, list(table.topo), table.buckets, straggle=charge)
     pred = evaluate(gt, [0] * len(opts))
