@@ -496,3 +496,27 @@ def _reducer_rank(rank, world):
     from autopar.calibrate.overhead import measure_grad_reducer
     torch.set_num_threads(1)
     return measure_grad_reducer(repeats=8)
+
+
+def test_the_optimizer_step_is_timed_cold_and_fitted_with_a_fixed_share(monkeypatch):
+    """``measure_optimizer_step`` times every set after writing twice the last-level cache
+    (what backward leaves the update to) and hot, keeps both medians, and fits a non-negative
+    fixed share, per-tensor and per-byte cost to the cold ones; ``optimizer_step_s`` prices
+    the update without the fixed share, ``optimizer_fixed_s`` the share (0 for an older fit)."""
+    from types import SimpleNamespace
+
+    from autopar.calibrate import optimizer
+    assert optimizer.cold_flush_bytes() >= 2 * 1024 * 1024
+    monkeypatch.setattr(optimizer, "cold_flush_bytes", lambda: 8 << 20)     # keep the test quick
+    m = optimizer.measure_optimizer_step(repeats=3)
+    assert m["cache"].startswith("cold") and "8 MiB" in m["cache"]
+    assert all(m[k] >= 0.0 and math.isfinite(m[k]) for k in ("fixed_s", "t0_s", "s_per_byte"))
+    assert [(r["tensors"], r["elements"]) for r in m["samples"]] == list(optimizer.SETS)
+    assert all(r["median_s"] > 0 and r["hot_median_s"] > 0 for r in m["samples"])
+    assert math.isfinite(m["heldout_median_rel_err"])
+    prof = SimpleNamespace(kernels={"optimizer_step": m})
+    assert optimizer.optimizer_step_s(prof, 10, 4096) == pytest.approx(10 * m["t0_s"] + 4096 * m["s_per_byte"])
+    assert optimizer.optimizer_fixed_s(prof) == m["fixed_s"]
+    old = {k: v for k, v in m.items() if k != "fixed_s"}
+    assert optimizer.optimizer_fixed_s(SimpleNamespace(kernels={"optimizer_step": old})) == 0.0
+    assert optimizer.optimizer_fixed_s(SimpleNamespace(kernels={})) == 0.0

@@ -219,3 +219,30 @@ def test_every_plan_that_syncs_gradients_pays_the_reducer_as_measured(tiny_gpt, 
     rt, p = choose_runtime(table, nat, evaluate, None)
     assert rt.runtime == "native" and rt.reducer_s == pytest.approx(plan_grad_reducer_s(table, nat), rel=1e-12)
     assert p.fwd_s + p.bwd_s == pytest.approx(p0.fwd_s + p0.bwd_s + rt.reducer_s, rel=1e-9)
+
+
+def test_the_optimizer_steps_fixed_share_is_paid_once_per_step_by_every_plan(tiny_gpt, profile):
+    """A profile whose optimizer fit has a fixed share (``calibrate.optimizer``: one per step,
+    measured cold) adds it, at the compute slowdown, to the first layer's update in every
+    choice, so every plan's predicted optimizer time grows by exactly that and no choice moves;
+    a profile without it prices as before."""
+    from autopar.cost.primitives import _compute_slowdown
+    from autopar.cost.table import evaluate
+    _with_gap(profile, 1e-6, 4e-7)
+    profile.samples.pop("grad_reducer", None)
+    base = {"t0_s": 1.2e-5, "s_per_flop": 0.0, "s_per_byte": 2e-10, "measured": True, "per": "tensor"}
+    profile.kernels["optimizer_step"] = base
+    table0, rep, nat = _table_and_choices(tiny_gpt, profile)
+    fixed = 3.5e-4
+    profile.kernels["optimizer_step"] = {**base, "fixed_s": fixed}
+    table, rep2, nat2 = _table_and_choices(tiny_gpt, profile)
+    assert (rep2, nat2) == (rep, nat)
+    slow = _compute_slowdown(table.ctx)
+    for k, (o0, o) in enumerate(zip(table0.layers, table.layers)):
+        for c0, c in zip(o0.costs, o.costs):
+            assert c.optim_step_s == pytest.approx(c0.optim_step_s + (slow * fixed if k == 0 else 0.0),
+                                                   rel=1e-12, abs=1e-15)
+    for plan in (nat, rep):
+        e0, e = evaluate(table0, plan), evaluate(table, plan)
+        assert e.optimizer_s == pytest.approx(e0.optimizer_s + slow * fixed, rel=1e-9)
+        assert e.step_time_s == pytest.approx(e0.step_time_s + slow * fixed, rel=1e-9)

@@ -440,7 +440,7 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
          "latency_s": m["latency_s"], "latency_by_kind_s": m["by_kind"], "straggler_kappa": {w: st.kappa for w, st in m["straggler"].items()},
          "straggler_sigma": {w: st.sigma for w, st in m["straggler"].items()},
          "comm_interference": m["comm_interference"],
-         "optimizer_step": {k: m["optimizer"][k] for k in ("t0_s", "s_per_byte")},
+         "optimizer_step": {k: m["optimizer"][k] for k in ("fixed_s", "t0_s", "s_per_byte") if k in m["optimizer"]},
          "iters": iters,
          "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
          "loadavg": [round(x, 2) for x in __import__("os").getloadavg()],
@@ -488,7 +488,8 @@ def describe_step_costs(m: dict) -> str:
                                        for w, st in m["straggler"].items()) +
             "; gradient all-reduce not hidden by compute " +
             ", ".join(f"{w} ranks {100 * v:.0f} %" for w, v in (m.get("comm_interference") or {}).items()) +
-            f"; optimizer {m['optimizer']['t0_s'] * 1e6:.1f} us per tensor, "
+            f"; optimizer {m['optimizer'].get('fixed_s', 0.0) * 1e6:.0f} us a step + "
+            f"{m['optimizer']['t0_s'] * 1e6:.1f} us per tensor + "
             f"{m['optimizer']['s_per_byte'] * 1e12:.1f} ps per byte")
 
 

@@ -129,7 +129,8 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                               for r in red.get("rows", [])) + "."]
     opt = profile.kernels.get("optimizer_step")
     if opt:
-        lines += ["", f"Optimizer step (SGD, momentum): {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "
+        lines += ["", f"Optimizer step (SGD, momentum; {opt.get('cache', 'timed hot')}): "
+                  f"{opt.get('fixed_s', 0.0) * 1e6:.0f} us a step + {opt['t0_s'] * 1e6:.1f} us per parameter tensor + "
                   f"{opt['s_per_byte'] * 1e12:.2f} ps per parameter byte (held-out median "
                   f"{_pct(opt.get('heldout_median_rel_err'))}, max {_pct(opt.get('heldout_max_rel_err'))})."]
     kappa = profile.samples.get("straggler_kappa") or {}

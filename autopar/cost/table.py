@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..calibrate.optimizer import optimizer_step_s
+from ..calibrate.optimizer import optimizer_fixed_s, optimizer_step_s
 from ..decomp import REGISTRY
 from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.buckets import layer_buckets
@@ -381,6 +381,7 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
     opts = _price_loss_move(graph, ctx, opts)
     opts = price_comm_interference(ctx, opts)
     opts = price_grad_reducer(ctx, opts)
+    opts = price_optimizer_fixed(ctx, opts)
     opts, charge = price_stragglers(graph, ctx, opts)
     buckets = layer_buckets([(lay.index, lay.param_numel * lay.itemsize) for lay in graph.layers])
     table = CostTable(graph, ctx, opts, None, topo=[lay.index for lay in graph.layers], buckets=buckets,
@@ -475,6 +476,25 @@ def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions],
         if k == first:
             costs = [replace(c, fwd_compute_s=c.fwd_compute_s + fixed) for c in costs]
         out.append(replace(o, costs=costs))
+    return out
+
+
+def price_optimizer_fixed(ctx: CostContext, opts: list[LayerOptions],
+                          topo: list[int] | None = None) -> list[LayerOptions]:
+    """The optimizer step's fixed share (``calibrate.optimizer.optimizer_fixed_s``: once per
+    step, whatever the step updates) added to the update of every choice of the first layer in
+    execution order, at the local compute's slowdown, so that the ILP, the dynamic program's
+    bounds and ``evaluate`` all count it (the same for every plan, it never changes a choice).
+    Nothing changes for a profile that fitted none. New option objects."""
+    fixed = optimizer_fixed_s(ctx.profile)
+    if fixed <= 0.0 or not opts:
+        return opts
+    fixed *= ctx.profile.slowdown(ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
+    first = (topo or [o.layer.index for o in opts])[0]
+    out = list(opts)
+    for k, o in enumerate(opts):
+        if k == first:
+            out[k] = replace(o, costs=[replace(c, optim_step_s=c.optim_step_s + fixed) for c in o.costs])
     return out
 
 

@@ -219,7 +219,7 @@ def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
     (the mean share), or a function of the roles giving the largest rank's node / edge
     fractions of an actual batch (``graphs_cost``)."""
     from ...cost.table import (CostTable, LayerOptions, _optimizer_step_s, evaluate, layer_param_tensors,
-                               price_grad_reducer, price_stragglers)
+                               price_grad_reducer, price_optimizer_fixed, price_stragglers)
     p = ctx.world
     roles, why = graph_roles(graph)
     if roles is None:
@@ -248,6 +248,7 @@ def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
         c = dataclasses.replace(c, optim_step_s=_optimizer_step_s(c, ctx, layer_param_tensors(lay)))
         opts.append(LayerOptions(lay, [dec], [c]))
     opts = price_grad_reducer(ctx, opts, list(table.topo))   # the native runtime's reducer, as every plan pays it
+    opts = price_optimizer_fixed(ctx, opts, list(table.topo))
     opts, charge = price_stragglers(graph, ctx, opts, list(table.topo))
     gt = CostTable(graph, ctx, opts, None, list(table.topo), table.buckets, straggle=charge)
     pred = evaluate(gt, [0] * len(opts))
