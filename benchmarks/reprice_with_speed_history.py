@@ -22,9 +22,14 @@ instance); pass them in the order they were made.
 DDP's reducer (``calibrate.overhead.measure_grad_reducer``): PROFILE's ``samples.grad_reducer``
 is put into a temporary copy of every run's profile (a profile that measured its own keeps it),
 so every plan that syncs gradients is charged it (``cost.table.price_grad_reducer``).
+``--optimizer-from PROFILE`` puts PROFILE's optimizer fit (``kernels.optimizer_step``: timed cold
+with a fixed share since 2026-12-03, ``calibrate.optimizer``) into every run's profile;
+``--hot-optimizer`` refits every run's own optimizer rows to their hot medians without a fixed
+share, as the fit was stored before (only profiles whose rows kept ``hot_median_s``), so the
+same measured steps compare the two fits.
 
     python benchmarks/reprice_with_speed_history.py DIR [DIR ...] [--out FILE] [--usual-weight W]
-        [--reducer-from PROFILE | --no-reducer]
+        [--reducer-from PROFILE | --no-reducer] [--optimizer-from PROFILE | --hot-optimizer]
 """
 
 from __future__ import annotations
@@ -78,20 +83,34 @@ def history_file(events: list[tuple[dt.datetime, float, str]], at: dt.datetime, 
     return len(kept)
 
 
-def with_reducer(profile: Path, reducer: dict | None, out: Path) -> Path:
-    """``profile`` as it is (``reducer`` None), or a copy at ``out``: without its gradient
-    reducer (``reducer`` empty, ``--no-reducer``), or holding ``reducer`` when it measured none
-    (``--reducer-from``)."""
-    if reducer is None:
+def hot_optimizer_fit(fit: dict) -> dict:
+    """``fit`` (a cold ``kernels.optimizer_step``) refitted to its rows' hot medians without a
+    fixed share: what ``calibrate.optimizer`` stored before it timed the step cold."""
+    from bench_optimizer_in_situ import _hot_fit
+    rows = fit.get("samples") or []
+    if not rows or any("hot_median_s" not in r for r in rows):
+        raise SystemExit("--hot-optimizer: a profile's optimizer rows kept no hot medians (made before 2026-12-03)")
+    t0, sb = _hot_fit(rows)
+    return {k: v for k, v in fit.items() if k not in ("fixed_s", "cache")} | {"t0_s": t0, "s_per_byte": sb}
+
+
+def with_edits(profile: Path, reducer: dict | None, optimizer, out: Path) -> Path:
+    """``profile`` as it is (no edit), or a copy at ``out``: without its gradient reducer
+    (``reducer`` empty, ``--no-reducer``), or holding ``reducer`` when it measured none
+    (``--reducer-from``); with ``optimizer`` as its optimizer fit (a dict, ``--optimizer-from``)
+    or its own refitted hot (``"hot"``, ``--hot-optimizer``)."""
+    if reducer is None and optimizer is None:
         return profile
     p = json.loads(profile.read_text())
     samples = p.setdefault("samples", {})
-    if not reducer:
+    if reducer is not None and not reducer:
         samples.pop("grad_reducer", None)
-    elif samples.get("grad_reducer"):
-        return profile
-    else:
+    elif reducer and not samples.get("grad_reducer"):
         samples["grad_reducer"] = reducer
+    if optimizer == "hot":
+        p["kernels"]["optimizer_step"] = hot_optimizer_fit(p["kernels"]["optimizer_step"])
+    elif optimizer is not None:
+        p["kernels"]["optimizer_step"] = optimizer
     out.write_text(json.dumps(p))
     return out
 
@@ -114,6 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reducer", action="store_true",
                     help="what-if: price every run's plans without the gradient reducer, even where its profile "
                          "measured one (as the code before 2026-12-02 priced them)")
+    ap.add_argument("--optimizer-from", metavar="PROFILE",
+                    help="what-if: price every run's plans with PROFILE's optimizer fit (kernels.optimizer_step)")
+    ap.add_argument("--hot-optimizer", action="store_true",
+                    help="what-if: every run's optimizer rows refitted hot without a fixed share (the fit before 2026-12-03)")
     args = ap.parse_args(argv)
     dirs = [Path(d) for d in args.dirs]
     lines: list[str] = []
@@ -140,6 +163,18 @@ def main(argv=None) -> int:
             f"{reducer['fixed_s'] * 1e6:.0f} us a step + {reducer['per_tensor_s'] * 1e6:.2f} us per tensor + "
             f"{reducer['per_byte_s'] * 1e12:.0f} us per MB")
 
+    optimizer = None
+    if args.optimizer_from and args.hot_optimizer:
+        raise SystemExit("--optimizer-from and --hot-optimizer exclude each other")
+    if args.hot_optimizer:
+        optimizer = "hot"
+        say("what-if: every profile's optimizer rows refitted to their hot medians without a fixed share")
+    elif args.optimizer_from:
+        optimizer = json.loads(Path(args.optimizer_from).read_text())["kernels"]["optimizer_step"]
+        say(f"what-if: every profile priced with {args.optimizer_from}'s optimizer fit: "
+            f"{optimizer.get('fixed_s', 0.0) * 1e6:.0f} us a step + {optimizer['t0_s'] * 1e6:.1f} us per tensor + "
+            f"{optimizer['s_per_byte'] * 1e12:.0f} ps per byte ({optimizer.get('cache', 'timed hot')})")
+
     every = sorted((e for d in dirs for e in readings(d)), key=lambda e: e[0])
     say(f"{len(every)} speed-probe readings in {len(dirs)} kept runs "
         f"({min(p for _, p, _ in every) * 1e3:.2f}-{max(p for _, p, _ in every) * 1e3:.2f} ms)")
@@ -157,7 +192,7 @@ def main(argv=None) -> int:
                     prof = load_profile(d / "fresh-quick.json", check_machine=False)
                 ms, why = usual_speed(prof, hist)
                 plans = kept_plans(d)
-                priced_by = with_reducer(d / "fresh-quick.json", reducer, Path(tmp) / f"{d.name}-profile.json")
+                priced_by = with_edits(d / "fresh-quick.json", reducer, optimizer, Path(tmp) / f"{d.name}-profile.json")
                 res = {}
                 for mode, env in (("off", "off"), ("history", str(hist))):
                     os.environ[HISTORY_ENV] = env
