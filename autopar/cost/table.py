@@ -160,7 +160,26 @@ def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> 
     if t is None:
         n = cost.param_bytes / 4.0
         t = ctx.profile.kernel_time_s("elementwise", 4.0 * n, 5.0 * cost.param_bytes)
-    return t * ctx.profile.slowdown(ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
+    return t * _optimizer_scale(ctx)
+
+
+def _optimizer_scale(ctx: CostContext) -> float:
+    """What a measured optimizer time is multiplied by: the slowdown of the ranks sharing the
+    node and the machine's speed factor (``calibrate.history``)."""
+    return ctx.profile.slowdown(ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
+
+
+def _charge_first_layer(opts: list[LayerOptions], topo: list[int] | None, **seconds: float) -> list[LayerOptions]:
+    """``opts`` with ``seconds`` (``LayerCost`` field -> seconds) added to every choice of the
+    first layer in execution order (``topo``, else the options' order): where a once-a-step
+    cost goes so that the ILP, the dynamic program's bounds and ``evaluate`` all count it. A
+    new option object for that layer, the others shared."""
+    first = (topo or [o.layer.index for o in opts])[0]
+    out = list(opts)
+    o = out[first]
+    out[first] = replace(o, costs=[replace(c, **{f: getattr(c, f) + s for f, s in seconds.items()})
+                                   for c in o.costs])
+    return out
 
 
 def _pareto(choices: list[Decomposition], costs: list[LayerCost], cap: int):
@@ -466,17 +485,12 @@ def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions],
     from .primitives import _samples
     if ctx.world < 2 or not opts or not _samples(ctx.profile).get("grad_reducer"):
         return opts
-    first = (topo or [o.layer.index for o in opts])[0]
-    fixed = grad_reducer_fixed_s(ctx)
     out = []
-    for k, o in enumerate(opts):
+    for o in opts:
         n = layer_param_tensors(o.layer)
-        costs = [replace(c, bwd_compute_s=c.bwd_compute_s + grad_reducer_s(ctx, n, c.grad_sync_bytes))
-                 if c.grad_sync_s > 0 else c for c in o.costs]
-        if k == first:
-            costs = [replace(c, fwd_compute_s=c.fwd_compute_s + fixed) for c in costs]
-        out.append(replace(o, costs=costs))
-    return out
+        out.append(replace(o, costs=[replace(c, bwd_compute_s=c.bwd_compute_s + grad_reducer_s(ctx, n, c.grad_sync_bytes))
+                                     if c.grad_sync_s > 0 else c for c in o.costs]))
+    return _charge_first_layer(out, topo, fwd_compute_s=grad_reducer_fixed_s(ctx))
 
 
 def price_optimizer_fixed(ctx: CostContext, opts: list[LayerOptions],
@@ -489,13 +503,7 @@ def price_optimizer_fixed(ctx: CostContext, opts: list[LayerOptions],
     fixed = optimizer_fixed_s(ctx.profile)
     if fixed <= 0.0 or not opts:
         return opts
-    fixed *= ctx.profile.slowdown(ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
-    first = (topo or [o.layer.index for o in opts])[0]
-    out = list(opts)
-    for k, o in enumerate(opts):
-        if k == first:
-            out[k] = replace(o, costs=[replace(c, optim_step_s=c.optim_step_s + fixed) for c in o.costs])
-    return out
+    return _charge_first_layer(opts, topo, optim_step_s=fixed * _optimizer_scale(ctx))
 
 
 def plan_grad_reducer_s(table: "CostTable", choice: list[int]) -> float:
@@ -527,13 +535,9 @@ def price_stragglers(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
     charge = straggler_charge(ctx, ref)
     if charge is None:
         return opts, None
-    first = (topo or [lay.index for lay in graph.layers])[0]
-    out = []
-    for k, o in enumerate(opts):
-        costs = [charge.apply(c) for c in o.costs]
-        if k == first and charge.closing_s > 0:
-            costs = [replace(c, bwd_comm_s=c.bwd_comm_s + charge.closing_s) for c in costs]
-        out.append(replace(o, costs=costs))
+    out = [replace(o, costs=[charge.apply(c) for c in o.costs]) for o in opts]
+    if charge.closing_s > 0:
+        out = _charge_first_layer(out, topo or [lay.index for lay in graph.layers], bwd_comm_s=charge.closing_s)
     return out, charge
 
 
