@@ -1024,9 +1024,11 @@ class PlanOptions:
     # default, ``--no-measure`` off), within this many seconds
     measure_shapes: bool = False
     measure_budget_s: float = 30.0
-    # state the profile's kernels at this machine's usual speed (``calibrate.history``: the
-    # speed probe's readings of earlier calibrations and runs here); False prices as measured
-    speed_history: bool = True
+    # opt in (``autopar plan --speed-history``): state the profile's kernels at this machine's
+    # usual speed (``calibrate.history``: the speed probe's readings of earlier calibrations and
+    # runs here). Off by default: a default plan prices the profile as measured, so nothing in
+    # ``~/.cache`` changes it
+    speed_history: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:

@@ -139,7 +139,10 @@ def cmd_plan(args) -> int:
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
                           measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget,
-                          speed_history=not args.no_speed_history)
+                          speed_history=args.speed_history)
+    if args.no_speed_history:
+        warnings.warn("--no-speed-history is the default now and does nothing (plans price the profile "
+                      "as measured; --speed-history opts in to this machine's usual speed)", FutureWarning)
     if args.graph_sizes and (args.trainers is not None or sweep):
         from .errors import AutoparError
         raise AutoparError("--graph-sizes plans one padded GNN job: it does not combine with "
@@ -394,10 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "are measured only with a profile made on this machine)")
     p.add_argument("--measure-budget", type=float, default=30.0, metavar="SEC",
                    help="at most this long measuring shapes on demand (default 30)")
-    p.add_argument("--no-speed-history", action="store_true",
-                   help="price the profile's kernels at the speed they were measured at, not at "
-                        "this machine's usual speed (the probe readings of earlier calibrations "
-                        "and runs here; AUTOPAR_SPEED_HISTORY=off turns the history off)")
+    p.add_argument("--speed-history", action="store_true",
+                   help="price the profile's kernels at this machine's usual speed (the median "
+                        "speed-probe reading of earlier calibrations and runs here, kept in "
+                        "~/.cache/autopar/speed_history.json or AUTOPAR_SPEED_HISTORY) instead of "
+                        "as measured (the default: a plan depends on the profile alone)")
+    p.add_argument("--no-speed-history", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true",
                    help="print where planning time went (also in plan.json, timings_s)")
     p.add_argument("--no-trace-cache", action="store_true",

@@ -171,7 +171,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     elif o.batch_norm == "local":
         say(f"batch-norm statistics: global (batch {batch_size} does not split evenly over {world_size} "
             f"ranks, so no per-rank group exists; --bn-group G chooses local groups)")
-    machine, machine_why = None, "off (--no-speed-history)"
+    machine, machine_why = None, "off (the default; --speed-history opts in)"
     if o.speed_history:
         from .calibrate.history import usual_speed
         machine, machine_why = usual_speed(profile)

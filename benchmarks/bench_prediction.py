@@ -58,6 +58,10 @@ ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "strategies/examples"
 MODELS = ROOT / "benchmarks/models"
 MODEL_FILTER: set[str] = set()      # --models: only these model files (stems), both sets
+#: --speed-history: plan at this machine's usual speed (``autopar.calibrate.history``), as runs
+#: 36-46 did when it was autopar's default; off, the plans are priced as ``autopar plan`` prices
+#: them by default (the profile as measured)
+SPEED_HISTORY = {"on": False}
 
 # (label, model file, world, batch, kinds or None for all, force {layer: kind} or None)
 CANDIDATES = [
@@ -146,7 +150,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
     # one discarded run first: the first processes after a pause (or after calibration) run slow
     _, model0, world0, batch0, _, _ = CANDIDATES[0]
     r0 = make_plan(model0, PlanOptions(world_size=world0, batch_size=batch0, calibration=calibration,
-                                       out_dir=tmp / f"{tag}-warm"))
+                                       out_dir=tmp / f"{tag}-warm", speed_history=SPEED_HISTORY["on"]))
     execute(r0.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False), out_dir=tmp / f"{tag}-warm-run",
             progress=lambda s: None)
     planned, first_of = [], {}
@@ -164,7 +168,8 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
         try:
             with model_env(env):        # the model file reads it; the ranks inherit it
                 r = make_plan(model, PlanOptions(world_size=world, batch_size=batch, calibration=calibration,
-                                                 out_dir=tmp / f"{tag}-plan{i}", kinds=kinds, **extra),
+                                                 out_dir=tmp / f"{tag}-plan{i}", kinds=kinds,
+                                                 speed_history=SPEED_HISTORY["on"], **extra),
                               PlanHooks(force=force))
         except AutoparError as e:
             print(f"  {label} @{world}: {e.__class__.__name__}: {e}")
@@ -387,6 +392,10 @@ def machine_speed(path: str) -> dict:
 
     from autopar.calibrate.history import usual_speed
     from autopar.calibrate.profile import load_profile
+    if not SPEED_HISTORY["on"]:
+        print("machine speed history: not applied (autopar plan's default; --speed-history opts in); "
+              "kernels priced at the profile's own speed")
+        return {"not_applied": "off (the default; --speed-history opts in)"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ms, why = usual_speed(load_profile(path, check_machine=False))
@@ -587,7 +596,10 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="keep every plan and run under this folder (for analysis)")
     ap.add_argument("--models", help="comma-separated model file stems (e.g. gnn_pcqm4m,pyg_nnconv): only "
                                      "their plans, in both sets")
+    ap.add_argument("--speed-history", action="store_true",
+                    help="plan at this machine's usual speed (autopar plan --speed-history), as runs 36-46 did")
     args = ap.parse_args(argv)
+    SPEED_HISTORY["on"] = bool(args.speed_history)
     if args.rounds < 1 or args.steps < 1:
         ap.error(f"--rounds {args.rounds} / --steps {args.steps}: each plan needs at least one round of at "
                  "least one step; use --rounds 1 for one execution per plan")

@@ -7,9 +7,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# plans priced as the profile measured, whatever this machine's speed history holds
-# (``autopar.calibrate.history``; its own tests point it at a file of theirs)
-os.environ.setdefault("AUTOPAR_SPEED_HISTORY", "off")
 # traced graphs are cached per session, never in the user's home
 if "AUTOPAR_CACHE_DIR" not in os.environ:
     import atexit
@@ -17,6 +14,9 @@ if "AUTOPAR_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
     atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], True)
+# the probe readings `autopar execute` appends (``autopar.calibrate.history``) go to the
+# session's folder, not the user's ~/.cache; no plan reads them unless asked (--speed-history)
+os.environ.setdefault("AUTOPAR_SPEED_HISTORY", os.path.join(os.environ["AUTOPAR_CACHE_DIR"], "speed_history.json"))
 
 
 @pytest.fixture

@@ -126,15 +126,55 @@ def test_plan_prices_local_compute_between_the_usual_and_the_profiles_speed(tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         on = make_plan(model, PlanOptions(world_size=1, batch_size=4, calibration=str(prof_path),
-                                          out_dir=str(tmp_path / "on")))
+                                          out_dir=str(tmp_path / "on"), speed_history=True))
         off = make_plan(model, PlanOptions(world_size=1, batch_size=4, calibration=str(prof_path),
-                                           out_dir=str(tmp_path / "off"), speed_history=False))
+                                           out_dir=str(tmp_path / "off")))
     assert on.plan.predicted.step_time_s == pytest.approx(1.5 * off.plan.predicted.step_time_s, rel=1e-9)
     ms = json.loads((tmp_path / "on" / "plan.json").read_text())["calibration"]["machine_speed"]
     assert ms["speed_factor"] == pytest.approx(1.5) and ms["events"] == H.MIN_EVENTS
     assert ms["priced_at_s"] == pytest.approx(1.5 * NOMINAL_S) and ms["usual_probe_s"] == pytest.approx(2.25 * NOMINAL_S)
     ms_off = json.loads((tmp_path / "off" / "plan.json").read_text())["calibration"]["machine_speed"]
-    assert ms_off["speed_factor"] == 1.0 and "--no-speed-history" in ms_off["not_applied"]
+    assert ms_off["speed_factor"] == 1.0 and "--speed-history opts in" in ms_off["not_applied"]
+
+
+def test_default_plan_ignores_the_history(tmp_path, monkeypatch, capsys):
+    """Reproducible defaults: a history saying this machine runs 2x slower than the profile
+    changes neither ``make_plan``'s default nor ``autopar plan``'s prediction against the
+    history off; ``autopar plan --speed-history`` applies it, and ``--no-speed-history`` (now
+    the default) is accepted with a warning."""
+    from autopar.artifacts import PlanOptions
+    from autopar.cli import main
+    from autopar.pipeline import make_plan
+    model = tmp_path / "tiny.py"
+    model.write_text(MODEL)
+    _, prof_path = _here_profile(tmp_path)
+    hist = tmp_path / "slow.json"
+    for _ in range(2 * H.MIN_EVENTS):
+        H.record(2.0 * NOMINAL_S, "execute", hist)
+    steps = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for env in (str(hist), "off"):
+            monkeypatch.setenv(H.HISTORY_ENV, env)
+            r = make_plan(model, PlanOptions(world_size=1, batch_size=4, calibration=str(prof_path),
+                                             out_dir=str(tmp_path / f"api-{len(steps)}")))
+            assert r.plan.calibration["machine_speed"]["speed_factor"] == 1.0
+            assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--no-measure",
+                         "--calibration", str(prof_path), "-o", str(tmp_path / f"cli-{len(steps)}")]) == 0
+            cli = json.loads((tmp_path / f"cli-{len(steps)}" / "plan.json").read_text())
+            steps[env] = (r.plan.predicted.step_time_s, cli["predicted"]["step_time_s"])
+        assert steps[str(hist)] == steps["off"]            # bit-identical, API and CLI
+        monkeypatch.setenv(H.HISTORY_ENV, str(hist))
+        assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--no-measure", "--speed-history",
+                     "--calibration", str(prof_path), "-o", str(tmp_path / "opt-in")]) == 0
+    opt_in = json.loads((tmp_path / "opt-in" / "plan.json").read_text())
+    assert opt_in["calibration"]["machine_speed"]["speed_factor"] == pytest.approx(2.0 ** H.USUAL_WEIGHT, abs=1e-4)
+    assert opt_in["predicted"]["step_time_s"] == pytest.approx(2.0 ** H.USUAL_WEIGHT * steps["off"][1], rel=1e-9)
+    with pytest.warns(FutureWarning, match="--no-speed-history is the default"):
+        assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--no-measure",
+                     "--no-speed-history", "--calibration", str(prof_path), "-o", str(tmp_path / "alias")]) == 0
+    alias = json.loads((tmp_path / "alias" / "plan.json").read_text())
+    assert alias["predicted"]["step_time_s"] == steps["off"][1]
 
 
 def test_history_location_is_not_part_of_the_trace_key(tmp_path, monkeypatch):
