@@ -13,7 +13,9 @@ run.json::
     measured     {step_s, exchange_s, eval_s, tournament_s, samples_per_s}  (medians; the
                  slowest rank of a trainer per round)
     predicted    the plan's trainer-level prediction (``autopar.tournament.pricing``)
-    validation   {passed, checked, max_rel_diff, winners_equal, rule} or {skipped: why}
+    validation   {passed, checked, max_rel_diff, winners_equal, alive_equal, survivors, rule} or
+                 {skipped: why}: against the simulation of the same run (an injected
+                 ``--kill-trainer`` included: the survivors are compared)
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
                 else:
                     for key in ("exchange_s", "eval_s", "wait_s"):
                         cur[key] = max(cur[key], rec[key])
+                    cur["exchange_bytes"] = cur.get("exchange_bytes", 0) + rec.get("exchange_bytes", 0)
         if not recs:
             continue
         any_rec = next(iter(recs.values()))
@@ -104,7 +107,7 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
                            "pairs": [list(p) for p in any_rec["pairs"]],
                            "results": [{key: _json_num(rec.get(key)) for key in ("trainer", "partner", "metric_own", "metric_partner",
                                                                         "winner", "kept", "notes", "exchange_s", "eval_s",
-                                                                        "wait_s", "exchange_error")}
+                                                                        "wait_s", "exchange_bytes", "exchange_error")}
                                        for _, rec in sorted(recs.items())]})
     trainers = []
     for t in range(level.trainers):
@@ -133,7 +136,11 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
     span = (max(res["t_end"] for res in fin) - min(res["t_start"] for res in fin)) if fin else 0.0
     exch = [x["exchange_s"] for lg in rounds_log for x in lg["results"] if x["partner"] != x["trainer"]]
     evs = [x["eval_s"] for lg in rounds_log for x in lg["results"]]
+    # bytes: every tensor each rank sent (parameter shards, buffers, momentum), summed
+    per_rank_bytes = [rec["exchange_bytes"] for res in fin for rec in res["records"] if rec.get("exchange_bytes")]
     measured = {"step_s": _median([tr["step_s"] for tr in trainers]), "exchange_s": _median(exch),
+                "exchange_bytes": sum(x["exchange_bytes"] or 0 for lg in rounds_log for x in lg["results"]),
+                "exchange_bytes_per_rank": max(per_rank_bytes) if per_rank_bytes else 0,
                 "eval_s": _median(evs),
                 "tournament_s": (_median(exch) or 0.0) + (_median(evs) or 0.0),
                 "samples_per_s": samples / span if span > 0 else None, "samples": samples, "span_s": span,
@@ -142,8 +149,9 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
     # ---- validation against the single-process simulation
     if not validate:
         validation = {"skipped": "not asked (--no-validate)"}
-    elif stopped:
-        validation = {"skipped": f"trainer(s) {sorted(stopped)} stopped: the simulation assumes every trainer lives"}
+    elif set(stopped) != set(_injected_stops(level.trainers, opts)):
+        validation = {"skipped": f"trainer(s) {sorted(stopped)} stopped, not (only) the one --kill-trainer "
+                                 f"stopped: the simulation knows only injected stops"}
     else:
         validation = _validate(plan, plan_path, opts, results, rounds_log, rtol)
     run = {
@@ -169,31 +177,53 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
     return run, out
 
 
+def _injected_stops(trainers: int, opts) -> list[int]:
+    """The trainers ``opts.kill`` stops during the run (none when its round is past the end)."""
+    if opts.kill is None:
+        return []
+    t, k = opts.kill
+    return [t] if 0 <= t < trainers and 0 <= k < opts.rounds else []
+
+
 def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any]:
+    """Every surviving trainer's final parameters and buffers, every round's living set and
+    every winner against the single-process simulation of the same run (``simulate``: the
+    surviving set when a trainer was killed)."""
     import torch
 
     from .simulate import simulate
     ref = simulate(plan, plan_path, opts)
     n = plan.trainers.ranks_per_trainer
     worst, checked, bad = 0.0, 0, []
-    for t, pref in enumerate(ref["params"]):
-        got = results[t * n]["params"]
-        for q, r in pref.items():
-            g = torch.from_numpy(got[q])
-            diff = float((g - r).abs().max()) if r.numel() else 0.0
-            scale = float(r.abs().max()) if r.numel() else 0.0
-            rel = diff / scale if scale > 0 else diff
-            checked += 1
-            worst = max(worst, rel)
-            if not diff <= rtol * scale + 1e-12:
-                bad.append(f"trainer {t} {q}: rel {rel:.3g}")
+    for t in ref["survivors"]:
+        got = results[t * n]
+        for kind, pref in (("", ref["params"][t]), ("buffer ", ref["buffers"][t])):
+            have = got["params"] if not kind else got.get("buffers", {})
+            for q, r in pref.items():
+                if q not in have:
+                    bad.append(f"trainer {t} {kind}{q}: missing from the run")
+                    continue
+                g = torch.from_numpy(have[q])
+                diff = float((g - r).abs().max()) if r.numel() else 0.0
+                scale = float(r.abs().max()) if r.numel() else 0.0
+                rel = diff / scale if scale > 0 else diff
+                checked += 1
+                worst = max(worst, rel)
+                if not diff <= rtol * scale + 1e-12:
+                    bad.append(f"trainer {t} {kind}{q}: rel {rel:.3g}")
+    run_alive = [lg["alive"] for lg in rounds_log]
+    alive_equal = run_alive == ref["alive"]
     run_w = {(x["trainer"], lg["round"]): x["winner"] for lg in rounds_log for x in lg["results"]}
     ref_w = {(x["trainer"], x["round"]): x["winner"] for x in ref["records"]}
     winners_equal = run_w == ref_w
-    return {"passed": (not bad) and winners_equal, "checked": checked, "max_rel_diff": worst,
-            "winners_equal": winners_equal, "worst": bad[0] if bad else ("winners differ" if not winners_equal else ""),
-            "rule": f"every trainer's final parameters within rtol {rtol:g} of max|ref| (+1e-12) of the "
-                    f"single-process simulation ({opts.dtype}), and the same winner in every round"}
+    worst_text = (bad[0] if bad else "living trainers differ" if not alive_equal
+                  else "winners differ" if not winners_equal else "")
+    return {"passed": (not bad) and winners_equal and alive_equal, "checked": checked, "max_rel_diff": worst,
+            "winners_equal": winners_equal, "alive_equal": alive_equal, "survivors": list(ref["survivors"]),
+            "worst": worst_text,
+            "rule": f"every surviving trainer's final parameters and buffers within rtol {rtol:g} of max|ref| "
+                    f"(+1e-12) of the single-process simulation ({opts.dtype}) of the same run (an injected "
+                    f"stop included), the same living trainers and the same winner in every round"}
 
 
 def _f(x, scale=1.0, fmt="{:.3f}"):

@@ -17,13 +17,15 @@ A round (every ``interval`` steps):
    "ready" ones, the same set on every rank, with no collective among trainers;
 3. pairing: the living shuffled with ``Random(pairing_seed, round)``, paired in order, an odd
    one plays itself (``pairing``), identical on every rank;
-4. exchange: each rank sends its shard of every parameter and floating buffer (and, with
-   "weights+optimizer", of the momentum) to the corresponding rank of the partner and
+4. exchange: each rank sends its shard of every parameter, every buffer (running statistics
+   and their counters) and, with "weights+optimizer", the momentum, each tensor in its own
+   dtype, to the corresponding rank of the partner and
    receives the partner's (one flat message each way, with the run's time-out); the trainer's
    ranks agree on success (a MIN all-reduce on the mesh): a failed exchange keeps the own model
    and marks the partner dead;
 5. evaluation: the own model, then the partner's (loaded into the same shards), on the
-   trainer's own tournament set (``evaluate``); the partner's is kept only if its metric is
+   trainer's own tournament set (``evaluate``: the model in training mode, the plan's
+   batch-norm statistics, every buffer left as it was); the partner's is kept only if its metric is
    lower (``decide``: a non-finite metric loses and is reported).
 
 Data: ``make_dataset(n_samples, seed)`` of the model file (default: ``example_inputs`` /
@@ -238,11 +240,12 @@ def all_groups(plan: Plan) -> list[tuple[int, ...]]:
 
 def state_tensors(dm, opt, exchange: str) -> list:
     """This rank's tensors that an exchange moves, in one fixed order: every parameter shard,
-    every floating buffer and, with "weights+optimizer", every momentum buffer."""
+    every buffer (running statistics and their counters: the model is its parameters and its
+    buffers) and, with "weights+optimizer", every momentum buffer."""
     import torch
     dm.flush_batch_norm()      # the running statistics the plan defines (collective in the trainer)
     ts = [p.data for p in dm.params.values()]
-    ts += [b for _, b in sorted(dm.bufs.items()) if b.is_floating_point()]
+    ts += [b for _, b in sorted(dm.bufs.items())]
     if exchange == "weights+optimizer":
         for p in dm.params.values():
             st = opt.state.setdefault(p, {})
@@ -253,16 +256,34 @@ def state_tensors(dm, opt, exchange: str) -> list:
 
 
 def pack(ts) -> Any:
+    """One flat message of ``ts``' bytes, each tensor in its own dtype (the run's dtype for
+    parameters and floating buffers; a counter in its integer dtype): what the wire carries and
+    ``exchange_bytes`` counts is exactly the tensors' bytes."""
     import torch
-    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts]) if ts else torch.zeros(0)
+    if not ts:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in ts])
 
 
 def unpack_into(flat, ts) -> None:
     off = 0
     for t in ts:
-        k = t.numel()
-        t.copy_(flat[off:off + k].view(t.shape).to(t.dtype))
+        k = t.numel() * t.element_size()
+        # (a copy first: a dtype view needs its bytes aligned to the element size)
+        t.copy_(flat[off:off + k].clone().view(t.dtype).view(t.shape))
         off += k
+
+
+def discard_pending_batch_norm(dm) -> None:
+    """Forget the running-statistics updates recorded since the last flush (every rank of the
+    trainer alike, no communication): an evaluation's training-mode forwards record some, and
+    the evaluation leaves every buffer as it was (``evaluate``)."""
+    rt = getattr(dm, "bn_runtime", None)
+    if rt is not None:
+        rt.acc = {}
+    nat = dm.__dict__.get("_native")
+    if nat is not None:
+        nat._pending = False
 
 
 # ---- evaluation ---------------------------------------------------------------------------------
@@ -272,6 +293,7 @@ def evaluate(dm, comm, mf, data: TrainerData, B: int, metric: str, loss_fn, dtyp
     as they were). Collective over the trainer's mesh; the same value on every rank of it."""
     import torch
     from ..runtime.comm import assemble
+    dm.flush_batch_norm()     # nothing pending from training: only this evaluation's, discarded below
     saved = {q: b.detach().clone() for q, b in dm.bufs.items()}
     nb = len(data.tour_inputs[0]) // B
     shares, outs = [], []
@@ -285,6 +307,7 @@ def evaluate(dm, comm, mf, data: TrainerData, B: int, metric: str, loss_fn, dtyp
             else:
                 shape = dm.graph.value_shape(dm.graph.output)
                 outs.append(assemble(out.detach(), dm.loss_layout(), shape, comm, "value"))
+    discard_pending_batch_norm(dm)
     for q, b in dm.bufs.items():
         b.copy_(saved[q])
     if metric == "loss":
@@ -429,7 +452,8 @@ def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, A
                                           f"exchange with trainer {t} failed: {rec.get('exchange_error', 'on a peer rank')}",
                                           "seen_by": f"rank {rank}", "time": time.time()})
         rec["exchange_s"] = time.perf_counter() - t2
-        rec["exchange_bytes"] = 0 if got is None else int(mine.numel() * own_ts[0].element_size()) if own_ts else 0
+        # the bytes this rank sent (every parameter shard, buffer and momentum, each in its dtype)
+        rec["exchange_bytes"] = 0 if got is None else int(mine.numel() * mine.element_size())
         # -- evaluation
         t3 = time.perf_counter()
         m_own, note_own = evaluate(dm, comm, mf, data, B, metric, loss_fn, dtype)
@@ -454,7 +478,10 @@ def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, A
     out = {"rank": rank, "trainer": t, "mesh_rank": comm.rank, "records": records, "step_s": step_s,
            "t_start": t_start, "t_end": t_end, "samples": opts.rounds * I * B}
     full = dm.full_params()
+    bufs = dm.full_buffers()       # collective: every rank; the floating ones assembled in full
+    bufs.update({q: b for q, b in dm.bufs.items() if q not in bufs})   # counters: alike on every rank
     if opts.return_params and comm.rank == 0:
         # numpy: a torch tensor would travel as a shared-memory handle that dies with this process
         out["params"] = {q: v.detach().to(torch.float64).numpy().copy() for q, v in full.items()}
+        out["buffers"] = {q: v.detach().to(torch.float64).numpy().copy() for q, v in bufs.items()}
     return out
