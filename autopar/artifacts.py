@@ -204,10 +204,13 @@ class LayerDecision:
     alternatives: tuple[Mapping[str, Any], ...] = ()
     illegal: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # the pin that fixed this layer's choice (``autopar.pins``, ``--pin``: "PATTERN=WANT"), or
+    # "" when the solver chose it; in the file only when set
+    pinned: str = ""
 
     _KEYS = ("layer", "name", "module", "kinds", "out_shape", "decomposition", "choice",
              "in_layouts", "out_layout", "predicted", "source", "exact_keys", "alternatives",
-             "illegal")
+             "illegal", "pinned")
 
     @property
     def kind(self) -> str:
@@ -246,6 +249,8 @@ class LayerDecision:
                "predicted": dict(self.predicted), "source": self.source,
                "exact_keys": list(self.exact_keys), "alternatives": [dict(a) for a in self.alternatives],
                "illegal": dict(self.illegal)}
+        if self.pinned:
+            out["pinned"] = self.pinned
         out.update(self.extra)
         return out
 
@@ -262,7 +267,8 @@ class LayerDecision:
             exact_keys=tuple(obj.get("exact_keys") or ()),
             alternatives=tuple(dict(a) for a in obj.get("alternatives") or ()),
             illegal=dict(obj.get("illegal") or {}),
-            extra={k: v for k, v in obj.items() if k not in LayerDecision._KEYS})
+            extra={k: v for k, v in obj.items() if k not in LayerDecision._KEYS},
+            pinned=str(obj.get("pinned") or ""))
 
 
 @dataclass(frozen=True)
@@ -420,10 +426,11 @@ class Plan:
     batch_norm: Mapping[str, Any] = field(default_factory=lambda: {"mode": "global", "group": None})
     trainers: TrainerLevel | None = None   # tournament training (LTFB); None: one trainer
     padding: PaddingInfo | None = None     # padded GNN (--graph-sizes); None: the model's own shape
+    options: "PlanOptions | None" = None   # the planning options it was made with (pins included)
 
     _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
-             "graph", "generated", "timings_s", "batch_norm", "trainers", "padding")
+             "graph", "generated", "timings_s", "batch_norm", "trainers", "padding", "options")
 
     @property
     def world_size(self) -> int:
@@ -486,6 +493,8 @@ class Plan:
             out["trainers"] = self.trainers.to_json()
         if self.padding is not None:
             out["padding"] = self.padding.to_json()
+        if self.options is not None:
+            out["options"] = self.options.to_json()
         out.update(self.extra)
         return out
 
@@ -545,6 +554,12 @@ class Plan:
             except TypeError as e:
                 raise _bad(src, "padding", "padding", f"malformed ({e})") from None
             plan = dataclasses.replace(plan, padding=pad)
+        if obj.get("options") is not None:
+            try:
+                opts = PlanOptions.from_json(obj["options"])
+            except (AutoparError, TypeError) as e:
+                raise _bad(src, "options", "options", f"malformed ({e})") from None
+            plan = dataclasses.replace(plan, options=opts)
         check_plan(plan, src)
         if world_size is not None and plan.world_size != int(world_size):
             raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",
@@ -1029,6 +1044,9 @@ class PlanOptions:
     # runs here). Off by default: a default plan prices the profile as measured, so nothing in
     # ``~/.cache`` changes it
     speed_history: bool = False
+    # layers whose choice the user fixes (``autopar.pins.Pin``: "PATTERN=KIND" or
+    # "PATTERN=CHOICE", also given as such strings or {"pattern", "want"}), the last winning
+    pins: tuple = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -1036,6 +1054,8 @@ class PlanOptions:
                                "give a positive number of ranks")
         if self.kinds is not None:
             object.__setattr__(self, "kinds", tuple(self.kinds))
+        from .pins import parse_pins
+        object.__setattr__(self, "pins", parse_pins(self.pins))
         for name in ("calibration", "out_dir"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
@@ -1055,6 +1075,7 @@ class PlanOptions:
         out = dataclasses.asdict(self)
         if self.kinds is not None:
             out["kinds"] = list(self.kinds)
+        out["pins"] = [p.to_json() for p in self.pins]
         return out
 
     @staticmethod

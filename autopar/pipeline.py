@@ -101,7 +101,11 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     """Plan ``model_file`` as ``options`` say (``autopar.artifacts.PlanOptions``: world size,
     batch, profile, cluster shape, kinds, solver, placement, output folder...). ``hooks``
     (``PlanHooks``) are for tests and benchmarks: pinned decompositions, a candidate filter, a
-    profile or traced graph given in memory, progress lines."""
+    profile or traced graph given in memory, progress lines. ``options.pins`` (``autopar.pins``)
+    fix the matching layers' choices in every table priced, before any solver sees it (the
+    placement search, the dynamic program, the ILP and the native-runtime choice all choose
+    among the pinned table's choices); plan.json marks those layers (``LayerDecision.pinned``)
+    and records the options."""
     if not isinstance(options, PlanOptions):
         raise TypeError("make_plan(model_file, PlanOptions(...), hooks=None): options must be a PlanOptions")
     hooks = hooks or PlanHooks()
@@ -121,6 +125,11 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     force_graphs = bool(force) and all(str(v).split("(")[0] == "graphs" for v in force.values())
     if force_graphs:
         force = None
+    # ``--pin``: layer pins, or the plan-level graphs(P) pinned on every layer (``*=graphs``)
+    from .pins import plan_level
+    layer_pins = tuple(o.pins)
+    if layer_pins and plan_level(layer_pins, world_size):
+        force_graphs, layer_pins = True, ()
     # graphs(P) is plan-level (no layer choice of the ILP): ``--kinds graphs`` alone asks for it
     table_kinds = [k for k in kinds if k != "graphs"] if kinds else None
     if kinds and not table_kinds:
@@ -187,10 +196,20 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
                       loss_output=vocab_loss_output_cached(mf, graph, batch_size, o.trace_cache))
     tables_s = []
 
+    pin_marks: dict[int, dict[int, str]] = {}   # id(table) -> {layer index: pin}
+
     def build(c):
         t = time.perf_counter()
         # transitions are priced when a table is solved (most placements are only bounded)
-        tab = build_cost_table(graph, c, kinds=table_kinds, choice_filter=choice_filter, edges=bool(force))
+        tab = build_cost_table(graph, c, kinds=table_kinds, choice_filter=choice_filter, edges=False)
+        if layer_pins:
+            # pins choose among every legal candidate, also those pruned for price: the
+            # pinned layers' options come from the unpruned table, the others' are as unpinned
+            from .decomp import REGISTRY
+            from .pins import pin_table, resolve
+            full = build_cost_table(graph, c, kinds=table_kinds, prune=False, choice_filter=choice_filter,
+                                    edges=False)
+            pin_marks[id(tab)] = pin_table(tab, full, resolve(layer_pins, full, REGISTRY, table_kinds))
         if force:
             _pin(tab, force)
         tables_s.append(time.perf_counter() - t)
@@ -245,7 +264,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         pred = rt_pred
     say(f"runtime: {runtime.runtime} ({runtime.reason})")
     graph_record = None
-    if not force and (kinds is None or "graphs" in kinds or force_graphs):
+    if not force and not layer_pins and (kinds is None or "graphs" in kinds or force_graphs):
         table, sol, pred, graph_record = _graph_parallel_choice(graph, ctx, table, sol, pred,
                                                                 memory_limit_bytes, force_graphs, say,
                                                                 _example_shares(mf, batch_size, world_size))
@@ -267,6 +286,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     out_dir = Path(o.out_dir) if o.out_dir is not None else default_plan_dir(mf.name, world_size)
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
+    marks = ({d.layer: str(o.pins[0]) for d in plan.layers} if force_graphs and o.pins
+             else pin_marks.get(id(table), {}))
+    plan = dataclasses.replace(plan, options=o, layers=tuple(
+        dataclasses.replace(d, pinned=marks[d.layer]) if d.layer in marks else d for d in plan.layers))
     speed = machine.to_json() if machine is not None else {"speed_factor": 1.0, "not_applied": machine_why}
     plan = dataclasses.replace(plan, timings_s=dict(timings), batch_norm=bn.to_json(),
                                calibration={**plan.calibration, "machine_speed": speed},
@@ -465,7 +488,7 @@ def _pin(table, force: dict[int, str]) -> None:
         o.choices, o.costs = [o.choices[keep]], [o.costs[keep]]
         if o.exact_keys:
             o.exact_keys = [o.exact_keys[keep]]
-        for e in table.edges:
+        for e in table.edges or ():
             if e.src == li:
                 e.fwd_s, e.bwd_s = [e.fwd_s[keep]], [e.bwd_s[keep]]
             if e.dst == li:
