@@ -110,6 +110,25 @@ def _exact_specs_for(args) -> list:
                                  ranks_per_node=args.ranks_per_node)
 
 
+#: progress lines of ``make_plan`` that only say a routine stage finished, or that the printed
+#: plan's summary repeats: shown under ``autopar plan --verbose`` only
+_ROUTINE_PROGRESS = ("batch-norm statistics: local", "runtime: ", "priced ", "solved with ", "placement: ",
+                     "graph parallelism", "re-planning with the shapes", "exact shapes: ")
+
+
+def _plan_progress(verbose: bool):
+    """Where ``make_plan``'s progress lines go: all of them with ``--verbose``; otherwise the
+    routine ones (``_ROUTINE_PROGRESS``) are dropped, but a shape measurement is announced
+    before it runs and every other line (unregistered ops, a global batch norm) is kept."""
+    if verbose:
+        return _p
+
+    def terse(line: str) -> None:
+        if line.startswith("exact shapes: measuring") or not line.startswith(_ROUTINE_PROGRESS):
+            _p(line)
+    return terse
+
+
 def cmd_plan(args) -> int:
     import time as _time
     t_cmd = _time.perf_counter()
@@ -152,8 +171,8 @@ def cmd_plan(args) -> int:
         return _plan_trainers(args, options)
     if args.graph_sizes:
         return _plan_padded(args, options)
-    res = make_plan(args.model, options, PlanHooks(progress=_p))
-    _p(format_plan_table(res.plan))
+    res = make_plan(args.model, options, PlanHooks(progress=_plan_progress(args.verbose)))
+    _p(format_plan_table(res.plan, verbose=args.verbose))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
     if args.verbose:
         _p(format_timings(res.timings_s) + f"; {_time.perf_counter() - t_cmd:.2f} s in the plan "
@@ -176,7 +195,7 @@ def _plan_padded(args, options) -> int:
                            sampling=args.bucket_sampling, steps=args.train_steps,
                            shape_setup_s=args.shape_cost)
     res, decision = make_padded_plan(args.model, options, popts, PlanHooks(progress=_p))
-    _p(format_plan_table(res.plan))
+    _p(format_plan_table(res.plan, verbose=args.verbose))
     _p(format_decision(decision))
     env = " ".join(f"{k}={v}" for k, v in (res.plan.padding.extra.get("env") or {}).items())
     _p(f"plan written to {res.plan_path} (the largest bucket's padded shape; its model is imported with "
@@ -202,7 +221,7 @@ def _plan_trainers(args, options) -> int:
         sample_bytes=parse_bytes(args.sample_bytes), data_store_bytes_per_rank=parse_bytes(args.data_store_memory),
         ingestion=ing)
     res = make_tournament_plan(args.model, options, topts, PlanHooks(progress=_p), say=_p)
-    _p(format_plan_table(res.plan))
+    _p(format_plan_table(res.plan, verbose=args.verbose))
     _p(f"trainer level: {len(res.rows)} trainer count(s) priced at world {options.world_size}")
     _p(format_table(res.rows, res.chosen))
     tl = res.plan.trainers
@@ -404,7 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "as measured (the default: a plan depends on the profile alone)")
     p.add_argument("--no-speed-history", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true",
-                   help="print where planning time went (also in plan.json, timings_s)")
+                   help="print every layer row (by default parameter-free layers under 1 %% of the "
+                        "step are folded), every progress line, and where planning time went "
+                        "(also in plan.json, timings_s)")
     p.add_argument("--no-trace-cache", action="store_true",
                    help="trace the model again even if an unchanged copy was traced before")
     p.add_argument("--placement", default="search", metavar="{search,block,N}",

@@ -574,31 +574,11 @@ def _build_plan(mf, model_file: Path, out_dir: Path, world: int, rpn: int, n_nod
     return plan
 
 
-def format_plan_table(plan: Plan, max_rows: int = 60) -> str:
-    rows = [f"{'#':>3} {'module':<22} {'ops':<22} {'out shape':<18} {'decomposition':<16} "
-            f"{'fwd ms':>8} {'bwd ms':>8} {'sync ms':>8} {'mem MiB':>8} src"]
-    ls = list(plan.layers)
-    show = ls if len(ls) <= max_rows else ls[: max_rows // 2] + [None] + ls[-max_rows // 2:]
-    for r in show:
-        if r is None:
-            rows.append(f"{'...':>3} ({len(ls) - max_rows} more layers)")
-            continue
-        rows.append(f"{r.layer:>3} {(r.module or r.name)[:22]:<22} {'+'.join(r.kinds)[:22]:<22} "
-                    f"{str(tuple(r.out_shape))[:18]:<18} {r.choice[:16]:<16} "
-                    f"{r.fwd_s * 1e3:8.3f} {r.bwd_s * 1e3:8.3f} {r.grad_sync_s * 1e3:8.3f} "
-                    f"{r.memory_bytes / 2**20:8.2f} {r.source}")
-    pr = plan.predicted
-    s = plan.solver
-    rows.append("")
-    rows.append(f"transitions: {len(plan.transitions)}  " + ", ".join(
-        f"{t.value}: {t.src_layout}->{t.dst_layout}" for t in plan.transitions[:6]))
-    rows.append(f"predicted step time: {pr.step_time_s * 1e3:.3f} ms (fwd {pr.fwd_s * 1e3:.3f}, "
-                f"bwd {pr.bwd_s * 1e3:.3f}, exposed comm {pr.exposed_comm_s * 1e3:.3f}, "
-                f"optimizer {pr.optimizer_s * 1e3:.3f}); memory {pr.memory_per_rank_bytes / 2**20:.1f} MiB per rank")
-    gap = "n/a" if s.gap is None else f"{s.gap:.2g}"
-    rows.append(f"solver: {s.solver} {s.status} in {s.time_s:.2f} s, gap {gap}, "
-                f"{s.variables} variables")
-    return "\n".join(rows)
+def format_plan_table(plan: Plan, verbose: bool = False) -> str:
+    """The printed plan: summary, then the layer table with routine layers folded (every row
+    when ``verbose``); ``autopar.report.planview.format_plan``."""
+    from .report.planview import format_plan
+    return format_plan(plan, verbose=verbose)
 
 
 # ---- padding as a planning decision (``autopar plan --graph-sizes``) -------------------------
