@@ -391,19 +391,14 @@ class DistModel(nn.Module):
         """This rank's share of the loss: loss(out_r, y_r) * n_r / N / replicas."""
         meta = self.__dict__.get("_loss_meta")
         if meta is None:    # once: the layouts are fixed, and finding them scans the graph
-            lay, vocab = self.loss_layout(), self._vocab_loss() is not None
-            t_lay = Layout(tuple((d, p) for d, p in lay.splits if d == 0)) if vocab else lay
+            shape = self.graph.value_shape(self.graph.output)
             meta = self.__dict__["_loss_meta"] = (
-                self.graph.value_shape(self.graph.output)[0], t_lay, vocab, self.loss_replicas(), {})
-        n_global, t_lay, vocab, replicas, cuts = meta
+                shape[0], target_rows(self.loss_layout(), shape, self.comm.rank, self.comm.world),
+                self._vocab_loss() is not None, self.loss_replicas())
+        n_global, rows, vocab, replicas = meta
         n_local = output_tensor(out_local).shape[0]
-        t = None
-        if target_full is not None:     # the target's block: its index computed once per shape
-            cut = cuts.get(tuple(target_full.shape))
-            if cut is None:
-                b = t_lay.local_bounds(target_full.shape, self.comm.rank, self.comm.world)
-                cut = cuts[tuple(target_full.shape)] = tuple(slice(s, s + e) for s, e in b)
-            t = target_full[cut]
+        # the target's rows: those of this rank's output block, whatever the target's shape
+        t = target_full[rows] if target_full is not None else None
         with self.loss_context() if vocab else contextlib.nullcontext():
             loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
         return loss * (n_local / n_global / replicas)
@@ -543,6 +538,26 @@ def rebuild_output(structure, tensor: torch.Tensor):
     leaves = list(leaves)
     leaves[i] = tensor
     return pytree.tree_unflatten(leaves, spec)
+
+
+def target_rows(loss_layout: Layout, out_shape: Sequence[int], rank: int, world: int) -> slice:
+    """This rank's rows of the target, whatever its shape (``[B]`` labels, ``[B, S]`` tokens,
+    ``[B, H, W]`` pixels, one value per graph or node): the target is cut along dim 0 only, as
+    the output's dim 0 is under the loss layout (``out_shape``: the output's global shape). A
+    vocabulary-parallel loss splits the output's last dim too: each rank of that split reads
+    the same whole target rows."""
+    s, e = loss_layout.local_bounds(tuple(int(n) for n in out_shape), rank, world)[0]
+    return slice(s, s + e)
+
+
+def map_output_tensor(out, fn):
+    """``out`` with its one tensor (``output_tensor``) replaced by ``fn(tensor)``, in the same
+    structure (a tensor, tuple, dict or ``ModelOutput``)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    import torch.utils._pytree as pytree
+    t = output_tensor(out)
+    return pytree.tree_map(lambda v: fn(v) if v is t else v, out)
 
 
 def output_tensor(out):

@@ -299,8 +299,9 @@ class NativeDataParallel:
         finally:
             for h in handles:
                 h.remove()
-        if self.out_rows is not None and isinstance(out, torch.Tensor):
-            out = self.out_rows(out)
+        if self.out_rows is not None:     # graph parallelism: the rank's rows, in any structure
+            from .model import map_output_tensor
+            out = map_output_tensor(out, self.out_rows)
         if self.model.training and self._bns:
             self._pending = True        # this rank's running statistics moved (``flush``)
         return out

@@ -80,9 +80,12 @@ class ParallelModule:
     plan: Plan
     loss_fn_default: Callable[..., torch.Tensor]
 
-    def _setup_train(self, plan: Plan, loss_fn: Callable[..., torch.Tensor]) -> None:
+    def _setup_train(self, plan: Plan, loss_fn: Callable[..., torch.Tensor],
+                     target_shape: tuple[int, ...] | None = None) -> None:
         self.plan = plan
         self.loss_fn_default = loss_fn
+        #: the global target the plan's loss was traced with (``train.data.BatchSharding``)
+        self.target_shape = target_shape
         self._grads_pending = False
         self._specs_train = dict(self.spec)
         self._specs_eval = {name: _mode_spec(op, False) for name, op in self.spec.items()}
@@ -103,11 +106,18 @@ class ParallelModule:
 
     # ---- forward and loss --------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor):
+        """This rank's forward on its ``inputs``: what the user's model returns (a tensor, a
+        tuple, a dict, a Hugging Face ``ModelOutput``), its output tensor this rank's block,
+        under every runtime (the traced program rebuilds the structure, ``DistModel.structured``;
+        a native plan runs the module itself)."""
         out = super().forward(*inputs)
-        first = _first_tensor(out)
-        if torch.is_grad_enabled() and first is not None and first.requires_grad and self.comm.world > 1:
+        leaves = [t for t in _tensor_leaves(out) if t.requires_grad]
+        if torch.is_grad_enabled() and leaves and self.comm.world > 1:
+            # whichever tensor the loss reads, backward through it queues the gradient sums
+            # (``finish_grads`` runs once per backward however many hooks fire)
             self._grads_pending = True
-            first.register_hook(self._queue_finish)
+            for t in leaves:
+                t.register_hook(self._queue_finish)
         return out
 
     def _queue_finish(self, grad):
@@ -152,7 +162,7 @@ class ParallelModule:
         this rank's ``target`` block; ``loss_fn`` (default: the model file's ``loss_fn``, else
         autopar's default loss) must be a per-sample mean."""
         xs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-        out = _first_tensor(self(*xs))
+        out = self(*xs)                 # the model's own structure: the loss reads what it reads
         fn = loss_fn or self.loss_fn_default
         with self.loss_context():      # a vocabulary-parallel loss: F.cross_entropy on the block
             loss = fn(out, target) if target is not None else fn(out)
@@ -204,20 +214,13 @@ class ParallelModule:
         return self.comm.rank == min(grp)
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    """Every tensor of a model's output (a tensor, or the leaves of a tuple, dict or
+    ``ModelOutput``; other objects, such as a key/value cache, hold none that count)."""
     if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for o in out:
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    if isinstance(out, dict):
-        for o in out.values():
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    return None
+        return [out]
+    import torch.utils._pytree as pytree
+    return [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
 
 
 def _mode_spec(op, training: bool):
@@ -271,15 +274,25 @@ def check_model(model: nn.Module, plan: Plan) -> None:
                             "build the model the plan was made from, or re-plan for this one")
 
 
-def _model_file_loss(plan: Plan, plan_path: Path) -> Callable[..., torch.Tensor]:
+def _model_file_loss(plan: Plan, plan_path: Path) -> tuple[Callable[..., torch.Tensor], tuple[int, ...] | None]:
+    """(the model file's loss, the shape of its ``example_targets`` at the plan's batch size,
+    made on the meta device: what the plan's loss was traced with; None when unknown)."""
     from ..modelfile import default_loss, load_model_file
     mp = plan.model_file(plan_path)
     if mp.is_file():
         try:
-            return load_model_file(mp).loss_fn()
+            mf = load_model_file(mp, env=plan.model_env())
         except AutoparError:
-            pass
-    return default_loss
+            return default_loss, None
+        shape = None
+        try:
+            with torch.device("meta"):
+                t = mf.example_targets(int(plan.model.batch_size or plan.graph().batch_size))
+            shape = tuple(int(n) for n in t.shape) if isinstance(t, torch.Tensor) else None
+        except Exception:  # noqa: BLE001 - no example_targets, or one that needs real tensors
+            shape = None
+        return mf.loss_fn(), shape
+    return default_loss, None
 
 
 def check_model_file(plan: Plan, plan_path: Path) -> None:
@@ -337,7 +350,9 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
     train_cls = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {"__module__": __name__})
     kw = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
     dm = train_cls(p, model, comm, **kw)
-    dm._setup_train(p, loss_fn or _model_file_loss(p, plan_path))
+    file_loss, target_shape = _model_file_loss(p, plan_path)
+    # a loss of the caller's own may read targets of another shape than the model file's
+    dm._setup_train(p, loss_fn or file_loss, target_shape if loss_fn is None else None)
     dm.train(model.training)
     return dm
 

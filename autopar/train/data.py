@@ -9,7 +9,15 @@ replicas). A rank needs, of global batch ``k``:
 
 * for input ``i``: the samples ``[s_i, s_i + n_i)`` of its block and, of each, the slab
   ``bounds_i[1:]`` (``Layout.local_bounds``, the ``tensor_split`` rule);
-* for the target: the samples of its block of the loss layout.
+* for the target: the samples of its block of the loss layout. The target is cut along dim 0
+  only, whatever its shape (class labels ``[B]``, a language model's tokens ``[B, S]``, dense
+  per-pixel labels ``[B, H, W]``, one value per graph or per node): its rows are those of the
+  output's dim 0 (``BatchSharding.output_shape``), and this rank's rows are the dim-0 block of
+  the loss layout on the output (a vocabulary-parallel loss splits the output's last dim as
+  well; every rank of that split reads the same whole target rows).
+
+A batch or data-set item that does not fit the plan (the wrong number of fields, a wrong shape)
+is ``BatchMismatch``, which lists what the plan expects for each input and the target.
 
 ``BatchSharding`` is that arithmetic (pure: no process group), ``shard_batch`` slices a full
 global batch with it, and ``PlanSampler`` / ``plan_loader`` are the ``DistributedSampler``
@@ -29,12 +37,20 @@ each epoch, as with ``DistributedSampler``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
 from ..decomp.layout import Layout
+from ..errors import AutoparError
+
+
+class BatchMismatch(AutoparError, ValueError):
+    """A batch or data-set item that does not fit the plan: the wrong number of fields or a
+    tensor of the wrong shape. The message lists what the plan expects for each input and the
+    target."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +59,11 @@ class BatchSharding:
 
     ``input_shapes``: the global shape of every model input (dim 0 = ``batch_size``);
     ``input_layouts``, ``target_layout``: the plan's layouts; ``rank``/``world``: mesh rank and
-    size."""
+    size; ``output_shape``: the traced output's global shape, whose dim 0 gives the target's
+    rows (() for a sharding built by hand: ``batch_size`` rows); ``target_shape``: the global
+    target the plan's loss was traced with (the model file's ``example_targets``), None when
+    unknown (then only its rows are checked); ``input_names``: the model's input names (for
+    messages)."""
 
     batch_size: int
     input_shapes: tuple[tuple[int, ...], ...]
@@ -51,6 +71,9 @@ class BatchSharding:
     target_layout: Layout
     rank: int
     world: int
+    output_shape: tuple[int, ...] = ()
+    target_shape: tuple[int, ...] | None = None
+    input_names: tuple[str, ...] = ()
 
     @staticmethod
     def of(dmodel, rank: int | None = None) -> "BatchSharding":
@@ -63,22 +86,88 @@ class BatchSharding:
             batch_size=int(g.batch_size or (shapes[0][0] if shapes else 0)), input_shapes=shapes,
             input_layouts=tuple(dmodel.input_layout(gi.name) for gi in g.inputs),
             target_layout=dmodel.loss_layout(), rank=dmodel.comm.rank if rank is None else rank,
-            world=dmodel.comm.world)
+            world=dmodel.comm.world, output_shape=tuple(int(n) for n in g.value_shape(g.output)),
+            target_shape=getattr(dmodel, "target_shape", None),
+            input_names=tuple(gi.name for gi in g.inputs))
 
     def for_rank(self, rank: int) -> "BatchSharding":
-        return BatchSharding(self.batch_size, self.input_shapes, self.input_layouts,
-                             self.target_layout, rank, self.world)
+        return dataclasses.replace(self, rank=rank)
 
     def input_slices(self, i: int) -> tuple[slice, ...]:
         """Index of this rank's block of input ``i`` in the global batch tensor."""
         b = self.input_layouts[i].local_bounds(self.input_shapes[i], self.rank, self.world)
         return tuple(slice(s, s + e) for s, e in b)
 
+    @property
+    def target_rows(self) -> int:
+        """Rows (dim 0) of the global target: those of the output's dim 0."""
+        return int(self.output_shape[0]) if self.output_shape else int(self.batch_size)
+
     def target_samples(self) -> slice:
-        """This rank's samples of the target (the loss layout splits samples only)."""
-        shape = (self.batch_size,)
-        (s, e), = self.target_layout.local_bounds(shape, self.rank, self.world)[:1]
-        return slice(s, s + e)
+        """This rank's rows of the target, of any shape (module docstring): the dim-0 block of
+        the loss layout on the output."""
+        from ..runtime.model import target_rows
+        shape = list(self.output_shape or (self.batch_size,))
+        # a sharding built by hand knows dim 0 only: the other split dims get extents that any
+        # split divides (only dim 0's bounds are read)
+        need = 1 + max((d for d, _ in self.target_layout.splits), default=0)
+        shape += [self.world] * (need - len(shape))
+        return target_rows(self.target_layout, shape, self.rank, self.world)
+
+    # ---- what the plan expects, and the checks ---------------------------------------------
+    def expected(self) -> str:
+        """What the plan expects of a global batch, and of one data-set item, for each input
+        and the target."""
+        parts = []
+        for i, shape in enumerate(self.input_shapes):
+            name = f" ({self.input_names[i]})" if i < len(self.input_names) else ""
+            parts.append(f"input {i}{name} {list(shape)}, an item's {list(shape[1:])}")
+        if self.target_shape is not None:
+            parts.append(f"target {list(self.target_shape)}, an item's {list(self.target_shape[1:])}")
+        else:
+            parts.append(f"target [{self.target_rows}, ...] (one row per row of the output's dim 0)")
+        return "; ".join(parts)
+
+    def _mismatch(self, what: str, hint: str = "") -> BatchMismatch:
+        return BatchMismatch(f"{what}; the plan expects (global batch {self.batch_size}): {self.expected()}",
+                             hint or "give batches (and data-set items) of the shapes the plan was made "
+                                     "for, or re-plan: autopar plan MODEL.py with --batch-size and the "
+                                     "model file's example_inputs / example_targets of your data")
+
+    def check_batch(self, xs: Sequence[torch.Tensor], target: torch.Tensor | None) -> None:
+        """``BatchMismatch`` unless ``xs`` and ``target`` are a whole global batch of the plan."""
+        if len(xs) != len(self.input_shapes):
+            raise self._mismatch(f"the batch has {len(xs)} input(s), the plan's model takes "
+                                 f"{len(self.input_shapes)}")
+        for i, x in enumerate(xs):
+            if tuple(x.shape) != tuple(self.input_shapes[i]):
+                raise self._mismatch(f"input {i} has shape {list(x.shape)}")
+        if target is not None:
+            self._check_target(tuple(target.shape), "the target")
+
+    def _check_target(self, shape: tuple[int, ...], what: str, item: bool = False) -> None:
+        want = self.target_shape
+        if want is not None:
+            want = tuple(want[1:]) if item else tuple(want)
+            if shape != want:
+                raise self._mismatch(f"{what} has shape {list(shape)}")
+        elif not item and (not shape or shape[0] != self.target_rows):
+            raise self._mismatch(f"{what} has shape {list(shape)}")
+
+    def check_item(self, fields: Sequence, index: int | None = None) -> None:
+        """``BatchMismatch`` unless a data-set item holds ``(x_1, ..., x_k[, target])`` of one
+        sample each (``index``: its position in the data set, for the message)."""
+        n_in = len(self.input_shapes)
+        at = f"data-set item {index}" if index is not None else "a data-set item"
+        if len(fields) not in (n_in, n_in + 1):
+            raise self._mismatch(f"{at} has {len(fields)} field(s); the plan's model takes {n_in} "
+                                 f"input(s), then optionally the target")
+        for i in range(n_in):
+            shape = tuple(getattr(fields[i], "shape", ()))
+            if shape != tuple(self.input_shapes[i][1:]):
+                raise self._mismatch(f"{at}: input {i} has shape {list(shape)}")
+        if len(fields) == n_in + 1:
+            self._check_target(tuple(torch.as_tensor(fields[n_in]).shape), f"{at}: the target", item=True)
 
     def samples_needed(self) -> list[int]:
         """Positions in the global batch (0..B-1) this rank reads, ascending: the union of the
@@ -110,12 +199,7 @@ def shard_batch(dmodel_or_sharding, inputs: torch.Tensor | Sequence[torch.Tensor
     """This rank's share of a full global batch: (its block of every input, its target block)."""
     sh = dmodel_or_sharding if isinstance(dmodel_or_sharding, BatchSharding) else BatchSharding.of(dmodel_or_sharding)
     xs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    if len(xs) != len(sh.input_shapes):
-        raise ValueError(f"the plan's model takes {len(sh.input_shapes)} input(s), got {len(xs)}")
-    for i, x in enumerate(xs):
-        if tuple(x.shape) != sh.input_shapes[i]:
-            raise ValueError(f"input {i} has shape {tuple(x.shape)}; the plan was made for "
-                             f"{sh.input_shapes[i]} (global batch {sh.batch_size})")
+    sh.check_batch(xs, target)
     if getattr(dmodel_or_sharding, "_graph_roles", None) is not None:
         # a graph-parallel plan (``decomp.graph.graphs``): whole graphs of a PyG batch per rank
         local = dmodel_or_sharding.shard_inputs(xs)
@@ -178,9 +262,11 @@ class _Collate:
         sh = self.sh
         n_in = len(sh.input_shapes)
         items = [tuple(it) if isinstance(it, (tuple, list)) else (it,) for it in items]
-        if len(items[0]) not in (n_in, n_in + 1):
-            raise ValueError(f"dataset items have {len(items[0])} fields; the plan's model takes "
-                             f"{n_in} input(s) (+ 1 target)")
+        for it in items:
+            sh.check_item(it)
+        if len({len(it) for it in items}) > 1:
+            raise sh._mismatch("the data set's items have " + " and ".join(
+                str(n) for n in sorted({len(it) for it in items})) + " fields")
         xs = []
         for i in range(n_in):
             sl = sh.input_slices(i)
@@ -188,6 +274,10 @@ class _Collate:
             xs.append(torch.stack(rows) if rows else torch.empty(0))
         t = None
         if len(items[0]) == n_in + 1:
+            if sh.target_rows != sh.batch_size:
+                raise sh._mismatch(f"data-set items carry one target each, but the plan's target has "
+                                   f"{sh.target_rows} rows for {sh.batch_size} samples",
+                                   "cut whole global batches with autopar.shard_batch instead")
             ts = sh.target_samples()
             rows = [torch.as_tensor(items[self.pos[j]][n_in]) for j in range(ts.start, ts.stop)]
             t = torch.stack(rows)
