@@ -158,7 +158,7 @@ def cmd_plan(args) -> int:
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
                           measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget,
-                          speed_history=args.speed_history)
+                          speed_history=args.speed_history, pins=tuple(args.pin or ()))
     if args.no_speed_history:
         warnings.warn("--no-speed-history is the default now and does nothing (plans price the profile "
                       "as measured; --speed-history opts in to this machine's usual speed)", FutureWarning)
@@ -179,7 +179,7 @@ def cmd_plan(args) -> int:
            f"command, {_time.perf_counter() - _T_START:.2f} s since autopar.cli was imported")
     if sweep:
         from .sweep import scaling_sweep
-        png, rows = scaling_sweep(args, sweep, res.plan_path.parent)
+        png, rows = scaling_sweep(args, sweep, res.plan_path.parent, pins=options.pins)
         for r in rows:
             _p(r)
         _p(f"scaling picture written to {png}")
@@ -403,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="nodes of the cluster planned for")
     p.add_argument("--cluster", help='cluster description JSON: {"ranks_per_node": R, "nodes": K}')
     p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
+    p.add_argument("--pin", action="append", metavar="PATTERN=KIND|CHOICE",
+                   help="fix the layers whose module or layer name matches the glob PATTERN ('*': all) "
+                        "to KIND where legal (the solver picks among that kind's choices) or to the exact "
+                        "CHOICE as plans print it, e.g. --pin '*=sample' --pin 'layer1.*=channel' "
+                        "--pin 'h.0.attn=head(2,2)'; repeatable, the last pin taking a layer wins; "
+                        "the other layers are left to the solver")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds")
     p.add_argument("--solver", choices=["highs", "ilp", "cbc"], default="highs",
                    help="highs: dynamic program first, ILP where its bound leaves a gap (default); "

@@ -34,7 +34,7 @@ def series() -> dict[str, tuple[list[str] | None, Any]]:
 
 def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
           memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
-          families: dict | None = None, placement: str | int = "search") -> dict[str, Any]:
+          families: dict | None = None, placement: str | int = "search", pins: tuple = ()) -> dict[str, Any]:
     from .artifacts import PlanHooks, PlanOptions
     from .errors import AutoparError
     from .modelfile import load_model_file
@@ -45,6 +45,8 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
     batch = batch_size or mf.default_batch_size() or 8
     graph = trace_model(mf, batch)   # traced once, planned many times
     out: dict[str, Any] = {"model": str(model), "batch_size": batch, "worlds": worlds, "series": {}, "skipped": []}
+    if pins:
+        out["pins"] = [str(p) for p in PlanOptions(world_size=1, pins=pins).pins]
     for name, (kinds, keep) in (families or series()).items():
         pts = []
         for w in worlds:
@@ -52,7 +54,7 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
                 r = make_plan(model, PlanOptions(world_size=w, batch_size=batch, calibration=calibration,
                                                  kinds=kinds, memory_limit_bytes=memory_limit_bytes,
                                                  write=False, ranks_per_node=ranks_per_node,
-                                                 placement=placement),
+                                                 placement=placement, pins=pins),
                               PlanHooks(profile=profile, graph=graph, choice_filter=keep))
                 pts.append({"world": w, "step_time_s": r.plan.predicted.step_time_s,
                             "memory_per_rank_bytes": r.plan.predicted.memory_per_rank_bytes,
@@ -91,12 +93,13 @@ def plot(result: dict[str, Any], png: Path) -> Path:
     return png
 
 
-def scaling_sweep(args, worlds: list[int], out_dir: Path) -> tuple[Path, list[str]]:
-    """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir."""
+def scaling_sweep(args, worlds: list[int], out_dir: Path, pins: tuple = ()) -> tuple[Path, list[str]]:
+    """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir;
+    ``pins`` (``autopar.pins``) hold in every point (a point where one cannot is left out)."""
     from .pipeline import parse_bytes
     res = sweep(args.model, worlds, args.batch_size, args.calibration,
                 parse_bytes(args.memory_limit), args.ranks_per_node,
-                placement=getattr(args, "placement", "search"))
+                placement=getattr(args, "placement", "search"), pins=pins)
     atomic_write_json(Path(out_dir) / "scaling.json", res)
     png = plot(res, Path(out_dir) / "scaling.png")
     rows = []
