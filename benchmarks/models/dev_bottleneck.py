@@ -1,4 +1,5 @@
-"""Held-out CNN for the prediction benchmark (never measured into a profile): a ResNet-like
+"""Development-set CNN of the prediction benchmark (never measured into a profile, but its errors
+chose methods and constants of the cost model, so it is not held out): a ResNet-like
 network of bottleneck blocks (1x1 -> 3x3 -> 1x1) with odd widths (20, 40, 80), stride-2
 stages and 36x36 images."""
 

@@ -1,4 +1,5 @@
-"""Held-out CNN for the prediction benchmark (never measured into a profile): a VGG-like plain
+"""Development-set CNN of the prediction benchmark (never measured into a profile, but its errors
+chose methods and constants of the cost model, so it is not held out): a VGG-like plain
 stack, 5x5 then 3x3 convolutions, channels 24 -> 96, 40x40 images, max pooling, batch norm."""
 
 import torch

@@ -1,4 +1,5 @@
-"""Held-out CNN for the prediction benchmark (never measured into a profile): a small 3-D CNN,
+"""Development-set CNN of the prediction benchmark (never measured into a profile, but its errors
+chose methods and constants of the cost model, so it is not held out): a small 3-D CNN,
 3x3x3 convolutions with 6 -> 24 channels on 20^3 volumes, one stride-2 stage, regression
 output."""
 

@@ -1,6 +1,6 @@
-"""The prediction benchmark's speed diagnostic (``bench_prediction.at_profile_speed``) and the
-across-runs analysis (``benchmarks/speed_drift_across_runs.py``): pure arithmetic on recorded
-figures, checked on hand-made ones."""
+"""The prediction benchmark's pure parts: its speed diagnostic (``bench_prediction.at_profile_speed``),
+the per-plan rows it keeps, the profile figures it records, and which models each set holds
+(the held-out set is only models that no other set or benchmark uses)."""
 
 import json
 import sys
@@ -11,7 +11,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_prediction import at_profile_speed, plan_rows  # noqa: E402
-from speed_drift_across_runs import analyse, load_runs, ordinal  # noqa: E402
 
 
 def test_each_round_is_divided_by_its_own_probe_ratio():
@@ -32,40 +31,6 @@ def test_plan_rows_keep_what_recomputes_the_figures_and_nothing_bulky():
     json.dumps(kept)
 
 
-def test_ordinals_of_the_run_files():
-    assert [ordinal(w) for w in ("third", "nineteenth", "twentieth", "twenty-eighth", "thirty-first")] == \
-        [3, 19, 20, 28, 31]
-    assert ordinal("twenty-twentieth") is None and ordinal("previous") is None
-
-
-def _run(signed: float, probe: float, after_cal: float) -> dict:
-    s = {"by_world": {"2": {"median_signed_error": signed}, "4": {"median_signed_error": signed}},
-         "speed_probe_vs_profile": probe, "machine_vs_profile": 1.0}
-    return {"machine_reference_ms": {"after calibration": after_cal}, "in_sample": s, "held_out": s}
-
-
-def test_a_miss_that_is_only_the_machines_speed_vanishes_at_the_probe():
-    # each run's prediction is exact at the calibration's speed; the machine then ran `probe`
-    # times slower, so the measured time is probe x predicted and the signed error 1/probe - 1
-    probes = [0.8, 0.9, 1.0, 1.1, 1.25, 1.4]
-    runs = [(i + 1, str(i + 1), _run(1 / p - 1, p, 10.0)) for i, p in enumerate(probes)]
-    lines, out = analyse(runs)
-    assert out["sets"] == 12
-    assert out["correlation"] < -0.95 and out["slope"] < 0
-    assert out["median_abs_signed_at_probe"] == pytest.approx(0.0, abs=1e-12)
-    assert out["median_abs_signed"] > 0.05
-    # the same calibration speed every time: the history changes nothing
-    assert out["median_abs_signed_history"] == pytest.approx(out["median_abs_signed_same_sets"])
-    assert any("correlation" in line for line in lines)
-
-
-def test_the_committed_runs_are_found_in_order():
-    runs = load_runs()
-    assert runs, "no prediction run JSON under reports/benchmarks"
-    numbers = [n for n, _, _ in runs]
-    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
-
-
 def test_the_profile_figures_that_move_every_prediction_are_kept(tmp_path):
     from bench_prediction import profile_figures
     p = tmp_path / "p.json"
@@ -78,3 +43,26 @@ def test_the_profile_figures_that_move_every_prediction_are_kept(tmp_path):
     assert f["insitu_latency_2_s"] == 0.003 and f["insitu_latency_4_s"] is None
     p.write_text("{not json")
     assert profile_figures(str(p)) == {} and profile_figures(str(tmp_path / "absent.json")) == {}
+
+
+def test_the_held_out_set_is_only_models_no_other_set_uses():
+    import bench_prediction as bp
+    held = {Path(c[1]) for c in bp.HELDOUT}
+    assert held and all(p.parent == bp.MODELS / "heldout" and p.is_file() for p in held)
+    others = {Path(c[1]) for c in bp.CANDIDATES + bp.DEV}
+    assert not held & others
+    # every model file of the held-out folder is in the set, so none is left out quietly
+    assert held == set((bp.MODELS / "heldout").glob("*.py"))
+    # nothing else in the repository's benchmarks imports or names them
+    bench = Path(bp.__file__).parent
+    for f in bench.glob("*.py"):
+        if f.name != "bench_prediction.py":
+            assert "models/heldout" not in f.read_text() and "heldout/" not in f.read_text(), f
+
+
+def test_set_selection():
+    import bench_prediction as bp
+    assert bp.sets_for("both") == bp.sets_for("default") == ("in_sample", "dev")
+    assert bp.sets_for("held-out") == ("held_out",)
+    assert bp.sets_for("all") == ("in_sample", "dev", "held_out")
+    assert bp.sets_for("dev") == ("dev",) and bp.sets_for("in-sample") == ("in_sample",)
