@@ -15,7 +15,7 @@ refitted with the layers measured into the profile (``calibrate.run.refit_conv_s
 the held-out CNNs' 385 local convolution shapes of the prediction benchmark (forward /
 backward-data / backward-filter, never in the profile) summed to 1.38 / 1.58 / 1.24x what the
 plain relative fit on the sweep alone priced, and to 1.00 / 1.08 / 0.95x what this fit prices
-(``benchmarks/reprice_prediction.py --before relative-fit``,
+(``benchmarks/reprice_prediction.py --before relative-fit`` (removed; git 172578b^),
 ``reports/benchmarks/prediction_repriced_fit.txt``).
 
 Held-out error: the samples (one per size) are split with a fixed seed into a random 70% for
@@ -40,7 +40,7 @@ TRAIN_FRACTION = 0.7
 
 
 #: reweighting iterations of ``nnls_relative`` after its first (plain relative) fit; 0 gives
-#: the plain relative fit (``benchmarks/reprice_prediction.py --before relative-fit``)
+#: the plain relative fit (``benchmarks/reprice_prediction.py --before relative-fit`` (removed; git 172578b^))
 REWEIGHT_ITERATIONS = 8
 #: a row's weight is ``1 / max(p_i, REWEIGHT_FLOOR * t_i)``: a row the iterate prices near zero
 #: does not take over the fit

@@ -25,11 +25,11 @@ which leave such stalls out; re-read by their mean, the five profiles that had k
 rounds priced twenty-two prediction runs' measured steps at 11.8 / 15.1 % (in-sample /
 held-out median error, 110 pairings) against 12.5 / 14.9 % by the median, the world-2 plans'
 under-prediction narrowing from 12.1 to 10.3 % in-sample
-(``reports/benchmarks/prediction_cross_reprice_twenty-two_sets_*.txt``). The rounds themselves
+(``reports/benchmarks/prediction_cross_reprice_twenty-two_sets_*.txt`` (removed; git 172578b^)). The rounds themselves
 are kept in the profile (``samples["insitu_raw"]``, ``raw_rounds``) with the statistic that
 read them (``samples["insitu_stat"]``), and ``estimate_in_situ`` reads them by either, so that
 the other one can be tried against measured steps without calibrating again
-(``benchmarks/cross_reprice.py --insitu-stat``).
+(``benchmarks/cross_reprice.py --insitu-stat`` (removed; git 172578b^)).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ dispatcher's own working set out of the caches, and on a multi-rank node the oth
 share the last-level cache. On a CPU each step is therefore timed after writing a buffer of
 twice the last-level cache (``cold_flush_bytes``); the hot times stay in every row
 (``hot_median_s``). Measured on this 2-core VM for the nine benchmark models' own training
-loops (``benchmarks/bench_optimizer_in_situ.py``, ``reports/benchmarks/optimizer_in_situ.txt``):
+loops (``benchmarks/bench_optimizer_in_situ.py`` (removed; git 172578b^), ``reports/benchmarks/optimizer_in_situ.txt`` (removed; git 172578b^)):
 against the update in two processes' loops at once, the cold fit priced it -9 % in the median
 (11 % |error|), the hot fit without a fixed share, stored before, -55 %; on one process alone
 +20 % and -40 %. On CUDA the step is timed as it comes (kernel launches; no flush).

@@ -56,7 +56,7 @@ class Sweep:
                                        # repeats of the same 2 s read 2 ranks at 0.94-1.10 in
                                        # 3 rounds, 1.00-1.08 in 12; 4 ranks 1.96-2.23 and
                                        # 2.08-2.54, about 8 % higher and no steadier
-                                       # (reports/benchmarks/calibration_noise.txt); the
+                                       # (reports/benchmarks/calibration_noise.txt, git 172578b^); the
                                        # shipped full profiles of 3 rounds read 0.87-1.17 and
                                        # 1.83-2.63 over one day
     exact_repeats: int = 11
@@ -226,8 +226,8 @@ def time_shared_slowdown(measured: dict[str, float], cores: int) -> dict[str, fl
     with them came out 10-40 % slow. Repriced over the same 100 pairings of ten runs' measured
     steps and fresh quick profiles, the world-4 plans' median |error| went 10.6 -> 7.4 %
     (in-sample) and 14.2 -> 12.6 % (held-out), one profile's median signed error -6..+39 % ->
-    -7..+10 % (``benchmarks/cross_reprice.py --time-shared-slowdown 2``,
-    ``reports/benchmarks/prediction_cross_reprice_ten_runs_time_shared*.txt``). The readings
+    -7..+10 % (``benchmarks/cross_reprice.py --time-shared-slowdown 2`` (removed; git 172578b^),
+    ``reports/benchmarks/prediction_cross_reprice_ten_runs_time_shared*.txt`` (removed; git 172578b^)). The readings
     stay in the profile (``samples["compute_slowdown_measured"]``) and its calibration report."""
     table = {str(k): float(v) for k, v in measured.items()}
     counts = sorted(int(k) for k in table)
@@ -299,7 +299,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     caller's malloc state (``runtime.memory``). Measured in a process that had just run one
     small training step, the 2-rank straggler sigma read 0.0050 s^0.5 against 0.0109 from a
     fresh process, and the in-situ latency 1.98 against 2.33 ms (medians of four, alternated:
-    ``benchmarks/bench_calibration_caller.py``), and the prediction benchmark, which had
+    ``benchmarks/bench_calibration_caller.py`` (removed; git 172578b^)), and the prediction benchmark, which had
     calibrated that way, predicted its world-2 plans low.
     """
     from ..runtime.launch import run_ranks
@@ -471,7 +471,7 @@ def fit_models(kernel_samples: dict, coll_samples: dict) -> tuple[dict, dict]:
 def fit_collective_models(coll_samples: dict, stat: str = "median_s") -> dict:
     """The collective models (``fit.fit_collective`` of each kind and group size's sweep rows,
     by their ``stat`` time: the median, as calibration fits them; ``benchmarks/cross_reprice.py
-    --collective-stat mean`` tries the mean), intra-node, "inter" a marked copy."""
+    --collective-stat mean``, removed, git 172578b^, tried the mean), intra-node, "inter" a marked copy."""
     coll_models: dict[str, dict] = {}
     for kind, per_p in coll_samples.items():
         intra = {}
@@ -528,7 +528,7 @@ def refit_conv_shape_models(prof) -> list[str]:
     then priced from real layers too (with the fit of ``fit.nnls_relative``, the held-out CNNs'
     convolutions measured 1.00 / 1.08 / 0.95x their generic price, forward / backward-data /
     backward-filter, against 1.38 / 1.58 / 1.24x before: ``benchmarks/reprice_prediction.py
-    --before relative-fit``). Returns the classes that have a shape-aware model after it (one that does not
+    --before relative-fit``, removed, git 172578b^). Returns the classes that have a shape-aware model after it (one that does not
     generalise better than the flat roofline is not kept, ``fit.add_conv_shape_models``)."""
     for cls in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
         if isinstance(prof.kernels.get(cls), dict):

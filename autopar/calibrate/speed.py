@@ -9,7 +9,7 @@ the same shapes in another stretch of the same runs agreed to 1 %.
 
 The machine's speed moves on two time scales here. Probe readings 25 ms apart correlated 0.69,
 five apart 0.36, twenty apart not at all in one run, 0.47 / 0.08 / 0.01 in another
-(``benchmarks/bench_calibration_noise.py``): phases of a few hundred milliseconds, +-7-10 %
+(``benchmarks/bench_calibration_noise.py`` (removed; git 172578b^)): phases of a few hundred milliseconds, +-7-10 %
 (one reading's spread). On top of them, stretches of seconds to minutes run 10-20 % slower or
 faster: in the two profiles above the first fifth of the exact shapes was measured 17-50 %
 slower in one than the other, the rest alike. Only the slow stretches can be followed: a
@@ -28,7 +28,7 @@ probe reading of the calibration (``samples["speed_probe"]``):
 Measured side by side on this VM (12 chunks of 10 convolution shapes, six passes, the probe
 read around each chunk): the sum's spread across passes fell from 11 % to 4 % (coefficient of
 variation). Across four fresh quick profiles pricing the same plans
-(``benchmarks/bench_profile_stability.py``) the predictions spread 7.9 % with it and 7.7 % on
+(``benchmarks/bench_profile_stability.py`` (removed; git 172578b^)) the predictions spread 7.9 % with it and 7.7 % on
 the raw times (median over the in-sample plans): no gain when every profile's kernels ran in
 similar stretches; 15.7 % against 19.7 % in a run where one profile was measured in a
 disturbed one. Later additions to the profile (``calibrate.run.add_exact_shapes``,

@@ -64,7 +64,7 @@ def _at_run_speed(run: RunResult, sp: dict) -> str:
     """The prediction scaled by the probe's ratio, against the measured step: a diagnostic of
     how much of a miss is the machine's speed since calibration rather than the cost model
     (across the prediction benchmark's runs the signed miss follows the ratio, though less than
-    one for one: ``reports/benchmarks/speed_drift_across_runs.txt``; so it explains most, not all)."""
+    one for one: ``reports/benchmarks/speed_drift_across_runs.txt`` (removed; git 172578b^); so it explains most, not all)."""
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     if not m or not p:
         return ""

@@ -11,7 +11,7 @@ allocator on CUDA, none on CPU). ``keep_freed_memory`` raises both thresholds wi
 
 It is called in every rank that ``runtime.launch.run_ranks`` starts (and under torchrun), but
 only acts with ``AUTOPAR_MALLOC=keep``: glibc's defaults stay the default. Measured on the
-2-core machine (``benchmarks/bench_freed_memory.py``, ``bench_prediction.py``): one process
+2-core machine (``benchmarks/bench_freed_memory.py`` (removed; git 172578b^), ``bench_prediction.py``): one process
 steps 0.58-0.60x faster on the GNNs with it, but the multi-rank steps of ``autopar execute``
 measured the same either way, while the calibration's kernel loops got faster under it, so a
 profile measured with it under-predicted every plan (prediction benchmark: in-sample 15.4 /
