@@ -55,7 +55,7 @@ class Pin:
     want: str
 
     def __post_init__(self) -> None:
-        pat, want = str(self.pattern).strip(), re.sub(r"\s+", "", str(self.want))
+        pat, want = str(self.pattern).strip(), re.sub(r"\s*([(),x])\s*", r"\1", str(self.want).strip())
         if not pat:
             raise PinError(f"pin {self.pattern!r}={self.want!r} has an empty pattern",
                            "give a glob over module or layer names, e.g. 'layer1.*=channel', or '*' for all")

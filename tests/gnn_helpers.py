@@ -35,7 +35,9 @@ def forced(graph, profile, world: int, mode: str, want: str | None = None,
            extra: dict[int, str] | None = None) -> dict[int, str]:
     """layer -> decomposition: ``edges`` on every layer with edge values that takes it,
     ``nodes`` on the node-only layers (mode "nodes" or "mix"), ``sample`` on every layer that
-    takes it (mode "graphs"); ``want`` (e.g. "(2,2)") picks among the candidates."""
+    takes it (mode "graphs"); ``want`` (e.g. "(2,2)") picks among the candidates, and a layer
+    that takes the kind but not the ``want`` split fails the test (it would otherwise test
+    another split than it names)."""
     from autopar.decomp import REGISTRY, CostContext
     ctx = CostContext(profile=profile, world=world, ranks_per_node=4, batch_size=graph.batch_size)
     out: dict[int, str] = {}
@@ -50,7 +52,10 @@ def forced(graph, profile, world: int, mode: str, want: str | None = None,
         else:
             continue
         legal = [c for c in REGISTRY[kind].candidates(lay, ctx) if c.check(lay, ctx) is None]
-        pick = [c for c in legal if want is None or str(c).endswith(want)] or legal
+        pick = [c for c in legal if want is None or str(c).endswith(want)]
+        if legal and not pick:
+            pytest.fail(f"forced({mode!r}, want={want!r}): layer {lay.index} ({lay.module or lay.name}) "
+                        f"offers {[str(c) for c in legal]}, not {kind}{want}")
         if pick:
             out[lay.index] = str(pick[0])
     out.update(extra or {})
