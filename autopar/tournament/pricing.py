@@ -14,11 +14,14 @@ measured; B = the plan's batch, I = the tournament interval in steps)::
                   (every trainer reads at once). Prefetched in the background: a step takes
                   max(step_s, ingest_s).
     exchange_s    one tournament's exchange: every rank sends its shard of the model (weights,
-                  and with "weights+optimizer" the optimizer state) to the corresponding rank of
-                  the partner trainer and receives the partner's, both at once on a full-duplex
-                  link:  p2p(state_bytes_per_rank)  on the link between partners (inter-node as
-                  soon as the world spans nodes: partners are paired at random), its latency
-                  raised to the profile's in-situ p2p latency with the job's ranks on the node
+                  every buffer whole, and with "weights+optimizer" the optimizer state) to the
+                  corresponding rank of the partner trainer and receives the partner's, both at
+                  once on a full-duplex link:  p2p(state_bytes_per_rank)  on the link between
+                  partners (inter-node as soon as the world spans nodes: partners are paired at
+                  random), its latency raised to the profile's in-situ p2p latency with the job's
+                  ranks on the node. Priced in the plan's dtype, and in each dtype a run may
+                  hold the model in (``RUN_DTYPES``: ``exchange_s_float64``, ...; a run reports
+                  the figures of its own dtype beside the bytes it sent)
     eval_s        2 models x ((tournament_samples / B) forwards of the plan (``predicted.fwd_s``,
                   scaled by the same slowdown) + one in-situ all-reduce latency over the trainer's
                   n ranks for the metric); one model when T = 1
@@ -108,9 +111,50 @@ class TournamentOptions:
 
 # ---- per-rank state ---------------------------------------------------------------------------
 
-def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_per_param: float = 1.0) -> float:
-    """Bytes one rank sends in an exchange: its shard of every parameter (the largest over the
-    mesh's ranks), times (1 + optimizer state per parameter) with "weights+optimizer"."""
+#: the dtypes a tournament run may hold its model in (``autopar execute --validate-dtype``): the
+#: exchange is priced in each (``price_trainers``: ``exchange_s_<dtype>`` and the figures after it)
+RUN_DTYPES = ("float32", "float64")
+_FLOAT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def graph_buffers(plan: Plan) -> dict[str, tuple[int, str]]:
+    """Every buffer the traced graph names, (elements, dtype): a batch norm's running mean and
+    variance (one per channel, in the op's dtype) and the counters of the buffer-only ops
+    (``num_batches_tracked``). What ``model_buffers`` falls back on."""
+    graph = plan.graph()
+    out: dict[str, tuple[int, str]] = {}
+    for lay in graph.layers:
+        for op in lay.ops:
+            for q in op.buffers.values():
+                if op.kind == "batch_norm" and op.in_shapes:
+                    out[q] = (int(op.in_shapes[0][1]), op.dtype)
+    for op in graph.buffer_updates:
+        for q in op.buffers.values():
+            out.setdefault(q, (max(1, math.prod(op.out_shape)), op.dtype))
+    return out
+
+
+def model_buffers(mf, plan: Plan | None = None) -> dict[str, tuple[int, str]]:
+    """Every buffer of the model file's model (what a run's exchange sends), (elements, dtype),
+    from a build on the meta device (nothing allocated); the graph's (``graph_buffers``) when
+    the model cannot be built there."""
+    import torch
+    try:
+        with torch.device("meta"):
+            m = mf.build_model()
+        return {q: (int(b.numel()), str(b.dtype).removeprefix("torch.")) for q, b in m.named_buffers()}
+    except Exception:   # a model file that cannot build on meta: the buffers the trace names
+        return graph_buffers(plan) if plan is not None else {}
+
+
+def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_per_param: float = 1.0,
+                         dtype: str | None = None, buffers: dict[str, tuple[int, str]] | None = None) -> float:
+    """Bytes one rank sends in an exchange (what the run's ``runtime.pack`` sends): its shard of
+    every parameter (the largest over the mesh's ranks), times (1 + optimizer state per
+    parameter) with "weights+optimizer", plus every buffer whole (running statistics and their
+    counters: every rank holds and sends them). ``dtype``: the floating dtype the run holds the
+    model in (None: the plan's traced dtype); integer buffers keep theirs. ``buffers``: (elements,
+    dtype) by name (None: ``graph_buffers``)."""
     graph = plan.graph()          # (planning loads no runtime module: the shards from the decisions)
     decisions = {d.layer: d.decomposition() for d in plan.layers}
     shards = {}
@@ -118,7 +162,7 @@ def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_
     for lay in graph.layers:
         for op in lay.ops:
             for role, q in op.param_names.items():
-                shapes[q] = (tuple(op.params[role]), lay.itemsize)
+                shapes[q] = (tuple(op.params[role]), _FLOAT_BYTES[dtype] if dtype else lay.itemsize)
                 shards[q] = decisions[lay.index].param_shard(op, role)
     n = plan.world_size
     per_rank = []
@@ -130,13 +174,21 @@ def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_
             tot += math.prod(local) * item
         per_rank.append(tot)
     mult = 1.0 + (optimizer_state_per_param if exchange == "weights+optimizer" else 0.0)
-    return max(per_rank or [0.0]) * mult
+    from ..decomp.ir import DTYPE_BYTES
+    buffers = graph_buffers(plan) if buffers is None else buffers
+    buf_bytes = sum(numel * (_FLOAT_BYTES[dtype] if (dtype and bdt in _FLOAT_BYTES) else DTYPE_BYTES.get(bdt, 4))
+                    for numel, bdt in buffers.values())
+    return max(per_rank or [0.0]) * mult + buf_bytes
 
 
 def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, ranks_per_node: int,
                    memory_limit_bytes: float | None, sample_bytes: float,
-                   optimizer_state_per_param: float = 1.0) -> dict[str, Any]:
-    """Every term of the module docstring for ``trainers`` trainers running ``plan``."""
+                   optimizer_state_per_param: float = 1.0,
+                   buffers: dict[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+    """Every term of the module docstring for ``trainers`` trainers running ``plan``, in the
+    plan's dtype; the exchange and the figures after it (``tournament_s``, ``round_s``,
+    ``samples_per_s``) also in each of ``RUN_DTYPES``, as ``<figure>_<dtype>`` (a run picks its
+    own: ``tournament.run``). ``buffers``: the model's (``model_buffers``; None: the graph's)."""
     n = plan.world_size
     T = int(trainers)
     B = plan.model.batch_size
@@ -150,15 +202,19 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
     colocation = profile.slowdown(min(world0, ranks_per_node)) / profile.slowdown(min(n, ranks_per_node))
     pr = plan.predicted
     step_s = pr.step_time_s + (pr.fwd_s + pr.bwd_s) * (colocation - 1.0)
-    state = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param)
+    state = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param, buffers=buffers)
     world = T * n
     level = "inter" if (world > ranks_per_node and T > 1) else "intra"
     from ..cost.primitives import insitu_latency_s
     on_node = min(world0, ranks_per_node)
-    exchange_s = 0.0
-    if T > 1:   # the fitted p2p, its latency raised to the in-situ one (as cost.primitives.blocking_s)
-        exchange_s = profile.collective_time_s("p2p", 2, state, level) + max(
+
+    def exchange_time_s(nbytes: float) -> float:
+        if T == 1:
+            return 0.0
+        # the fitted p2p, its latency raised to the in-situ one (as cost.primitives.blocking_s)
+        return profile.collective_time_s("p2p", 2, nbytes, level) + max(
             0.0, insitu_latency_s(profile, 2, on_node, "p2p") - profile.collective_time_s("p2p", 2, 0.0, level))
+    exchange_s = exchange_time_s(state)
     models = 2 if T > 1 else 1
     # per model: the forwards, then one blocking all-reduce of the metric over the trainer's mesh
     eval_s = models * (math.ceil(tour / B) * plan.predicted.fwd_s * colocation
@@ -175,10 +231,21 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
         nodes_of_trainer = max(1, math.ceil(n / ranks_per_node))
         rate = min(nodes_of_trainer * ing.node_read_bytes_per_s, ing.aggregate_bytes_per_s / T)
         ingest_s = B * sample_bytes / rate + B * ing.per_sample_latency_s / n
-    round_s = I * max(step_s, ingest_s) + exchange_s + eval_s
+
+    def round_s_of(exch_s: float) -> float:
+        return I * max(step_s, ingest_s) + exch_s + eval_s
+    round_s = round_s_of(exchange_s)
+    by_dtype: dict[str, float] = {}
+    for dt in RUN_DTYPES:
+        st = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param, dtype=dt, buffers=buffers)
+        ex = exchange_time_s(st)
+        rs = round_s_of(ex)
+        by_dtype.update({f"exchange_bytes_per_rank_{dt}": st if T > 1 else 0.0, f"exchange_s_{dt}": ex,
+                         f"tournament_s_{dt}": ex + eval_s, f"round_s_{dt}": rs,
+                         f"samples_per_s_{dt}": T * I * B / rs if rs > 0 else math.inf})
     mem = plan.predicted.memory_per_rank_bytes + (state if T > 1 else 0.0)
     fits = memory_limit_bytes is None or mem <= memory_limit_bytes
-    return {
+    return {**by_dtype,
         "trainers": T, "ranks_per_trainer": n, "world_size": world, "batch_per_trainer": B,
         "interval_steps": I, "step_s": step_s, "plan_step_s": pr.step_time_s, "colocation_slowdown": colocation, "ingest_s": ingest_s, "data_in_memory": in_memory,
         "shard_bytes": shard_bytes, "data_store_bytes_per_rank": store_per_rank,
@@ -275,7 +342,8 @@ def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: To
             return {"trainers": T, "ranks_per_trainer": n, "error": str(e).splitlines()[0][:120]}
         B = res.plan.model.batch_size
         row = price_trainers(res.plan, T, profile, topts, rpn, options.memory_limit_bytes,
-                             topts.sample_bytes or sample_bytes_of(mf, B), options.optimizer_state_per_param)
+                             topts.sample_bytes or sample_bytes_of(mf, B), options.optimizer_state_per_param,
+                             buffers=model_buffers(mf, res.plan))
         plans[T] = res.plan
         return row
 

@@ -11,8 +11,11 @@ run.json::
     trainers     [{trainer, ranks, status: finished|stopped, stopped: {round, step, reason,
                    seen_by, after_s} | null, metric_over_time: [[step, metric]], step_s}]
     measured     {step_s, exchange_s, eval_s, tournament_s, samples_per_s}  (medians; the
-                 slowest rank of a trainer per round)
-    predicted    the plan's trainer-level prediction (``autopar.tournament.pricing``)
+                 slowest rank of a trainer per round), exchange_bytes (every tensor every rank
+                 sent over the run: parameter shards, buffers, momentum when exchanged; per
+                 round and trainer in rounds_log), exchange_bytes_per_rank (one exchange)
+    predicted    the plan's trainer-level prediction (``autopar.tournament.pricing``), its
+                 exchange figures in the run's dtype (``priced_dtype``)
     validation   {passed, checked, max_rel_diff, winners_equal, alive_equal, survivors, rule} or
                  {skipped: why}: against the simulation of the same run (an injected
                  ``--kill-trainer`` included: the survivors are compared)
@@ -164,7 +167,8 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
         "options": dataclasses.asdict(opts),
         "wall_s": wall, "rounds_log": rounds_log, "trainers_detail": trainers,
         "stopped": [tr["trainer"] for tr in trainers if tr["status"] == "stopped"],
-        "measured": measured, "predicted": dict(level.predicted), "validation": validation}
+        "measured": measured, "predicted": predicted_for_dtype(level.predicted, opts.dtype),
+        "validation": validation}
     atomic_write_json(out / "run.json", run)
     atomic_write_text(out / "report.md", report_md(run))
     try:
@@ -175,6 +179,24 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
         raise ValidationFailed(f"the tournament differs from its single-process simulation: {validation['worst']}; "
                                f"details in {out / 'run.json'}", "report it with the plan file")
     return run, out
+
+
+#: the figures ``tournament.pricing`` prices per run dtype (``<figure>_<dtype>``)
+_BY_DTYPE = ("exchange_bytes_per_rank", "exchange_s", "tournament_s", "round_s", "samples_per_s")
+
+
+def predicted_for_dtype(predicted: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """The plan's trainer-level prediction with the exchange and the figures after it taken in
+    the run's ``dtype`` (``priced_dtype`` says which; a plan priced before per-dtype figures
+    existed keeps its own, said as "the plan's")."""
+    out = dict(predicted)
+    if all(f"{k}_{dtype}" in predicted for k in _BY_DTYPE):
+        for k in _BY_DTYPE:
+            out[k] = predicted[f"{k}_{dtype}"]
+        out["priced_dtype"] = dtype
+    else:
+        out["priced_dtype"] = "the plan's"
+    return out
 
 
 def _injected_stops(trainers: int, opts) -> list[int]:
@@ -213,8 +235,11 @@ def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any
                     bad.append(f"trainer {t} {kind}{q}: rel {rel:.3g}")
     run_alive = [lg["alive"] for lg in rounds_log]
     alive_equal = run_alive == ref["alive"]
-    run_w = {(x["trainer"], lg["round"]): x["winner"] for lg in rounds_log for x in lg["results"]}
-    ref_w = {(x["trainer"], x["round"]): x["winner"] for x in ref["records"]}
+    # a stopped trainer's records died with its processes: every round of the survivors
+    live = set(ref["survivors"])
+    run_w = {(x["trainer"], lg["round"]): x["winner"] for lg in rounds_log for x in lg["results"]
+             if x["trainer"] in live}
+    ref_w = {(x["trainer"], x["round"]): x["winner"] for x in ref["records"] if x["trainer"] in live}
     winners_equal = run_w == ref_w
     worst_text = (bad[0] if bad else "living trainers differ" if not alive_equal
                   else "winners differ" if not winners_equal else "")
@@ -223,7 +248,7 @@ def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any
             "worst": worst_text,
             "rule": f"every surviving trainer's final parameters and buffers within rtol {rtol:g} of max|ref| "
                     f"(+1e-12) of the single-process simulation ({opts.dtype}) of the same run (an injected "
-                    f"stop included), the same living trainers and the same winner in every round"}
+                    f"stop included), the same living trainers and every survivor's winner in every round"}
 
 
 def _f(x, scale=1.0, fmt="{:.3f}"):
@@ -243,9 +268,13 @@ def report_md(run: dict[str, Any]) -> str:
     lines.append("Validation: " + (f"skipped ({v['skipped']})" if "skipped" in v else
                  f"{'PASSED' if v['passed'] else 'FAILED'}: {v['checked']} tensors, max rel diff "
                  f"{v['max_rel_diff']:.2g}, winners equal: {v['winners_equal']} ({v['rule']})"))
-    lines += ["", "## Measured against predicted", "", "| | measured | predicted |", "|---|---|---|",
+    lines += ["", "## Measured against predicted", "",
+              f"(the exchange priced in {p.get('priced_dtype', 'the plan' + chr(39) + 's')} dtype)", "",
+              "| | measured | predicted |", "|---|---|---|",
               f"| step (ms) | {_f(m['step_s'], 1e3)} | {_f(p.get('step_s'), 1e3)} |",
               f"| exchange (ms) | {_f(m['exchange_s'], 1e3)} | {_f(p.get('exchange_s'), 1e3)} |",
+              f"| exchange per rank (bytes) | {_f(m.get('exchange_bytes_per_rank'), 1, '{:.0f}')} | "
+              f"{_f(p.get('exchange_bytes_per_rank'), 1, '{:.0f}')} |",
               f"| evaluation (ms) | {_f(m['eval_s'], 1e3)} | {_f(p.get('eval_s'), 1e3)} |",
               f"| samples/s (job) | {_f(m['samples_per_s'], 1, '{:.1f}')} | {_f(p.get('samples_per_s'), 1, '{:.1f}')} |",
               "", "## Rounds", "", "| round | step | alive | pairs | trainer | partner | own | partner's | kept | notes |",
