@@ -16,7 +16,7 @@ the held-out CNNs' 385 local convolution shapes of the prediction benchmark (for
 backward-data / backward-filter, never in the profile) summed to 1.38 / 1.58 / 1.24x what the
 plain relative fit on the sweep alone priced, and to 1.00 / 1.08 / 0.95x what this fit prices
 (``benchmarks/reprice_prediction.py --before relative-fit`` (removed; git 172578b^),
-``reports/benchmarks/prediction_repriced_fit.txt``).
+``reports/benchmarks/prediction_repriced_fit.txt``, removed, git 172578b^).
 
 Held-out error: the samples (one per size) are split with a fixed seed into a random 70% for
 fitting and 30% for testing; the median and max of ``|pred - t| / t`` on the test part are
