@@ -128,17 +128,27 @@ def parse_pins(items: Iterable[Any] | None) -> tuple[Pin, ...]:
 
 
 def plan_level(pins: Sequence[Pin], world: int) -> bool:
-    """True when the pins ask for the plan-level ``graphs`` decomposition (``*=graphs`` or
-    ``*=graphs(world)``, alone); a graphs pin otherwise is a ``PinError``."""
+    """True when the pins ask for the plan-level ``graphs`` decomposition (``*=graphs``, or an
+    exact ``*=graphs(P,G)`` with P the world, which ``check_plan_level`` holds the plan to),
+    alone; a graphs pin otherwise is a ``PinError``."""
     g = [p for p in pins if p.kind == PLAN_LEVEL_KIND]
     if not g:
         return False
-    bad = [p for p in g if p.pattern != "*" or (not p.is_kind and p.want != f"{PLAN_LEVEL_KIND}({world})")]
+    bad = [p for p in g if p.pattern != "*" or
+           (not p.is_kind and p.want.split("(", 1)[1].split(",")[0].rstrip(")") != str(world))]
     if bad or len(g) != len(pins):
         raise PinError(f"--pin {bad[0] if bad else g[0]}: {PLAN_LEVEL_KIND} is a plan-level decomposition "
                        f"(whole graphs per rank, over all {world} ranks): it pins every layer or none",
                        f"pin it alone as '*={PLAN_LEVEL_KIND}' (what --kinds {PLAN_LEVEL_KIND} asks for)")
     return True
+
+
+def check_plan_level(pin: Pin, choices: Sequence[str]) -> None:
+    """An exact plan-level pin (``*=graphs(P,G)``) against the plan's choices: ``PinError`` when
+    the graph-parallel plan made is another."""
+    if not pin.is_kind and set(choices) != {pin.want}:
+        raise PinError(f"--pin {pin}: the graph-parallel plan here is {', '.join(sorted(set(choices)))}, "
+                       f"not {pin.want}", f"pin '*={PLAN_LEVEL_KIND}' or the choice named")
 
 
 def near_names(pattern: str, layers: Sequence[Any], n: int = 6) -> list[str]:

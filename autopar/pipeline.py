@@ -286,8 +286,11 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     out_dir = Path(o.out_dir) if o.out_dir is not None else default_plan_dir(mf.name, world_size)
     plan = _build_plan(mf, model_file, out_dir, world_size, rpn, n_nodes, batch_size, cal_path,
                        profile, table, sol, pred, memory_limit_bytes, placed)
-    marks = ({d.layer: str(o.pins[0]) for d in plan.layers} if force_graphs and o.pins
-             else pin_marks.get(id(table), {}))
+    marks = pin_marks.get(id(table), {})
+    if force_graphs and o.pins:          # ``*=graphs``: every layer, the plan-level choice
+        from .pins import check_plan_level
+        check_plan_level(o.pins[0], [d.choice for d in plan.layers])
+        marks = {d.layer: str(o.pins[0]) for d in plan.layers}
     plan = dataclasses.replace(plan, options=o, layers=tuple(
         dataclasses.replace(d, pinned=marks[d.layer]) if d.layer in marks else d for d in plan.layers))
     speed = machine.to_json() if machine is not None else {"speed_factor": 1.0, "not_applied": machine_why}

@@ -260,3 +260,23 @@ def test_gnn_forced_helper_fails_on_a_split_not_offered(root, profile):
     assert set(forced(g, profile, 4, "edges", "(2,2)").values()) == {"edges(2,2)"}
     with pytest.raises(pytest.fail.Exception, match=r"offers .*not edges\(3,3\)"):
         forced(g, profile, 4, "edges", "(3,3)")
+
+
+def test_pin_graphs_on_every_layer_is_the_plan_level_choice(root, profile):
+    from gnn_helpers import small_sizes
+    model = root / "strategies/examples/pyg_nnconv.py"
+
+    def plan(*pins):
+        return make_plan(model, PlanOptions(world_size=2, batch_size=4, write=False, pins=pins),
+                         PlanHooks(profile=profile))
+    with small_sizes():
+        free = plan()
+        assert not free.plan.decompositions()[0].startswith("graphs")     # so the pin changes something
+        r = plan("*=graphs")
+        assert r.plan.decompositions() == ["graphs(2,4)"] and {d.pinned for d in r.plan.layers} == {"*=graphs"}
+        assert r.plan.solver.extra["graph_parallel"]["why"] == "forced"
+        assert plan("*=graphs(2,4)").plan.decompositions() == ["graphs(2,4)"]
+        with pytest.raises(PinError, match="not graphs"):
+            plan("*=graphs(2,2)")
+        with pytest.raises(PinError, match="plan-level"):
+            plan("*=graphs", "convs.*=edges")
