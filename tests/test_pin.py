@@ -280,3 +280,20 @@ def test_pin_graphs_on_every_layer_is_the_plan_level_choice(root, profile):
             plan("*=graphs(2,2)")
         with pytest.raises(PinError, match="plan-level"):
             plan("*=graphs", "convs.*=edges")
+
+
+@pytest.mark.dist
+def test_a_pinned_plan_executes_equal_to_one_process(root, tmp_path, profile):
+    """plan.json with its pins and marks runs as any plan does: every tensor against one
+    process in float64."""
+    from autopar.execute.runner import ExecuteOptions, execute
+    r = make_plan(root / RESNET, PlanOptions(world_size=2, batch_size=4, out_dir=str(tmp_path / "plan"),
+                                             pins=("layer1.*=spatial", "head=filter(1,2)")),
+                  PlanHooks(profile=profile))
+    assert r.plan.layer(24).choice == "filter(1,2)" and r.plan.layer(2).kind == "spatial"
+    run, _ = execute(r.plan_path, ExecuteOptions(steps=1, warmup=0, instrumented_steps=1, timeout_s=240, ddp=False),
+                     out_dir=tmp_path / "run", progress=lambda s: None)
+    v = run.validation
+    assert v.passed and v.dtype == "float64", v.failures
+    names = {c.tensor for c in v.checks}
+    assert "loss" in names and "grad:head.weight" in names and "grad:layer1.0.conv1.weight" in names
