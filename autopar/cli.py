@@ -359,6 +359,13 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    """Why one layer got its decomposition (``autopar.explain``); starts no process."""
+    from .explain import explain
+    _p(explain(args.plan, args.layer))
+    return 0
+
+
 def cmd_report(args) -> int:
     from .report.report import summarize
     _p(summarize(args.paths))
@@ -501,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("check", help="check plans, runs and run sets (names the unit and field at fault)")
     k.add_argument("paths", nargs="+", help="plan.json, run.json or run set files")
     k.set_defaults(fn=cmd_check)
+
+    x = sub.add_parser("explain", help="why a layer got its decomposition: every candidate priced (forward, "
+                       "backward, communication, memory, transitions) and the step with each")
+    x.add_argument("plan", help="plan.json written by `autopar plan`")
+    x.add_argument("layer", help="a layer index, a layer name or a module name")
+    x.set_defaults(fn=cmd_explain)
 
     r = sub.add_parser("report", help="summarize runs and plans side by side")
     r.add_argument("paths", nargs="+")
