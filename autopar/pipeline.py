@@ -253,6 +253,10 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     # is taken when it is predicted at least as fast (never against pinned layers or a filter)
     from .cost.native import choose_runtime
     runtime, rt_pred = choose_runtime(table, sol.choice, evaluate, memory_limit_bytes)
+    if layer_pins and runtime.native_dp_step_time_s is None:
+        runtime = dataclasses.replace(runtime, reason=f"no native data-parallel plan: the pins "
+                                                      f"({', '.join(map(str, layer_pins))}) leave some layer "
+                                                      f"without sample over the whole world")
     if runtime.choice != list(sol.choice) and (force or choice_filter is not None):
         runtime = dataclasses.replace(runtime, choice=list(sol.choice), runtime="traced",
                                       step_time_s=runtime.ilp_step_time_s,

@@ -297,3 +297,10 @@ def test_a_pinned_plan_executes_equal_to_one_process(root, tmp_path, profile):
     assert v.passed and v.dtype == "float64", v.failures
     names = {c.tensor for c in v.checks}
     assert "loss" in names and "grad:head.weight" in names and "grad:layer1.0.conv1.weight" in names
+
+
+def test_runtime_reason_names_the_pins_that_exclude_data_parallelism(root, profile):
+    r = _plan(root, profile, pins=("layer1.0.*=channel",))
+    rt = r.plan.extra["runtime"]
+    assert rt["expected"] == "traced" and rt["native_data_parallel_step_time_s"] is None
+    assert "the pins (layer1.0.*=channel) leave some layer without sample" in rt["reason"]
