@@ -197,6 +197,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     tables_s = []
 
     pin_marks: dict[int, dict[int, str]] = {}   # id(table) -> {layer index: pin}
+    dp_unpinned: dict[int, bool] = {}            # id(table) -> a native data-parallel plan before pinning
 
     def build(c):
         t = time.perf_counter()
@@ -209,6 +210,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
             from .pins import pin_table, resolve
             full = build_cost_table(graph, c, kinds=table_kinds, prune=False, choice_filter=choice_filter,
                                     edges=False)
+            from .cost.native import native_choice
+            dp_unpinned[id(tab)] = native_choice(tab) is not None
             pin_marks[id(tab)] = pin_table(tab, full, resolve(layer_pins, full, REGISTRY, table_kinds))
         if force:
             _pin(tab, force)
@@ -253,7 +256,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     # is taken when it is predicted at least as fast (never against pinned layers or a filter)
     from .cost.native import choose_runtime
     runtime, rt_pred = choose_runtime(table, sol.choice, evaluate, memory_limit_bytes)
-    if layer_pins and runtime.native_dp_step_time_s is None:
+    if layer_pins and runtime.native_dp_step_time_s is None and dp_unpinned.get(id(table)):
         runtime = dataclasses.replace(runtime, reason=f"no native data-parallel plan: the pins "
                                                       f"({', '.join(map(str, layer_pins))}) leave some layer "
                                                       f"without sample over the whole world")
