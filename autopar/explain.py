@@ -337,8 +337,9 @@ def _plan_level_reasons(plan, d) -> list[str]:
         out.append(f"the plan runs natively ({rt.get('reason')}); its layers were priced op by op to compare")
     if plan.solver.gap:
         out.append(f"the solver stopped at a gap of {plan.solver.gap:.2g}")
-    if getattr(d, "pinned", False) or (d.extra or {}).get("pinned"):
-        out.append("this layer was pinned (--pin)")
+    pin = getattr(d, "pinned", "") or (d.extra or {}).get("pinned")
+    if pin:
+        out.append(f"this layer was pinned (--pin {pin})" if isinstance(pin, str) else "this layer was pinned (--pin)")
     return out
 
 

@@ -156,3 +156,20 @@ def test_missing_profile_falls_back_to_the_recorded_totals(tmp_path, monkeypatch
     assert "is not here" in ex.source and not ex.plan_matches
     assert all(c.step_s is None and math.isnan(c.fwd_compute_s) and c.recorded_s > 0 for c in ex.candidates)
     assert "lowest recorded cost" in ex.why or "whole plan" in ex.why
+
+
+def test_a_pinned_layer_is_explained_by_its_pin(tmp_path, root, profile):
+    """A pin the solver would not choose: the cheaper swap is shown and the pin named as why;
+    a pinned choice pruned for price is still among the re-priced candidates."""
+    from autopar.calibrate.profile import save_profile
+    from autopar.pipeline import make_plan
+    prof = tmp_path / "prof.json"
+    save_profile(profile, prof)
+    r = make_plan(root / "strategies/examples/resnet2d.py",
+                  PlanOptions(world_size=4, calibration=str(prof), out_dir=str(tmp_path / "p"),
+                              pins=("head=filter(1,4)",)))
+    ex = explain_layer(load_plan(r.plan_path), r.plan_path, "head")
+    (chosen,) = [c for c in ex.candidates if c.chosen]
+    assert chosen.choice == "filter(1,4)" and ex.plan_matches
+    cheaper = [c for c in ex.candidates if not c.chosen and c.step_s < chosen.step_s]
+    assert cheaper and "kept because this layer was pinned (--pin head=filter(1,4))" in ex.why

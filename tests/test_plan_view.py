@@ -17,7 +17,7 @@ def _decision(i: int, ms: float, kinds=("squeeze",), choice="replicate", pinned=
                          decomposition_json={"kind": choice}, choice=choice, in_layouts={}, out_layout=None,
                          predicted={"fwd_compute_s": 0.4 * ms * 1e-3, "bwd_compute_s": 0.6 * ms * 1e-3,
                                     "grad_sync_s": sync_ms * 1e-3},
-                         source="fit", extra={"pinned": True} if pinned else {})
+                         source="fit", pinned=f"m{i}=replicate" if pinned else "")
 
 
 def _hand_made():
@@ -67,6 +67,18 @@ def test_folded_rows_print_as_one_line_and_the_pin_stays_visible(root):
     assert rows[1].split() == ["1-2", "(2", "layers:", "squeeze,", "view;", "replicate)", "0.5", "%", "of", "step"]
     assert rows[6].split()[0] == "7" and rows[6].endswith("fit, pinned")
     assert sum("pinned" in r for r in rows) == 1
+
+
+def test_summary_names_the_pins(root):
+    from dataclasses import replace
+    plan = load_plan(root / "strategies/plans/wide_resnet-w4/plan.json")
+    plan = replace(plan, layers=tuple(replace(d, pinned="blocks.0.*=sample") if d.module.startswith("blocks.0.") else d
+                                      for d in plan.layers))
+    marked = [d.layer for d in plan.layers if d.pinned]
+    head = summary_lines(plan)
+    assert marked and f"  pinned: {len(marked)} layers ({', '.join(map(str, marked))}) by --pin blocks.0.*=sample" in head
+    rows = format_plan(plan).splitlines()
+    assert all(any(r.split()[:1] == [str(l)] and r.endswith(", pinned") for r in rows) for l in marked)
 
 
 def test_shipped_hf_gpt2_w4_plan_fits_45_lines(root):

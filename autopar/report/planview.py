@@ -47,8 +47,8 @@ class Fold:
 
 
 def is_pinned(decision) -> bool:
-    """Whether ``autopar plan --pin`` fixed this layer's decomposition (a ``pinned`` field or
-    key of the layer's record); pinned layers are never folded and are marked."""
+    """Whether ``autopar plan --pin`` fixed this layer's decomposition (``LayerDecision.pinned``,
+    the pin that took it); pinned layers are never folded and are marked."""
     return bool(getattr(decision, "pinned", False) or (getattr(decision, "extra", None) or {}).get("pinned"))
 
 
@@ -143,7 +143,7 @@ def _data_parallel(plan) -> str:
             return f"data parallelism {_ms(dp)} but over the memory limit"
         return f"data parallelism {_ms(dp)} ({dp / step:.2f}x this plan)"
     if "native_data_parallel_step_time_s" in rt:
-        return "no data-parallel plan (some layer cannot take sample over the whole world)"
+        return "no data-parallel plan (runtime below)"
     return "data parallelism not recorded in this plan"
 
 
@@ -184,10 +184,12 @@ def summary_lines(plan) -> list[str]:
     if float(ms.get("speed_factor", 1.0)) != 1.0:
         lines.append(f"  local compute priced at this machine's usual speed, x{ms['speed_factor']} "
                      f"(--speed-history, {ms.get('history')})")
-    pinned = [d.layer for d in plan.layers if is_pinned(d)]
+    pinned = [d for d in plan.layers if is_pinned(d)]
     if pinned:
-        lines.append(f"  pinned: {len(pinned)} layer{'s' if len(pinned) > 1 else ''} ({', '.join(map(str, pinned[:8]))}"
-                     f"{' ...' if len(pinned) > 8 else ''})")
+        pins = [p for p in dict.fromkeys(str(getattr(d, "pinned", "") or "") for d in pinned) if p]
+        lines.append(f"  pinned: {len(pinned)} layer{'s' if len(pinned) > 1 else ''} "
+                     f"({', '.join(str(d.layer) for d in pinned[:8])}{' ...' if len(pinned) > 8 else ''})"
+                     + (f" by --pin {', '.join(pins)}" if pins else ""))
     gap = "n/a" if s.gap is None else f"{s.gap:.2g}"
     lines.append(f"  solver: {s.solver} {s.status} in {s.time_s:.2f} s, gap {gap}, {s.variables} variables")
     return lines
