@@ -623,7 +623,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures to this JSON file")
     ap.add_argument("--keep", help="keep every plan and run under this folder (for analysis)")
     ap.add_argument("--models", help="comma-separated model file stems (e.g. gnn_pcqm4m,pyg_nnconv): only "
-                                     "their plans, in both sets")
+                                     "their plans, in every set run")
     ap.add_argument("--speed-history", action="store_true",
                     help="plan at this machine's usual speed (autopar plan --speed-history), as runs 36-46 did")
     args = ap.parse_args(argv)
