@@ -18,8 +18,8 @@ names nearest to it), or a pin legal on none of the layers it matches (with the 
 and choices of the first of them).
 
 ``graphs`` is plan-level (whole graphs per rank, the user's module run natively, no per-layer
-choice): it can only be pinned on every layer, ``*=graphs`` (or ``*=graphs(P)``), which asks for
-what ``--kinds graphs`` asks for.
+choice): it can only be pinned on every layer and alone, ``*=graphs`` (what ``--kinds graphs``
+asks for) or the exact ``*=graphs(P,G)`` the plan prints.
 
 Pure (no torch): parsing and matching need nothing else; ``pin_table`` reads a cost table.
 """
@@ -173,8 +173,7 @@ def _legal_text(o: Any) -> str:
 
 
 def _layer_label(lay: Any) -> str:
-    return f"layer {lay.index} ({lay.module or lay.name})" if getattr(lay, "module", "") else \
-        f"layer {lay.index} ({lay.name})"
+    return f"layer {lay.index} ({getattr(lay, 'module', '') or lay.name})"
 
 
 def resolve(pins: Sequence[Pin], full: Any, registry: Mapping[str, Any],
@@ -183,7 +182,7 @@ def resolve(pins: Sequence[Pin], full: Any, registry: Mapping[str, Any],
     ``full``, a cost table of every legal candidate (not pruned); the last pin taking a layer
     wins. ``PinError`` for an unknown kind, a pattern that matches nothing, a pin legal on
     none of the layers it matches, or a kind that ``kinds`` (``--kinds``) leaves out."""
-    out: dict[int, tuple[int, Pin]] = {}
+    out: dict[int, tuple[list[int], Pin]] = {}
     layers = [o.layer for o in full.layers]
     for pin in pins:
         matched = [k for k, lay in enumerate(layers) if pin.matches(lay)]
