@@ -1,4 +1,9 @@
-"""autopar: measure the machine, price every way to split every layer, solve, generate, run, prove.
+"""autopar: measure the machine, price every way to split every layer, solve, generate, run.
+
+``autopar execute`` checks a plan with one float64 training step against one process on the
+same synthetic batch and seed (the output, the loss, the input gradients, every parameter
+gradient, and every parameter after one SGD-with-momentum step, each within a stated
+tolerance), then times it against torch DDP: a check of that step, not a proof for every input.
 
 Data flow (one sub-package per stage, each reading one artifact and writing the next)::
 

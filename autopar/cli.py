@@ -285,8 +285,9 @@ def cmd_execute(args) -> int:
     if isinstance(run, dict):     # a tournament (the plan has a trainer level)
         return _print_tournament(run, out)
     m, p = run.measured.step_time_s, run.predicted.step_time_s
-    _p(f"validation PASSED ({run.validation.checked} tensors in {opts.validate_dtype} within rtol "
-       f"{opts.tolerances()[0]:g} of one process)")
+    _p(f"validation PASSED: one {opts.validate_dtype} training step against one process, "
+       f"{run.validation.checked} tensors (output, loss, gradients, parameters after the step) within "
+       f"rtol {opts.tolerances()[0]:g}")
     _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
        f"{100 * run.prediction_error:+.1f}%")
     if run.baseline:
@@ -480,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--storage-rate", help="read rate from storage per node, e.g. 2GB (default: profile or 1 GB/s)")
     p.set_defaults(fn=cmd_plan)
 
-    e = sub.add_parser("execute", help="run a plan, validate it against one process, time it against DDP")
+    e = sub.add_parser("execute", help="run a plan, check one training step (float64 by default) against one "
+                                       "process (output, loss, every gradient, parameters after the step), time it "
+                                       "against DDP")
     e.add_argument("plan", help="plan.json, or a run set (autopar.runset/1: several plans at once on "
                                 "disjoint sub-meshes of one world)")
     e.add_argument("--steps", type=int, default=5)

@@ -1,4 +1,5 @@
-"""``autopar execute``: run a plan on local processes, prove it equivalent, time it, compare.
+"""``autopar execute``: run a plan on local processes, check one training step against one
+process, time it, compare with torch DDP.
 
 For each rank (fresh processes, gloo on CPU / NCCL on GPU), ``_rank_main`` builds the user's
 model with the plan's seed and the generated module's ``PlannedModel``, then runs, in order:
@@ -307,8 +308,8 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     results = run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
                         backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
-    # the probe read after the timed steps joins this machine's speed history, which later
-    # plans are priced at (``calibrate.history``)
+    # the probe read after the timed steps joins this machine's speed history, which only plans
+    # made with ``--speed-history`` read (``calibrate.history``)
     from ..calibrate.history import record
     record(results[0].get("speed_probe_s"), "execute")
     for note in run.notes:
