@@ -6,7 +6,7 @@ that sweep lasts 15 s of a quick calibration and lands in whatever stretch the m
 over seven fresh quick profiles of one 2-core VM the nominal read 4.33-5.57 ms, while the
 probe read after each plan of the prediction benchmark's runs kept medians of 5.02-5.33 ms
 (about 190 readings per run). A profile made in a fast stretch priced every plan low, one made
-in a slow stretch every plan high (``reports/benchmarks/speed_drift_across_runs.txt``).
+in a slow stretch every plan high (``reports/benchmarks/speed_drift_across_runs.txt``, removed; git 172578b^).
 
 This module keeps the readings: ``autopar calibrate`` records its nominal and ``autopar
 execute`` the probe it reads after its timed steps, each one event of this machine instance
@@ -24,7 +24,7 @@ their geometric mean, ``MachineSpeed.priced_at_s``), and records it in ``plan.js
 after it was measured, when the machine may still be in the stretch the calibration met, and
 a stretch can last an hour. The prediction benchmark's thirteen kept runs of one VM boot,
 replayed (``benchmarks/reprice_with_speed_history.py``,
-``reports/benchmarks/speed_history_weight_0.5_runs_29-41.txt`` and ``_weight_1_``): the median of the runs' median
+``reports/benchmarks/speed_history_weight_0.5_runs_29-41.txt`` and ``_weight_1_``, all removed; git 172578b^): the median of the runs' median
 |error| in-sample / held-out 7.6 / 14.4 % with the history off, 8.4 / 12.7 % priced at the
 usual reading, 5.7 / 12.7 % at the geometric mean; the two runs calibrated in the boot's fastest
 stretch, whose machine stayed fast, were over-predicted 10.2-28.7 % at the usual reading and
@@ -68,7 +68,7 @@ MIN_EVENTS = 5
 #: the hours of readings whose median is the usual reading: a long window, because the
 #: machine's slow and fast stretches last seconds to minutes and a short window inherits the
 #: last one (ad hoc, replaying runs 30-35 of 2026-12-02 as ``benchmarks/
-#: reprice_with_speed_history.py`` does: the last 64 readings priced the held-out plans at
+#: reprice_with_speed_history.py`` (removed; git 172578b^) does: the last 64 readings priced the held-out plans at
 #: 14.5 % in the median, the whole history at 11.3 %, the history off at 14.9 %)
 WINDOW_HOURS = 24.0
 #: the weight of the usual reading against the profile's own in the reading compute is priced
