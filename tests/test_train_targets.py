@@ -185,6 +185,13 @@ def _run(rank, world, model, plan, batch, env, loader):
         (lx, lt), = list(autopar.plan_loader(_Items(xs, y), dm, shuffle=False))
         assert len(lx) == len(local) and all(torch.equal(a, b) for a, b in zip(lx, local)), rank
         assert torch.equal(lt, t), rank
+    else:             # a concatenated PyG batch has no per-sample items: the loader says so
+        from autopar.train import BatchMismatch
+        try:
+            autopar.plan_loader(_Items(xs, y), dm)
+            raise AssertionError("plan_loader took a batch of nodes for samples")
+        except BatchMismatch as e:
+            assert "autopar.shard_batch" in e.hint, e.hint
     loss = dm.loss(local, t)
     loss.backward()
     res = {"loss": loss.item(), "grads": {q: g.tolist() for q, g in dm.full_grads().items()},

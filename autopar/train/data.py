@@ -3,13 +3,13 @@
 Legend: a *global batch* is ``B`` samples (``B`` = the plan's batch size: the traced shapes
 fix it, so every step uses exactly ``B``); dim 0 of every input and of the target is the
 sample dim. Under the plan each model input has a layout (``DistModel.input_layout``: e.g.
-``N2`` sample shards, ``N1xH2`` spatial slabs, ``R`` a replicated copy) and the target has the
-loss layout (``DistModel.loss_layout``, always a split of samples only, possibly with
-replicas). A rank needs, of global batch ``k``:
+``N2`` sample shards, ``N1xH2`` spatial slabs, ``R`` a replicated copy) and the target follows
+the loss layout (``DistModel.loss_layout``: a split of samples, possibly with replicas, or a
+vocabulary-parallel loss's split of samples x logits). A rank needs, of global batch ``k``:
 
 * for input ``i``: the samples ``[s_i, s_i + n_i)`` of its block and, of each, the slab
   ``bounds_i[1:]`` (``Layout.local_bounds``, the ``tensor_split`` rule);
-* for the target: the samples of its block of the loss layout. The target is cut along dim 0
+* for the target: the rows of its block of the loss layout. The target is cut along dim 0
   only, whatever its shape (class labels ``[B]``, a language model's tokens ``[B, S]``, dense
   per-pixel labels ``[B, H, W]``, one value per graph or per node): its rows are those of the
   output's dim 0 (``BatchSharding.output_shape``), and this rank's rows are the dim-0 block of
@@ -290,6 +290,12 @@ def plan_loader(dataset, dmodel, *, shuffle: bool = True, seed: int = 0, epoch: 
     ``(x_1, ..., x_k)``) that yields ``(inputs, target)``: this rank's blocks of each global
     batch of the plan's size. ``loader.batch_sampler.set_epoch(e)`` before each epoch."""
     sh = BatchSharding.of(dmodel)
+    rows = [s[0] if s else None for s in sh.input_shapes] + [sh.target_rows]
+    if getattr(dmodel, "_graph_roles", None) is not None or any(n != sh.batch_size for n in rows):
+        raise sh._mismatch("plan_loader stacks one sample per data-set item, and this plan's inputs "
+                           f"or target do not have the batch's {sh.batch_size} samples along dim 0 "
+                           f"(rows {rows}: e.g. the nodes of a PyG batch)",
+                           "cut whole global batches with autopar.shard_batch instead")
     sampler = PlanSampler(len(dataset), sh, shuffle=shuffle, seed=seed)
     sampler.set_epoch(epoch)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_Collate(sh),
