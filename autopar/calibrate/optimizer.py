@@ -45,7 +45,8 @@ def cold_flush_bytes() -> int:
     sizes = []
     for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            txt = open(f).read().strip().upper()
+            with open(f) as fh:
+                txt = fh.read().strip().upper()
             mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
             sizes.append(int(txt.rstrip("KMG")) * mult)
         except (OSError, ValueError):
