@@ -5,8 +5,10 @@ plan.json keeps, per layer, the candidates the solver saw with their total time 
 transitions each would need. ``explain`` therefore prices them again, as ``make_plan`` did and
 without starting a process (``reprice``): the plan's recorded layer graph (no tracing), its
 calibration profile (``calibration.path``, with the on-demand shape cache it recorded when that
-is still here), mesh, placement, batch, batch-norm statistics, speed factor and candidate cap;
-the decomposition kinds are those of the recorded candidates. The re-priced totals are then
+is still here), mesh, placement, batch, batch-norm statistics, speed factor, and its planning
+options (``options``: kinds, candidate cap, optimizer state); a plan made before plan.json kept
+its options is re-priced with the kinds of its recorded candidates and the default optimizer
+state. The re-priced totals are then
 held against the recorded ones: a plan whose profile (or shape cache) changed since says so,
 and its recorded totals are printed beside today's prices.
 
@@ -180,12 +182,17 @@ def reprice(plan, plan_path: str | Path):
             src += f" without its shape cache ({sod['cached']} shapes when planned, none here)"
     m = plan.mesh
     profile = profile.with_topology(m.ranks_per_node, m.nodes)
+    opts = getattr(plan, "options", None)      # recorded since plans carry their PlanOptions
+    if opts is not None:
+        kinds = [k for k in opts.kinds if k != "graphs"] or None if opts.kinds else None
+        cap, state = opts.max_candidates, opts.optimizer_state_per_param
+    else:                                      # older plans: what their candidates show
+        kinds, cap, state = _kinds(plan), int(plan.solver.max_candidates_per_layer or 8), 1.0
     ctx = CostContext(profile=pricing_profile(profile), world=m.world_size, ranks_per_node=m.ranks_per_node,
-                      batch_size=plan.model.batch_size,
-                      max_candidates=int(plan.solver.max_candidates_per_layer or 8),
+                      batch_size=plan.model.batch_size, max_candidates=cap, optimizer_state_per_param=state,
                       placement=plan.placement(), batch_norm=plan.bn_stats(),
                       speed_factor=plan_speed_factor(plan.calibration), loss_output=_loss_output(plan))
-    graph, kinds = plan.graph(), _kinds(plan)
+    graph = plan.graph()
     table = build_cost_table(graph, ctx, kinds=kinds, edges=False)
     # a pinned layer (``autopar.pins``) may hold a candidate pruned for price: add it back
     missing = [k for k, o in enumerate(table.layers)
