@@ -132,6 +132,20 @@ def sets_for(name: str) -> tuple[str, ...]:
     return SETS[name]
 
 
+def code_revision() -> str:
+    """The commit the benchmark runs (``+dirty`` when tracked files differ from it): a held-out
+    figure belongs to one cost-model change, so its output says which."""
+    import subprocess
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev or "unknown") + ("+dirty" if dirty else "")
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     from scipy.stats import spearmanr
     return float(spearmanr(a, b).statistic)
@@ -634,7 +648,9 @@ def main(argv=None) -> int:
     if args.models:
         MODEL_FILTER.update(args.models.split(","))
     import os
-    out: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    out: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()], "sets": list(sets_for(args.set)),
+                 "code": code_revision()}
+    print(f"sets: {', '.join(out['sets'])}; code: {out['code']}")
     print(f"load average at the start (1 / 5 / 15 min): {' / '.join(map(str, out['loadavg_start']))}"
           " (other work on this machine slows the measured steps, not the predictions)")
     _reference(out, "start")
