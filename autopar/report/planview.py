@@ -151,8 +151,11 @@ def summary_lines(plan) -> list[str]:
     """The summary printed above the table (module docstring)."""
     m, pr, s = plan.mesh, plan.predicted, plan.solver
     place = (plan.placement_search or {}).get("chosen_name") or str(m.placement_json().get("kind", "block"))
-    lines = [f"{plan.model.name} at world {plan.world_size} ({m.nodes} node{'s' if m.nodes > 1 else ''} x "
-             f"{m.ranks_per_node} ranks, batch {plan.model.batch_size}): {len(plan.layers)} layers"]
+    shape = (f"{m.nodes} node{'s' if m.nodes > 1 else ''} x {m.ranks_per_node} ranks"
+             if m.nodes * m.ranks_per_node == plan.world_size else
+             f"{m.ranks_per_node} ranks per node of a {m.nodes}-node cluster")
+    lines = [f"{plan.model.name} at world {plan.world_size} ({shape}, batch {plan.model.batch_size}): "
+             f"{len(plan.layers)} layers"]
     lines.append(f"  decompositions: {_count_choices(plan)}")
     limit = s.memory_limit_bytes
     lines.append(f"  predicted step time {_ms(pr.step_time_s)}, {_data_parallel(plan)}; memory "
