@@ -36,8 +36,8 @@ autopar plan "$MODEL" --world-size "$WORLD" --batch-size "$BATCH" --calibration 
   --measure-budget 10 --memory-limit "$LIMIT" -o "$OUT/plan-limited"
 
 echo "== 4/5 autopar execute (validate against one process, time against DDP), both plans"
-autopar execute "$OUT/plan-default/plan.json" --steps 30 --out "$OUT/run-default"
-autopar execute "$OUT/plan-limited/plan.json" --steps 30 --out "$OUT/run-limited"
+autopar execute "$OUT/plan-default/plan.json" --steps 20 --out "$OUT/run-default"
+autopar execute "$OUT/plan-limited/plan.json" --steps 20 --out "$OUT/run-limited"
 
 echo "== 5/5 autopar report: the plan without a limit, then the plan under $LIMIT per rank"
 autopar report "$OUT/run-default" "$OUT/run-limited"
