@@ -264,9 +264,9 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
     choice: list[int] | None = None
     if table is not None:
         try:
-            choice = [[str(c) for c in o.choices].index(plan.layer(k).choice) for k, o in enumerate(table.layers)]
+            choice = [[str(c) for c in o.choices].index(plan.layer(o.layer.index).choice) for o in table.layers]
         except ValueError:
-            bad = [k for k, o in enumerate(table.layers) if plan.layer(k).choice not in [str(c) for c in o.choices]]
+            bad = [o.layer.index for o in table.layers if plan.layer(o.layer.index).choice not in [str(c) for c in o.choices]]
             notes.append(f"re-priced, layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad[:6]))} no longer "
                          f"keep{'s' if len(bad) == 1 else ''} the planned choice among their candidates: "
                          "the step with a swap is not computed")
