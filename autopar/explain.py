@@ -212,7 +212,7 @@ def reprice(plan, plan_path: str | Path):
     return table.ensure_edges(), src
 
 
-def plan_prices_match(plan, table, choice: list[int]) -> list[int]:
+def stale_layers(plan, table, choice: list[int]) -> list[int]:
     """The layers whose re-priced planned choice differs from the price plan.json recorded
     (fwd, bwd, gradient sync and memory); [] when the whole plan re-prices as made."""
     out = []
@@ -321,7 +321,7 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
                        "below uses today's prices (re-plan to bring plan.json up to date)")
     elif recorded:
         source += "; every candidate matches the plan's recorded total"
-    stale = plan_prices_match(plan, table, choice) if choice is not None else [-1]
+    stale = stale_layers(plan, table, choice) if choice is not None else [-1]
     if choice is not None and stale and not (diffs or missing):
         notes.append(f"layer{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale[:6]))}"
                      f"{' ...' if len(stale) > 6 else ''} re-price{'' if len(stale) > 1 else 's'} otherwise than "
