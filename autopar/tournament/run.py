@@ -53,7 +53,9 @@ def _median(xs):
 
 
 def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_dir: str | Path | None = None,
-                       progress=print, validate: bool = True, rtol: float = 1e-9) -> tuple[dict[str, Any], Path]:
+                       progress=print, validate: bool = True, rtol: float | None = None) -> tuple[dict[str, Any], Path]:
+    """Run a tournament plan and validate it against its simulation, every tensor within
+    ``rtol`` (None: the run dtype's, ``execute.validate.DEFAULT_TOL``) of its scale."""
     from ..execute.files import check_plan_files
 
     plan_path = Path(plan_path)
@@ -214,6 +216,9 @@ def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any
     import torch
 
     from .simulate import simulate
+    from ..execute.validate import DEFAULT_TOL
+    rtol_d, atol = DEFAULT_TOL.get(opts.dtype, DEFAULT_TOL["float64"])
+    rtol = rtol_d if rtol is None else rtol
     ref = simulate(plan, plan_path, opts)
     n = plan.trainers.ranks_per_trainer
     worst, checked, bad = 0.0, 0, []
@@ -231,7 +236,7 @@ def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any
                 rel = diff / scale if scale > 0 else diff
                 checked += 1
                 worst = max(worst, rel)
-                if not diff <= rtol * scale + 1e-12:
+                if not diff <= rtol * scale + atol:
                     bad.append(f"trainer {t} {kind}{q}: rel {rel:.3g}")
     run_alive = [lg["alive"] for lg in rounds_log]
     alive_equal = run_alive == ref["alive"]
@@ -247,7 +252,7 @@ def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any
             "winners_equal": winners_equal, "alive_equal": alive_equal, "survivors": list(ref["survivors"]),
             "worst": worst_text,
             "rule": f"every surviving trainer's final parameters and buffers within rtol {rtol:g} of max|ref| "
-                    f"(+1e-12) of the single-process simulation ({opts.dtype}) of the same run (an injected "
+                    f"(+{atol:g}) of the single-process simulation ({opts.dtype}) of the same run (an injected "
                     f"stop included), the same living trainers and every survivor's winner in every round"}
 
 
