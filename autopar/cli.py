@@ -314,9 +314,11 @@ def _kill_arg(text):
 
 def _print_tournament(run, out) -> int:
     v = run["validation"]
+    stopped = run.get("stopped") or []
     _p("validation: " + (f"skipped ({v['skipped']})" if "skipped" in v else
-       f"{'PASSED' if v['passed'] else 'FAILED'} ({v['checked']} tensors and every round's winners against "
-       f"the single-process simulation, max rel diff {v['max_rel_diff']:.2g})"))
+       f"{'PASSED' if v['passed'] else 'FAILED'} ({v['checked']} tensors (parameters and buffers) and every "
+       f"round's winners against the single-process simulation"
+       + (f" of the survivors {v.get('survivors')}" if stopped else "") + f", max rel diff {v['max_rel_diff']:.2g})"))
     for lg in run["rounds_log"]:
         _p(f"round {lg['round']} (step {lg['step']}): pairs {lg['pairs']}; " + ", ".join(
             f"t{x['trainer']} kept {x['kept']}" for x in lg["results"]))
@@ -326,6 +328,10 @@ def _print_tournament(run, out) -> int:
             _p(f"trainer {tr['trainer']} STOPPED at round {s['round']} (step {s['step']}): {s['reason']}")
     m, p = run["measured"], run["predicted"]
     fmt = lambda x, f=1e3: "n/a" if x is None else f"{x * f:.3f}"  # noqa: E731
+    if m.get("exchange_bytes") is not None:
+        pb = p.get("exchange_bytes_per_rank")
+        _p(f"exchange: {m['exchange_bytes']} bytes sent in all, {m['exchange_bytes_per_rank']} per rank per exchange "
+           f"(predicted {'n/a' if pb is None else f'{pb:.0f}'}, priced in {p.get('priced_dtype', 'the plan' + chr(39) + 's')} dtype)")
     _p(f"measured: step {fmt(m['step_s'])} ms, exchange {fmt(m['exchange_s'])} ms, evaluation "
        f"{fmt(m['eval_s'])} ms, {fmt(m['samples_per_s'], 1)} samples/s; predicted: step "
        f"{fmt(p.get('step_s'))} ms, exchange {fmt(p.get('exchange_s'))} ms, evaluation {fmt(p.get('eval_s'))} ms")
