@@ -72,6 +72,9 @@ LOOP_STEPS, LOOP_SEED, LOOP_LR, LOOP_WD, MAX_NORM = 3, 5, 1e-2, 0.1, 0.5
 # near 1e-8 turns float64 summation-order rounding (~1e-16, plans sum in other orders) into
 # ~1e-9 of the parameter's scale, the tolerance itself; eps 1e-6 keeps that 100x below it
 LOOP_EPS = 1e-6
+# no pruning of a layer's candidates (``cost.table._pareto``): a kind is offered or refused
+# by its own rules, never dropped for price
+MAX_CANDIDATES = 1000
 CELL_TIMEOUT_S = 300.0            # one check (its rank processes)
 JOB_TIMEOUT_S = 2400.0            # one driver: a (model, world) and all its rows
 
@@ -218,6 +221,37 @@ def apply_env(name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # what runs in the rank processes (forked: the parent does no torch compute)
 # ---------------------------------------------------------------------------------------------
+def _innermost(e: BaseException) -> str:
+    """'Type: message' of the error that caused ``e``: a wrapper such as DCP's
+    CheckpointException quotes its ranks' tracebacks, whose last 'XError: ...' line is the cause."""
+    import re
+    fails = getattr(e, "failures", None)          # DCP: {rank: (exception, traceback)}
+    if isinstance(fails, dict) and fails:
+        inner = next(iter(fails.values()))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException):
+            return _innermost(inner)
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    causes = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Mismatch|Failed)\b.*:", ln)]
+    return first_line(causes[-1]) if causes else first_line(e)
+
+
+def _explained(fn):
+    """Rank functions raise their root cause's line first (``run_ranks`` reports first lines)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except Exception as e:
+            why = _innermost(e)
+            if why.startswith(type(e).__name__):
+                raise
+            raise RuntimeError(f"{type(e).__name__}, caused by {why}") from e
+    return run
+
+
 def _f64(ts):
     return [t.double() if t.is_floating_point() else t for t in ts]
 
@@ -286,6 +320,7 @@ def _loss(mf, out, y):
     return fn(out, y) if y is not None else fn(out)
 
 
+@_explained
 def _loop_reference(rank, world, mpath, batch, graph_batch, bn_group, out_path):
     """One process, plain torch (batch norm over groups of ``bn_group`` samples when local):
     the loop every plan must reproduce. Saves the state after the steps to ``out_path``."""
@@ -328,6 +363,7 @@ def _close(a, b, rtol: float = RTOL) -> tuple[bool, float]:
     return d <= rtol * scale + ATOL, (d / scale if scale > 0 else (0.0 if d == 0 else float("inf")))
 
 
+@_explained
 def _loop_rank(rank, world, plan_path, mpath, batch, graph_batch, ref_path, rtol):
     """The user's loop under the plan; rank 0 compares the state after the steps with the
     reference's and returns the worst tensor."""
@@ -401,6 +437,7 @@ def _perturbed_model(mf, seed: int, perturb: bool):
     return model
 
 
+@_explained
 def _save_rank(rank, world, plan_path, mpath, ckpt, expected_path):
     import torch
 
@@ -415,6 +452,7 @@ def _save_rank(rank, world, plan_path, mpath, ckpt, expected_path):
     return None
 
 
+@_explained
 def _load_rank(rank, world, plan_path, mpath, ckpt, expected_path):
     import torch
 
@@ -476,7 +514,7 @@ class Driver:
         from autopar.artifacts import PlanOptions
         return PlanOptions(world_size=world or self.world, batch_size=self.spec.batch,
                            out_dir=str(out) if out else None, placement="block", speed_history=False,
-                           max_candidates=32, write=out is not None, **kw)
+                           max_candidates=MAX_CANDIDATES, write=out is not None, **kw)
 
     def hooks(self, **kw):
         from autopar.artifacts import PlanHooks
@@ -548,32 +586,43 @@ class Driver:
         return self._plan_kind(row, out)
 
     def _plan_kind(self, kind: str, out: Path) -> RowPlan:
+        """``autopar plan --pin '*=KIND'`` (``PlanOptions(pins=...)``): every layer where KIND is
+        legal takes it, the solver the rest; a refusal (``PinError``: legal on no layer, with
+        the first layer's legal kinds; or another named error) is the row's reason. Before the
+        pin API existed: ``PlanHooks(force=...)`` on every layer the cost table offers KIND."""
         from autopar.errors import AutoparError
         from autopar.pipeline import make_plan
-        if kind == "graphs":        # plan-level (no layer choice): --kinds graphs asks for it
+        n_layers = len(self.free().table.layers)
+        pins = self._pin_option(kind)
+        if pins is not None:
+            try:
+                r = make_plan(self.mpath, self.options(out=out, pins=pins), self.hooks())
+            except AutoparError as e:
+                return RowPlan("not_legal", reason=f"--pin '*={kind}' refused: " + first_line(e))
+        elif kind == "graphs":        # plan-level (no layer choice): --kinds graphs asks for it
             try:
                 r = make_plan(self.mpath, self.options(out=out, kinds=("graphs",)), self.hooks())
             except AutoparError as e:
                 return RowPlan("not_legal", reason="refused: " + first_line(e))
-            return RowPlan("planned", r.plan_path, note="graphs: the plan-level graph-parallel plan")
-        table = self.free().table
-        layers = [i for i, o in enumerate(table.layers) if any(d.kind == kind for d in o.choices)]
-        if not layers:
-            return RowPlan("not_legal", reason=f"no layer offers {kind}" + self._why_not(kind))
-        pins = self._pin_option(kind)
-        try:
-            if pins is not None:
-                r = make_plan(self.mpath, self.options(out=out, pins=pins), self.hooks())
-            else:
+        else:
+            table = self.free().table
+            layers = [i for i, o in enumerate(table.layers) if any(d.kind == kind for d in o.choices)]
+            if not layers:
+                return RowPlan("not_legal", reason=f"no layer offers {kind}" + self._why_not(kind))
+            try:
                 r = make_plan(self.mpath, self.options(out=out), self.hooks(force={i: kind for i in layers}))
-        except AutoparError as e:
-            return RowPlan("not_legal", reason="pin refused: " + first_line(e))
+            except AutoparError as e:
+                return RowPlan("not_legal", reason="pin refused: " + first_line(e))
         got = [d for d in r.plan.layers if d.choice.split("(")[0] == kind]
+        if kind == "graphs":
+            chosen = sorted({d.choice for d in r.plan.layers})
+            return RowPlan("planned", r.plan_path, note="graphs: the plan-level graph-parallel plan ("
+                                                        + ", ".join(chosen[:3]) + ")")
         if not got:
-            return RowPlan("fail", reason=f"pinned {kind} on {len(layers)} layers, the plan holds none")
+            return RowPlan("fail", reason=f"{kind} pinned, the plan holds no layer of it")
         chosen = sorted({d.choice for d in got})
         return RowPlan("planned", r.plan_path,
-                       note=f"{len(got)} of {len(table.layers)} layers pinned: " + ", ".join(chosen[:4])
+                       note=f"{len(got)} of {n_layers} layers pinned: " + ", ".join(chosen[:4])
                        + (" ..." if len(chosen) > 4 else ""))
 
     @staticmethod
@@ -592,7 +641,7 @@ class Driver:
                 if name.split("(")[0] == kind:
                     lay = o.layer
                     return f" (e.g. layer {i} {getattr(lay, 'module', '') or getattr(lay, 'name', '')}: {name}: {why})"
-        return " (none of its layers' operators has a rule for it)"
+        return " (no layer lists a candidate of it, legal or not: its rules match none of the model's operators)"
 
     # ---- checks --------------------------------------------------------------------------
     def warm(self) -> None:
@@ -787,9 +836,9 @@ def render(cache: dict[str, Any]) -> str:
               "* `pass`; `–`: not legal there, the planner's reason in the notes; **FAIL**: the error's first "
               "line in the notes; `n/a`: a tournament plan trains under `autopar execute` only. `[k]` numbers "
               "a note under the table.",
-              "* Plans are priced with a synthetic profile (`tests/fakes.py`), block placement, up to 32 "
-              "candidates per layer; pins use `PlanHooks(force=...)` (or `PlanOptions(pins=...)` where it "
-              "exists).", ""]
+              "* Plans are priced with a synthetic profile (`tests/fakes.py`), block placement, every legal "
+              "candidate of every layer kept (no pruning); pins: `autopar plan --pin '*=KIND'` "
+              "(`PlanOptions(pins=...)`), or before that API `PlanHooks(force=...)` on every layer offering KIND.", ""]
     lines += ["## Counts per model", "", "| model | size | pass | not legal | fail | n/a | not run |",
               "|---|---|---|---|---|---|---|"]
     for m in models:
