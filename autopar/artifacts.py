@@ -1040,7 +1040,7 @@ class PlanOptions:
     measure_shapes: bool = False
     measure_budget_s: float = 30.0
     # opt in (``autopar plan --speed-history``): state the profile's kernels at this machine's
-    # usual speed (``calibrate.history``: the speed probe's readings of earlier calibrations and
+    # usual speed (``profile.history``: the speed probe's readings of earlier calibrations and
     # runs here). Off by default: a default plan prices the profile as measured, so nothing in
     # ``~/.cache`` changes it
     speed_history: bool = False

@@ -349,7 +349,7 @@ def _graph_parallel_choice(graph, ctx, table, sol, pred, memory_limit_bytes, for
     whenever legal). Returns (table, solution, prediction, the record plan.json keeps under
     ``solver.graph_parallel``: both predictions, the choice and why), the ILP's when graphs(P)
     does not apply (no PyG batch: no record)."""
-    from .decomp.graph.graphs import graphs_alternative
+    from .cost.graphs import graphs_alternative
     alt = graphs_alternative(graph, table.ctx, table, memory_limit_bytes, shares)
     if alt.roles is None and not forced:     # not a PyG batch: nothing to compare
         return table, sol, pred, None

@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EX = ROOT / "strategies/examples"
 MODELS = ROOT / "benchmarks/models"
 MODEL_FILTER: set[str] = set()      # --models: only these model files (stems), both sets
-#: --speed-history: plan at this machine's usual speed (``autopar.calibrate.history``), as runs
+#: --speed-history: plan at this machine's usual speed (``autopar.profile.history``), as runs
 #: 36-46 did when it was autopar's default; off, the plans are priced as ``autopar plan`` prices
 #: them by default (the profile as measured)
 SPEED_HISTORY = {"on": False}
@@ -182,7 +182,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
     a plan is the median over its rounds of each run's median step. Candidates that plan to the
     same program (``_plan_key``) are executed once and share the measurement (``same_as``)."""
     from autopar.decomp import REGISTRY
-    from autopar.calibrate.history import plan_speed_factor
+    from autopar.profile.history import plan_speed_factor
     from autopar.errors import AutoparError
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
@@ -278,8 +278,8 @@ def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]
     same with the natively measured per-op overhead in place of the traced one
     (``plan_runtime_overhead_s``): what the planner predicts once it prices native plans so."""
     from autopar.artifacts import load_plan
-    from autopar.calibrate.history import plan_speed_factor
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile.history import plan_speed_factor
+    from autopar.profile import load_profile
     from autopar.cost.primitives import plan_runtime_overhead_s, runtime_overhead_applies
     from autopar.decomp.base import CostContext
     plan = load_plan(plan_path)
@@ -314,7 +314,7 @@ def at_profile_speed(row: dict) -> float | None:
     A diagnostic, not the prediction's figure: the prediction cannot know the machine's speed
     during a later run; this separates what the cost model misses from the machine's drift
     between calibration and run. A plan priced at
-    the machine's usual speed (``speed_factor``, ``calibrate.history``) is compared at that
+    the machine's usual speed (``speed_factor``, ``profile.history``) is compared at that
     speed: each round's ratio is taken to the reading its compute was priced at."""
     times, probes = row.get("measured_rounds_s") or (), row.get("speed_probe_vs_profile_rounds") or ()
     if not times or len(probes) != len(times) or not all(probes):
@@ -427,12 +427,12 @@ def profile_figures(path: str) -> dict:
 
 def machine_speed(path: str) -> dict:
     """Whether the plans about to be made price the profile's kernels at this machine's usual
-    speed (``autopar.calibrate.history``: the speed-probe readings of earlier calibrations and
+    speed (``autopar.profile.history``: the speed-probe readings of earlier calibrations and
     runs here, ``AUTOPAR_SPEED_HISTORY``), and at which: printed, and kept in ``--json``."""
     import warnings
 
-    from autopar.calibrate.history import usual_speed
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile.history import usual_speed
+    from autopar.profile import load_profile
     if not SPEED_HISTORY["on"]:
         print("machine speed history: not applied (autopar plan's default; --speed-history opts in); "
               "kernels priced at the profile's own speed")
@@ -475,7 +475,7 @@ def fresh_profile(tmp: Path) -> tuple[str, float]:
     from autopar.calibrate.exact_ops import add_op_shapes
     from autopar.calibrate.run import add_exact_shapes
     from autopar.cost.exact import exact_specs_for_model
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile import load_profile
     out = tmp / "fresh-quick.json"
     quick_s, wall_s = calibrate_cli(True, out)
     print(f"calibration --quick at world 4: {quick_s:.1f} s (target 60 s; the command's own timing, "

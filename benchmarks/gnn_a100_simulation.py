@@ -50,7 +50,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     os.environ["AUTOPAR_GNN_NODES"], os.environ["AUTOPAR_GNN_EDGES"] = str(PAPER["nodes"]), str(PAPER["edges"])
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile import load_profile
     from autopar.cost.graph_sizes import load_graph_sizes
     from autopar.pipeline import PaddingOptions, make_padded_plan, make_plan
 

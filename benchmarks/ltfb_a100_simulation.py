@@ -52,7 +52,7 @@ def main() -> int:
     os.environ["AUTOPAR_SURROGATE_HIDDEN"] = "4096"
     sys.path.insert(0, str(ROOT))
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile import load_profile
     from autopar.pipeline import make_plan
     from autopar.tournament.pricing import IngestionModel, TournamentOptions, price_trainers
 

@@ -93,7 +93,7 @@ def main() -> int:
     os.environ.update(MODEL)
     sys.path.insert(0, str(ROOT))
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile import load_profile
     from autopar.pipeline import make_plan
 
     if "--rewrite" in sys.argv:         # the report again from the JSON, without planning

@@ -9,7 +9,7 @@ Nothing here was measured. Every number is either a DATASHEET value (cited) or a
 machine: 8 A100 40GB SXM4 GPUs per node on NVLink 3 / NVSwitch, one 200 Gb/s HDR InfiniBand
 port per GPU between nodes, 128 nodes (1024 GPUs).
 
-Model forms are those of autopar.calibrate.profile; the kernel model is a SUM
+Model forms are those of autopar.profile (schema.collective_terms, Profile); the kernel model is a SUM
 ``t0 + flops/F + bytes/B`` (not a roofline max), so for a layer where both terms matter it is
 pessimistic by up to 2x; F and B below are therefore the achievable rates of each resource.
 """
@@ -20,7 +20,7 @@ import argparse
 import datetime as dt
 from pathlib import Path
 
-from autopar.calibrate.profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, save_profile
+from autopar.profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, save_profile
 
 # ---- DATASHEET values -----------------------------------------------------------------------
 DATASHEET = {

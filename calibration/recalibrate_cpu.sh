@@ -24,5 +24,5 @@ autopar plan benchmarks/models/resnet2d_nobn.py --world-size 2 --calibration "$O
 autopar plan benchmarks/models/resnet2d_nobn.py --world-size 4 --calibration "$OUT" --exact \
     -o /tmp/autopar-recal-nobn-4 --placement block > /dev/null
 python -c "from autopar.calibrate.report import write_report, default_report_dir; \
-from autopar.calibrate.profile import load_profile; import sys; \
+from autopar.profile import load_profile; import sys; \
 print(write_report(load_profile('$OUT', check_machine=False), default_report_dir('$OUT'), '$(basename "$OUT")'))"

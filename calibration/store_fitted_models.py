@@ -1,7 +1,7 @@
 """Store in a profile file the kernel models that loading it would otherwise fit again.
 
 A profile made before the shape- and cache-aware kernel models gets them fitted from its own
-raw samples every time it is loaded (``calibrate.fit.add_shape_models``: NNLS fits, and the
+raw samples every time it is loaded (``profile.fit.add_shape_models``: NNLS fits, and the
 scipy import they need, about 0.5 s of every ``autopar plan``). This writes the fitted models
 (and the "fitted, not better" markers) into the file, changing nothing else: the loaded
 profile, and so every price, is the same as before.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile import load_profile
     from autopar.io import atomic_write_text
     for path in (argv if argv is not None else sys.argv[1:]):
         text = Path(path).read_text(encoding="utf-8")

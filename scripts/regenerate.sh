@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 # the shipped plans are priced by the committed profiles as measured, not at this machine's
-# usual speed (autopar.calibrate.history), so that they do not depend on where they were re-made
+# usual speed (autopar.profile.history), so that they do not depend on where they were re-made
 export AUTOPAR_SPEED_HISTORY=off
 CPU=calibration/cpu-2core-gloo.json
 A100=calibration/datasheet-a100-cluster.json

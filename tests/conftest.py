@@ -14,7 +14,7 @@ if "AUTOPAR_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
     atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], True)
-# the probe readings `autopar execute` appends (``autopar.calibrate.history``) go to the
+# the probe readings `autopar execute` appends (``autopar.profile.history``) go to the
 # session's folder, not the user's ~/.cache; no plan reads them unless asked (--speed-history)
 os.environ.setdefault("AUTOPAR_SPEED_HISTORY", os.path.join(os.environ["AUTOPAR_CACHE_DIR"], "speed_history.json"))
 

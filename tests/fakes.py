@@ -1,6 +1,6 @@
 """A synthetic profile with round numbers, for pure-logic tests (no calibration needed)."""
 
-from autopar.calibrate.profile import PROFILE_SCHEMA, Profile
+from autopar.profile import PROFILE_SCHEMA, Profile
 
 
 def synthetic_profile(ranks_per_node: int = 4, nodes: int = 1, flops_per_s: float = 1e10,

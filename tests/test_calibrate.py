@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autopar.calibrate import fit
-from autopar.calibrate.kernels import conv_features, normalize_spec, shape_key, spec_features
-from autopar.calibrate.profile import (COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile,
+from autopar.profile import fit
+from autopar.profile.features import conv_features, spec_features
+from autopar.profile.keys import normalize_spec, shape_key
+from autopar.profile import (COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile,
                                        collective_terms, current_fingerprint, default_profile_path,
                                        load_profile, save_profile)
 from autopar.errors import CalibrationError

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from autopar.calibrate import cluster
-from autopar.calibrate.profile import COLLECTIVES, SIMULATED, load_profile, save_profile
+from autopar.profile import COLLECTIVES, SIMULATED, load_profile, save_profile
 from autopar.calibrate.run import TINY
 from autopar.errors import CalibrationError, RankFailure
 

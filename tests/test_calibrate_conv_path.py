@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autopar.calibrate.fit import MIN_NATIVE_ROWS, fit_conv_shape
+from autopar.profile.fit import MIN_NATIVE_ROWS, fit_conv_shape
 from autopar.calibrate.kernels import (CONV_SHAPE_FORM, conv_cpu_path, conv_native_features,
                                        conv_shape_features, sweep_configs)
 

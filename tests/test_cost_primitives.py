@@ -212,7 +212,7 @@ def _swept_rows(profile, op_class: str, bwd_ratio: float, log_flops, log_bytes, 
 def test_measured_matmul_backward_prices_the_backward(profile):
     """A profile whose matmul sweep timed the backward too (``bwd_median_s``) prices a matmul's
     backward by its ``bwd_model``; without it, backward stays twice the forward."""
-    from autopar.calibrate.fit import add_backward_models
+    from autopar.profile.fit import add_backward_models
     from autopar.decomp.ir import OpSpec
     op = OpSpec(name="mm", kind="matmul", target="aten.matmul.default", args=[{"v": "a"}, {"v": "b"}],
                 kwargs={}, out_shape=[64, 32], dtype="float32", inputs=["a", "b"],
@@ -240,7 +240,7 @@ def test_swept_backward_prices_only_the_families_the_sweep_timed(profile):
     """The norm sweep times batch norm's backward (``OpFamily.sweep_backward``): with the
     class's ``bwd_model`` fitted, batch norm's backward is priced by it, while layer norm (the
     same class, not what the sweep ran) keeps twice its forward."""
-    from autopar.calibrate.fit import add_backward_models
+    from autopar.profile.fit import add_backward_models
     from autopar.ops import family_of
     assert family_of("batch_norm").sweep_backward and family_of("pool").sweep_backward
     assert not family_of("layer_norm").sweep_backward and not family_of("unary").sweep_backward

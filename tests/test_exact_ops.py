@@ -3,7 +3,8 @@ measurement, and the cost model preferring them (plan.json says which source pri
 
 import copy
 
-from autopar.calibrate.exact_ops import measure_ops, op_key
+from autopar.calibrate.exact_ops import measure_ops
+from autopar.profile.keys import op_key
 from autopar.cost.exact import exact_specs_for_model
 
 

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from autopar.calibrate import fit, kernels
+from autopar.calibrate import kernels
+from autopar.profile import fit
 from autopar.calibrate.run import FULL, QUICK
 
 

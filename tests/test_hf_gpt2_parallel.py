@@ -130,7 +130,7 @@ def test_local_conv1d_shapes_for_pricing_and_exact_measurement(model):
     whole weight."""
     import torch
 
-    from autopar.calibrate.exact_ops import op_spec
+    from autopar.profile.keys import op_spec
     from autopar.ops import family_of
     unit = _unit(_graph(model), "transformer.h.0.mlp")
     c_fc, c_proj = [op for op in unit.ops if op.target.startswith("aten.addmm")]

@@ -54,7 +54,7 @@ def test_new_model_measured_once_and_cached(here_profile, tmp_path):
     model.write_text(MODEL)
     cache = cache_path(here_profile)
     cache.unlink(missing_ok=True)
-    assert can_measure(__import__("autopar.calibrate.profile", fromlist=["x"]).load_profile(here_profile), 2) is None
+    assert can_measure(__import__("autopar.profile", fromlist=["x"]).load_profile(here_profile), 2) is None
     r, lines = _plan(model, here_profile, tmp_path)
     info = r.plan.calibration["shapes_on_demand"]
     assert info["measured"] > 0 and not info["left_out"], lines
@@ -95,7 +95,7 @@ def test_corrupt_cache_is_rebuilt_with_a_warning(here_profile, tmp_path):
 
 
 def test_other_machine_or_simulated_cluster_not_measured(here_profile, root):
-    from autopar.calibrate.profile import load_profile
+    from autopar.profile import load_profile
     shipped = load_profile(root / "calibration/datasheet-a100-cluster.json", check_machine=False)
     assert can_measure(shipped, 8) is not None
     mine = load_profile(here_profile)

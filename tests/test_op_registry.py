@@ -317,7 +317,7 @@ def test_toy_family_is_one_file_and_one_import(tmp_path, profile):
 
 
 def test_registry_has_one_family_per_op():
-    from autopar.calibrate.profile import OP_CLASSES
+    from autopar.profile import OP_CLASSES
     assert len(FAMILIES) >= 25
     for kind, fam in FAMILIES.items():
         assert fam.kind == kind

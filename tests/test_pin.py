@@ -157,7 +157,7 @@ def test_pins_on_a_transformer_exact_head_choice(root, profile):
 
 def test_sweep_plans_every_point_with_the_pins(root, profile, tmp_path, monkeypatch):
     from autopar import sweep as sw
-    from autopar.calibrate.profile import save_profile
+    from autopar.profile import save_profile
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)
     res = sw.sweep(root / RESNET, [2, 4], None, str(prof), pins=("head=filter",),
@@ -213,7 +213,7 @@ def test_pinned_kind_outside_kinds_and_partial_graphs_are_named_errors(root, pro
 
 @pytest.fixture
 def prof_file(tmp_path, profile):
-    from autopar.calibrate.profile import save_profile
+    from autopar.profile import save_profile
     p = tmp_path / "prof.json"
     save_profile(profile, p)
     return p

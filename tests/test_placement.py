@@ -167,7 +167,7 @@ def test_bad_placement_option_is_a_named_error(mlp, two_nodes):
 
 
 def test_cli_placement_option(mlp, two_nodes, tmp_path, capsys):
-    from autopar.calibrate.profile import save_profile
+    from autopar.profile import save_profile
     from autopar.cli import main
     prof = tmp_path / "prof.json"
     save_profile(two_nodes, prof)

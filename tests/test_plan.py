@@ -5,7 +5,7 @@ import py_compile
 
 import pytest
 
-from autopar.calibrate.profile import save_profile
+from autopar.profile import save_profile
 from autopar.cli import main
 from autopar.artifacts import PLAN_SCHEMA, load_plan
 from autopar.errors import PlanFileError

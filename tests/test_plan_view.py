@@ -106,7 +106,7 @@ def test_shipped_hf_gpt2_w4_plan_fits_45_lines(root):
 
 
 def test_cli_prints_terse_progress_and_every_line_under_verbose(tmp_path, root, profile, capsys):
-    from autopar.calibrate.profile import save_profile
+    from autopar.profile import save_profile
     from autopar.cli import main
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)

@@ -69,7 +69,7 @@ def test_hint_and_cutoff_keep_the_optimum():
 
 
 def test_conv_shape_and_cache_models_fit_and_price():
-    from autopar.calibrate.fit import cache_features, fit_conv_shape, fit_kernel_cache
+    from autopar.profile.fit import cache_features, fit_conv_shape, fit_kernel_cache
     from autopar.calibrate.kernels import conv_shape_features, sweep_configs
     from fakes import synthetic_profile
     specs = sweep_configs("conv_fwd", 40, 5e8, 1 << 22)

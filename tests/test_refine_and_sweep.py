@@ -122,7 +122,7 @@ def test_drift_scales_compute_of_its_world_only(profile):
 
 
 def test_scaling_sweep_has_three_series(tmp_path, root, profile):
-    from autopar.calibrate.profile import save_profile
+    from autopar.profile import save_profile
     from autopar.sweep import plot, sweep
     pf = tmp_path / "p.json"
     save_profile(profile, pf)
@@ -180,7 +180,7 @@ def _run_file_json(run, plan):
 def test_cli_refine_from_run_files(tmp_path, profile, monkeypatch, capsys):
     import json
 
-    from autopar.calibrate.profile import load_profile, save_profile
+    from autopar.profile import load_profile, save_profile
     from autopar.cli import main
     from autopar.io import sha256_file
     monkeypatch.chdir(tmp_path)

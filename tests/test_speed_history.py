@@ -1,4 +1,4 @@
-"""The machine's speed history (``autopar.calibrate.history``): readings kept per machine
+"""The machine's speed history (``autopar.profile.history``): readings kept per machine
 instance, their median against a profile's nominal, and plans priced at it."""
 
 import json
@@ -8,8 +8,8 @@ import warnings
 import pytest
 from fakes import synthetic_profile
 
-from autopar.calibrate import history as H
-from autopar.calibrate.profile import current_fingerprint, save_profile
+from autopar.profile import history as H
+from autopar.profile import current_fingerprint, save_profile
 
 MODEL = textwrap.dedent("""
     import torch

@@ -110,7 +110,7 @@ def test_execute_reports_the_probe_against_the_profile_nominal():
 
 
 def test_as_measured_restores_the_raw_times():
-    from autopar.calibrate.profile import Profile
+    from autopar.profile import Profile
     prof = Profile(schema=1, fingerprint={}, provenance={}, topology={}, kernels={}, collectives={},
                    exact={"conv a": {"fwd": 0.5}, "op b": {"fwd": 0.25}},
                    samples={"kernels": {"matmul": [{"median_s": 2.0, "probe_s": 0.02}]},

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from autopar.calibrate.insitu import Straggler, apply_straggler, fit_straggler, straggler_point
+from autopar.calibrate.insitu import apply_straggler, straggler_point
+from autopar.profile.straggler import Straggler, fit_straggler
 from autopar.cost import primitives as prim
 from autopar.decomp.base import CostContext, LayerCost
 

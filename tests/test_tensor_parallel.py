@@ -234,7 +234,7 @@ def test_memory_limit_forces_tensor_parallel_plan(root, tmp_path, monkeypatch, p
     4 MiB limit data parallelism alone is infeasible, and with every decomposition the planner
     finds a head/tensor-parallel plan that fits, which executes and validates."""
     from autopar.artifacts import load_plan
-    from autopar.calibrate.profile import save_profile
+    from autopar.profile import save_profile
     from autopar.cli import main
     monkeypatch.setenv("AUTOPAR_GPT_EMBED", "128")
     monkeypatch.setenv("AUTOPAR_GPT_VOCAB", "512")

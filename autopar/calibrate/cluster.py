@@ -55,8 +55,11 @@ from typing import Callable, Sequence
 
 from ..errors import CalibrationError
 from . import collectives as coll
-from . import fit
-from .profile import SIMULATED
+from ..profile import fit
+from ..profile.profile import SIMULATED
+from ..profile.profile import (COLLECTIVES, PROFILE_SCHEMA, Profile, current_fingerprint, load_profile,
+                               save_profile)
+from .run import FULL, QUICK, TINY
 LADDER_ALL_UP_TO = 8  # up to this many ranks (nodes), every group size; beyond, powers of two
 
 
@@ -202,7 +205,6 @@ class Options:
 
 
 def _sweep(name: str):
-    from .run import FULL, QUICK, TINY
     try:
         return {"full": FULL, "quick": QUICK, "tiny": TINY}[name]
     except KeyError:
@@ -211,7 +213,6 @@ def _sweep(name: str):
 
 def _preflight(opts: Options):
     """On rank 0, before measuring: the merge base loads and is measured; out is writable."""
-    from .profile import load_profile
     base = None
     if opts.merge_into is not None:
         base = load_profile(opts.merge_into, check_machine=False)
@@ -310,7 +311,6 @@ def run_cluster(opts: Options, device: str = "cpu",
                              loadavg_before=load_before)
         if base is not None:
             prof = merge_profiles(base, prof, opts.merge_into, command=opts.command)
-        from .profile import save_profile
         save_profile(prof, opts.out)
         return opts.out
 
@@ -335,7 +335,6 @@ def _source(spec: GroupSpec, layout: Layout) -> str:
 def build_profile(layout: Layout, results: list, sweep, opts: Options, elapsed_s: float = 0.0,
                   loadavg_before=None):
     """The collectives-only profile from ``[(GroupSpec, combine_ranks output), ...]``."""
-    from .profile import COLLECTIVES, PROFILE_SCHEMA, Profile, current_fingerprint
 
     tables: dict[str, dict] = {}
     samples = {"intra": {}, "inter": {}}
@@ -447,7 +446,6 @@ def merge_files(measured_path, base_path, out_path, command: str = "",
                 progress: Callable[[str], None] = print) -> Path:
     """``merge_profiles`` on files; writes ``out_path`` atomically (never ``base_path`` unless
     it is ``out_path``)."""
-    from .profile import load_profile, save_profile
 
     measured = load_profile(measured_path, check_machine=False)
     base = load_profile(base_path, check_machine=False)

@@ -21,40 +21,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-def op_spec(op, in_shapes, out_shape) -> dict | None:
-    """The spec of ``op`` run on local ``in_shapes`` -> ``out_shape``; None when its op family
-    is not measured this way (``OpFamily.exact_measured`` false: views, convolutions and
-    linear layers, which ``kernels.measure_exact`` measures, ops with integer inputs, and
-    unregistered ops). Parameters take their local shapes from the family (``local_params``:
-    a batch norm's follow its input's channels)."""
-    from ..ops import family_of
-    fam = family_of(op.kind)
-    if fam.free or not fam.exact_measured:
-        return None
-    params = fam.local_params(op, in_shapes)
-    return {"op": "generic", "kind": op.kind, "target": op.target, "args": op.args, "kwargs": op.kwargs,
-            "inputs": list(op.inputs), "in_shapes": [list(map(int, s)) for s in in_shapes],
-            "out_shape": list(map(int, out_shape)), "params": params, "param_names": op.param_names,
-            "buffers": op.buffers, "dtype": op.dtype, "attrs": op.attrs}
-
-
-def op_key(spec: dict) -> str:
-    """Canonical key: target, local shapes, attributes, and the non-tensor arguments."""
-    def strip(a):
-        if isinstance(a, dict) and len(a) == 1 and next(iter(a)) in ("v", "p", "b"):
-            return next(iter(a))
-        if isinstance(a, list):
-            return [strip(x) for x in a]
-        return a
-    shapes = ";".join("x".join(map(str, s)) for s in spec["in_shapes"])
-    extra = json.dumps({"args": strip(spec["args"]), "kwargs": strip(spec["kwargs"])},
-                       sort_keys=True, separators=(",", ":"), default=str)
-    return f"op {spec['target']} in={shapes} out={'x'.join(map(str, spec['out_shape']))} {extra}"
+from ..profile.keys import op_key, op_spec  # noqa: F401  (the keys of what this measures)
+from ..decomp.ir import OpSpec
+from ..profile.profile import load_profile, save_profile
+from ..profile.speed import profile_nominal_s
+from ..runtime.launch import run_ranks
+from ..runtime.ops import call_local
+from .speed import SpeedTrack, normalize_exact
 
 
 def _build(spec: dict):
     import torch
-    from ..decomp.ir import OpSpec
     op = OpSpec(name="y", kind=spec["kind"], target=spec["target"], args=spec["args"], kwargs=spec["kwargs"],
                 out_shape=spec["out_shape"], dtype=spec["dtype"], inputs=spec["inputs"],
                 in_shapes=spec["in_shapes"], params=spec["params"], param_names=spec["param_names"],
@@ -90,7 +67,6 @@ def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2,
     without the engine's start-up (``backward_call_s``). With a ``speed.SpeedTrack``, each
     measurement is ``mark``ed on it (the caller closes it and reads ``probes()``)."""
     import torch
-    from ..runtime.ops import call_local
     base_s = backward_call_s()
     out: dict[str, dict[str, float]] = {}
     for spec in specs:
@@ -124,7 +100,6 @@ def measure_ops(specs: Iterable[dict], repeats: int = 10, warmup: int = 2,
 
 def _measure_rank(rank, world, specs, repeats):
     """(``{key: {phase: s}}`` as measured, ``{key: probe_s}``) of ``measure_ops`` with a track."""
-    from .speed import SpeedTrack
     track = SpeedTrack()
     res = measure_ops(specs, repeats, track=track)
     track.close()
@@ -135,8 +110,6 @@ def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callabl
                   repeats: int = 10) -> Path:
     """Measure the generic op specs not yet in the profile (in a fresh one-thread process, as
     the ranks run) and write the profile back atomically."""
-    from ..runtime.launch import run_ranks
-    from .profile import load_profile, save_profile
     path = Path(profile_path)
     prof = load_profile(path, check_machine=False)
     todo, seen = [], set(prof.exact)
@@ -151,7 +124,6 @@ def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callabl
     import torch  # noqa: F401  (before forking)
     t0 = time.perf_counter()
     res, probes = run_ranks(_measure_rank, 1, (todo, repeats), timeout_s=900)[0]
-    from .speed import normalize_exact, profile_nominal_s
     prof.exact.update(normalize_exact(res, probes, profile_nominal_s(prof)))
     prof.samples.setdefault("exact_ops", {}).update(      # as measured (``speed.as_measured``)
         {k: {"raw": v, "probe_s": probes.get(k)} for k, v in res.items()})

@@ -37,7 +37,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from ..profile.straggler import Straggler, fit_straggler  # noqa: F401  (measured here)
+from ..profile.profile import load_profile, require_measured_here, save_profile
+from ..runtime.comm import Comm
+from ..runtime.launch import run_ranks
+from ..runtime.ops import sync_batch_norm
+from .optimizer import add_optimizer_step, measure_optimizer_step
+from .report import default_report_dir, write_report
 
 
 def _probe_conv():
@@ -51,8 +57,6 @@ def _probe_conv():
 def _rank(rank, world, iters, p=None):
     import torch
 
-    from ..runtime.comm import Comm
-    from ..runtime.ops import sync_batch_norm
     comm = Comm.from_env()
     x, w = _probe_conv()
     bw = torch.ones(16, requires_grad=True)
@@ -106,7 +110,6 @@ def _kind_rank(rank, world, iters, p, kind):
     import torch
     import torch.distributed as dist
 
-    from ..runtime.comm import Comm
     comm = Comm.from_env()
     x, w = _probe_conv()
     first = (rank // p) * p
@@ -281,7 +284,6 @@ def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, leng
     all-reduce that compute does not hide (``comm_interference``). ``raw``, when given, gets
     each world's probe rounds (``raw_rounds``) under ``str(w)``, so that another statistic can
     be read from them later; ``stat`` is the one read now (``estimate_in_situ``)."""
-    from ..runtime.launch import run_ranks
     lengths = tuple(lengths or STRAGGLER_LENGTHS)
     straggle: dict[str, Straggler] = {}
     lat: dict[str, dict[str, float]] = {}
@@ -346,28 +348,6 @@ def _straggle_rank(rank, world, iters, lengths):
     return out
 
 
-@dataclass(frozen=True)
-class Straggler:
-    """How long a synchronisation of w ranks waits for the slowest after ``t`` seconds of
-    compute since the previous one: ``min(kappa t, sigma sqrt(t))``.
-
-    Each round of w ranks lasts as long as its slowest rank's compute, and the others wait.
-    Measured within the same rounds (``straggler_point``), the wait grows linearly over short
-    segments (whole time slices lost to the other ranks) and as the square root of the compute
-    over long ones (the ranks' compute times drift apart like sums of independent jitters). On
-    the 2-core machine, 4 ranks: 3.2, 12.6, 21.7, 32.1 ms of wait after 15, 56, 243, 543 ms of
-    convolutions (0.21 t, then about 1.4 ms x sqrt(t / 1 ms)); 2 ranks about a third of that.
-    Fitted by ``fit_straggler`` (``measure_in_situ``). On dedicated devices both are about 0; on
-    a CPU whose cores the ranks (and gloo's threads) share they are the step's straggler tax
-    (``cost.primitives.StragglerCharge``)."""
-    kappa: float           # wait per second of compute, short segments
-    sigma: float           # s^0.5: the spread of long segments, which grows as sqrt(t)
-
-    def wait_s(self, compute_s: float) -> float:
-        t = max(0.0, compute_s)
-        return min(self.kappa * t, self.sigma * math.sqrt(t))
-
-
 #: segment lengths (convolutions between two synchronisations) of the straggler rounds: the
 #: first two short (the linear regime; one convolution alone also waits a fixed part that the
 #: in-situ latency holds), the last long (about 130 ms with 4 ranks on 2 cores)
@@ -384,17 +364,6 @@ def straggler_point(rounds_by_rank, stat: str = STORED_STAT) -> tuple[float, flo
     compute = _reduce([statistics.fmean(r) for r in rounds], stat)
     wait = _reduce([max(r) - statistics.fmean(r) for r in rounds], stat)
     return compute, wait
-
-
-def fit_straggler(points) -> Straggler:
-    """The ``Straggler`` fitted from (compute seconds, wait seconds) per segment length,
-    shortest first: kappa the median of wait / compute over all but the longest (clipped to
-    [0, 2]), sigma the longest's wait / sqrt(compute) (>= 0)."""
-    *short, (t_long, d_long) = points
-    ratios = [d / t for t, d in short if t > 0]
-    kappa = float(min(2.0, max(0.0, statistics.median(ratios)))) if ratios else 0.0
-    sigma = max(0.0, d_long) / math.sqrt(t_long) if t_long > 0 else 0.0
-    return Straggler(kappa, float(sigma))
 
 
 def apply_straggler(profile, straggle: dict[str, Straggler]) -> None:
@@ -426,7 +395,6 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
     ``python -m autopar.calibrate.insitu PROFILE [--iters N]``."""
     import datetime as _dt
 
-    from .profile import load_profile, require_measured_here, save_profile
     prof = load_profile(profile_path, check_machine=False)
     require_measured_here(prof, profile_path, "in-situ latencies")
     world = int(prof.provenance.get("world_size") or prof.topology.get("ranks_per_node", 2))
@@ -449,7 +417,6 @@ def remeasure(profile_path, iters: int = 30, progress=print) -> None:
     progress(f"in-situ latency re-measured in {time.perf_counter() - t0:.1f} s: {describe_step_costs(m)}")
     from pathlib import Path
 
-    from .report import default_report_dir, write_report
     if default_report_dir(profile_path).is_dir():     # keep the profile's report in step with it
         progress(f"report rewritten: {write_report(prof, default_report_dir(profile_path), Path(profile_path).name)}")
 
@@ -461,8 +428,6 @@ def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -
     blocking all-reduces and of the other kinds, and the optimizer step, on one rank started by
     ``launch(fn, world, args)`` (the calibration's backend; default gloo) (``calibrate.run``
     and ``remeasure`` alike). Returns what was measured."""
-    from ..runtime.launch import run_ranks
-    from .optimizer import add_optimizer_step
     launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
     raw: dict = {}
     straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw)
@@ -496,7 +461,6 @@ def describe_step_costs(m: dict) -> str:
 def _optimizer_rank(rank, world):
     import torch.distributed as dist
 
-    from .optimizer import measure_optimizer_step
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"
     return measure_optimizer_step(device="cuda" if nccl else "cpu")
 

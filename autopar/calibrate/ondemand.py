@@ -28,83 +28,30 @@ or a simulated cluster of 1024 ranks is priced by the generic models, as before.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-CACHE_SCHEMA = "autopar.shapes/1"
+from ..decomp.base import CostContext
+from ..profile.keys import shape_key
+from ..profile.shapes import CACHE_SCHEMA, cache_path, can_measure, load_cache, write_cache  # noqa: F401
+from ..profile.speed import profile_nominal_s
+from ..runtime.launch import run_ranks
+from .kernels import measure_exact, spec_features
+from .run import _check_backend
+from .speed import SpeedTrack, normalize_exact
+
 #: a kept choice whose time is within this factor of its layer's fastest is competitive
 COMPETITIVE = 1.25
 #: timed repeats per phase (after one warm-up) of a shape measured on demand
 REPEATS = 5
 DEFAULT_BUDGET_S = 30.0
-PHASES = ("fwd", "bwd_data", "bwd_filter")
-
-
-def cache_path(profile_path: str | Path) -> Path:
-    p = Path(profile_path)
-    return p.with_name(p.stem + "-shapes.json")
-
-
-def can_measure(profile, world: int) -> str | None:
-    """None when shapes measured here describe ``profile``'s machine at ``world`` ranks, else
-    the reason they do not."""
-    from .profile import _CHECKED_FIELDS, current_fingerprint
-    if profile.provenance.get("kind") != "measured":
-        return f"the profile is {profile.provenance.get('kind')!r}, not measured here"
-    here = current_fingerprint(profile.fingerprint.get("backend") or "gloo")
-    diff = [k for k in _CHECKED_FIELDS if profile.fingerprint.get(k) != here.get(k)]
-    if diff:
-        return f"the profile was made on another machine or software ({', '.join(diff)})"
-    topo = profile.provenance.get("measured_topology") or {}
-    ranks = int(topo.get("ranks", 0)) or _measured_ranks(profile)
-    if world > ranks:
-        return f"world {world} is a simulated cluster (the profile measured {ranks} ranks)"
-    return None
-
-
-def _measured_ranks(profile) -> int:
-    sizes = [int(k) for k in (profile.compute_slowdown or {}) if str(k).isdigit()]
-    return max(sizes, default=1)
-
-
-def _valid_entry(e: Any) -> bool:
-    return isinstance(e, dict) and bool(e) and all(
-        k in PHASES and isinstance(v, (int, float)) and v > 0 for k, v in e.items())
-
-
-def load_cache(path: Path, fingerprint: dict) -> tuple[dict[str, dict], str | None]:
-    """(exact entries, why the cache was not trusted or None). A missing cache is empty."""
-    if not path.exists():
-        return {}, None
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return {}, f"unreadable ({e.__class__.__name__})"
-    if not isinstance(obj, dict) or obj.get("schema") != CACHE_SCHEMA:
-        return {}, "not an autopar shape cache (schema)"
-    if obj.get("fingerprint") != fingerprint:
-        return {}, "made for another machine or profile (fingerprint)"
-    exact = obj.get("exact")
-    if not isinstance(exact, dict) or not all(isinstance(k, str) and _valid_entry(v) for k, v in exact.items()):
-        return {}, "corrupt entries"
-    return exact, None
-
-
-def write_cache(path: Path, fingerprint: dict, exact: dict[str, dict]) -> None:
-    from ..io import atomic_write_json
-    atomic_write_json(path, {"schema": CACHE_SCHEMA, "fingerprint": fingerprint,
-                             "note": "exact local shapes measured on demand by `autopar plan` "
-                                     "(autopar.calibrate.ondemand); delete to re-measure",
-                             "exact": exact})
 
 
 def competitive_specs(table, choice: list[int], ratio: float = COMPETITIVE) -> list[dict]:
     """Conv/linear shape specs of each layer's chosen decomposition and of every kept choice
     within ``ratio`` of the layer's fastest (priced again with a spec log; no memo)."""
-    from ..decomp.base import CostContext
     ctx = table.ctx
     log: list[dict] = []
     c2 = CostContext(profile=ctx.profile, world=ctx.world, ranks_per_node=ctx.ranks_per_node,
@@ -123,7 +70,6 @@ def competitive_specs(table, choice: list[int], ratio: float = COMPETITIVE) -> l
             if i == ci or times[i] <= ratio * best:
                 d.cost(o.layer, c2)
     out: dict[str, dict] = {}
-    from .kernels import shape_key
     for s in log:
         if s.get("op") in ("conv", "linear"):
             out.setdefault(shape_key(s), s)
@@ -133,8 +79,6 @@ def competitive_specs(table, choice: list[int], ratio: float = COMPETITIVE) -> l
 def _measure_rank(rank, world, specs, budget_s, device, est_s, nominal_s=None):  # pragma: no cover - in child
     """Measure ``specs`` in order until the next one would overrun ``budget_s``; with the
     profile's nominal probe time, each stated at that speed of the machine (``speed``)."""
-    from .kernels import measure_exact, shape_key
-    from .speed import SpeedTrack, normalize_exact
     t0 = time.perf_counter()
     track = SpeedTrack(device) if nominal_s else None
     done: dict[str, dict] = {}
@@ -155,7 +99,6 @@ def _measure_rank(rank, world, specs, budget_s, device, est_s, nominal_s=None): 
 
 def _estimate_s(profile, spec: dict) -> float:
     """Seconds to measure ``spec`` (3 phases x (repeats + warm-up)) by the fitted model."""
-    from .kernels import spec_features
     try:
         cls, fl, by = spec_features(spec)
         t = sum(profile.kernel_time_s(c, fl, by, spec=spec) for c in
@@ -203,12 +146,9 @@ class OnDemand:
             return False
         budget = self.budget_s - self.spent_s
         prof = self.profile
-        from .kernels import shape_key
         todo = [s for s in competitive_specs(table, choice) if shape_key(s) not in prof.exact]
         if not todo:
             return False
-        from ..runtime.launch import run_ranks
-        from .run import _check_backend
         backend = self.base.fingerprint.get("backend") or "gloo"
         device = _check_backend(backend, 1)
         est = [_estimate_s(prof, s) for s in todo]
@@ -217,7 +157,6 @@ class OnDemand:
                  f"{sum(est):.1f} s; --no-measure skips; cached in {self.path})")
         t0 = time.perf_counter()
         import torch  # noqa: F401  (before forking)
-        from .speed import profile_nominal_s
         done, _ = run_ranks(_measure_rank, 1, (todo, budget, device, est, profile_nominal_s(self.base)),
                             backend=backend, timeout_s=max(budget, 0) * 2 + 60)[0]
         self.spent_s += time.perf_counter() - t0

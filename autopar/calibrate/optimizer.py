@@ -30,6 +30,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from ..profile.optimizer import add_optimizer_step, optimizer_fixed_s, optimizer_step_s  # noqa: F401  (its model)
+
 #: (tensors, elements per tensor): fixed-cost-bound, overhead-bound, mixed, bandwidth-bound
 SETS = ((4, 16), (96, 16), (32, 256), (48, 4096), (16, 65536), (4, 1 << 20))
 #: the sets judged but not fitted (held out), then fitted with the rest
@@ -104,21 +106,3 @@ def measure_optimizer_step(repeats: int = 15, device: str = "cpu") -> dict:
             "heldout_median_rel_err": float(np.median(err)), "heldout_max_rel_err": float(np.max(err))}
 
 
-def add_optimizer_step(profile, model: dict) -> None:
-    profile.kernels["optimizer_step"] = dict(model)
-
-
-def optimizer_step_s(profile, n_tensors: int, param_bytes: float) -> float | None:
-    """Measured update time of ``n_tensors`` tensors of ``param_bytes`` in all, without the
-    step's fixed share (``optimizer_fixed_s``); None when the profile has no measurement."""
-    k = profile.kernels.get("optimizer_step") if isinstance(getattr(profile, "kernels", None), dict) else None
-    if not k:
-        return None
-    return n_tensors * float(k["t0_s"]) + float(param_bytes) * float(k["s_per_byte"])
-
-
-def optimizer_fixed_s(profile) -> float:
-    """The optimizer step's fixed share, paid once per step whatever it updates (0 for a
-    profile that measured none: those fitted the update hot and without it)."""
-    k = profile.kernels.get("optimizer_step") if isinstance(getattr(profile, "kernels", None), dict) else None
-    return float(k.get("fixed_s", 0.0)) if k else 0.0

@@ -31,6 +31,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from ..artifacts import plan_from_decisions
+from ..cost.primitives import op_compute_s
+from ..decomp.ir import GraphInput, Layer, LayerGraphData, OpSpec
+from ..modelfile import ModelFile
+from ..runtime.comm import Comm
+from ..runtime.model import DistModel
+from ..runtime.native import _sum_hook
+from ..trace.tracer import trace_model
 
 N_OPS = 64
 #: ops per probe chain (``PROBES``)
@@ -38,7 +46,6 @@ PROBE_OPS = 32
 
 
 def _plan_for_chain(n_ops: int, shape: list[int]) -> dict:
-    from ..decomp.ir import GraphInput, Layer, LayerGraphData, OpSpec
     layers = []
     prev = "x"
     for i in range(n_ops):
@@ -68,9 +75,6 @@ def measure_runtime_overhead_s(repeats: int = 30, profile=None) -> float:
     beyond the fitted elementwise kernel model of ``profile`` when given (autograd-engine and
     dispatch work that kernel benchmarks miss), else beyond a plain torch chain."""
     import torch
-    from ..artifacts import plan_from_decisions
-    from ..runtime.comm import Comm
-    from ..runtime.model import DistModel
 
     shape = [2, 8]
     plan = _plan_for_chain(N_OPS, shape)
@@ -209,7 +213,6 @@ def _kernel_model_s(graph, profile) -> float:
     import copy
     from types import SimpleNamespace
 
-    from ..cost.primitives import op_compute_s
     prof = copy.copy(profile)
     prof.kernels = {c: k for c, k in profile.kernels.items() if c != "runtime_op"}
     ctx = SimpleNamespace(profile=prof, world=1, ranks_on_node=1, prefer_exact=False,
@@ -239,9 +242,6 @@ def _chain_time_s(graph, model, inputs, repeats: int) -> float:
     """Median seconds of one forward + backward of ``graph`` run op by op through a
     ``DistModel`` at world size 1 (every layer replicated, local batch-norm statistics)."""
     import torch
-    from ..artifacts import plan_from_decisions
-    from ..runtime.comm import Comm
-    from ..runtime.model import DistModel
     plan = {"world_size": 1, "graph": graph.to_json(),
             "layers": [{"layer": lay.index, "decomposition": {"kind": "replicate"}} for lay in graph.layers],
             "batch_norm": {"mode": "local", "group": int(graph.batch_size or 1)}}
@@ -273,8 +273,6 @@ def measure_runtime_overhead_by_family(profile, repeats: int = 20) -> tuple[dict
     from pathlib import Path
 
     import torch
-    from ..modelfile import ModelFile
-    from ..trace.tracer import trace_model
     probes = _probe_modules()
     out: dict[str, float] = {}
     native: dict[str, float] = {}
@@ -359,7 +357,6 @@ def measure_grad_reducer(repeats: int = REDUCER_REPEATS) -> dict | None:
     from scipy.optimize import nnls
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..runtime.native import _sum_hook
     if not dist.is_initialized() or dist.get_backend() != "gloo":
         return None
     group = dist.group.WORLD

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .profile import COLLECTIVES, OP_CLASSES, Profile
+from ..profile.profile import COLLECTIVES, OP_CLASSES, Profile
 
 
 def plot_fits(profile: Profile, out_dir) -> list[Path]:

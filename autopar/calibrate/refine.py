@@ -42,6 +42,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+from ..artifacts import load_plan
+from ..io import atomic_write_json
+from ..profile.profile import load_profile
 
 KINDS = ("exact", "drift", "blocking", "grad_sync")
 DEFAULT_KINDS = ("exact", "blocking", "grad_sync")
@@ -225,9 +228,6 @@ def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: st
                    out: str | Path | None = None, plans: list | None = None) -> Path:
     """Refine ``profile_path`` from one or several runs (run.json dicts); write the copy to
     ``out`` (default ``<profile>-refined.json``) and return its path."""
-    from ..artifacts import load_plan
-    from ..io import atomic_write_json
-    from .profile import load_profile
 
     runs = [runs] if isinstance(runs, dict) else list(runs)
     plan_objs = [load_plan(p) for p in (plans or [r["plan"] for r in runs])]

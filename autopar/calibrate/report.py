@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..io import atomic_write_text
-from .profile import COLLECTIVES, OP_CLASSES, Profile
+from ..profile.profile import COLLECTIVES, OP_CLASSES, Profile
+from .plots import plot_fits
 
 
 def _pct(x) -> str:
@@ -137,12 +138,12 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
     sigma = profile.samples.get("straggler_sigma") or {}
     if kappa:
         lines += ["", "Straggler wait at a synchronisation after t seconds of compute since the last one: "
-                  "min(kappa t, sigma sqrt(t)) (`calibrate.insitu.Straggler`): " +
+                  "min(kappa t, sigma sqrt(t)) (`profile.straggler.Straggler`): " +
                   ", ".join(f"{w} ranks kappa {float(k):.3f}" + (f", sigma {float(sigma[w]):.4f} s^0.5" if w in sigma else "")
                             for w, k in sorted(kappa.items(), key=lambda kv: int(kv[0]))) +
                   ("" if sigma else " (no sigma: the profile predates it, all compute is charged 1 + kappa)") + "."]
     lines += ["", "## Collectives", "",
-              "Time = a(p) alpha + b(p) bytes beta (terms per kind in `calibrate.profile`).", "",
+              "Time = a(p) alpha + b(p) bytes beta (terms per kind in `profile.schema`).", "",
               "| kind | level | p | alpha | beta (GB/s) | held-out median | held-out max | measured | source |",
               "|---|---|---|---|---|---|---|---|---|"]
     for kind in COLLECTIVES:
@@ -214,7 +215,6 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
 
 def write_report(profile: Profile, out_dir, profile_name: str = "profile") -> Path:
     """Write ``report.md`` and the fit plots into ``out_dir``; return the report's path."""
-    from .plots import plot_fits
     out_dir = Path(out_dir)
     plots = plot_fits(profile, out_dir)
     path = out_dir / "report.md"

@@ -32,8 +32,16 @@ from typing import Callable
 
 from ..errors import CalibrationError
 from . import collectives as coll
-from . import fit, kernels, speed
-from .profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint, save_profile
+from ..profile import fit
+from . import kernels, speed
+from ..profile.profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint, save_profile
+from ..profile.history import record
+from ..profile.profile import load_profile, require_measured_here
+from ..runtime.launch import run_ranks, start_method_for
+from .insitu import describe_step_costs, measure_step_costs
+from .overhead import (add_runtime_overhead, measure_grad_reducer, measure_runtime_overhead_by_family,
+                       measure_runtime_overhead_s)
+from .plots import plot_fits
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,6 @@ def _collective_rank(rank, world, kinds, sizes, repeats, warmup, device):
 # ---- driver -------------------------------------------------------------------------------
 
 def _overhead_rank(rank, world, prof):
-    from .overhead import measure_grad_reducer, measure_runtime_overhead_by_family, measure_runtime_overhead_s
     return (measure_runtime_overhead_s(profile=prof), *measure_runtime_overhead_by_family(prof),
             measure_grad_reducer())
 
@@ -302,7 +309,6 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     ``benchmarks/bench_calibration_caller.py`` (removed; git 172578b^)), and the prediction benchmark, which had
     calibrated that way, predicted its world-2 plans low.
     """
-    from ..runtime.launch import run_ranks
 
     t_start = time.perf_counter()
     if world_size < 1:
@@ -310,7 +316,6 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     device = _check_backend(backend, world_size)
     out = Path(out) if out is not None else default_output_path(backend)
     sw = sweep or (QUICK if quick else FULL)
-    from ..runtime.launch import start_method_for
     method = "spawn" if device == "cuda" else start_method_for(backend, start_method)
     import torch  # noqa: F401  (imported before forking, so that children start fast)
     import torch.distributed  # noqa: F401
@@ -425,12 +430,10 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     if backward:
         progress(f"{stamp()} measured backward (instead of 2 x forward), held-out median error: " + ", ".join(
             f"{c} {100 * (prof.kernels[c]['bwd_model']['heldout_median_rel_err'] or 0):.0f} %" for c in backward))
-    from .insitu import describe_step_costs, measure_step_costs
     steps = measure_step_costs(prof, world_size, iters=sw.insitu_iters, launch=launch,
                                worlds=sorted({2, world_size}) if quick and world_size >= 2 else None)
     progress(f"{stamp()} in-step costs (blocking-collective latency in situ, straggler factor, "
              f"optimizer): {describe_step_costs(steps)}")
-    from .overhead import add_runtime_overhead
     overhead_s, by_family, native_by_family, reducer = launch(_overhead_rank, 1, (prof,))[0]
     add_runtime_overhead(prof, overhead_s, by_family, native_by_family)
     progress(f"{stamp()} runtime per-op cost beyond the kernel model: {overhead_s * 1e6:.1f} us; per family "
@@ -446,8 +449,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     prof.provenance["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     prof.provenance["elapsed_kernels_collectives_s"] = round(elapsed, 1)
     save_profile(prof, out)
-    if device == "cpu":      # this machine's speed history (``calibrate.history``): CPU probes only
-        from .history import record
+    if device == "cpu":      # this machine's speed history (``profile.history``): CPU probes only
         record(speed_probe.get("nominal_s"), "calibrate")
     progress(f"{stamp()} wrote {out} (calibration took {prof.provenance['elapsed_s']:.1f} s; kernels and "
              f"collectives {elapsed:.1f} s of it)")
@@ -544,8 +546,6 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     machine (a datasheet profile, or one from another host, would mix two machines' numbers:
     CalibrationError). The updated profile replaces the old one atomically.
     """
-    from ..runtime.launch import run_ranks
-    from .profile import load_profile, require_measured_here
 
     path = Path(profile_path)
     prof = load_profile(path, check_machine=False)
@@ -604,8 +604,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     if a.plots:
-        from .plots import plot_fits
-        from .profile import load_profile
 
         for p in plot_fits(load_profile(path), a.plots):
             print(f"plot: {p}")

@@ -50,6 +50,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..profile.speed import profile_nominal_s  # noqa: F401  (the nominal this module measures)
+from .kernels import slowdown_kernel_set, time_fn
+
 #: runs of the probe per reading (the median is the reading): about 25 ms on this VM
 PROBE_REPEATS = 5
 #: seconds of measuring between two readings: the VM's phases last seconds; reading every
@@ -65,7 +68,6 @@ TIME_KEYS = ("median_s", "bwd_median_s")
 def probe_reading_s(device: str = "cpu", repeats: int = PROBE_REPEATS,
                     probe: Callable[[], None] | None = None) -> float:
     """One reading: the median seconds of ``repeats`` runs of the probe (after one warm-up)."""
-    from .kernels import slowdown_kernel_set, time_fn
     fn = probe or slowdown_kernel_set(device)
     return statistics.median(time_fn(fn, device, repeats=repeats, warmup=1, min_sample_s=0.0))
 
@@ -94,7 +96,6 @@ class SpeedTrack:
             self.readings_s.append(float(self.read()))
         else:
             if self._probe is None:
-                from .kernels import slowdown_kernel_set
                 self._probe = slowdown_kernel_set(self.device)
             self.readings_s.append(probe_reading_s(self.device, probe=self._probe))
         self._last = self.clock()
@@ -181,14 +182,6 @@ def speed_entry(readings_s, nominal_s: float | None = None) -> dict:
     return {"nominal_s": nominal, "readings_s": [_round(x) for x in vals],
             "spread": (max(vals) / min(vals) - 1.0) if vals else None,
             "probe": "kernels.slowdown_kernel_set", "repeats": PROBE_REPEATS}
-
-
-def profile_nominal_s(profile) -> float | None:
-    """The nominal probe time a profile's kernels are stated at (None: measured before the
-    probe existed, or not on this kind of machine; later measurements stay raw then)."""
-    entry = (getattr(profile, "samples", None) or {}).get("speed_probe") or {}
-    v = entry.get("nominal_s")
-    return float(v) if v else None
 
 
 def as_measured(profile) -> None:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..decomp.base import CostContext
+from ..modelfile import load_model_file
+from ..profile.keys import op_key, shape_key
+from ..profile.schema import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA
+from ..profile.profile import Profile
+from ..trace.cache import trace_cached
+from .table import build_cost_table
+
 
 def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | None = None,
                           ranks_per_node: int | None = None, profile=None,
                           kinds: list[str] | None = None) -> list[dict]:
-    from ..calibrate.kernels import shape_key
-    from ..decomp.base import CostContext
-    from ..modelfile import load_model_file
-    from ..trace.cache import trace_cached
-    from .table import build_cost_table
-
     if profile is None:
         profile = _neutral_profile()
     mf = load_model_file(model)
@@ -31,7 +33,6 @@ def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | 
                       ranks_per_node=ranks_per_node or world_size, batch_size=batch,
                       prefer_exact=False, spec_log=log)
     build_cost_table(graph, ctx, kinds=kinds, prune=False)
-    from ..calibrate.exact_ops import op_key
     seen: dict[str, dict] = {}
     for spec in log:
         seen.setdefault(op_key(spec) if spec["op"] == "generic" else shape_key(spec), spec)
@@ -41,7 +42,6 @@ def exact_specs_for_model(model: str | Path, world_size: int, batch_size: int | 
 def _neutral_profile():
     """Round numbers: which shapes are asked for does not depend on the timings (pricing runs
     unpruned), so enumeration needs no calibrated profile."""
-    from ..calibrate.profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile
     kernels = {c: {"t0_s": 1e-6, "s_per_flop": 1e-10, "s_per_byte": 1e-10} for c in OP_CLASSES}
     coll = {k: {lvl: {"2": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}} for lvl in ("intra", "inter")}
             for k in COLLECTIVES}

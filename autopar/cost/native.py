@@ -34,8 +34,12 @@ reducer, which the native runtime uses, and charged the same to the op-by-op run
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from .primitives import _compute_slowdown, overhead_shares, runtime_overhead_s
+from .table import native_choice, plan_grad_reducer_s  # noqa: F401  (native_choice: the data-parallel plan this prices)
 
 
 @dataclass(frozen=True)
@@ -59,25 +63,6 @@ class RuntimeChoice:
                 "ops": self.n_ops, "reason": self.reason}
 
 
-def native_choice(table) -> list[int] | None:
-    """The pure data-parallel assignment of ``table``: per layer the option ``sample(P)`` over
-    the whole world, or ``replicate`` for a batch-free layer; None when a layer has neither."""
-    from ..decomp.ir import batch_free_layers
-    world = table.ctx.world
-    if world <= 1:
-        return None
-    free = batch_free_layers(table.graph)
-    out = []
-    for lay, o in zip(table.graph.layers, table.layers):
-        want = "replicate" if lay.index in free else "sample"
-        idx = [i for i, d in enumerate(o.choices)
-               if d.kind == want and (want == "replicate" or getattr(d, "parts", None) == world)]
-        if not idx:
-            return None
-        out.append(idx[0])
-    return out
-
-
 def runs_native(table, choice: list[int]) -> bool:
     """True when ``choice`` is the native data-parallel assignment (module docstring)."""
     nat = native_choice(table)
@@ -87,7 +72,6 @@ def runs_native(table, choice: list[int]) -> bool:
 def choose_runtime(table, choice: list[int], evaluate, memory_limit_bytes: float | None) -> tuple[RuntimeChoice, Any]:
     """(the runtime decision, the StepPrediction of its choice) for the ILP's ``choice``
     (module docstring); ``evaluate`` is ``cost.table.evaluate``."""
-    from .table import plan_grad_reducer_s
     gaps = layer_gaps_s(table)
     gap = sum(f + b for f, b in gaps)
     n_ops = sum(len(lay.ops) for lay in table.graph.layers)
@@ -123,7 +107,6 @@ def layer_gaps_s(table) -> list[tuple[float, float]]:
     """Per layer: (forward, backward) seconds of per-op runtime work the op-by-op runtime pays
     beyond the native module (module docstring), on the slowest rank, in the shares
     ``op_compute_s`` charges (``primitives.overhead_shares``)."""
-    from .primitives import _compute_slowdown, overhead_shares, runtime_overhead_s
     prof = table.ctx.profile
     slow = _compute_slowdown(table.ctx)
     out = []
@@ -141,7 +124,6 @@ def layer_gaps_s(table) -> list[tuple[float, float]]:
 def _native_prediction(table, choice: list[int], evaluate, gaps: list[tuple[float, float]]):
     """``evaluate`` of ``choice`` with every layer's compute less its gap (forward and
     backward shares, as the per-op work is priced)."""
-    import dataclasses
     layers = list(table.layers)
     for l, ci in enumerate(choice):
         o, (df, db) = layers[l], gaps[l]

@@ -11,7 +11,7 @@ On shared cores the wait after t seconds of compute since the last synchronisati
 
     wait(t) = min(kappa * t, sigma * sqrt(t))
 
-(``calibrate.insitu.Straggler``: linear over short segments, then growing as the square
+(``profile.straggler.Straggler``: linear over short segments, then growing as the square
 root; with 4 ranks on 2 cores 3 ms after 15 ms of compute, 32 ms after 543 ms). A layer choice
 pays ``wait`` of each phase in which it issues a blocking collective (``fwd_comm_s`` /
 ``bwd_comm_s`` > 0), added to that phase's comm. The compute of phases that synchronise nothing
@@ -35,7 +35,7 @@ and bytes moved, pooling by output elements x window size (as the calibrator cou
 attention ``4 B H L S D``; gathers and scatters by elements moved. Backward is priced at twice
 forward unless the family names backward classes (convolution) or the class's sweep timed the
 family's own backward (``OpFamily.sweep_backward``) and the profile fitted it (``bwd_model``,
-``calibrate.fit.add_backward_models``): matmul, whose memory-bound shapes, e.g. NNConv's
+``profile.fit.add_backward_models``): matmul, whose memory-bound shapes, e.g. NNConv's
 per-edge products, take 3-6x their forward backward; max pooling, whose backward scatters
 into zeros at a tenth of its forward; batch norm. A family's class missing from an older
 profile falls back to the family's ``fallback_class``. Views cost nothing.
@@ -63,12 +63,12 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..calibrate.exact_ops import op_key, op_spec
-from ..calibrate.insitu import Straggler
-from ..calibrate.kernels import shape_key
-from ..decomp.ir import OpSpec, has_backward, takes_input_grad
+from ..decomp.ir import OpSpec, has_backward, not_data_parallel, takes_input_grad
 from ..ops import family_of, kernel_class_for
 from ..ops.conv import conv_flops  # noqa: F401  (kept importable here)
+from ..profile.features import elementwise_features
+from ..profile.keys import op_key, op_spec, shape_key
+from ..profile.straggler import Straggler
 
 PHASES = ("fwd", "bwd_data", "bwd_filter")
 
@@ -89,7 +89,7 @@ def _shape_key(spec: dict) -> str:
 
 def _kernel_s(prof, op_class: str, fl: float, by: float, spec: dict) -> float:
     """The profile's kernel model; with the op's shape ``spec`` where the class has a
-    shape-aware model (``calibrate.kernels.conv_shape_features``)."""
+    shape-aware model (``profile.features.conv_shape_features``)."""
     k = prof.kernels.get(op_class) if isinstance(getattr(prof, "kernels", None), dict) else None
     if isinstance(k, dict) and k.get("shape_model"):
         return prof.kernel_time_s(op_class, fl, by, spec=spec)
@@ -262,7 +262,6 @@ def copy_s(ctx, numel: int, itemsize: int = 4) -> float:
     """One elementwise pass that reads and writes ``numel`` elements (a layout copy: a
     transpose made contiguous), by the profile's elementwise kernel model, slowed down like all
     local compute."""
-    from ..calibrate.kernels import elementwise_features
     fl, by = elementwise_features(int(numel), 2)
     return ctx.profile.kernel_time_s("elementwise", fl, by * itemsize / 4) * _compute_slowdown(ctx)
 
@@ -329,7 +328,6 @@ def runtime_overhead_applies(graph, decisions, world: int, batch_norm=None, batc
     run on a block) is not checked: such a plan runs traced although this says False, so a
     caller pricing it natively under-prices it by ``plan_runtime_overhead_s``. At world 1 the
     same holds with ``sample(1)``. Imports no runtime module."""
-    from ..decomp.ir import not_data_parallel
     if not_data_parallel(graph, decisions, world) is not None:
         return True
     for gi in graph.inputs:
@@ -392,7 +390,7 @@ def _nearest_measured(table: dict, ranks_on_node: int) -> float:
 
 
 def straggler(prof, ranks_on_node: int) -> float:
-    """kappa of ``calibrate.insitu.Straggler`` for the nearest measured number of ranks
+    """kappa of ``profile.straggler.Straggler`` for the nearest measured number of ranks
     running: ranks that synchronise wait for the slowest, about kappa seconds per second of
     compute between synchronisations; 0 when not measured (dedicated devices)."""
     table = _samples(prof).get("straggler_kappa")
@@ -412,7 +410,7 @@ def comm_interference(prof, ranks_on_node: int) -> float:
 
 
 def straggler_sigma(prof, ranks_on_node: int) -> float | None:
-    """sigma (s^0.5) of ``calibrate.insitu.Straggler`` for the nearest measured number
+    """sigma (s^0.5) of ``profile.straggler.Straggler`` for the nearest measured number
     of ranks running: the wait for the slowest grows as ``sigma sqrt(t)`` over long stretches of
     compute; None when the profile was measured before sigma (or measured no straggler)."""
     table = _samples(prof).get("straggler_sigma")

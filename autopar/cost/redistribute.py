@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..decomp.redistribute import COLLECTIVES, Step
+from .primitives import blocking_s
 
 ADJOINT = {"allreduce": "allreduce", "reduce_scatter": "allgather", "allgather": "reduce_scatter",
            "all_to_all": "all_to_all"}
@@ -40,7 +41,6 @@ def step_level(step: Step, ctx) -> str:
 def step_s(step: Step, ctx, itemsize: int, level: str | None = None,
            nbytes: float | None = None) -> tuple[float, float]:
     """(forward s, backward s) of one step (``level``, ``nbytes``: already known to the caller)."""
-    from .primitives import blocking_s
     if not isinstance(step, COLLECTIVES):
         return 0.0, 0.0
     p = step.p

@@ -30,14 +30,19 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..calibrate.optimizer import optimizer_fixed_s, optimizer_step_s
 from ..decomp import REGISTRY
 from ..decomp.base import CostContext, Decomposition, LayerCost
 from ..decomp.buckets import layer_buckets
 from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
 from ..decomp.transition import EXACT_WORLD, transition_s
+from ..profile.optimizer import optimizer_fixed_s, optimizer_step_s
 from .primitives import (StragglerCharge, comm_interference, grad_reducer_fixed_s, grad_reducer_s, straggler_charge,
                          unsynced_compute_s)
+from ..decomp.base import memo_lookup, record_levels
+from ..decomp.ir import batch_free_layers
+from ..decomp.layout import loss_layout_for
+from ..errors import IllegalDecomposition
+from .primitives import _samples
 
 
 @dataclass
@@ -150,9 +155,9 @@ def pricing_profile(profile):
     return prof
 
 
-def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> float:
+def layer_optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> float:
     """SGD-with-momentum update of the layer's ``n_tensors`` local parameter tensors: measured
-    per tensor and per byte when the profile has ``optimizer_step`` (``calibrate.optimizer``),
+    per tensor and per byte when the profile has ``optimizer_step`` (``profile.optimizer``),
     else ~4 flops and ~5 words per element of the elementwise kernel fit."""
     if cost.param_bytes <= 0:
         return 0.0
@@ -165,7 +170,7 @@ def _optimizer_step_s(cost: LayerCost, ctx: CostContext, n_tensors: int = 1) -> 
 
 def _optimizer_scale(ctx: CostContext) -> float:
     """What a measured optimizer time is multiplied by: the slowdown of the ranks sharing the
-    node and the machine's speed factor (``calibrate.history``)."""
+    node and the machine's speed factor (``profile.history``)."""
     return ctx.profile.slowdown(ctx.ranks_on_node) * getattr(ctx, "speed_factor", 1.0)
 
 
@@ -287,7 +292,7 @@ def layer_options(layer: Layer, ctx: CostContext, kinds: list[str] | None = None
     for k, c in enumerate(costs):
         t = opt_s.get(c.param_bytes)
         if t is None:
-            t = opt_s[c.param_bytes] = _optimizer_step_s(c, ctx, n_params)
+            t = opt_s[c.param_bytes] = layer_optimizer_step_s(c, ctx, n_params)
         costs[k] = replace(c, optim_step_s=t)
     return LayerOptions(layer, choices, costs, illegal, keys, illegal_decs)
 
@@ -360,8 +365,6 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
     individual candidates (e.g. spatial splits with a sample factor, for a spatial-only plan).
     ``edges=False`` leaves the transitions to ``CostTable.ensure_edges`` (the placement search
     prices them only for the placements it solves)."""
-    from ..decomp.ir import batch_free_layers
-    from ..errors import IllegalDecomposition
     opts = []
     by_sig: dict[str, LayerOptions] = {}
     memo = ctx.cost_memo   # the placement search's (decomp.base.price_once), shared by its tables
@@ -416,7 +419,6 @@ def _price_loss_move(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
     backward, like any transition (``transition_s``). A choice that computes the loss in place
     (``loss_in_place``: ``vocab_head``) prices its own loss. New option objects: the priced
     ones may be shared with repeated layers and other placements."""
-    from ..decomp.layout import loss_layout_for
     prod = graph.producer()
     li = prod.get(graph.output)
     if li is None:
@@ -482,7 +484,6 @@ def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions],
     rank, as ``price_stragglers`` charges its closing wait), so that the ILP, the dynamic
     program's bounds and ``evaluate`` all count it. Nothing changes for a profile that did not
     measure the reducer, or at world 1. New option objects."""
-    from .primitives import _samples
     if ctx.world < 2 or not opts or not _samples(ctx.profile).get("grad_reducer"):
         return opts
     out = []
@@ -495,7 +496,7 @@ def price_grad_reducer(ctx: CostContext, opts: list[LayerOptions],
 
 def price_optimizer_fixed(ctx: CostContext, opts: list[LayerOptions],
                           topo: list[int] | None = None) -> list[LayerOptions]:
-    """The optimizer step's fixed share (``calibrate.optimizer.optimizer_fixed_s``: once per
+    """The optimizer step's fixed share (``profile.optimizer.optimizer_fixed_s``: once per
     step, whatever the step updates) added to the update of every choice of the first layer in
     execution order, at the local compute's slowdown, so that the ILP, the dynamic program's
     bounds and ``evaluate`` all count it (the same for every plan, it never changes a choice).
@@ -520,10 +521,9 @@ def price_stragglers(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
     """The straggler wait (``cost.primitives``, ``StragglerCharge``) added to every choice, and
     its closing wait to every choice of the first layer in execution order (whose backward ends
     the step), so that the ILP, the solvers' bounds and ``evaluate`` all count it; linearised at
-    the unsynchronised compute of the pure data-parallel plan (``cost.native.native_choice``),
+    the unsynchronised compute of the pure data-parallel plan (``native_choice``),
     or, where there is none, of the plan of each layer's least compute. New option objects, as
     ``_price_loss_move``. Returns the options and the charge (None: nothing to add)."""
-    from .native import native_choice
     if ctx.world < 2 or not opts:
         return opts, None
     probe = CostTable(graph, ctx, opts, None, topo=topo or [lay.index for lay in graph.layers])
@@ -539,6 +539,24 @@ def price_stragglers(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
     if charge.closing_s > 0:
         out = _charge_first_layer(out, topo or [lay.index for lay in graph.layers], bwd_comm_s=charge.closing_s)
     return out, charge
+
+
+def native_choice(table) -> list[int] | None:
+    """The pure data-parallel assignment of ``table``: per layer the option ``sample(P)`` over
+    the whole world, or ``replicate`` for a batch-free layer; None when a layer has neither."""
+    world = table.ctx.world
+    if world <= 1:
+        return None
+    free = batch_free_layers(table.graph)
+    out = []
+    for lay, o in zip(table.graph.layers, table.layers):
+        want = "replicate" if lay.index in free else "sample"
+        idx = [i for i, d in enumerate(o.choices)
+               if d.kind == want and (want == "replicate" or getattr(d, "parts", None) == world)]
+        if not idx:
+            return None
+        out.append(idx[0])
+    return out
 
 
 def _count_tied_once(opts: list[LayerOptions], ctx: CostContext) -> list[LayerOptions]:
@@ -583,7 +601,6 @@ def _layer_options_once(memo: dict, sig: str, lay: Layer, ctx: CostContext, kind
     link level of every group its pricing asked about (as ``decomp.base.price_once`` does per
     call): a placement that leaves all those levels as they were gets the same options without
     walking its candidates again."""
-    from ..decomp.base import memo_lookup, record_levels
     key = ("layer options", sig, tuple(kinds) if kinds is not None else None, prune, id(choice_filter))
     hit = memo_lookup(memo, ctx, memo.get(key))
     if hit is not None:

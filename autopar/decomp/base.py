@@ -171,7 +171,7 @@ class CostContext:
     ``placement`` itself: the placement search's memo (``price_once``) relies on it.
     """
 
-    profile: Any                      # autopar.calibrate.profile.Profile
+    profile: Any                      # autopar.profile.Profile
     world: int
     ranks_per_node: int
     optimizer_state_per_param: float = 1.0   # SGD with momentum: 1 copy; Adam: 2
@@ -194,7 +194,7 @@ class CostContext:
     # (the vocabulary-parallel loss of ``tensor_parallel.vocab.VocabHead`` is possible); None else
     loss_output: str | None = None
     # every local compute time is multiplied by this: the machine's usual speed against the
-    # one the profile's kernels are stated at (``calibrate.history``); 1.0 prices as measured
+    # one the profile's kernels are stated at (``profile.history``); 1.0 prices as measured
     speed_factor: float = 1.0
     # price every op as run inside the user's module (``runtime.native``), not op by op:
     # ``cost.primitives.runtime_overhead_s(..., native=True)``

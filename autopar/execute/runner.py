@@ -270,7 +270,7 @@ def speed_note(plan: Plan, probe_s: float | None) -> dict[str, Any]:
     timing: the reading, the profile's nominal one and their ratio (> 1: the machine ran
     slower than when the profile's kernels were measured, by the probe), and the reading the
     plan's compute was priced at (the nominal, or where the plan used the speed history the
-    reading between it and the machine's usual one, ``calibrate.history``) with the ratio to it;
+    reading between it and the machine's usual one, ``profile.history``) with the ratio to it;
     {} without both."""
     nominal = plan.calibration.get("speed_probe_nominal_s")
     if not probe_s or not nominal:
@@ -309,8 +309,8 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
                         backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
     # the probe read after the timed steps joins this machine's speed history, which only plans
-    # made with ``--speed-history`` read (``calibrate.history``)
-    from ..calibrate.history import record
+    # made with ``--speed-history`` read (``profile.history``)
+    from ..profile.history import record
     record(results[0].get("speed_probe_s"), "execute")
     for note in run.notes:
         progress(note)

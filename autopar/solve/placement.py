@@ -151,7 +151,7 @@ def levels_price_alike(profile) -> bool:
     ``collectives[kind][level]``, and for every kind both levels hold the same group sizes
     with the same ``alpha_s`` and ``beta_s_per_byte``. Anything else (another profile class,
     a level missing, any constant differing): False, and the search prices every placement."""
-    from ..calibrate.profile import LEVELS, Profile
+    from ..profile.profile import LEVELS, Profile
     impl = getattr(profile, "_collective_impl", None) or getattr(profile, "collective_time_s", None)
     if getattr(impl, "__func__", None) is not Profile.collective_time_s:
         return False

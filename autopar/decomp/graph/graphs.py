@@ -12,8 +12,8 @@ rank then runs the user's own module on its sub-batch (``runtime.native``, as a 
 whole batch, because message passing never crosses a graph boundary and pooling is per graph.
 
 It is a *plan-level* alternative, not a per-layer choice: the ILP never sees it
-(``candidates`` is empty). ``graphs_alternative`` prices it against the ILP's best op-by-op
-plan after the solve (``autopar.pipeline.make_plan``) and the cheaper one is kept; plan.json
+(``candidates`` is empty). ``cost.graphs.graphs_alternative`` prices it against the ILP's best
+op-by-op plan after the solve (``autopar.pipeline.make_plan``) and the cheaper one is kept; plan.json
 records both predictions under ``solver.graph_parallel``. Which inputs are node, edge, index
 and batch vectors comes from the tracer's marks (``autopar.trace.graph_items``), not from the
 model file; the run-time split is ``autopar.runtime.graphs.split_graph_batch``.
@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import AutoparError
 from ..base import CostContext, Decomposition, LayerCost, register
 from ..common import price_replicated_weights
 from ..ir import BATCH_NORM, REGISTERED, Layer, LayerGraphData
@@ -149,7 +150,7 @@ class Graphs(Decomposition):
 
     @classmethod
     def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
-        return []          # plan-level only: ``graphs_alternative``
+        return []          # plan-level only: ``cost.graphs.graphs_alternative``
 
     def check(self, layer: Layer, ctx: CostContext) -> str | None:
         if self.parts != ctx.world:
@@ -166,7 +167,6 @@ class Graphs(Decomposition):
         return graphs_cost(self, layer, ctx)
 
     def run(self, comm, layer, op, inputs, params, buffers):
-        from ...errors import AutoparError
         raise AutoparError(f"graphs({self.parts}) runs the user's module natively, not op by op "
                            f"({op.name})", "run the plan with AUTOPAR_NATIVE unset (the native path)")
 
@@ -198,62 +198,3 @@ def _native_ctx(ctx: CostContext) -> CostContext:
     """``ctx`` that prices every op as run inside the user's module (``native_runtime``: the
     per-op runtime work of ``runtime_op``'s native table, ``cost.primitives``)."""
     return dataclasses.replace(ctx, native_runtime=True, cost_memo=None)
-
-
-@dataclass(frozen=True)
-class GraphAlternative:
-    """The graph-parallel plan's table and prediction, or why it is illegal."""
-    parts: int
-    table: Any = None
-    prediction: Any = None
-    illegal: str | None = None
-    roles: GraphRoles | None = None
-    shares: dict[str, float] | None = None     # the largest rank's node / edge fractions priced
-
-
-def graphs_alternative(graph: LayerGraphData, ctx: CostContext, table,
-                       memory_limit_bytes: float | None, shares=None) -> GraphAlternative:
-    """Price ``graphs(world)`` for every layer (module docstring) as a one-choice cost table on
-    ``table``'s layer order and gradient buckets, evaluated like the ILP's plans
-    (``cost.table.evaluate``); ``illegal`` says why not when it cannot run. ``shares``: None
-    (the mean share), or a function of the roles giving the largest rank's node / edge
-    fractions of an actual batch (``graphs_cost``)."""
-    from ...cost.table import (CostTable, LayerOptions, _optimizer_step_s, evaluate, layer_param_tensors,
-                               price_grad_reducer, price_optimizer_fixed, price_stragglers)
-    p = ctx.world
-    roles, why = graph_roles(graph)
-    if roles is None:
-        return GraphAlternative(p, illegal=why)
-    b = roles.graphs
-    if p < 2:
-        return GraphAlternative(p, illegal="world size 1", roles=roles)
-    if b < p:
-        return GraphAlternative(p, illegal=f"{b} graphs < {p} ranks (some rank would hold no graph)", roles=roles)
-    if b % p:
-        return GraphAlternative(p, illegal=f"{b} graphs do not split evenly over {p} ranks", roles=roles)
-    dec = Graphs(p, b)
-    fractions = None
-    if shares is not None:
-        try:
-            fractions = shares(roles)
-        except Exception:  # noqa: BLE001 - no batch to measure: the mean share
-            fractions = None
-    opts = []
-    for lay in graph.layers:
-        why = dec.check(lay, ctx)
-        if why:
-            return GraphAlternative(p, illegal=f"layer {lay.index} ({lay.module or lay.name}): {why}",
-                                    roles=roles)
-        c = dec.cost(lay, ctx) if fractions is None else graphs_cost(dec, lay, ctx, fractions)
-        c = dataclasses.replace(c, optim_step_s=_optimizer_step_s(c, ctx, layer_param_tensors(lay)))
-        opts.append(LayerOptions(lay, [dec], [c]))
-    opts = price_grad_reducer(ctx, opts, list(table.topo))   # the native runtime's reducer, as every plan pays it
-    opts = price_optimizer_fixed(ctx, opts, list(table.topo))
-    opts, charge = price_stragglers(graph, ctx, opts, list(table.topo))
-    gt = CostTable(graph, ctx, opts, None, list(table.topo), table.buckets, straggle=charge)
-    pred = evaluate(gt, [0] * len(opts))
-    if memory_limit_bytes is not None and pred.memory_per_rank_bytes > memory_limit_bytes:
-        return GraphAlternative(p, gt, pred, illegal=f"{pred.memory_per_rank_bytes / 2**20:.2f} MiB per rank "
-                                f"over the memory limit {memory_limit_bytes / 2**20:.2f} MiB", roles=roles,
-                                shares=fractions)
-    return GraphAlternative(p, gt, pred, roles=roles, shares=fractions)

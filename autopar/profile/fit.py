@@ -22,18 +22,21 @@ Held-out error: the samples (one per size) are split with a fixed seed into a ra
 fitting and 30% for testing; the median and max of ``|pred - t| / t`` on the test part are
 stored. The stored coefficients are then refitted on all samples.
 
-The model forms live in :mod:`autopar.calibrate.profile` (``collective_terms`` and
-``Profile.kernel_time_s``) so that prediction and fit share one formula.
+The model forms live in :mod:`autopar.profile.schema` (``collective_terms``),
+:mod:`autopar.profile.features` and ``Profile.kernel_time_s`` so that prediction and fit share
+one formula. Pure: numpy and scipy, no torch, no measurement (``calibrate`` measures the rows).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .profile import collective_terms
+from .features import CONV_SHAPE_FORM, conv_cpu_path, conv_model_features, conv_native_features, conv_shape_features
+from .schema import collective_terms
 
 HELDOUT_SEED = 20261130
 TRAIN_FRACTION = 0.7
@@ -140,7 +143,7 @@ def fit_collective(kind: str, group_size: int, nbytes: Sequence[float], times_s:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, **r}
 
 
-#: fewest native-path rows (``kernels.conv_cpu_path``) for ``conv_shape/2``'s native sub-model
+#: fewest native-path rows (``features.conv_cpu_path``) for ``conv_shape/2``'s native sub-model
 MIN_NATIVE_ROWS = 8
 
 
@@ -150,11 +153,10 @@ def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = 
     every other fit (one 70/30 split of all rows, then a refit on all).
 
     ``split_paths`` (a CPU profile) with at least ``MIN_NATIVE_ROWS`` rows on torch's native
-    path (``kernels.conv_cpu_path``): ``conv_shape/3``, ``coef`` over ``conv_model_features``
+    path (``features.conv_cpu_path``): ``conv_shape/3``, ``coef`` over ``conv_model_features``
     fitted on the oneDNN rows and ``native`` over ``conv_native_features`` on the native rows
     (the held-out error pools both test parts), kept where its held-out median error is below
     that of one model on all rows (as ``conv_shape/1`` fitted it, ``native`` None), else that."""
-    from .kernels import CONV_SHAPE_FORM, conv_cpu_path, conv_model_features, conv_native_features
     X = np.array([conv_model_features(s) for s in specs], dtype=float)
     t = np.asarray(times_s, dtype=float)
     nat = np.array([split_paths and conv_cpu_path(s) == "native" for s in specs], dtype=bool)
@@ -193,14 +195,12 @@ def fit_conv_shape(specs: Sequence[dict], times_s: Sequence[float], seed: int = 
 
 def _flat_heldout(specs: Sequence[dict], times: Sequence[float]) -> float | None:
     """Held-out median error of the flat roofline on the same rows and split."""
-    from .kernels import conv_shape_features
     X = np.array([conv_shape_features(s)[:3] for s in specs], dtype=float)
     return fit_with_heldout(X, times)["heldout_median_rel_err"]
 
 
 def conv_spec_from_key(key: str) -> dict | None:
-    """The conv shape spec of an exact-shape key (``kernels.shape_key``), or None."""
-    import re
+    """The conv shape spec of an exact-shape key (``keys.shape_key``), or None."""
     m = re.fullmatch(r"conv(\d)d x=(\S+) w=(\S+) s=(\S+) p=(\S+) d=(\S+) g=(\d+)", key)
     if not m:
         return None
