@@ -177,14 +177,11 @@ def first_line(e: BaseException | str) -> str:
 
 
 def _rank_error(e: BaseException) -> str:
-    """The root cause of a ``RankFailure`` (its message quotes the failing rank's traceback):
-    the last 'SomeError: ...' line of the first rank's traceback, else the first line."""
-    text = str(e)
-    cands = [ln.strip() for ln in text.splitlines()
-             if ln.strip() and not ln.startswith(" ") and ("Error" in ln.split(":")[0] or "Exception" in ln.split(":")[0])]
-    if cands:
-        return first_line(f"{type(e).__name__}: " + cands[-1] if not cands[-1].startswith(type(e).__name__) else cands[-1])
-    return first_line(e)
+    """A ``RankFailure`` in short: 'rank R: <its error's first line>' (without the list of
+    stopped ranks and the hint that follow it)."""
+    import re
+    m = re.match(r"rank (\d+)(?: \([^)]*\))? failed: (.*?); ranks that stopped", str(e), re.S)
+    return first_line(f"rank {m.group(1)}: {m.group(2)}") if m else first_line(e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +230,9 @@ def _innermost(e: BaseException) -> str:
             return _innermost(inner)
     lines = [ln.strip() for ln in str(e).splitlines()]
     causes = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Mismatch|Failed)\b.*:", ln)]
-    return first_line(causes[-1]) if causes else first_line(e)
+    if causes and causes[-1] != lines[0]:
+        return first_line(causes[-1])
+    return first_line(e)
 
 
 def _explained(fn):
@@ -244,7 +243,9 @@ def _explained(fn):
     def run(*a, **kw):
         try:
             return fn(*a, **kw)
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:     # DCP's CheckpointException is a BaseException
             why = _innermost(e)
             if why.startswith(type(e).__name__):
                 raise
