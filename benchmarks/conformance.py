@@ -857,8 +857,9 @@ def render(cache: dict[str, Any]) -> str:
         worlds = sorted({int(k.split("|")[2][1:]) for k in cells if k.startswith(m + "|")})
         head = "| row | " + " | ".join(f"w{w} {c[:4] if c != 'checkpoint' else 'ckpt'}" for w in worlds for c in CHECKS) + " |"
         lines += [head, "|---" * (1 + len(worlds) * len(CHECKS)) + "|"]
-        notes: dict[str, int] = {}
-        note_lines: list[str] = []
+        # one note per (row, reason): the worlds (and, for failures, checks) it holds for
+        notes: dict[tuple, list[str]] = {}
+        table_rows = []
         for row in rows_order:
             if not any(cell_key(m, row, w, c) in cells for w in worlds for c in CHECKS):
                 continue
@@ -871,19 +872,22 @@ def render(cache: dict[str, Any]) -> str:
                         continue
                     sym = SYMBOL.get(cell["status"], cell["status"])
                     if cell["status"] in ("not_legal", "fail", "not_run"):
-                        text = f"w{w} {row}: {cell['detail']}"
-                        if cell["status"] != "not_legal":
-                            text = f"w{w} {row} {c}: {cell['detail']}"
-                            if cell["status"] == "fail":
-                                failing.append(f"{m} | {row} | w{w} | {c}: {cell['detail']}")
-                        if text not in notes:
-                            notes[text] = len(notes) + 1
-                            note_lines.append(f"{notes[text]}. {text}")
-                        sym += f" [{notes[text]}]"
+                        key = (row, cell["status"], cell["detail"])
+                        where = notes.setdefault(key, [])
+                        tag = f"w{w}" if cell["status"] == "not_legal" else f"w{w} {c}"
+                        if tag not in where:
+                            where.append(tag)
+                        if cell["status"] == "fail":
+                            failing.append(f"{m} | {row} | w{w} | {c}: {cell['detail']}")
+                        sym += f" [{list(notes).index(key) + 1}]"
                     out.append(sym)
-            lines.append(f"| {row} | " + " | ".join(out) + " |")
-        if note_lines:
-            lines += ["", "Notes:", ""] + note_lines
+            table_rows.append(f"| {row} | " + " | ".join(out) + " |")
+        lines += table_rows
+        if notes:
+            lines += ["", "Notes:", ""]
+            for i, ((row, status, detail), where) in enumerate(notes.items(), 1):
+                what = {"not_legal": "not legal", "fail": "FAIL", "not_run": "not run"}[status]
+                lines.append(f"{i}. {row} ({', '.join(where)}), {what}: {detail}")
         planned = {}
         for k, c in cells.items():
             if k.startswith(m + "|") and c.get("note"):

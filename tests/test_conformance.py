@@ -78,7 +78,7 @@ def test_report_counts_and_notes_what_the_cache_holds():
     }
     md = cf.render({"cells": cells, "commands": [{"when": "t", "command": "python benchmarks/conformance.py"}]})
     assert "**4 cells: 1 pass, 1 not legal, 1 fail, 1 n/a.**" in md
-    assert "w2 head: no layer offers head" in md
+    assert "head (w2), not legal: no layer offers head" in md
     assert "resnet2d | channel | w2 | loop: IndexError: tuple index" in md     # the failing-cells list
     assert "python benchmarks/conformance.py" in md
     row = next(ln for ln in md.splitlines() if ln.startswith("| channel |"))
