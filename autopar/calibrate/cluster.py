@@ -56,9 +56,8 @@ from typing import Callable, Sequence
 from ..errors import CalibrationError
 from . import collectives as coll
 from ..profile import fit
-from ..profile.profile import SIMULATED
-from ..profile.profile import (COLLECTIVES, PROFILE_SCHEMA, Profile, current_fingerprint, load_profile,
-                               save_profile)
+from ..profile.profile import (COLLECTIVES, PROFILE_SCHEMA, Profile, SIMULATED, current_fingerprint,
+                               load_profile, save_profile)
 from .run import FULL, QUICK, TINY
 LADDER_ALL_UP_TO = 8  # up to this many ranks (nodes), every group size; beyond, powers of two
 

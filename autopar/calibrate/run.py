@@ -31,12 +31,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CalibrationError
-from . import collectives as coll
+from . import collectives as coll, kernels, speed
 from ..profile import fit
-from . import kernels, speed
-from ..profile.profile import COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint, save_profile
+from ..profile.profile import (COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint,
+                               load_profile, require_measured_here, save_profile)
 from ..profile.history import record
-from ..profile.profile import load_profile, require_measured_here
 from ..runtime.launch import run_ranks, start_method_for
 from .insitu import describe_step_costs, measure_step_costs
 from .overhead import (add_runtime_overhead, measure_grad_reducer, measure_runtime_overhead_by_family,

@@ -31,18 +31,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..decomp import REGISTRY
-from ..decomp.base import CostContext, Decomposition, LayerCost
+from ..decomp.base import CostContext, Decomposition, LayerCost, memo_lookup, record_levels
 from ..decomp.buckets import layer_buckets
-from ..decomp.ir import PARAMETRIC, Layer, LayerGraphData
+from ..decomp.ir import Layer, LayerGraphData, PARAMETRIC, batch_free_layers
 from ..decomp.transition import EXACT_WORLD, transition_s
 from ..profile.optimizer import optimizer_fixed_s, optimizer_step_s
-from .primitives import (StragglerCharge, comm_interference, grad_reducer_fixed_s, grad_reducer_s, straggler_charge,
-                         unsynced_compute_s)
-from ..decomp.base import memo_lookup, record_levels
-from ..decomp.ir import batch_free_layers
+from .primitives import (StragglerCharge, _samples, comm_interference, grad_reducer_fixed_s, grad_reducer_s,
+                         straggler_charge, unsynced_compute_s)
 from ..decomp.layout import loss_layout_for
 from ..errors import IllegalDecomposition
-from .primitives import _samples
 
 
 @dataclass

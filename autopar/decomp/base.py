@@ -34,8 +34,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Iterable
 
 from .ir import Layer, OpSpec
-from .layout import Layout
+from .layout import Layout, block_extent, block_start
 from .placement import Placement
+from .bn import layer_problem
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,6 @@ class ParamShard:
         return tuple(cs[axis] for _, axis in self.dims)
 
     def local_bounds(self, shape, rank: int, world: int) -> tuple[tuple[int, int], ...]:
-        from .layout import block_extent, block_start
         if self.segments and len(self.segments) > 1:
             raise ValueError(f"a segmented shard ({self.segments}) is not one box: use ParamShard.index")
         bounds = [(0, int(n)) for n in shape]
@@ -75,7 +75,6 @@ class ParamShard:
 
     def _segment_rows(self, shape, rank: int, world: int) -> list[int]:
         """Global indices along the segmented dim that ``rank`` holds, in local order."""
-        from .layout import block_extent, block_start
         d, axis = self.dims[0]
         if sum(self.segments) != int(shape[d]):
             raise ValueError(f"segments {self.segments} do not add up to dim {d} of shape {tuple(shape)}")
@@ -96,7 +95,6 @@ class ParamShard:
         idx: list = [slice(None)] * len(shape)
         seg_dim = self.dims[0][0]
         for (d, axis), c in zip(self.dims[1:], self.shard_coords(rank, world)[1:]):
-            from .layout import block_extent, block_start
             p = self.mesh.splits[axis][1]
             s0 = block_start(int(shape[d]), p, c)
             idx[d] = slice(s0, s0 + block_extent(int(shape[d]), p, c))
@@ -377,7 +375,6 @@ def _with_bn_check(fn):
     def check(obj, layer, ctx):
         why = fn(obj, layer, ctx)
         if why is None:
-            from .bn import layer_problem
             why = layer_problem(layer, lambda op: obj.bn_layout(layer, op), getattr(ctx, "batch_norm", None))
         return why
     check._bn_checked = True

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
+from .ir import BATCH_NORM
+from .layout import block_extent, block_start
 
 MODES = ("local", "global")
 #: what a plan without a ``batch_norm`` field computed (plans made before the choice existed)
@@ -91,7 +93,6 @@ def check_groups(n: int, parts: int, group: int) -> str | None:
     q, r = divmod(n, parts)
     if group == 1 or (r == 0 and q % group == 0):
         return None       # equal blocks of q samples starting at multiples of q: all whole groups
-    from .layout import block_extent, block_start
     for c in range(parts):
         a, e = block_start(n, parts, c), block_extent(n, parts, c)
         if a % group or e % group:
@@ -105,7 +106,6 @@ def layer_problem(layer, layout_of, bn: "BatchNormStats | None") -> str | None:
     (``layout_of(op)`` = the layout of the batch norm's input), naming the layer; None if it can."""
     if bn is None or not bn.local:
         return None
-    from .ir import BATCH_NORM
     for op in layer.ops:
         if op.kind == BATCH_NORM and op.attrs.get("training", True):
             lay = layout_of(op)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, register
 from .common import price_replicated_weights
-from .ir import Layer
+from .ir import BATCH_NORM, Layer
 from .layout import Layout
 
 
@@ -40,7 +40,6 @@ class Replicate(Decomposition):
 
     def run(self, comm, layer, op, inputs, params, buffers):
         from ..runtime.ops import call_local, run_batch_norm
-        from .ir import BATCH_NORM
         if op.kind == BATCH_NORM:   # local statistics: per group of the whole batch, on this rank
             return run_batch_norm(op, inputs, params, buffers, comm, [comm.rank], layout=Layout())
         return call_local(op, inputs, params, buffers)

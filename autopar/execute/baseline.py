@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..artifacts import Baseline
+from ..decomp.graph.graphs import graph_roles
+from ..decomp.layout import Layout
+from ..runtime.comm import local_slice
+from ..runtime.graphs import graph_rows, split_graph_batch
 
 
 @dataclass
@@ -98,8 +102,6 @@ def ddp_split(mf, xs, ys, comm, graph=None):
     one; else a PyG batch (``graph_split_roles``) as whole graphs per rank by the generic split
     of graph parallelism (``runtime.graphs.split_graph_batch``; the module's output cut to the
     rank's graphs); else dim 0 of every input in even blocks."""
-    from ..decomp.layout import Layout
-    from ..runtime.comm import local_slice
     device = comm.device
     shard = mf.ddp_shard()
     roles = graph_split_roles(graph) if shard is None else None
@@ -111,7 +113,6 @@ def ddp_split(mf, xs, ys, comm, graph=None):
     if roles is not None:
         # whole graphs per rank, split from the trace's node / edge marks (what a PyG user's
         # DistributedSampler over graphs gives each rank)
-        from ..runtime.graphs import graph_rows, split_graph_batch
         bx, by, _ = split_graph_batch(roles, [x.to(device) for x in xs],
                                       ys.to(device) if ys is not None else None, comm.rank, comm.world)
         world = comm.world
@@ -128,5 +129,4 @@ def graph_split_roles(graph):
     one whose graphs can be split whole over the ranks, else None."""
     if graph is None:
         return None
-    from ..decomp.graph.graphs import graph_roles
     return graph_roles(graph)[0]

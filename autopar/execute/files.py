@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..artifacts import Plan
 from ..errors import PlanFileError
-from ..io import sha256_file
+from ..io import atomic_write_text, sha256_file
+from ..codegen.generate import generate_module
 
 
 def check_plan_files(plan_path: Path, plan: Plan) -> Path:
@@ -15,8 +16,6 @@ def check_plan_files(plan_path: Path, plan: Plan) -> Path:
     missing) and the model file, unchanged since planning. Returns the module's path."""
     module_path = plan_path.parent / plan.generated
     if not module_path.is_file():
-        from ..codegen.generate import generate_module
-        from ..io import atomic_write_text
         atomic_write_text(module_path, generate_module(plan))
     mpath = plan.model_file(plan_path)
     if not mpath.is_file():

@@ -32,9 +32,22 @@ from typing import Any
 from ..artifacts import (RUN_SCHEMA, LayerTiming, Measured, Plan, RunResult, Validation, load_plan,  # noqa: F401
                          load_run)
 from ..errors import AutoparError, PlanFileError, ValidationFailed
-from ..io import sha256_file
+from ..io import atomic_write_json, sha256_file
 from .files import check_plan_files
 from .validate import DEFAULT_TOL, RULE, validation_step, worst
+from ..artifacts import load_runset
+from ..calibrate.speed import probe_reading_s
+from ..decomp.graph.inputs import check_edge_indices
+from ..profile.history import record
+from ..report.report import write_run_report
+from ..runtime.comm import Comm, create_groups
+from ..runtime.entry import build_user_model, synthetic_batch
+from ..runtime.launch import run_ranks
+from ..runtime.model import plan_groups
+from ..tournament.run import execute_tournament
+from ..tournament.runtime import TournamentRunOptions
+from .baseline import ddp_runner, graph_split_roles
+from .timing import instrumented_steps, timed_steps
 
 
 @dataclass
@@ -72,7 +85,6 @@ def _import_generated(path: Path):
 
 def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: ExecuteOptions) -> dict[str, Any]:
     """One rank of a single plan on the whole world."""
-    from ..runtime.comm import Comm
     return _mesh_main(load_plan(plan_path, world), plan_path, module_path, Comm.from_env(), opts)
 
 
@@ -80,9 +92,6 @@ def _runset_rank_main(rank: int, world: int, runset_path: str, module_paths: lis
                       opts: ExecuteOptions) -> dict[str, Any]:
     """One rank of a run set: every process creates every group of every plan (collective, one
     order), then runs the plan whose sub-mesh holds it, on a ``Comm`` of that sub-mesh."""
-    from ..artifacts import load_runset
-    from ..runtime.comm import Comm, create_groups
-    from ..runtime.model import plan_groups
 
     rs = load_runset(runset_path)
     create_groups([g for e in rs.entries for g in plan_groups(e.plan, e.ranks)])
@@ -98,9 +107,6 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     order on every rank of it)."""
     import torch
 
-    from ..runtime.entry import build_user_model, synthetic_batch
-    from .baseline import ddp_runner
-    from .timing import instrumented_steps, timed_steps
 
     gen = _import_generated(Path(module_path))
     rank, world = comm.rank, comm.world
@@ -124,7 +130,6 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     mf, dm = make(vdt)
     loss_fn = mf.loss_fn()
     xs32, ys32 = synthetic_batch(mf, plan.model.batch_size, opts.seed + 1)
-    from ..decomp.graph.inputs import check_edge_indices
     check_edge_indices(dm.graph, xs32)          # a GNN batch's edges inside their graphs
     ys = ys32.to(device) if ys32 is not None else None
     ys_v = ys.to(vdt) if ys is not None and ys.is_floating_point() else ys
@@ -148,7 +153,6 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     # DDP splits every input along dim 0: only for a batch of samples, unless the model file
     # says how to split its batch (``ddp_shard``: a PyG batch's x [N, F] and edge_index [2, E]
     # split by whole graphs); otherwise no baseline
-    from .baseline import graph_split_roles
     roles = graph_split_roles(dm.graph)      # a PyG batch: whole graphs per rank
     samples = (len({int(x.shape[0]) for x in xs if x.dim()}) == 1 or mf.ddp_shard() is not None
                or (roles is not None and roles.graphs % world == 0))
@@ -173,7 +177,6 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     # (``calibrate.speed``): rank 0 alone, the others waiting at the barrier
     probe_s = None
     if rank == 0 and device.type == "cpu" and plan.calibration.get("speed_probe_nominal_s"):
-        from ..calibrate.speed import probe_reading_s
         probe_s = probe_reading_s("cpu")
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
@@ -192,7 +195,6 @@ def interleaved(plan_args: tuple, ddp_args: tuple, steps: int, comm, sync, barri
     2-core VM's speed moves by tens of percent within minutes) falls on both alike, where
     timing all of the plan's steps and then all of DDP's read the same native plan at 1.03x
     and at 1.20x DDP in two fresh-clone runs of the example."""
-    from .timing import timed_steps
     rounds = max(1, min(INTERLEAVE_ROUNDS, steps))
     sizes = [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
     plan_t: list[float] = []
@@ -288,14 +290,11 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     """Run, validate, time; write run.json + report; return (the run, the folder written).
     A plan with a trainer level (``autopar plan --trainers``) runs as a tournament instead
     (``autopar.tournament.run.execute_tournament``), which returns its run.json as a dict."""
-    from ..runtime.launch import run_ranks
 
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)        # checked before any process starts
     check_batch_norm(plan, plan_path, opts.batch_norm)
     if plan.trainers is not None:      # tournament training (LTFB): T trainers on sub-meshes
-        from ..tournament.run import execute_tournament
-        from ..tournament.runtime import TournamentRunOptions
         return execute_tournament(plan_path, TournamentRunOptions(
             rounds=opts.rounds, seed=opts.seed, lr=opts.lr, momentum=opts.momentum, dtype=opts.validate_dtype,
             timeout_s=opts.timeout_s, kill=opts.kill_trainer), out_dir, progress, validate=opts.validate)
@@ -310,13 +309,11 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
     # the probe read after the timed steps joins this machine's speed history, which only plans
     # made with ``--speed-history`` read (``profile.history``)
-    from ..profile.history import record
     record(results[0].get("speed_probe_s"), "execute")
     for note in run.notes:
         progress(note)
     v = run.validation
     out = _choose_out_dir(plan, out_dir, passed=v.passed)
-    from ..report.report import write_run_report
     run = write_run_report(run, out)
     if not v.passed:
         w = worst(list(v.failures))
@@ -335,9 +332,6 @@ def execute_runset(runset_path: str | Path, opts: ExecuteOptions, out_dir: str |
     mesh (its DDP baseline too). Writes ``OUT/<i>-<model>-w<n>/run.json`` per plan and
     ``OUT/runset.json`` (every plan's validation and step time); raises ``ValidationFailed``
     naming the plan when any fails. Plans in a run set use block placement."""
-    from ..artifacts import load_runset
-    from ..io import atomic_write_json
-    from ..runtime.launch import run_ranks
 
     runset_path = Path(runset_path)
     rs = load_runset(runset_path)
@@ -359,7 +353,6 @@ def execute_runset(runset_path: str | Path, opts: ExecuteOptions, out_dir: str |
     root = Path(out_dir) if out_dir is not None else Path("reports") / f"runset-{stamp}"
     runs: list[RunResult] = []
     summary = []
-    from ..report.report import write_run_report
     for i, e in enumerate(rs.entries):
         r0 = results[e.ranks[0]]
         run = run_result(e.plan, e.plan_path, opts, r0, e.plan.placement(), wall)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from typing import Any, Callable
+from ..runtime.model import LayerTimer
 
 
 def step_once(model, optim, inputs, loss_of: Callable, finish: Callable[[], None]) -> None:
@@ -68,7 +69,6 @@ def instrumented_steps(dm, optim, inputs, loss_of, n: int, comm,
     import torch
     import torch.distributed as dist
 
-    from ..runtime.model import LayerTimer
 
     n_layers = len(dm.graph.layers)
     samples = []

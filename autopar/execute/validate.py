@@ -24,6 +24,8 @@ import math
 
 from ..artifacts import Check
 from ..runtime.model import output_tensor
+from ..decomp.base import ParamShard
+from ..runtime.comm import assemble
 
 #: (rtol, atol) of each tensor's max magnitude. In float64 a decomposition must agree to
 #: rounding (it is the same function); in float32 a ReLU whose input sits within rounding of 0
@@ -110,7 +112,6 @@ def replica_diffs(dm, grads, after, full_bufs, comm, out_local=None, out_full=No
     import torch
     import torch.distributed as dist
 
-    from ..decomp.base import ParamShard
     names, diffs = [], []
     world, rank = comm.world, comm.rank
 
@@ -166,7 +167,6 @@ def validation_step(dm, mf, xs, ys, loss_fn, comm, dtype, seed: int,
     Collective: every rank calls it. Returns the checks (empty on ranks other than 0)."""
     import torch
 
-    from ..runtime.comm import assemble
 
     device = comm.device
     local = dm.shard_inputs(xs)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..artifacts import RunResult, write_run
-from ..io import atomic_write_text
+from ..artifacts import Plan, RunFileError, RunResult, write_run
+from ..io import atomic_write_text, read_json
+from ..errors import AutoparError
 
 
 def _pct(x: float | None) -> str:
@@ -139,9 +140,6 @@ def write_run_report(run: RunResult, out: Path) -> RunResult:
 def summarize(paths: list[str | Path]) -> str:
     """A side-by-side table of runs (run.json or a folder holding one) and plans (plan.json),
     each read and checked by ``autopar.artifacts``."""
-    from ..artifacts import Plan, RunFileError, RunResult
-    from ..errors import AutoparError
-    from ..io import read_json
     rows = ["| artifact | model | world | placement | kind | predicted | measured | error | validation | plan/DDP |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in paths:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-from ..cost.table import CostTable, evaluate
+from ..cost.table import CostTable, evaluate, tied_choice_sets
+from .ilp import tied_ok
 
 
 def brute_force(table: CostTable, memory_limit_bytes: float | None = None) -> tuple[list[int] | None, float]:
     """(best choice, its step + optimizer time) over all combinations; (None, inf) if none fits."""
-    from ..cost.table import tied_choice_sets
-    from .ilp import tied_ok
     sets = tied_choice_sets(table)
     best, best_t = None, float("inf")
     for choice in itertools.product(*[range(len(o.choices)) for o in table.layers]):

@@ -77,6 +77,7 @@ import numpy as np
 
 from ..cost.table import CostTable, evaluate, tied_choice_sets
 from ..errors import InfeasiblePlan, SolverError
+from .elimination import solve_by_elimination
 
 
 @dataclass
@@ -628,7 +629,6 @@ def solve(table: CostTable, memory_limit_bytes: float | None = None, time_limit_
     t0 = time.perf_counter()
     dp_notes: list[str] = []
     if solver == "highs" and _pairs(table) > ILP_MAX_PAIRS:
-        from .elimination import solve_by_elimination
         r = solve_by_elimination(table, memory_limit_bytes, time_limit_s=min(time_limit_s, 20.0))
         if r is None:
             dp_notes.append("dynamic program not applicable here (solve.elimination): ILP")

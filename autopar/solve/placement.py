@@ -55,8 +55,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..decomp.base import CostContext
-from ..decomp.placement import Placement, candidate_strides
+from ..decomp.placement import Placement, branch_role, candidate_strides
 from ..errors import PlacementError
+from ..profile.profile import LEVELS, Profile
 
 #: a placement other than the best so far is solved only if it might be this much faster
 MIN_GAIN = 0.005
@@ -106,7 +107,6 @@ class PlacementResult:
     def summary(self) -> str:
         """One line for the CLI: the placement and why (and, for SUPER's branch units, whether
         it is their interleaved or branch-contiguous placement)."""
-        from ..decomp.placement import branch_role
         try:
             chosen = [o.choices[i] for o, i in zip(self.table.layers, self.solution.choice)]
         except (AttributeError, TypeError):
@@ -151,7 +151,6 @@ def levels_price_alike(profile) -> bool:
     ``collectives[kind][level]``, and for every kind both levels hold the same group sizes
     with the same ``alpha_s`` and ``beta_s_per_byte``. Anything else (another profile class,
     a level missing, any constant differing): False, and the search prices every placement."""
-    from ..profile.profile import LEVELS, Profile
     impl = getattr(profile, "_collective_impl", None) or getattr(profile, "collective_time_s", None)
     if getattr(impl, "__func__", None) is not Profile.collective_time_s:
         return False

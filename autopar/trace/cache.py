@@ -19,6 +19,11 @@ import os
 from pathlib import Path
 
 from ..decomp.ir import LayerGraphData
+from .. import __version__
+from ..io import atomic_write_json
+from ..ops import FAMILIES
+from .tracer import trace_model
+from .units import merge_units
 
 _SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "recorder.py", "cache.py", "graph.py", "graph_items.py")] + \
     [Path(__file__).parent.parent / "decomp" / "ir.py", Path(__file__).parent.parent / "modelfile.py"] + \
@@ -26,7 +31,6 @@ _SOURCES = [Path(__file__).parent / n for n in ("tracer.py", "recorder.py", "cac
 
 
 def _families() -> list[str]:
-    from ..ops import FAMILIES
     return sorted(f"{k}:{type(f).__module__ if not isinstance(f, type) else f.__module__}"
                   for k, f in FAMILIES.items())
 
@@ -58,7 +62,6 @@ def _torch_version() -> str:
 
 
 def trace_key(model_path: Path, batch_size: int) -> str:
-    from .. import __version__
     model_path = Path(model_path).resolve()
     parts = {
         "model": _sha(model_path),
@@ -83,7 +86,6 @@ def load(key: str) -> LayerGraphData | None:
 
 
 def store(key: str, graph: LayerGraphData) -> None:
-    from ..io import atomic_write_json
     try:
         d = cache_dir()
         d.mkdir(parents=True, exist_ok=True)
@@ -96,8 +98,6 @@ def trace_cached(mf, batch_size: int, use_cache: bool = True) -> tuple[LayerGrap
     """(graph, True if it came from the cache) for model file ``mf`` at ``batch_size``, with
     the model file's ``PLANNING_UNITS`` merged into sub-graph units (``trace.units``; after
     the cache, which holds the traced chain layers)."""
-    from .tracer import trace_model
-    from .units import merge_units
     units = mf.planning_units()
     if not use_cache:
         return merge_units(trace_model(mf, batch_size), units), False

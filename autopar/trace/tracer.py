@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from ..decomp.ir import BUFFER_UPDATE, OTHER, GraphInput, Layer, LayerGraphData, OpSpec
-from ..errors import TraceError
-from ..modelfile import ModelFile
+from ..errors import ModelFileError, TraceError
+from ..modelfile import ModelFile, split_output
 from ..ops import MULTI_OUTPUT, classify, family_of
+from .graph_items import mark_graph_items
+from .recorder import NotOneTensor, Unsupported, record
 
 
 def _dtype_name(dt) -> str:
@@ -107,12 +109,10 @@ def export_graph(mf: ModelFile, batch_size: int, dtype=None):
             model = mf.build_model()
             inputs = mf.example_inputs(batch_size)
     except Exception as e:
-        from ..errors import ModelFileError
         raise ModelFileError(f"build_model()/example_inputs() failed on the meta device: "
                              f"{e.__class__.__name__}: {e}",
                              "create tensors without fixed devices or data (torch.randn(...), not torch.tensor(data))") from None
     if not isinstance(model, torch.nn.Module):
-        from ..errors import ModelFileError
         raise ModelFileError(f"build_model() returned {type(model).__name__}, not an nn.Module",
                              "return the torch.nn.Module to parallelize")
     model.train()
@@ -122,7 +122,6 @@ def export_graph(mf: ModelFile, batch_size: int, dtype=None):
                        for x in inputs)
     # The recorder gives export's graph without importing torch._dynamo (``trace.recorder``);
     # what it does not reproduce falls back to export below.
-    from .recorder import NotOneTensor, Unsupported, record
     returns_tensor = None
     try:
         gm, params, buffers, user_inputs = record(model, inputs)
@@ -209,7 +208,6 @@ def export_step(mf: ModelFile, model, inputs: tuple, batch_size: int, dtype=None
     import torch
     import torch.utils._pytree as pytree
 
-    from ..modelfile import split_output
 
     loss_fn = mf.loss_fn()
     with torch.device("meta"):
@@ -456,7 +454,6 @@ def trace_model(mf: ModelFile, batch_size: int) -> LayerGraphData:
     data.buffer_updates = buffer_updates
     data.tracer = tracer
     data.unregistered = unregistered
-    from .graph_items import mark_graph_items    # edge- and node-indexed values (GNNs)
     return mark_graph_items(data)
 
 

@@ -33,6 +33,7 @@ from ..base import CostContext, Decomposition, LayerCost, divisors
 from ..common import price_replicated_weights
 from ..ir import REGISTERED, Layer, OpSpec
 from ..layout import Layout
+from ...ops import family_of
 
 EDGE, NODE = "edge", "node"
 #: op kinds with a literal size list naming global extents (rewritten to local ones at run time)
@@ -152,7 +153,6 @@ class ItemSplit(Decomposition):
         return None
 
     def _check_op(self, op: OpSpec, items: dict, mine: dict, lays: dict) -> str | None:
-        from ...ops import family_of
         fam = family_of(op.kind)
         ind = fam.independent_dims(op)
         if self.sample > 1 and op.inputs and 0 not in ind and op.kind not in ("expand", "new_tensor"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ..base import CostContext
+from ..base import CostContext, Decomposition
 from ..layout import Layout
 
 
@@ -76,7 +76,6 @@ def mesh_check(dec, layer, ctx: CostContext) -> str | None:
     """The checks every (sample, parts) kind starts with, prefixed with the unit's name: the
     protocol's own (``Decomposition.check``: registered ops, no constants) and the mesh
     covering the world."""
-    from ..base import Decomposition
     name = layer.module or layer.name
     why = Decomposition.check(dec, layer, ctx)
     if why:

@@ -54,8 +54,9 @@ from ..common import batch_dim_ok
 from ..ir import (ATTENTION, BINARY, CAT, DROPOUT, EXPAND, FLATTEN, LAYER_NORM, LINEAR, MATMUL,
                   PERMUTE, RMS_NORM, SLICE, SOFTMAX, SQUEEZE, UNARY, VIEW, Layer, OpSpec)
 from ..layout import Layout, block_extent
-from .common import grad_sync, mesh, mesh_check, two_axis_candidates
+from .common import grad_sync, mesh, mesh_check, partition, two_axis_candidates
 from .detect import projection
+from ..channel_filter import _add_bias, _anchor
 
 _RESHAPES = (VIEW, FLATTEN, SQUEEZE)
 SUPPORTED = frozenset({LINEAR, SLICE, VIEW, FLATTEN, SQUEEZE, EXPAND, PERMUTE, ATTENTION, UNARY,
@@ -365,7 +366,6 @@ class HeadParallel(Decomposition):
         return ParamShard(m, ((proj.out_dim if role == proj.weight else 0, axis),), segs)
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
-        from .common import partition
         return [[list(g) for g in partition(self.sample, self.parts, "s")]] if self.sample > 1 else []
 
     # ---- legality ---------------------------------------------------------------------------
@@ -474,7 +474,6 @@ class HeadParallel(Decomposition):
     def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
             buffers: dict[str, Any]):
         from ...runtime.ops import local_sizes, resolve_target, substitute_cached
-        from ..channel_filter import _add_bias, _anchor
         an, why = cached_analysis(layer, self.parts)
         if an is None:
             raise RuntimeError(f"{layer.module or layer.name}: {why}")

@@ -19,7 +19,7 @@ from ..base import CostContext, Decomposition, LayerCost, ParamShard, register
 from ..common import batch_dim_ok
 from ..ir import EMBEDDING, Layer, OpSpec
 from ..layout import Layout, block_extent, block_start
-from .common import grad_sync, mesh, mesh_check, two_axis_candidates
+from .common import grad_sync, mesh, mesh_check, partition, two_axis_candidates
 
 
 @register
@@ -44,7 +44,6 @@ class VocabParallel(Decomposition):
         return ParamShard()
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
-        from .common import partition
         return [[list(g) for g in partition(self.sample, self.parts, "s")]] if self.sample > 1 else []
 
     @classmethod
