@@ -404,6 +404,19 @@ class PaddingInfo(_Record):
 
 
 @dataclass(frozen=True)
+class StrategyAlternative(_Record):
+    """One whole-plan candidate a plan-level strategy offered (``autopar.planner.strategies``):
+    its prediction, or why it was illegal, and whether it was chosen."""
+    strategy: str
+    label: str
+    step_time_s: float | None = None
+    memory_per_rank_bytes: float | None = None
+    illegal: str | None = None
+    chosen: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A plan: one decision per layer of ``graph_json``, the transitions between them, what the
     cost model predicts, and where it came from. Loadable without a process group."""
@@ -427,10 +440,14 @@ class Plan:
     trainers: TrainerLevel | None = None   # tournament training (LTFB); None: one trainer
     padding: PaddingInfo | None = None     # padded GNN (--graph-sizes); None: the model's own shape
     options: "PlanOptions | None" = None   # the planning options it was made with (pins included)
+    # every whole-plan candidate priced by the plan-level strategies, the chosen one marked
+    # (plans made before the strategies seam: empty)
+    strategies: tuple[StrategyAlternative, ...] = ()
 
     _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
-             "graph", "generated", "timings_s", "batch_norm", "trainers", "padding", "options")
+             "graph", "generated", "timings_s", "batch_norm", "trainers", "padding", "options",
+             "strategies")
 
     @property
     def world_size(self) -> int:
@@ -495,6 +512,8 @@ class Plan:
             out["padding"] = self.padding.to_json()
         if self.options is not None:
             out["options"] = self.options.to_json()
+        if self.strategies:
+            out["strategies"] = [a.to_json() for a in self.strategies]
         out.update(self.extra)
         return out
 
@@ -560,6 +579,12 @@ class Plan:
             except (AutoparError, TypeError) as e:
                 raise _bad(src, "options", "options", f"malformed ({e})") from None
             plan = dataclasses.replace(plan, options=opts)
+        if obj.get("strategies"):
+            try:
+                alts = tuple(StrategyAlternative.from_json(a) for a in obj["strategies"])
+            except (TypeError, AttributeError) as e:
+                raise _bad(src, "strategies", "strategies", f"malformed ({e})") from None
+            plan = dataclasses.replace(plan, strategies=alts)
         check_plan(plan, src)
         if world_size is not None and plan.world_size != int(world_size):
             raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",
@@ -1008,13 +1033,14 @@ def write_runset(runset: RunSet, path: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Every user knob of ``autopar.pipeline.make_plan`` (the CLI's ``autopar plan`` flags).
+    """Every user knob of ``autopar.planner.make_plan`` (the CLI's ``autopar plan`` flags).
 
     ``placement``: "search" (plan under block placement and each candidate local stride, keep the
     fastest), "block", or an integer local stride. ``trace_cache``: reuse the traced graph of an
     unchanged model file. ``write``: write plan.json and the generated module to ``out_dir``
-    (default ``strategies/plans/<model>-w<N>``). ``measure_shapes``: measure the competitive
-    local shapes the profile lacks on this machine and re-plan (``calibrate.ondemand``)."""
+    (default ``strategies/plans/<model>-w<N>``). ``shapes``: a shape file read into the profile
+    (``measure_shapes`` asks for the measuring step before planning, which ``make_plan`` does
+    not take)."""
     world_size: int
     batch_size: int | None = None
     calibration: str | None = None
@@ -1035,10 +1061,15 @@ class PlanOptions:
     # "global" = over the whole batch (the single-process function, DDP + SyncBatchNorm)
     batch_norm: str = "local"
     bn_group: int | None = None
-    # measure competitive local shapes the profile lacks (``calibrate.ondemand``; the CLI's
-    # default, ``--no-measure`` off), within this many seconds
+    # measure competitive local shapes the profile lacks, within this many seconds: a step
+    # BEFORE planning (``autopar.calibrate.shapes_step``, ``autopar plan --measure-shapes``);
+    # ``make_plan`` itself starts no process and refuses True
     measure_shapes: bool = False
     measure_budget_s: float = 30.0
+    # a shape file (``PROFILE-shapes.json``: exact local shapes measured on this machine) read
+    # into the profile's exact table; recorded in plan.json (``calibration.shapes``). None: the
+    # profile alone
+    shapes: str | None = None
     # opt in (``autopar plan --speed-history``): state the profile's kernels at this machine's
     # usual speed (``profile.history``: the speed probe's readings of earlier calibrations and
     # runs here). Off by default: a default plan prices the profile as measured, so nothing in
@@ -1056,7 +1087,7 @@ class PlanOptions:
             object.__setattr__(self, "kinds", tuple(self.kinds))
         from .pins import parse_pins
         object.__setattr__(self, "pins", parse_pins(self.pins))
-        for name in ("calibration", "out_dir"):
+        for name in ("calibration", "out_dir", "shapes"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 object.__setattr__(self, name, str(v))

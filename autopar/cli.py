@@ -113,7 +113,7 @@ def _exact_specs_for(args) -> list:
 #: progress lines of ``make_plan`` that only say a routine stage finished, or that the printed
 #: plan's summary repeats: shown under ``autopar plan --verbose`` only
 _ROUTINE_PROGRESS = ("batch-norm statistics: local", "runtime: ", "priced ", "solved with ", "placement: ",
-                     "graph parallelism", "re-planning with the shapes", "exact shapes: ")
+                     "graph parallelism", "exact shapes: ")
 
 
 def _plan_progress(verbose: bool):
@@ -124,7 +124,7 @@ def _plan_progress(verbose: bool):
         return _p
 
     def terse(line: str) -> None:
-        if line.startswith("exact shapes: measuring") or not line.startswith(_ROUTINE_PROGRESS):
+        if not line.startswith(_ROUTINE_PROGRESS):
             _p(line)
     return terse
 
@@ -132,7 +132,7 @@ def _plan_progress(verbose: bool):
 def cmd_plan(args) -> int:
     import time as _time
     t_cmd = _time.perf_counter()
-    from .pipeline import format_plan_table, format_timings, make_plan, parse_bytes
+    from .planner import format_plan_table, format_timings, make_plan, parse_bytes
     if args.world_size < 1:
         from .errors import AutoparError
         raise AutoparError(f"--world-size must be >= 1, got {args.world_size}", "give a positive number of ranks")
@@ -157,8 +157,13 @@ def cmd_plan(args) -> int:
                           max_candidates=args.max_candidates, placement=args.placement,
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
-                          measure_shapes=not args.no_measure, measure_budget_s=args.measure_budget,
+                          measure_budget_s=args.measure_budget, shapes=args.shapes,
                           speed_history=args.speed_history, pins=tuple(args.pin or ()))
+    if args.no_measure:
+        warnings.warn("--no-measure is the default now and does nothing (planning starts no process; "
+                      "--measure-shapes measures missing shapes as a step before planning)", FutureWarning)
+    if args.measure_shapes:
+        options = _measure_shapes_first(args, options)
     if args.no_speed_history:
         warnings.warn("--no-speed-history is the default now and does nothing (plans price the profile "
                       "as measured; --speed-history opts in to this machine's usual speed)", FutureWarning)
@@ -174,6 +179,10 @@ def cmd_plan(args) -> int:
     res = make_plan(args.model, options, PlanHooks(progress=_plan_progress(args.verbose)))
     _p(format_plan_table(res.plan, verbose=args.verbose))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
+    if res.missing_shapes:
+        _p(f"{len(res.missing_shapes)} competitive local shape(s) are priced by the generic model (the profile "
+           f"lacks them; nothing was measured). To measure them before planning: autopar plan "
+           f"{' '.join(_plan_argv(args))} --measure-shapes")
     if args.verbose:
         _p(format_timings(res.timings_s) + f"; {_time.perf_counter() - t_cmd:.2f} s in the plan "
            f"command, {_time.perf_counter() - _T_START:.2f} s since autopar.cli was imported")
@@ -186,11 +195,37 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _plan_argv(args) -> list[str]:
+    """The plan command's own arguments (for the printed command that measures shapes first)."""
+    argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "plan" else [args.model, "--world-size",
+                                                                              str(args.world_size)]
+    return [a for a in argv if a not in ("--no-measure", "--measure-shapes")]
+
+
+def _measure_shapes_first(args, options):
+    """``--measure-shapes``: the step before planning (``calibrate.shapes_step``) that measures
+    the competitive local shapes the profile lacks into the shape file beside it; the plan then
+    reads that file, named in its options and recorded in plan.json."""
+    import dataclasses
+
+    from .calibrate.shapes_step import measure_missing_shapes
+    _p(f"measuring missing shapes first (--measure-shapes): the competitive local shapes the profile lacks, "
+       f"at most {args.measure_budget:g} s, in one child process")
+    m = measure_missing_shapes(args.model, options, progress=_p)
+    if m.shapes_path is None:
+        _p("measuring missing shapes: nothing to read; planning with the profile alone")
+        return options
+    _p(f"measuring missing shapes: {m.measured} measured in {m.spent_s:.1f} s over {m.rounds} round(s)"
+       + (f", {len(m.left_out)} left to the generic model (budget)" if m.left_out else "")
+       + f"; planning with {m.shapes_path}")
+    return dataclasses.replace(options, shapes=str(m.shapes_path))
+
+
 def _plan_padded(args, options) -> int:
     """``autopar plan --graph-sizes FILE``: padding chosen by the planner (``cost.padding``)."""
     from .artifacts import PlanHooks
     from .cost.padding import format_decision
-    from .pipeline import PaddingOptions, format_plan_table, make_padded_plan
+    from .planner import PaddingOptions, format_plan_table, make_padded_plan
     popts = PaddingOptions(sizes_path=args.graph_sizes, max_buckets=args.max_buckets,
                            sampling=args.bucket_sampling, steps=args.train_steps,
                            shape_setup_s=args.shape_cost)
@@ -207,7 +242,7 @@ def _plan_padded(args, options) -> int:
 def _plan_trainers(args, options) -> int:
     """``autopar plan --trainers T|auto``: one trainer of N/T ranks planned by the ILP, the
     trainer level priced (``autopar.tournament.pricing``) and written into plan.json."""
-    from .pipeline import format_plan_table, parse_bytes
+    from .planner import format_plan_table, parse_bytes
     from .tournament.pricing import IngestionModel, TournamentOptions, format_table, make_tournament_plan
     from .artifacts import PlanHooks
     trainers = args.trainers if args.trainers == "auto" else _int_arg("--trainers", args.trainers)
@@ -256,7 +291,7 @@ def _add_exact_shapes(args) -> None:
     """Measure the exact local shapes this plan's candidates need into the profile first."""
     from .calibrate.exact_ops import add_op_shapes
     from .calibrate.run import add_exact_shapes
-    from .pipeline import load_calibration
+    from .planner import load_calibration
     specs = _exact_specs_for(args)
     cal_path, _ = load_calibration(args.calibration)
     add_exact_shapes(cal_path, [s for s in specs if s["op"] in ("conv", "linear")], progress=_p)
@@ -431,11 +466,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decompositions kept per layer after pruning (more: slower, never worse)")
     p.add_argument("--exact", action="store_true", help="measure exact local shapes into the profile first")
     p.add_argument("--sweep", help="also plan these world sizes (e.g. 1,2,4,...,1024) and draw the scaling picture")
-    p.add_argument("--no-measure", action="store_true",
-                   help="do not measure the competitive local shapes the profile lacks (they "
-                        "are measured only with a profile made on this machine)")
+    p.add_argument("--measure-shapes", action="store_true",
+                   help="a step before planning: measure the competitive local shapes the profile lacks "
+                        "(only a profile made on this machine) into PROFILE-shapes.json beside it, then "
+                        "plan with that file (recorded in plan.json). Planning itself starts no process")
+    p.add_argument("--shapes", metavar="FILE",
+                   help="a shape file (PROFILE-shapes.json, written by --measure-shapes) to price with; "
+                        "recorded in plan.json (default: the profile alone)")
+    p.add_argument("--no-measure", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--measure-budget", type=float, default=30.0, metavar="SEC",
-                   help="at most this long measuring shapes on demand (default 30)")
+                   help="with --measure-shapes: at most this long measuring (default 30)")
     p.add_argument("--speed-history", action="store_true",
                    help="price the profile's kernels at this machine's usual speed (the median "
                         "speed-probe reading of earlier calibrations and runs here, kept in "

@@ -171,8 +171,17 @@ def reprice(plan, plan_path: str | Path):
         warnings.simplefilter("ignore")
         profile = load_profile(path, check_machine=False)
     src = f"re-priced with {path}"
+    shapes = (plan.calibration or {}).get("shapes") or {}
     sod = (plan.calibration or {}).get("shapes_on_demand") or {}
-    if sod.get("cached"):
+    if shapes.get("path"):                    # the shape file the plan was made with (--shapes)
+        from .planner.load import with_shapes
+        try:
+            profile, used = with_shapes(profile, shapes["path"])
+            src += (f" and its shape file {used.path}" + ("" if used.sha256 == shapes.get("sha256") else
+                                                          " (changed since the plan was made)"))
+        except AutoparError as e:
+            src += f" without its shape file ({e})"
+    elif sod.get("cached"):
         from .calibrate.ondemand import cache_path, load_cache
         cached, why = load_cache(cache_path(path), profile.fingerprint)
         if cached and not why:

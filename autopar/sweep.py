@@ -1,6 +1,6 @@
 """The strong-scaling picture (``autopar plan --sweep``): predicted step time against ranks
 for single-method plans and the ILP's hybrid plans of one model at a fixed batch (Dryden et al.
-2019). A planning product: it re-plans, so it sits beside ``pipeline``, not in ``report``.
+2019). A planning product: it re-plans, so it sits beside ``planner``, not in ``report``.
 
 Every point is a plan (no processes): ``make_plan`` with the decomposition kinds restricted.
 A single-method series exists for every decomposition class that names one
@@ -38,7 +38,7 @@ def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibrat
     from .artifacts import PlanHooks, PlanOptions
     from .errors import AutoparError
     from .modelfile import load_model_file
-    from .pipeline import load_calibration, make_plan
+    from .planner import load_calibration, make_plan
     from .trace.tracer import trace_model
     _, profile = load_calibration(calibration)
     mf = load_model_file(model)
@@ -96,7 +96,7 @@ def plot(result: dict[str, Any], png: Path) -> Path:
 def scaling_sweep(args, worlds: list[int], out_dir: Path, pins: tuple = ()) -> tuple[Path, list[str]]:
     """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir;
     ``pins`` (``autopar.pins``) hold in every point (a point where one cannot is left out)."""
-    from .pipeline import parse_bytes
+    from .planner import parse_bytes
     res = sweep(args.model, worlds, args.batch_size, args.calibration,
                 parse_bytes(args.memory_limit), args.ranks_per_node,
                 placement=getattr(args, "placement", "search"), pins=pins)

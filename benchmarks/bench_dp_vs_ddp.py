@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from autopar.artifacts import PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from autopar.runtime.launch import run_ranks
 
     lines: list[str] = []

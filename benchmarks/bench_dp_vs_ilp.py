@@ -30,23 +30,24 @@ def main() -> int:
     os.environ.update(AUTOPAR_GPT_LAYERS=str(a.layers), AUTOPAR_GPT_EMBED="1024", AUTOPAR_GPT_HEADS="16",
                       AUTOPAR_GPT_SEQ="1024", AUTOPAR_GPT_VOCAB="50304")
     sys.path.insert(0, str(ROOT))
+    import autopar.planner.solve as stage
     import autopar.solve.ilp as ilp
-    from autopar import pipeline
+    from autopar.planner import make_plan
     from autopar.artifacts import PlanOptions
     from autopar.cost.table import evaluate
 
     tables = []
 
-    def capture(table, **kw):            # keep the table the pipeline builds, solve it below
+    def capture(table, **kw):            # keep the table the planner builds, solve it below
         tables.append(table)
         return ilp.solve.__wrapped__(table, **kw)
 
     capture.__wrapped__ = ilp.solve
-    ilp.solve = capture
+    stage.solve_ilp = capture           # the planner's solve stage calls this name
     opts = PlanOptions(world_size=a.world, batch_size=1024, placement="block", write=False,
                        calibration=str(ROOT / "calibration/datasheet-a100-cluster.json"))
-    pipeline.make_plan(ROOT / "strategies/examples/gpt.py", opts)
-    ilp.solve = capture.__wrapped__
+    make_plan(ROOT / "strategies/examples/gpt.py", opts)
+    stage.solve_ilp = capture.__wrapped__
     table = tables[0]
     rows = []
     for solver, limit in (("highs", 60.0), ("ilp", a.ilp_time_limit)):

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     os.environ["AUTOPAR_CNN3D_SIZE"] = str(args.size)
     from autopar.execute.runner import ExecuteOptions, execute
     from autopar.artifacts import PlanOptions
-    from autopar.pipeline import make_plan, parse_bytes
+    from autopar.planner import make_plan, parse_bytes
     for world in args.world:
         with tempfile.TemporaryDirectory() as tmp:
             r = make_plan(ROOT / "strategies/examples/cnn3d_large.py",

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-steps", type=int, default=15)
     args = ap.parse_args(argv)
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import load_calibration, make_plan
+    from autopar.planner import load_calibration, make_plan
     from autopar.runtime.launch import run_ranks
     _, profile = load_calibration(args.calibration)
     lines: list[str] = []

@@ -62,7 +62,7 @@ def plan_candidates(model: Path, world: int, out: Path, profile, top_k: int, say
     """Every candidate plan (written under ``out``), deduplicated by its choices."""
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.cost.table import evaluate
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
 
     def plan(name, hooks=None, **kw):
         h = hooks or PlanHooks()
@@ -126,7 +126,7 @@ def pruning_gap(model: Path, world: int, profile, out: Path) -> tuple[float, flo
     """(default solve's predicted step, unpruned solve's): the default keeps at most 8
     candidates per layer (``cost.table._pareto``); the unpruned one keeps every legal one."""
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     a = make_plan(model, PlanOptions(world_size=world, placement="block", write=False), PlanHooks(profile=profile))
     b = make_plan(model, PlanOptions(world_size=world, placement="block", write=False, max_candidates=100_000),
                   PlanHooks(profile=profile))
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     rounds = args.rounds or (3 if args.quick else 8)
     extra = args.extra_rounds if args.extra_rounds is not None else rounds
     top_k = args.top_k if args.top_k is not None else (1 if args.quick else 2)
-    from autopar.pipeline import load_calibration
+    from autopar.planner import load_calibration
     _, profile = load_calibration(args.calibration)
     import os
     lines: list[str] = []

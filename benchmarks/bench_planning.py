@@ -78,7 +78,7 @@ try:
 except ImportError:
     pass
 from autopar.artifacts import PlanOptions
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 root, label, model, world, opts, repeats = json.loads(sys.argv[1])
 opts = dict(opts)
 if "calibration" in opts:

@@ -187,7 +187,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
     from autopar.modelfile import model_env
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     # one discarded run first: the first processes after a pause (or after calibration) run slow
     _, model0, world0, batch0, _, _ = CANDIDATES[0]
     r0 = make_plan(model0, PlanOptions(world_size=world0, batch_size=batch0, calibration=calibration,
@@ -516,7 +516,7 @@ def reprice(row: dict, calibration: str, tmp: Path, tag: str) -> float:
     """The step time ``calibration`` predicts for the very plan a row measured (every layer
     pinned to its decomposition, every candidate kept so that none is pruned away)."""
     from autopar.artifacts import PlanHooks, PlanOptions, load_plan
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     plan = load_plan(row["plan"])
     _, model, world, batch, kinds, _ = CANDIDATES[row["index"]]
     force = {l.layer: l.choice for l in plan.layers}
@@ -562,7 +562,7 @@ def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
                                               for r in same], "held-out runs, refined profile")
     # 2. re-plan with the refined profile; measure only plans that changed
     from autopar.artifacts import PlanHooks, PlanOptions, load_plan
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     replanned, changed = [], []
     for r in held:
         _, model, world, batch, kinds, force = CANDIDATES[r["index"]]

@@ -14,7 +14,7 @@ WALLS=""
 for _ in $(seq "$REPEATS"); do     # the trace cache is warm after the first run
     START=$(date +%s.%N)
     PYTHONPATH=$PWD "$PY" -m autopar plan strategies/examples/gpt.py --world-size 1024 --batch-size 1024 \
-        --calibration calibration/datasheet-a100-cluster.json --no-measure -o "$OUT" > "$OUT.log" 2>&1
+        --calibration calibration/datasheet-a100-cluster.json -o "$OUT" > "$OUT.log" 2>&1
     END=$(date +%s.%N)
     WALLS="$WALLS $(echo "$END - $START" | bc)"
 done

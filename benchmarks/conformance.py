@@ -524,7 +524,7 @@ class Driver:
     def free(self):
         """The solver's own plan at this world (its cost table says which layer offers what)."""
         if self._free is None:
-            from autopar.pipeline import make_plan
+            from autopar.planner import make_plan
             self._free = make_plan(self.mpath, self.options(out=self.dir / "free"), self.hooks())
         return self._free
 
@@ -532,7 +532,7 @@ class Driver:
         """The data-parallel plan at the other world size (where checkpoints are loaded)."""
         if self._dp_other is None:
             from autopar.errors import AutoparError
-            from autopar.pipeline import make_plan
+            from autopar.planner import make_plan
             other = 6 - self.world if self.world in (2, 4) else 2
             out = self.work / self.model / f"w{other}" / "dp-load"
             try:
@@ -557,7 +557,7 @@ class Driver:
 
     def _plan(self, row: str) -> RowPlan:
         from autopar.errors import AutoparError
-        from autopar.pipeline import make_plan
+        from autopar.planner import make_plan
         out = self.dir / row.replace(" ", "_").replace("/", "")
         if row in BN_ROWS:
             if not self._has_batch_norm():
@@ -592,7 +592,7 @@ class Driver:
         the first layer's legal kinds; or another named error) is the row's reason. Before the
         pin API existed: ``PlanHooks(force=...)`` on every layer the cost table offers KIND."""
         from autopar.errors import AutoparError
-        from autopar.pipeline import make_plan
+        from autopar.planner import make_plan
         n_layers = len(self.free().table.layers)
         pins = self._pin_option(kind)
         if pins is not None:

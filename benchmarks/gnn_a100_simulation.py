@@ -52,7 +52,7 @@ def main() -> int:
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.profile import load_profile
     from autopar.cost.graph_sizes import load_graph_sizes
-    from autopar.pipeline import PaddingOptions, make_padded_plan, make_plan
+    from autopar.planner import PaddingOptions, make_padded_plan, make_plan
 
     profile = load_profile(PROFILE, check_machine=False)
     t_start = time.perf_counter()

@@ -53,7 +53,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.profile import load_profile
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from autopar.tournament.pricing import IngestionModel, TournamentOptions, price_trainers
 
     a = ASSUMPTIONS

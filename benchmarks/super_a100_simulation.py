@@ -94,7 +94,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.profile import load_profile
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
 
     if "--rewrite" in sys.argv:         # the report again from the JSON, without planning
         data = json.loads((OUT / "super-a100-simulation.json").read_text())

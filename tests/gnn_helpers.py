@@ -67,7 +67,7 @@ def plan_and_validate(root, tmp_path, profile, model: str, world: int, force: di
     """Plan with ``force`` pinned, execute one validation step (float64); the plan and run."""
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     r = make_plan(root / f"strategies/examples/{model}.py",
                   PlanOptions(world_size=world, batch_size=batch, out_dir=str(tmp_path / "plan"),
                               max_candidates=64),

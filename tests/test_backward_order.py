@@ -16,7 +16,7 @@ import pytest
 
 from autopar.artifacts import PlanHooks, PlanOptions
 from autopar.execute.runner import ExecuteOptions, execute
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 
 
 def _grads_with_a_backward_collective(rank, world):
@@ -81,7 +81,7 @@ def _forced(model, world, kind, profile):
 def test_padded_gnn_forced_channel_plans_validate_at_world_4(kind, root, tmp_path):
     """The plans that hung (planned with the shipped CPU profile, as the benchmark plans them):
     validation (float64, against one process) and a timed step finish."""
-    from autopar.pipeline import load_calibration
+    from autopar.planner import load_calibration
     _, profile = load_calibration(str(root / "calibration/cpu-2core-gloo.json"))
     model = root / "strategies/examples/gnn_pcqm4m.py"
     force = _forced(model, 4, kind, profile)

@@ -110,7 +110,7 @@ def test_resolve_defaults_to_the_samples_of_a_rank():
 def test_plan_records_and_checks_the_choice(tmp_path, root, profile):
     from autopar.artifacts import PlanHooks, PlanOptions, load_plan
     from autopar.errors import PlanFileError
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     r = make_plan(root / "strategies/examples/resnet2d.py",
                   PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "p"), bn_group=2),
                   PlanHooks(profile=profile))

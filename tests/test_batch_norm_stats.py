@@ -15,7 +15,7 @@ import pytest
 from autopar.artifacts import PlanHooks, PlanOptions, load_plan
 from autopar.errors import AutoparError, PlanFileError, ValidationFailed
 from autopar.execute.runner import ExecuteOptions, execute
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 
 pytestmark = pytest.mark.dist
 

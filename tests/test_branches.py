@@ -164,7 +164,7 @@ CASES = [
 def test_branch_plan_equals_one_process(model, env, world, want, tmp_path, monkeypatch, profile):
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     batch = 1 if want in ("branch(1,2,2)", "head_groups(1,2,2,1)") else 4   # replicas
@@ -192,7 +192,7 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.decomp.base import CostContext
     from autopar.decomp.placement import branch_contiguous
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     monkeypatch.setenv("AUTOPAR_PGPT_SEQ", "256")       # activations large enough to matter
     prof = synthetic_profile(ranks_per_node=8, nodes=2, inter_factor=50.0)
     _, units = _units(PGPT, 16)
@@ -218,7 +218,7 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
 
 def _plan_mem(tmp_path, limit, kinds=None, write=False):
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from fakes import synthetic_profile
     r = make_plan(PGPT, PlanOptions(world_size=4, batch_size=4, write=write, trace_cache=False,
                                     memory_limit_bytes=limit, kinds=kinds,
@@ -344,7 +344,7 @@ def test_branch_unit_with_a_side_output_equals_one_process(tmp_path, profile):
     from test_units import _write
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     model = _write(tmp_path, ["block"])
     _, units = _units(model)
     (u,) = units

@@ -29,7 +29,7 @@ def test_arange_is_a_constant_op_only_replicate_takes(root, profile):
 def test_gpt_plans_and_executes_equal_to_one_process(root, tmp_path, profile):
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     r = make_plan(root / "strategies/examples/gpt.py",
                   PlanOptions(world_size=2, batch_size=4, out_dir=str(tmp_path / "plan")),
                   PlanHooks(profile=profile))

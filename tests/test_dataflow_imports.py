@@ -26,7 +26,7 @@ def _run(code: str) -> list[str]:
 
 PLAN_IN_PROCESS = f"""
 import json, sys
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 from autopar.artifacts import PlanOptions
 make_plan({str(ROOT / 'strategies/examples/cnn3d_large.py')!r},
           PlanOptions(world_size=4, calibration={str(PROFILE)!r}, write=False))
@@ -51,7 +51,7 @@ import autopar.runtime
 import autopar.train
 bad = sorted(m for m in sys.modules
              if m.startswith(('autopar.cost', 'autopar.solve', 'autopar.trace', 'autopar.calibrate',
-                              'autopar.pipeline', 'autopar.codegen', 'pulp', 'highspy')))
+                              'autopar.planner', 'autopar.codegen', 'pulp', 'highspy')))
 print(json.dumps(bad))
 """
     loaded = _run(code)

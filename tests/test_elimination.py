@@ -103,7 +103,7 @@ def test_dp_and_ilp_agree_on_shipped_models(tmp_path, root, model, world, env, p
     the same predicted step time (two nodes, so the placement search runs too)."""
     import autopar.solve.ilp as ilp
     from autopar.artifacts import PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(ilp, "ILP_MAX_PAIRS", 0)      # the DP first, its plan kept, gap or not
@@ -130,7 +130,7 @@ def test_dp_proves_the_ilp_optimum_of_a_gpt_at_1024_ranks(root, monkeypatch):
     (DP first, forced here at this size) proves the ILP's optimum."""
     import autopar.solve.ilp as ilp
     from autopar.artifacts import PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     for k, v in {"AUTOPAR_GPT_LAYERS": "2", "AUTOPAR_GPT_EMBED": "1024", "AUTOPAR_GPT_HEADS": "16",
                  "AUTOPAR_GPT_SEQ": "1024", "AUTOPAR_GPT_VOCAB": "50304"}.items():
         monkeypatch.setenv(k, v)

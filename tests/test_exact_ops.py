@@ -21,7 +21,7 @@ def test_specs_cover_convs_linears_and_other_ops(root):
 
 def test_measured_ops_are_preferred_and_reported(root, profile):
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     model = root / "strategies/examples/resnet2d.py"
     specs = [s for s in exact_specs_for_model(model, 2, 8) if s["op"] == "generic"]
     measured = measure_ops(specs[:6], repeats=2, warmup=1)

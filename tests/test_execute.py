@@ -10,7 +10,7 @@ import pytest
 from autopar.errors import RankFailure, ValidationFailed
 from autopar.execute.runner import ExecuteOptions, execute
 from autopar.artifacts import PlanHooks, PlanOptions, load_run
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 
 pytestmark = pytest.mark.dist
 

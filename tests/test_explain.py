@@ -57,7 +57,7 @@ def test_fresh_plan_reprices_exactly_and_every_choice_wins(tmp_path, root, profi
     candidate's, where no swap the solver could take prices lower, and where the swaps it could
     not take are named with why (over the memory limit, or a tied weight held otherwise)."""
     from autopar.profile import save_profile
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)
     r = make_plan(root / "strategies/examples/gpt.py",
@@ -162,7 +162,7 @@ def test_a_pinned_layer_is_explained_by_its_pin(tmp_path, root, profile):
     """A pin the solver would not choose: the cheaper swap is shown and the pin named as why;
     a pinned choice pruned for price is still among the re-priced candidates."""
     from autopar.profile import save_profile
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)
     r = make_plan(root / "strategies/examples/resnet2d.py",

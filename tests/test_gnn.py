@@ -164,7 +164,7 @@ def test_small_batch_under_a_memory_limit_splits_edges(root, tmp_path):
             mp.delenv(k, raising=False)
         out = tmp_path / "plan"
         assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", "4",
-                     "--batch-size", "2", "--memory-limit", "3MiB", "--no-measure",
+                     "--batch-size", "2", "--memory-limit", "3MiB",
                      "--calibration", str(root / "calibration/cpu-2core-gloo.json"), "-o", str(out)]) == 0
         plan = json.loads((out / "plan.json").read_text())
         kinds = {d["decomposition"]["kind"] for d in plan["layers"]}
@@ -184,7 +184,7 @@ def test_cli_plan_and_execute_non_replicated(root, tmp_path, world):
     out = tmp_path / "plan"
     assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", str(world),
                  "--batch-size", "4", "--calibration", str(root / "calibration/cpu-2core-gloo.json"),
-                 "--no-measure", "-o", str(out)]) == 0
+                 "-o", str(out)]) == 0
     plan = json.loads((out / "plan.json").read_text())
     kinds = {d["decomposition"]["kind"] for d in plan["layers"]}
     assert kinds - {"replicate"}, kinds
@@ -200,7 +200,7 @@ def test_padded_example_plans_pure_sample_that_runs_natively(root, world):
     natively (``runtime.native.why_not_native`` finds no reason)."""
     from autopar.artifacts import PlanOptions
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from autopar.runtime.native import why_not_native
     with pytest.MonkeyPatch.context() as mp:
         for k in ("AUTOPAR_GNN_NODE_EMBED", "AUTOPAR_GNN_OUT", "AUTOPAR_GNN_NODES", "AUTOPAR_GNN_EDGES"):

@@ -3,7 +3,7 @@
 import textwrap
 
 from autopar.artifacts import PlanHooks, PlanOptions
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 
 MLP = """
 import torch

@@ -11,7 +11,7 @@ import torch
 from autopar.artifacts import PlanHooks, PlanOptions
 from autopar.decomp import REGISTRY
 from autopar.execute.runner import ExecuteOptions, execute
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 from autopar.runtime.launch import start_method_for
 
 N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0

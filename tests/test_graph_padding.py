@@ -57,7 +57,7 @@ def test_cli_malformed_graph_sizes_is_a_named_error(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("nodes,edges\n10,20\n12,twenty\n")
     rc = main(["plan", str(MODEL), "--world-size", "2", "--batch-size", "8", "--calibration", str(PROFILE),
-               "--no-measure", "-o", str(tmp_path / "p"), "--graph-sizes", str(bad)])
+               "-o", str(tmp_path / "p"), "--graph-sizes", str(bad)])
     err = capsys.readouterr().err
     assert rc == 2 and "line 3" in err and "not an integer" in err
 
@@ -68,7 +68,7 @@ def test_cli_plan_with_graph_sizes_prints_and_records_the_choice(tmp_path, capsy
     sizes = tmp_path / "sizes.csv"
     sizes.write_text("# two sizes\nnodes,edges,count\n6,10,900\n51,118,100\n")
     rc = main(["plan", str(MODEL), "--world-size", "2", "--batch-size", "8", "--calibration", str(PROFILE),
-               "--no-measure", "--placement", "block", "-o", str(tmp_path / "p"), "--graph-sizes", str(sizes),
+               "--placement", "block", "-o", str(tmp_path / "p"), "--graph-sizes", str(sizes),
                "--bucket-sampling", "grouped", "--train-steps", "100000", "--max-buckets", "2"])
     out = capsys.readouterr().out
     assert rc == 0 and "chosen: 2_buckets" in out and "N6/E10: 90.0 % of graphs" in out
@@ -172,7 +172,7 @@ def test_plan_with_graph_sizes_records_the_choice(tmp_path):
 def _padded_plan(tmp_path) -> Path:
     """Plan with a two-size distribution, check the record; the small bucket's plan file."""
     from autopar.artifacts import PlanOptions, load_plan
-    from autopar.pipeline import PaddingOptions, make_padded_plan
+    from autopar.planner import PaddingOptions, make_padded_plan
     sizes = tmp_path / "sizes.csv"
     sizes.write_text("nodes,edges,count\n6,10,900\n51,118,100\n")
     res, d = make_padded_plan(MODEL, PlanOptions(world_size=2, batch_size=8, calibration=str(PROFILE),

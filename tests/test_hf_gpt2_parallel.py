@@ -38,7 +38,7 @@ def model(root):
 
 def _graph(model, batch=4):
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import attention_units
+    from autopar.planner import attention_units
     from autopar.trace.tracer import trace_model
     return attention_units(trace_model(load_model_file(model), batch))
 
@@ -53,7 +53,7 @@ def _unit(graph, module):
 
 def _plan(model, tmp_path, profile, world, force, batch=4, **kw):
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     g = _graph(model, batch)
     pins = {_unit(g, m).index: v for m, v in force.items()}
     kw.setdefault("max_candidates", 30)
@@ -211,7 +211,7 @@ def test_tied_table_is_priced_once(model, profile):
     from autopar.cost.table import build_cost_table
     from autopar.decomp.base import CostContext
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import vocab_loss_output
+    from autopar.planner import vocab_loss_output
     g = _graph(model)
     ctx = CostContext(profile=profile, world=4, ranks_per_node=4, batch_size=4, max_candidates=30,
                       loss_output=vocab_loss_output(load_model_file(model), g, 4))

@@ -38,7 +38,7 @@ def plans(tmp_path_factory):
 
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import attention_units, make_plan
+    from autopar.planner import attention_units, make_plan
     from autopar.trace.tracer import trace_model
 
     base = tmp_path_factory.mktemp("gpt2loop")

@@ -16,7 +16,7 @@ def test_head_choices_pay_the_move_of_their_logits_into_the_loss_layout(root, pr
     from autopar.cost import table as tab
     from autopar.decomp.base import CostContext
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import attention_units, vocab_loss_output
+    from autopar.planner import attention_units, vocab_loss_output
     from autopar.trace.tracer import trace_model
     mf = load_model_file(root / "strategies/examples/gpt.py")
     g = attention_units(trace_model(mf, 4))

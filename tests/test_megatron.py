@@ -10,7 +10,7 @@ from autopar.trace.tracer import trace_model
 
 
 def _indices(root):
-    from autopar.pipeline import attention_units   # the graph the planner plans: attention blocks are units
+    from autopar.planner import attention_units   # the graph the planner plans: attention blocks are units
     g = attention_units(trace_model(load_model_file(root / "strategies/examples/gpt.py"), 4))
     idx = {lay.module: lay.index for lay in g.layers}
     return idx["blocks.0.fc"], idx["blocks.0.out"]
@@ -18,7 +18,7 @@ def _indices(root):
 
 def _plan(root, tmp_path, profile, world, row):
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     fc, out = _indices(root)
     col = "filter" if world == 2 else "filter(2,2)"
     return make_plan(root / "strategies/examples/gpt.py",

@@ -61,7 +61,7 @@ def test_merged_rows_rejected_when_parts_do_not_divide_the_batch(tmp_path):
 def test_hf_gpt2_plan_is_data_parallel_through_its_blocks(root):
     pytest.importorskip("transformers")
     from autopar.artifacts import PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     r = make_plan(str(root / "strategies/examples/hf_gpt2.py"),
                   PlanOptions(world_size=2, write=False, calibration=str(root / "calibration/cpu-2core-gloo.json")))
     kinds = {op.kind: set() for o in r.table.layers for op in o.layer.ops}

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from autopar.artifacts import PlanHooks, PlanOptions  # noqa: E402
 from autopar.execute.runner import ExecuteOptions, execute  # noqa: E402
-from autopar.pipeline import make_plan  # noqa: E402
+from autopar.planner import make_plan  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -14,7 +14,7 @@ import pytest
 
 from autopar.artifacts import PlanHooks, PlanOptions
 from autopar.execute.runner import ExecuteOptions, execute
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 
 NET = """
 import torch

@@ -10,7 +10,7 @@ import pytest
 
 from autopar.artifacts import PlanHooks, PlanOptions, load_plan
 from autopar.pins import Pin, PinError, near_names, parse_pins
-from autopar.pipeline import make_plan
+from autopar.planner import make_plan
 
 RESNET = "strategies/examples/resnet2d.py"
 GPT = "strategies/examples/gpt.py"

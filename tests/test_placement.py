@@ -14,7 +14,7 @@ from autopar.decomp.base import CostContext
 from autopar.decomp.placement import Placement, candidate_strides
 from autopar.errors import PlacementError, PlanFileError
 from autopar.artifacts import PlanHooks, PlanOptions
-from autopar.pipeline import make_plan as _make_plan
+from autopar.planner import make_plan as _make_plan
 
 
 # The scenarios below were written for the CNN methods' plan space; with Megatron's

@@ -111,7 +111,7 @@ def test_cli_prints_terse_progress_and_every_line_under_verbose(tmp_path, root, 
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)
     args = ["plan", str(root / "strategies/examples/resnet2d.py"), "--world-size", "4",
-            "--calibration", str(prof), "--no-measure"]
+            "--calibration", str(prof)]
     assert main(args + ["-o", str(tmp_path / "a")]) == 0
     terse = capsys.readouterr().out
     assert main(args + ["-o", str(tmp_path / "b"), "--verbose"]) == 0

@@ -97,7 +97,7 @@ def test_replanning_from_the_trace_cache_imports_no_torch(tmp_path, root):
     import sys
     env = dict(os.environ, AUTOPAR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
     cmd = [sys.executable, "-m", "autopar", "plan", str(root / "strategies/examples/resnet2d.py"),
-           "--world-size", "2", "-o", str(tmp_path / "plan"), "--no-measure"]
+           "--world-size", "2", "-o", str(tmp_path / "plan")]
     first = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=root)  # traces
     assert "plan written to" in first.stdout      # a piped stdout is flushed before the quick exit
     # ``python -m autopar`` leaves through ``cli.run`` (exit handlers, then os._exit): the probe

@@ -79,7 +79,7 @@ def test_cli_plan_and_execute_non_replicated(root, tmp_path, world):
     out = tmp_path / "plan"
     assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", str(world),
                  "--batch-size", "4", "--calibration", str(root / "calibration/cpu-2core-gloo.json"),
-                 "--no-measure", "-o", str(out)]) == 0
+                 "-o", str(out)]) == 0
     plan = json.loads((out / "plan.json").read_text())
     kinds = {d["decomposition"]["kind"] for d in plan["layers"]}
     assert kinds - {"replicate"}, kinds

@@ -120,7 +120,7 @@ def test_planner_records_both_predictions_and_refuses_too_few_graphs(root, monke
     (both in plan.json under solver.graph_parallel); with 2 graphs at world 4 it is illegal and
     the op-by-op plan (a split one) stays."""
     from autopar.artifacts import PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     cal = str(root / "calibration/cpu-2core-gloo.json")
     r = make_plan(root / f"strategies/examples/{MODEL}.py",
                   PlanOptions(world_size=2, batch_size=4, calibration=cal, measure_shapes=False, write=False))
@@ -171,7 +171,7 @@ def test_ddp_baseline_without_ddp_shard_splits_whole_graphs(root, tmp_path):
     model.write_text(src[:cut] + src[end:])
     out = tmp_path / "plan"
     assert main(["plan", str(model), "--world-size", "2", "--batch-size", "4", "--calibration",
-                 str(root / "calibration/cpu-2core-gloo.json"), "--no-measure", "-o", str(out)]) == 0
+                 str(root / "calibration/cpu-2core-gloo.json"), "-o", str(out)]) == 0
     assert main(["execute", str(out / "plan.json"), "--steps", "1", "--out", str(tmp_path / "run")]) == 0
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["validation"]["passed"]
@@ -181,7 +181,7 @@ def test_ddp_baseline_without_ddp_shard_splits_whole_graphs(root, tmp_path):
 def test_kinds_graphs_alone_asks_for_it_and_a_padded_batch_refuses(root):
     from autopar.artifacts import PlanOptions
     from autopar.errors import AutoparError
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     cal = str(root / "calibration/cpu-2core-gloo.json")
     r = make_plan(root / f"strategies/examples/{MODEL}.py",
                   PlanOptions(world_size=2, batch_size=4, calibration=cal, measure_shapes=False, write=False,
@@ -205,7 +205,7 @@ def test_small_batch_under_a_memory_limit_splits_edges(root, tmp_path, monkeypat
     monkeypatch.setenv("AUTOPAR_GNN_GRAPHS", "2")
     out = tmp_path / "plan"
     assert main(["plan", str(root / f"strategies/examples/{MODEL}.py"), "--world-size", "4",
-                 "--batch-size", "2", "--memory-limit", "4MiB", "--no-measure",
+                 "--batch-size", "2", "--memory-limit", "4MiB",
                  "--calibration", str(root / "calibration/cpu-2core-gloo.json"), "-o", str(out)]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert "2 graphs < 4 ranks" in plan["solver"]["graph_parallel"]["illegal"]

@@ -1,5 +1,5 @@
 """Re-planning from the trace cache does not run the user's loss again: whether the loss is a
-vocabulary cross-entropy (``pipeline.vocab_loss_output``, seconds on a large GPT) is remembered
+vocabulary cross-entropy (``planner.trace.vocab_loss_output``, seconds on a large GPT) is remembered
 beside the cached trace, and a memo that does not name the graph's output is recomputed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_vocab_loss_answer_is_remembered_beside_the_trace(tmp_path, monkeypatch):
-    import autopar.pipeline as pl
+    import autopar.planner.trace as pl
     from autopar.modelfile import load_model_file
     from autopar.trace.cache import trace_cached, trace_key
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))

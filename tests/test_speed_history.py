@@ -115,7 +115,7 @@ def test_plan_prices_local_compute_between_the_usual_and_the_profiles_speed(tmp_
     its predicted step is 1.5x the one priced as measured (the geometric mean of the two
     readings, ``USUAL_WEIGHT`` 0.5), and plan.json says so."""
     from autopar.artifacts import PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     model = tmp_path / "tiny.py"
     model.write_text(MODEL)
     _, prof_path = _here_profile(tmp_path)
@@ -144,7 +144,7 @@ def test_default_plan_ignores_the_history(tmp_path, monkeypatch, capsys):
     the default) is accepted with a warning."""
     from autopar.artifacts import PlanOptions
     from autopar.cli import main
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     model = tmp_path / "tiny.py"
     model.write_text(MODEL)
     _, prof_path = _here_profile(tmp_path)
@@ -159,19 +159,19 @@ def test_default_plan_ignores_the_history(tmp_path, monkeypatch, capsys):
             r = make_plan(model, PlanOptions(world_size=1, batch_size=4, calibration=str(prof_path),
                                              out_dir=str(tmp_path / f"api-{len(steps)}")))
             assert r.plan.calibration["machine_speed"]["speed_factor"] == 1.0
-            assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--no-measure",
+            assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4",
                          "--calibration", str(prof_path), "-o", str(tmp_path / f"cli-{len(steps)}")]) == 0
             cli = json.loads((tmp_path / f"cli-{len(steps)}" / "plan.json").read_text())
             steps[env] = (r.plan.predicted.step_time_s, cli["predicted"]["step_time_s"])
         assert steps[str(hist)] == steps["off"]            # bit-identical, API and CLI
         monkeypatch.setenv(H.HISTORY_ENV, str(hist))
-        assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--no-measure", "--speed-history",
+        assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--speed-history",
                      "--calibration", str(prof_path), "-o", str(tmp_path / "opt-in")]) == 0
     opt_in = json.loads((tmp_path / "opt-in" / "plan.json").read_text())
     assert opt_in["calibration"]["machine_speed"]["speed_factor"] == pytest.approx(2.0 ** H.USUAL_WEIGHT, abs=1e-4)
     assert opt_in["predicted"]["step_time_s"] == pytest.approx(2.0 ** H.USUAL_WEIGHT * steps["off"][1], rel=1e-9)
     with pytest.warns(FutureWarning, match="--no-speed-history is the default"):
-        assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4", "--no-measure",
+        assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4",
                      "--no-speed-history", "--calibration", str(prof_path), "-o", str(tmp_path / "alias")]) == 0
     alias = json.loads((tmp_path / "alias" / "plan.json").read_text())
     assert alias["predicted"]["step_time_s"] == steps["off"][1]

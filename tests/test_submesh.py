@@ -26,7 +26,7 @@ def test_comm_maps_mesh_ranks_to_global_ranks():
 def _plans(root, tmp_path, profile):
     """Two different plans of two ranks each: data parallel and spatial."""
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     model = root / "strategies/examples/resnet2d.py"
     out = []
     for name, kinds in (("sample", ["sample", "replicate"]), ("spatial", ["spatial", "replicate"])):

@@ -18,7 +18,7 @@ LLAMA = Path(__file__).resolve().parent / "tp_llama.py"
 
 def _graph(model, batch=4):
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import attention_units
+    from autopar.planner import attention_units
     from autopar.trace.tracer import trace_model
     return attention_units(trace_model(load_model_file(model), batch))
 
@@ -29,7 +29,7 @@ def _index(graph, module, nth=0):
 
 def _plan(model, tmp_path, profile, world, force, batch=4, **kw):
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     g = _graph(model, batch)
     pins = {(_index(g, *k) if isinstance(k, tuple) else _index(g, k)): v for k, v in force.items()}
     kw.setdefault("max_candidates", 30)     # keep vocab_head, which the pruner ranks behind filter
@@ -151,7 +151,7 @@ def test_vocab_parallel_loss_needs_one_cross_entropy_of_the_logits(root, profile
     from autopar.decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
     from autopar.decomp.tensor_parallel.vocab import VocabHead
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import vocab_loss_output
+    from autopar.planner import vocab_loss_output
     t = torch.randint(0, 50, (4, 8))
     assert loss_is_cross_entropy(load_model_file(LLAMA).loss_fn(), [4, 8, 50], t) is None
     smooth = lambda o, y: F.cross_entropy(o.reshape(-1, 50), y.reshape(-1), label_smoothing=0.1)  # noqa: E731
@@ -241,7 +241,7 @@ def test_memory_limit_forces_tensor_parallel_plan(root, tmp_path, monkeypatch, p
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)
     base = ["plan", str(root / "strategies/examples/gpt.py"), "--world-size", "4", "--batch-size", "4",
-            "--calibration", str(prof), "--no-measure", "--memory-limit", "4MiB"]
+            "--calibration", str(prof), "--memory-limit", "4MiB"]
     assert main(base + ["--kinds", "sample,replicate", "-o", str(tmp_path / "dp")]) == 2
     cap = capsys.readouterr()
     assert "no plan fits 4.0 MiB" in cap.out + cap.err

@@ -229,7 +229,7 @@ def test_tournament_halves_keep_the_data_flow_imports(root, tmp_path, profile):
         "import json, sys\n"
         "import autopar.tournament.runtime, autopar.tournament.launch, autopar.runtime.model\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('autopar.cost', 'autopar.solve', "
-        "'autopar.trace', 'autopar.calibrate', 'autopar.pipeline', 'autopar.codegen', 'autopar.tournament.pricing', "
+        "'autopar.trace', 'autopar.calibrate', 'autopar.planner', 'autopar.codegen', 'autopar.tournament.pricing', "
         "'pulp', 'highspy')))))\n")
     for code in (code_plan, code_run):
         out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,

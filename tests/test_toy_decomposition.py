@@ -43,7 +43,7 @@ def toy():
 
 def _plan(tmp_path, profile, world):
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     model = tmp_path / "mlp.py"
     model.write_text(textwrap.dedent(MLP))
     return make_plan(model, PlanOptions(world_size=world, batch_size=4, out_dir=tmp_path / f"plan{world}"),

@@ -74,7 +74,7 @@ def setup(tmp_path_factory):
     from fakes import synthetic_profile
 
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
 
     base = tmp_path_factory.mktemp("train")
     mfile = base / "net.py"
@@ -386,7 +386,7 @@ def test_changed_model_file_or_other_model_is_named(setup, tmp_path):
     import autopar
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.errors import PlanFileError
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from autopar.train import ModelMismatch
     f = tmp_path / "net.py"
     f.write_text(textwrap.dedent(MODEL.format(width=8)))
@@ -407,7 +407,7 @@ def test_changed_model_file_or_other_model_is_named(setup, tmp_path):
 def test_checkpoint_of_another_model_is_named(setup, tmp_path, runs):
     import autopar
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from autopar.train import ModelMismatch
     from autopar.train.checkpoint import check_checkpoint
     _uninterrupted(setup, runs, "spatial-w2")
@@ -433,7 +433,7 @@ def test_full_state_dict_round_trip_at_world_1(setup, tmp_path):
 
     import autopar
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     from autopar.train import ModelMismatch
     r = make_plan(setup["model"], PlanOptions(world_size=1, batch_size=BATCH, out_dir=str(tmp_path / "w1")),
                   PlanHooks(profile=setup["profile"]))
@@ -534,7 +534,7 @@ def test_train_package_is_runtime_side():
     root = Path(__file__).resolve().parents[1]
     code = ("import sys, json, autopar; a = 'torch' in sys.modules; import autopar.train; "
             "print(json.dumps([a, sorted(m for m in sys.modules if m.startswith(('autopar.cost', 'autopar.solve', "
-            "'autopar.trace', 'autopar.calibrate', 'autopar.pipeline', 'autopar.codegen', 'pulp', 'highspy')))]))")
+            "'autopar.trace', 'autopar.calibrate', 'autopar.planner', 'autopar.codegen', 'pulp', 'highspy')))]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -551,7 +551,7 @@ def test_example_script_trains_under_torchrun(root, tmp_path, profile):
     import sys
 
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     r = make_plan(root / "strategies/examples/resnet2d.py",
                   PlanOptions(world_size=2, out_dir=str(tmp_path / "plan")), PlanHooks(profile=profile))
     torchrun = Path(sys.executable).with_name("torchrun")

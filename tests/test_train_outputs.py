@@ -71,7 +71,7 @@ def setup(tmp_path_factory):
     from fakes import synthetic_profile
 
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
 
     base = tmp_path_factory.mktemp("outputs")
     out = {}

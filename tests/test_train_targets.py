@@ -87,7 +87,7 @@ def _plan(model, out_dir, world, batch, force=None, kinds=None, env=None):
     from fakes import synthetic_profile
 
     from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
     with pytest.MonkeyPatch.context() as mp:
         for k, v in (env or {}).items():
             mp.setenv(k, v)
@@ -100,7 +100,7 @@ def _plan(model, out_dir, world, batch, force=None, kinds=None, env=None):
 
 def _gpt2_force(model):
     from autopar.modelfile import load_model_file
-    from autopar.pipeline import attention_units
+    from autopar.planner import attention_units
     from autopar.trace.tracer import trace_model
     g = attention_units(trace_model(load_model_file(model), 4))
 

@@ -22,7 +22,7 @@ from autopar.artifacts import PlanHooks, PlanOptions  # noqa: E402
 from autopar.errors import TraceError  # noqa: E402
 from autopar.execute.runner import ExecuteOptions, execute  # noqa: E402
 from autopar.modelfile import load_model_file  # noqa: E402
-from autopar.pipeline import make_plan  # noqa: E402
+from autopar.planner import make_plan  # noqa: E402
 from autopar.trace.tracer import STEP_TRACER, trace_model  # noqa: E402
 
 RTOL, ATOL = 1e-9, 1e-12
@@ -207,7 +207,7 @@ def test_tied_weights_split_only_the_same_way(root, tmp_path, profile):
     ILP's tied constraint, ``tests/test_hf_gpt2_parallel.py``); a head pinned to a split that
     no choice of the embedding matches is a named error."""
     from autopar.errors import AutoparError
-    from autopar.pipeline import attention_units
+    from autopar.planner import attention_units
     model = _example(root, "hf_gpt2")
     g = attention_units(trace_model(load_model_file(model), 8))
     head = next(lay.index for lay in g.layers if lay.module == "lm_head")

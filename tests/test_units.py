@@ -113,7 +113,7 @@ def test_bad_planning_units_is_a_named_error(tmp_path):
 def test_unit_plan_executes_equal_to_one_process(kind, tmp_path, profile):
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
-    from autopar.pipeline import make_plan
+    from autopar.planner import make_plan
 
     model = _write(tmp_path, ["block"])
     mf = load_model_file(model)

@@ -154,7 +154,7 @@ class OnDemand:
         est = [_estimate_s(prof, s) for s in todo]
         self.say(f"exact shapes: measuring {len(todo)} local shape(s) of competitive candidates "
                  f"missing from the profile (at most {max(budget, 0):.3g} s more, estimated "
-                 f"{sum(est):.1f} s; --no-measure skips; cached in {self.path})")
+                 f"{sum(est):.1f} s; autopar plan --measure-shapes; written to {self.path})")
         t0 = time.perf_counter()
         import torch  # noqa: F401  (before forking)
         done, _ = run_ranks(_measure_rank, 1, (todo, budget, device, est, profile_nominal_s(self.base)),

@@ -1,7 +1,7 @@
 """Graph parallelism as a plan-level alternative, priced: ``graphs(world)`` on every layer of a
 PyG batch (``autopar.decomp.graph.graphs``: the decomposition, its legality and cost formula)
 as a one-choice cost table evaluated like the ILP's plans, against which the planner compares
-the ILP's best op-by-op plan (``autopar.pipeline``). Here because it builds a ``CostTable``:
+the ILP's best op-by-op plan (``autopar.planner.strategies.graphs``). Here because it builds a ``CostTable``:
 the decomposition itself stays below the cost table."""
 
 from __future__ import annotations

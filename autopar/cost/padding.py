@@ -5,7 +5,7 @@ of a step at one padded shape ``(N_b, E_b)`` (nodes, edges). One global maximum 
 and the most padded work; k buckets give k shapes, less padded work, and each shape costs a
 plan, a trace and warm-up steps once. This module is the pure part: buckets, how often each
 shape runs, how much of its work is padding, and the choice. The step time of each shape comes
-from the cost model (``autopar.pipeline.make_padded_plan`` plans the model at each shape and
+from the cost model (``autopar.planner.make_padded_plan`` plans the model at each shape and
 passes a ``ShapePrice``); nothing here imports torch or the solver.
 
 Buckets (``make_buckets``): for k buckets, ``N_b`` and ``E_b`` are the graph-weighted

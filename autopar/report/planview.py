@@ -1,4 +1,4 @@
-"""The printed plan (``autopar plan``, ``autopar.pipeline.format_plan_table``): a summary of
+"""The printed plan (``autopar plan``, ``autopar.planner.format_plan_table``): a summary of
 what was decided and what was priced, then one row per layer with the routine ones folded.
 
 Summary (``summary_lines``), every figure read from the plan itself: the model, mesh and

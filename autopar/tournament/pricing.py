@@ -313,7 +313,7 @@ def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: To
     from ..io import atomic_write_text
     from ..modelfile import load_model_file
     from ..artifacts import write_plan
-    from ..pipeline import default_plan_dir, load_calibration, make_plan
+    from ..planner import default_plan_dir, load_calibration, make_plan
 
     hooks = hooks or PlanHooks()
     N = options.world_size
@@ -394,8 +394,8 @@ def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: To
     if options.write:
         out_dir.mkdir(parents=True, exist_ok=True)
         # the model path is relative to the plan's folder
-        from ..pipeline import _rel
-        plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, path=_rel(Path(model_file), out_dir)))
+        from ..planner import rel_path
+        plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, path=rel_path(Path(model_file), out_dir)))
         module_path = out_dir / plan.generated
         atomic_write_text(module_path, generate_module(plan))
         plan_path = write_plan(plan, out_dir / "plan.json")

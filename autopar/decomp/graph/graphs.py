@@ -13,7 +13,7 @@ whole batch, because message passing never crosses a graph boundary and pooling 
 
 It is a *plan-level* alternative, not a per-layer choice: the ILP never sees it
 (``candidates`` is empty). ``cost.graphs.graphs_alternative`` prices it against the ILP's best
-op-by-op plan after the solve (``autopar.pipeline.make_plan``) and the cheaper one is kept; plan.json
+op-by-op plan after the solve (``autopar.planner.make_plan``) and the cheaper one is kept; plan.json
 records both predictions under ``solver.graph_parallel``. Which inputs are node, edge, index
 and batch vectors comes from the tracer's marks (``autopar.trace.graph_items``), not from the
 model file; the run-time split is ``autopar.runtime.graphs.split_graph_batch``.

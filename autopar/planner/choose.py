@@ -1,0 +1,51 @@
+"""Stage 5, choose: every registered plan-level strategy (``planner.strategies``) offers its
+candidates for the solved table; one rule picks (memory fit, forced, fastest, priority)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .load import Loaded, Request
+from .solve import Solved
+from .strategies import STRATEGIES, Choice, Offer, choose as choose_rule, offer_all
+from .strategies.native import NAME as NATIVE
+from .strategies.op_by_op import NAME as OP_BY_OP
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The plan chosen: its table, solution (one choice per layer), prediction, the records
+    strategies keep in plan.json (``runtime``, ``graph_parallel``) and every candidate priced."""
+    table: Any
+    solution: Any
+    prediction: Any
+    choice: Choice
+    records: dict[str, Any]
+    pin_marks: dict[int, str]
+
+
+def choose(loaded: Loaded, solved: Solved, req: Request) -> Chosen:
+    placed = solved.placed
+    base = Offer(req, loaded, placed.table.graph, placed.table, placed.solution, placed.prediction,
+                 dp_unpinned=solved.maker.dp_unpinned.get(id(placed.table), False))
+    cands = offer_all(base)
+    fallback = next(c for c in cands if c.strategy == OP_BY_OP)
+    choice = choose_rule(cands, req.memory_limit_bytes, fallback)
+    own = {name: s.record(base, choice) for name, s in STRATEGIES.items() if hasattr(s, "record")}
+    records: dict[str, Any] = {}
+    for rec in own.values():                 # registration order: a later record wins
+        records.update(rec)
+    c, sol = choice.chosen, placed.solution
+    if c.strategy not in (OP_BY_OP, NATIVE) and "runtime" not in own.get(c.strategy, {}):
+        records["runtime"] = {"expected": c.runtime, "step_time_s": c.step_time_s,
+                              "reason": f"plan-level strategy {c.label} chosen"}
+    if c.strategy != OP_BY_OP and (c.table is not placed.table or list(c.choice) != list(sol.choice)):
+        note = records.pop("note", None) or c.note or f"plan-level strategy {c.label} chosen"
+        sol = dataclasses.replace(sol, choice=list(c.choice), notes=list(sol.notes) + [note])
+    records.pop("note", None)
+    if "runtime" in records:
+        req.say(f"runtime: {records['runtime']['expected']} ({records['runtime']['reason']})")
+    marks = solved.maker.pin_marks.get(id(c.table), {})
+    return Chosen(c.table, sol, c.prediction, choice, records, marks)

@@ -1,0 +1,67 @@
+"""Stage 4, solve: under each rank placement of the request, a cost table solved (dynamic
+program / ILP), the fastest placement kept (``solve.placement.search_placement``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cost.table import evaluate
+from ..solve.ilp import solve as solve_ilp
+from ..solve.placement import PlacementResult, search_placement
+from .load import Request
+from .price import Priced, TableMaker
+from .trace import Traced
+
+
+@dataclass
+class TableSolver:
+    """``solve(table)``: transitions priced, then solved; keeps the seconds of each."""
+    req: Request
+    edges_s: list[float] = field(default_factory=list)
+    solves_s: list[float] = field(default_factory=list)
+
+    def solve(self, table):
+        t = time.perf_counter()
+        table.ensure_edges()
+        self.edges_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        o = self.req.options
+        s = solve_ilp(table, memory_limit_bytes=o.memory_limit_bytes, time_limit_s=o.time_limit_s, solver=o.solver)
+        self.solves_s.append(time.perf_counter() - t)
+        return s
+
+
+@dataclass(frozen=True)
+class Solved:
+    """The placement search's result, the maker of its tables (pins), and where time went."""
+    placed: PlacementResult
+    maker: TableMaker
+    timings_s: dict[str, float]
+
+    @property
+    def table(self):
+        return self.placed.table
+
+
+def solve(traced: Traced, priced: Priced, req: Request) -> Solved:
+    maker, solver = TableMaker(traced.graph, req), TableSolver(req)
+    t = time.perf_counter()
+    placed = search_placement(priced.ctx, req.options.placement, maker.make, solver.solve, evaluate)
+    search_s = time.perf_counter() - t
+    tables_s, edges_s, solves_s = maker.tables_s, solver.edges_s, solver.solves_s
+    # where the time went (``--verbose``, plan.json): the first table with its transitions,
+    # the other placements (their tables, bounds and transitions where solved), the solves
+    price_s = tables_s[0] + (edges_s[0] if edges_s else 0.0)
+    timings = {"cost_s": sum(tables_s) + sum(edges_s), "solve_s": sum(solves_s), "price_s": price_s,
+               "placements_s": max(0.0, search_s - price_s - sum(solves_s)),
+               "placements_priced": float(len(tables_s)), "placements_solved": float(len(solves_s))}
+    tab, sol = placed.table, placed.solution
+    req.say(f"priced {tab.size()['choices']} layer choices and {tab.size()['pairs']} transitions "
+            f"in {price_s:.2f} s" + (f" (+{timings['placements_s']:.2f} s for {len(tables_s) - 1} more "
+                                     f"placements)" if len(tables_s) > 1 else ""))
+    req.say(f"solved with {sol.solver} in {sol.time_s:.2f} s ({sol.status}, gap {sol.gap})"
+            + (f"; {len(solves_s)} placements solved in {timings['solve_s']:.2f} s" if len(solves_s) > 1 else ""))
+    req.say(placed.summary())
+    return Solved(placed, maker, timings)
