@@ -41,10 +41,10 @@ def choose(loaded: Loaded, solved: Solved, req: Request) -> Chosen:
     if c.strategy not in (OP_BY_OP, NATIVE) and "runtime" not in own.get(c.strategy, {}):
         records["runtime"] = {"expected": c.runtime, "step_time_s": c.step_time_s,
                               "reason": f"plan-level strategy {c.label} chosen"}
-    if c.strategy != OP_BY_OP and (c.table is not placed.table or list(c.choice) != list(sol.choice)):
-        note = records.pop("note", None) or c.note or f"plan-level strategy {c.label} chosen"
-        sol = dataclasses.replace(sol, choice=list(c.choice), notes=list(sol.notes) + [note])
-    records.pop("note", None)
+    note = records.pop("note", None) or c.note    # the native plan the solver chose itself: no note
+    if c.strategy != OP_BY_OP and (note or list(c.choice) != list(sol.choice)):
+        sol = dataclasses.replace(sol, choice=list(c.choice),
+                                  notes=list(sol.notes) + [note or f"plan-level strategy {c.label} chosen"])
     if "runtime" in records:
         req.say(f"runtime: {records['runtime']['expected']} ({records['runtime']['reason']})")
     marks = solved.maker.pin_marks.get(id(c.table), {})

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 from ..artifacts import TOURNAMENT_EXCHANGES, Plan, PlanHooks, PlanOptions, TrainerLevel
 from ..errors import AutoparError
+from ..planner.strategies import memory_fit_bytes
 
 
 class TrainersError(AutoparError):
@@ -244,7 +245,7 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
                          f"tournament_s_{dt}": ex + eval_s, f"round_s_{dt}": rs,
                          f"samples_per_s_{dt}": T * I * B / rs if rs > 0 else math.inf})
     mem = plan.predicted.memory_per_rank_bytes + (state if T > 1 else 0.0)
-    fits = memory_limit_bytes is None or mem <= memory_limit_bytes
+    fits = memory_fit_bytes(mem, memory_limit_bytes) is None
     return {**by_dtype,
         "trainers": T, "ranks_per_trainer": n, "world_size": world, "batch_per_trainer": B,
         "interval_steps": I, "step_s": step_s, "plan_step_s": pr.step_time_s, "colocation_slowdown": colocation, "ingest_s": ingest_s, "data_in_memory": in_memory,

@@ -115,14 +115,21 @@ def register_strategy(cls):
     return cls
 
 
+def memory_fit_bytes(memory_per_rank_bytes: float, memory_limit_bytes: float | None) -> str | None:
+    """The plan-level memory rule: None when ``memory_per_rank_bytes`` fits the per-rank limit
+    (no limit: always), else why not. The one place a whole plan is held to the limit (the
+    solvers hold each layer choice to it inside the ILP)."""
+    if memory_limit_bytes is None or memory_per_rank_bytes <= memory_limit_bytes:
+        return None
+    return (f"{memory_per_rank_bytes / 2**20:.2f} MiB per rank over the memory limit "
+            f"{memory_limit_bytes / 2**20:.2f} MiB")
+
+
 def memory_fit(prediction, memory_limit_bytes: float | None) -> str | None:
-    """None when ``prediction`` fits the per-rank memory limit, else why not."""
-    if memory_limit_bytes is None or prediction is None:
+    """``memory_fit_bytes`` of a ``StepPrediction`` (None: not priced, nothing to check)."""
+    if prediction is None:
         return None
-    mem = float(prediction.memory_per_rank_bytes)
-    if mem <= memory_limit_bytes:
-        return None
-    return f"{mem / 2**20:.2f} MiB per rank over the memory limit {memory_limit_bytes / 2**20:.2f} MiB"
+    return memory_fit_bytes(float(prediction.memory_per_rank_bytes), memory_limit_bytes)
 
 
 def _checked(c: Candidate, memory_limit_bytes: float | None) -> Candidate:
