@@ -63,3 +63,8 @@ class RankFailure(AutoparError):
     """A rank died or hung; names the rank."""
 
     exit_code = 4
+
+
+class PipelineError(AutoparError):
+    """A pipeline-stage request that cannot be met (stage count, cut, schedule, microbatches);
+    lists what can be asked instead (the feasible stage counts, the value crossing a cut backwards)."""

@@ -1,0 +1,374 @@
+"""Pipeline stages: a model cut into contiguous layer ranges, each on its own sub-mesh, run by one
+of torch's pipeline schedules over M microbatches. Plan-time value types and the step-time and
+memory formulas; pure (no torch, no process group).
+
+Vocabulary: a *stage* is a contiguous range of layers ``[first_layer, stop_layer)`` placed on
+``ranks`` (its sub-mesh, laid ``dp x tp``); a *cut* sits between stage k and k+1 and is crossed
+by one or more values (residual stream, masks...), sent point to point from each rank of stage
+k to its peer (same mesh coordinates) in stage k+1 in the forward, and their gradients back in
+the backward. A *schedule* orders, on every rank, the forward (F) and backward (B; or input-grad
+I and weight-grad W for the zero-bubble schedules) of each microbatch on each stage it holds;
+the orders are torch's (``torch.distributed.pipelining.Schedule*``), autopar writes none of its
+own. With V *virtual* stages per rank (interleaved schedules) the model is cut into S*V chunks
+and rank group r holds chunks r, r+S, ... (``loop``) or r and 2S-1-r (``v``-shaped).
+
+Step-time formulas (written once, here; ``tests/test_stages_schedule.py`` checks each against a
+discrete-event simulation of torch's own action order for the schedule). Per microbatch, stage s
+(all its chunks together) takes ``f_s`` forward and ``b_s`` backward; crossing cut k costs
+``c_k`` one way (the same bytes go back as gradients); after its last backward stage s
+synchronises its gradients over its data-parallel sub-mesh in ``g_s``. With M microbatches and
+S stages:
+
+    GPipe (all forwards, then all backwards; a flow shop each way)
+        T_pipe = sum_s (f_s + b_s) + 2 sum_k c_k + (M-1) (max_s f_s + max_s b_s)
+    1F1B (torch's: stage s runs min(M, S-s) forwards first, then alternates B and F; c = mean c_k)
+        T_pipe = sum_s (f_s + b_s) + (M-1) max_s (f_s + b_s) + 2 c ((S-1) M / S + S - 2)
+    interleaved 1F1B, V chunks per rank (each chunk f_s/V, b_s/V; uniform stages f, b, c)
+        T_pipe = M (f + b) + (S-1) (f + b) / V + 2 (S-1) c  ... when M is a multiple of S
+    step = T_pipe + max(0, max_s (g_s - sum_{k<s} (b_k + c_k)))
+
+The 1F1B send term: stage 0 keeps S microbatches in flight and starts microbatch j+S only after
+the backward of j returned, a round trip of ``S (f + b) + 2 (S-1) c``; so in steady state every
+microbatch costs ``f + b + 2 (S-1) c / S`` and the sends are *not* hidden (the simulation shows
+it: exact for uniform stages when S divides M, within one c otherwise). GPipe exposes them
+only in the fill and the drain.
+
+With uniform stages and free cuts the 1F1B / GPipe form is ``(M + S - 1)(f + b)``: the *bubble* is
+``(S-1)(f+b)``, a fraction ``(S-1)/(M+S-1)`` of the step, i.e. ``(S-1)/M`` of the useful work;
+interleaving divides it by V. The gradient-sync term: stage s finishes its last backward at
+least ``sum_{k<s}(b_k + c_k)`` before stage 0 (the last microbatch's gradient still has to
+travel down), so its sync overlaps the drain below it; exact when the drain is unobstructed
+(uniform stages), an upper bound otherwise. For stages that are not uniform the GPipe form stays
+exact (free cuts); the 1F1B form is an upper bound (the bottleneck's period charged to every
+microbatch; 0-21 % over the simulation on random stage times f in [0.5, 2], b in [1, 4]), which
+the planner uses: balanced cuts, the ones it picks, are where it is tight.
+
+For the zero-bubble schedules (``interleaved_zb``, ``zbv``) the backward splits into I (input
+gradient, on the critical path) and W (weight gradient, fills bubbles); they are priced with
+the 1F1B-interleaved form with the bubble shrunk to ``(S-1) * max(0, f + i - w) / V``
+(Qi et al., ICLR'24: W fills what F + I leave), ``i = w = b/2`` unless stated.
+
+Memory: a stage holds, besides its parameters, gradients and optimizer state, the activations
+of the microbatches it has run forward but not yet backward. The most it keeps in flight, for
+stage s (of S, V chunks per rank), checked against the simulation's peak:
+
+    GPipe                 M
+    1F1B                  min(M, S - s)
+    interleaved (V)       min(M V, (S - s) + ... )  -> counted per chunk: see ``in_flight_chunks``
+
+where one in-flight microbatch of a stage costs its activation bytes per microbatch (a chunk
+costs 1/V of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import PipelineError
+
+#: schedule name -> (torch class in torch.distributed.pipelining, chunks per rank: 1, "V" any V>=2, or 2)
+SCHEDULES: dict[str, tuple[str, object]] = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "V"),
+    "looped_bfs": ("ScheduleLoopedBFS", "V"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "V"),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
+}
+#: the schedules whose step formula and memory count are written above (the others run but are
+#: priced as their nearest relative: looped_bfs as GPipe over chunks, dualpipev as zbv)
+PRICED = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: its name (a key of ``SCHEDULES``), M microbatches, V chunks per rank."""
+
+    name: str
+    microbatches: int
+    virtual: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULES:
+            raise PipelineError(f"unknown pipeline schedule {self.name!r}",
+                            f"use one of {', '.join(SCHEDULES)}")
+        if int(self.microbatches) < 1:
+            raise PipelineError(f"microbatches must be >= 1, got {self.microbatches}", "pass --microbatches M >= 1")
+        v = SCHEDULES[self.name][1]
+        if v == "V" and int(self.virtual) < 2:
+            raise PipelineError(f"schedule {self.name} needs V >= 2 chunks per rank, got {self.virtual}",
+                            "pass virtual >= 2 or use gpipe / 1f1b")
+        if v != "V" and int(self.virtual) != int(v):
+            raise PipelineError(f"schedule {self.name} runs {v} chunk(s) per rank, got {self.virtual}",
+                            f"use virtual={v}")
+
+    @property
+    def torch_class(self) -> str:
+        return SCHEDULES[self.name][0]
+
+    @property
+    def multi(self) -> bool:
+        """True for torch's multi-stage-per-rank schedules (a list of stages per rank)."""
+        return self.virtual > 1
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "microbatches": int(self.microbatches), "virtual": int(self.virtual),
+                "torch_class": self.torch_class}
+
+    @staticmethod
+    def from_json(obj: dict) -> "Schedule":
+        return Schedule(str(obj["name"]), int(obj["microbatches"]), int(obj.get("virtual", 1)))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers ``[first_layer, stop_layer)`` on global ``ranks`` laid row-major over ``dp x tp``."""
+
+    index: int
+    first_layer: int
+    stop_layer: int
+    ranks: tuple[int, ...]
+    dp: int = 0
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if self.dp == 0:
+            object.__setattr__(self, "dp", len(self.ranks) // max(1, int(self.tp)))
+        if not 0 <= self.first_layer < self.stop_layer:
+            raise PipelineError(f"stage {self.index}: empty or negative layer range "
+                            f"[{self.first_layer}, {self.stop_layer})", "give each stage >= 1 layer")
+        if self.dp * self.tp != len(self.ranks) or not self.ranks:
+            raise PipelineError(f"stage {self.index}: dp {self.dp} x tp {self.tp} != {len(self.ranks)} ranks",
+                            "lay the stage's ranks as dp x tp")
+
+    @property
+    def layers(self) -> int:
+        return self.stop_layer - self.first_layer
+
+    def peer(self, rank: int, other: "Stage") -> int:
+        """The rank of ``other`` at the same (dp, tp) coordinates as ``rank`` of this stage."""
+        return other.ranks[self.ranks.index(int(rank))]
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "layers": [self.first_layer, self.stop_layer],
+                "ranks": list(self.ranks), "dp": self.dp, "tp": self.tp}
+
+    @staticmethod
+    def from_json(obj: dict) -> "Stage":
+        lo, hi = obj["layers"]
+        return Stage(int(obj["index"]), int(lo), int(hi), tuple(obj["ranks"]), int(obj.get("dp", 0)),
+                     int(obj.get("tp", 1)))
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """S stages covering layers ``[0, n_layers)`` in order, on disjoint equal-size sub-meshes."""
+
+    stages: tuple[Stage, ...]
+    schedule: Schedule
+
+    def __post_init__(self) -> None:
+        st = self.stages
+        if not st:
+            raise PipelineError("a stage layout needs at least one stage", "give S >= 1")
+        for k, s in enumerate(st):
+            if s.index != k:
+                raise PipelineError(f"stage {k} carries index {s.index}", "number the stages 0..S-1 in order")
+            if k and s.first_layer != st[k - 1].stop_layer:
+                raise PipelineError(f"stage {k} starts at layer {s.first_layer} but stage {k - 1} stops at "
+                                f"{st[k - 1].stop_layer}", "stages must cover contiguous layer ranges")
+        seen: set[int] = set()
+        for s in st:
+            if seen & set(s.ranks):
+                raise PipelineError(f"stage {s.index} shares ranks {sorted(seen & set(s.ranks))} with an earlier "
+                                "stage", "give each stage its own ranks")
+            seen |= set(s.ranks)
+        if len({(s.dp, s.tp) for s in st}) != 1:
+            raise PipelineError("stages have different sub-mesh shapes "
+                            f"{[(s.dp, s.tp) for s in st]}", "peers across a cut need the same dp x tp")
+        if self.schedule.name == "1f1b" and self.schedule.microbatches < len(st):
+            raise PipelineError(f"1F1B needs microbatches >= stages ({len(st)}), got {self.schedule.microbatches}",
+                            f"pass --microbatches >= {len(st)}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def world(self) -> int:
+        return sum(len(s.ranks) for s in self.stages)
+
+    def stage_of(self, rank: int) -> Stage:
+        for s in self.stages:
+            if int(rank) in s.ranks:
+                return s
+        raise PipelineError(f"rank {rank} is in no stage", f"stages hold ranks 0..{self.world - 1}")
+
+    def to_json(self) -> dict:
+        return {"stages": [s.to_json() for s in self.stages], "schedule": self.schedule.to_json()}
+
+    @staticmethod
+    def from_json(obj: dict) -> "StageLayout":
+        return StageLayout(tuple(Stage.from_json(s) for s in obj["stages"]), Schedule.from_json(obj["schedule"]))
+
+
+def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, tp: int = 1,
+                cuts: Sequence[int] | None = None) -> StageLayout:
+    """S stages on consecutive blocks of ``world // S`` ranks (so that a stage stays on as few nodes
+    as possible and only the cuts cross node links), cut at ``cuts`` (the first layer of stages
+    1..S-1) or evenly. Raises a ``PlanError`` listing the feasible stage counts otherwise."""
+    feasible = feasible_stage_counts(n_layers, world, schedule.virtual)
+    if num_stages not in feasible:
+        raise PipelineError(f"--pipeline {num_stages} is not feasible for {n_layers} layers on {world} ranks "
+                        f"({schedule.virtual} chunk(s) per rank)",
+                        f"use one of the feasible stage counts {feasible}")
+    per = world // num_stages
+    if per % tp:
+        raise PipelineError(f"tp {tp} does not divide the {per} ranks of a stage", "pick tp dividing world/S")
+    if cuts is None:
+        cuts = [round(k * n_layers / num_stages) for k in range(1, num_stages)]
+    bounds = [0, *[int(c) for c in cuts], n_layers]
+    stages = tuple(Stage(k, bounds[k], bounds[k + 1], tuple(range(k * per, (k + 1) * per)), per // tp, tp)
+                   for k in range(num_stages))
+    return StageLayout(stages, schedule)
+
+
+def feasible_stage_counts(n_layers: int, world: int, virtual: int = 1) -> list[int]:
+    """Stage counts S that divide the world and leave every chunk (S*V of them) >= 1 layer."""
+    return [s for s in range(1, world + 1) if world % s == 0 and s * max(1, virtual) <= n_layers]
+
+
+# ------------------------------------------------------------------------------------------
+# Pricing
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's per-microbatch costs: forward ``fwd_s`` and backward ``bwd_s`` of all its
+    layers on its sub-mesh (their own collectives included), its gradient sync ``grad_sync_s``
+    after the last backward, the activation bytes one microbatch keeps alive until its backward,
+    and the bytes that do not depend on M (parameters, gradients, optimizer state)."""
+
+    fwd_s: float
+    bwd_s: float
+    grad_sync_s: float = 0.0
+    act_bytes_per_microbatch: float = 0.0
+    static_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelinePrice:
+    """The priced step of a stage layout: ``step_s`` = ``pipe_s`` + ``sync_tail_s``; ``ideal_s`` =
+    M * max_s (f_s + b_s) (no bubble, no sends); ``bubble_s`` = what the schedule adds beyond it
+    on the bottleneck stage besides the sends; per-stage peak bytes and in-flight microbatches."""
+
+    step_s: float
+    pipe_s: float
+    ideal_s: float
+    bubble_s: float
+    send_s: float
+    sync_tail_s: float
+    peak_bytes: tuple[float, ...]
+    in_flight: tuple[float, ...]
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.step_s if self.step_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"step_s": self.step_s, "pipe_s": self.pipe_s, "ideal_s": self.ideal_s,
+                "bubble_s": self.bubble_s, "bubble_fraction": self.bubble_fraction, "send_s": self.send_s,
+                "sync_tail_s": self.sync_tail_s, "peak_bytes": list(self.peak_bytes),
+                "in_flight_microbatches": list(self.in_flight)}
+
+
+def in_flight_microbatches(schedule: Schedule, num_stages: int, stage: int) -> float:
+    """Most microbatches whose activations stage ``stage`` holds at once (in units of a whole
+    stage's microbatch: a chunk counts 1/V). See the module docstring; checked in the test."""
+    m, s_count, v = schedule.microbatches, num_stages, schedule.virtual
+    if schedule.name in ("gpipe", "looped_bfs"):
+        return float(m)
+    if schedule.name == "1f1b":
+        return float(min(m, s_count - stage))
+    # interleaved and V-shaped: torch's warm-up runs (V-1)*min(M, S) + 2*(S-1-r) chunk forwards
+    # (capped at M*V) before the first backward of rank r; one more while the first backward runs
+    warm = min(m * v, (v - 1) * min(m, s_count) + 2 * (s_count - 1 - stage) + 1)
+    return warm / v
+
+
+def price_pipeline(costs: Sequence[StageCost], cut_send_s: Sequence[float], schedule: Schedule,
+                   input_grad_fraction: float = 0.5) -> PipelinePrice:
+    """Price one step of ``len(costs)`` stages under ``schedule`` (formulas in the module docstring).
+
+    ``cut_send_s[k]``: one microbatch's values crossing cut k one way. For V > 1 the stages are
+    taken as uniform (their mean), as the interleaved formula is written for."""
+    s_count, m, v = len(costs), schedule.microbatches, schedule.virtual
+    if len(cut_send_s) != s_count - 1:
+        raise ValueError(f"{s_count} stages need {s_count - 1} cut send times, got {len(cut_send_s)}")
+    f = [c.fwd_s for c in costs]
+    b = [c.bwd_s for c in costs]
+    send = 2.0 * sum(cut_send_s)
+    ideal = m * max(fi + bi for fi, bi in zip(f, b))
+    if schedule.name in ("gpipe", "looped_bfs"):
+        fb = sum(f) + sum(b) + (m - 1) * (max(f) + max(b))
+        if schedule.name == "looped_bfs":  # V chunks per rank run one after another: GPipe over chunks
+            fb = sum(f) / v + sum(b) / v + (m * v - 1) * (max(f) + max(b)) / v
+        pipe = fb + send
+    elif schedule.name == "1f1b":
+        c_mean = sum(cut_send_s) / (s_count - 1) if s_count > 1 else 0.0
+        send = 2.0 * c_mean * ((s_count - 1) * m / s_count + s_count - 2) if s_count > 1 else 0.0
+        pipe = sum(f) + sum(b) + (m - 1) * max(fi + bi for fi, bi in zip(f, b)) + send
+    else:
+        fm, bm = sum(f) / s_count, sum(b) / s_count
+        if schedule.name in ("interleaved_zb", "zbv", "dualpipev"):
+            i, w = input_grad_fraction * bm, (1 - input_grad_fraction) * bm
+            bubble = (s_count - 1) * max(0.0, fm + i - w) / v
+        else:
+            bubble = (s_count - 1) * (fm + bm) / v
+        pipe = m * (fm + bm) + bubble + send
+    tail = 0.0
+    below = 0.0
+    for k, c in enumerate(costs):
+        tail = max(tail, c.grad_sync_s - below)
+        below += b[k] + (cut_send_s[k] if k < s_count - 1 else 0.0)
+    in_flight = tuple(in_flight_microbatches(schedule, s_count, k) for k in range(s_count))
+    peak = tuple(c.static_bytes + n * c.act_bytes_per_microbatch for c, n in zip(costs, in_flight))
+    step = pipe + tail
+    return PipelinePrice(step, pipe, ideal, max(0.0, pipe - ideal - send), send, tail, peak, in_flight)
+
+
+def cut_send_time_s(profile, nbytes: float, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> float:
+    """One microbatch's values (``nbytes`` per sending rank) over one cut: every rank of the
+    sending stage sends to its peer at the same time, so the time is one p2p message at the link
+    level the pair crosses (``profile.level_of``: 'inter' when the two stages' ranks span nodes)."""
+    level = "intra"
+    for a, b in zip(src_ranks, dst_ranks):
+        if profile.level_of([a, b]) == "inter":
+            level = "inter"
+            break
+    return profile.collective_time_s("p2p", 2, float(nbytes), level=level)
+
+
+def stage_counts_priced(prices: dict[int, PipelinePrice | str]) -> list[dict]:
+    """plan.json's record of every stage count tried: its prediction or why it was refused."""
+    out = []
+    for s in sorted(prices):
+        p = prices[s]
+        out.append({"stages": s, **({"refused": p} if isinstance(p, str) else p.to_json())})
+    return out
+
+
+def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
+    """(S-1)/(M+S-1) for GPipe / 1F1B with uniform stages and free cuts; /V interleaved."""
+    s, m, v = num_stages, schedule.microbatches, schedule.virtual
+    if schedule.name in ("gpipe", "1f1b"):
+        return (s - 1) / (m + s - 1)
+    return (s - 1) / v / (m + (s - 1) / v)
+
+
+__all__ = ["PRICED", "SCHEDULES", "PipelinePrice", "Schedule", "Stage", "StageCost", "StageLayout",
+           "bubble_fraction_uniform", "cut_send_time_s", "even_layout", "feasible_stage_counts",
+           "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]
