@@ -29,11 +29,11 @@ autopar calibrate --quick --world-size "$WORLD" --model "$MODEL" --batch-size "$
 
 echo "== 2/5 autopar plan $MODEL --world-size $WORLD --batch-size $BATCH   (no memory limit)"
 autopar plan "$MODEL" --world-size "$WORLD" --batch-size "$BATCH" --calibration "$PROFILE" \
-  --measure-budget 10 -o "$OUT/plan-default"
+  --measure-shapes --measure-budget 10 -o "$OUT/plan-default"
 
 echo "== 3/5 autopar plan $MODEL --world-size $WORLD --batch-size $BATCH --memory-limit $LIMIT"
 autopar plan "$MODEL" --world-size "$WORLD" --batch-size "$BATCH" --calibration "$PROFILE" \
-  --measure-budget 10 --memory-limit "$LIMIT" -o "$OUT/plan-limited"
+  --measure-shapes --measure-budget 10 --memory-limit "$LIMIT" -o "$OUT/plan-limited"
 
 echo "== 4/5 autopar execute (validate against one process, time against DDP), both plans"
 autopar execute "$OUT/plan-default/plan.json" --steps 20 --out "$OUT/run-default"
