@@ -1,0 +1,347 @@
+"""Sharded data parallelism (FSDP / ZeRO) as a decision per planning unit: its value type, its
+legality, and its memory and time formulas (pure: no torch, no process; the run-time half is
+``autopar.runtime.fsdp``, which applies torch's FSDP2 ``fully_shard`` and DTensor's
+``parallelize_module``).
+
+Legend (each formula below uses these names):
+
+    N      ranks on the unit's data axis (its shard group); T ranks on its tensor axis (1: none)
+    b      bytes per element of the unit's parameters
+    k      optimizer state copies per parameter element (AdamW 2, SGD with momentum 1)
+    d0_p   dim 0 of parameter p as one tensor-parallel rank holds it (the whole dim when T = 1)
+    rest_p the product of p's other dims on that rank
+    c_p    = ceil(d0_p / N): the rows of p's shard on rank 0 (FSDP2 cuts dim 0 as torch.chunk)
+    F      = b sum_p d0_p rest_p: the unit's parameters whole on one tensor-parallel rank
+    S      = b sum_p c_p rest_p: the unit's padded shard (what every rank allocates)
+    G      = b sum_p N c_p rest_p: the padded whole (all-gather output, reduce-scatter input)
+
+Uneven shards, exactly. torch.chunk gives rank r ``max(0, min(c_p, d0_p - r c_p))`` rows of p
+(``shard_rows``); FSDP2 allocates ``c_p`` rows on every rank (padding), so storage is S on every
+rank and the all-gather moves G bytes; optimizer state is created on the valid rows only, largest
+on rank 0 with ``c_p`` rows: k S. Per-rank figures below are rank 0's (the largest).
+
+Levels. A unit's decision is ``Sharded(level, reshard_after_forward, dp, tp)``; what people call
+ZeRO-1/2/3 are its levels:
+
+* level 3 (ZeRO-3): parameters, gradients and optimizer state sharded at rest. The unit's
+  parameters are all-gathered before its forward and, with ``reshard_after_forward``, freed after
+  it and all-gathered again before its backward (2 all-gathers a step, parameters whole only
+  while in use); without it they stay whole from forward to backward (1 all-gather, held across
+  the activation peak). FSDP2: ``fully_shard(unit, reshard_after_forward=...)``.
+* level 2 (ZeRO-2): gradients and optimizer state sharded, parameters whole through the step.
+  On FSDP2 it runs as ``reshard_after_forward=False``: parameters are gathered once a step (in
+  forward, not after the optimizer step as DeepSpeed does) and held until the unit's backward
+  ends, so the step's peak (the forward/backward turn) and its traffic (one all-gather, one
+  reduce-scatter of G) are ZeRO-2's. Level 3 without reshard is therefore the same execution
+  and is refused (``check``: "use level 2"): one name per execution.
+* level 1 (ZeRO-1): only the optimizer state sharded; the gradient stays whole across the
+  micro-batches of an accumulation (FSDP2: ``set_requires_gradient_sync(False)`` on all but the
+  last micro-batch keeps the unsharded gradient, F bytes, and reduce-scatters once). With one
+  micro-batch a step it is level 2 with more memory and is refused (``check``).
+
+Memory per rank of a unit (``unit_memory``), resident through the step::
+
+    params_bytes    = S                      + F   at levels 1, 2 (held forward -> backward)
+    grads_bytes     = S                      (level 1: F, the accumulated whole gradient)
+    optim_bytes     = k S
+    transient_bytes = 2 F + F_next  (level 3 with reshard: the gathered unit, its whole gradient
+                                    before the reduce-scatter, the next unit prefetched)
+                    = F + F_next    (levels 1, 2: the whole gradient before the reduce-scatter and
+                                    the next unit's prefetch)
+
+Across a plan, resident bytes add up and transient bytes do not (one unit runs at a time):
+``plan_memory_bytes`` = sum of resident + activations + max over units of transient. Against
+data parallelism (F + F + k F per unit) level 3 stores (2 + k) S ~ (2 + k) F / N.
+
+Time (``unit_comm``): from the profile's fitted collectives (``Profile.collective_time_s``) on
+the data axis' link (intra or inter node: the caller asks ``CostContext.level`` of the group)::
+
+    AG = T_allgather(N, G, link)           per gather; 2 a step at level 3 with reshard, else 1
+    RS = T_reduce_scatter(N, G, link)      once a step per micro-batch (level 1: once a step)
+    opt_s = optimizer_step_s(n_tensors, k-independent shard bytes S)   the step on the shard
+
+Overlap (``schedule``): compute and communication are two streams. Forward: the all-gather of
+unit u+1 is issued when unit u's forward starts (FSDP2's prefetch of one unit), so only what
+outlasts the compute shows. Backward (reverse order): the gather of unit u-1 is issued when
+unit u's backward starts, unit u's reduce-scatter when its backward ends; the communication
+stream serves them in issue order. The step ends when both streams are done, plus the optimizer
+on the shards. A unit not sharded (data parallel) contributes its all-reduce to the same stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
+
+from ..errors import AutoparError
+
+LEVELS = (1, 2, 3)
+
+
+def shard_rows(d0: int, n: int, r: int) -> int:
+    """Rows of a dim of ``d0`` that rank ``r`` of ``n`` holds when cut as ``torch.chunk`` cuts
+    (FSDP2): chunks of ``ceil(d0 / n)``, the last ones shorter or empty."""
+    if n < 1 or not 0 <= r < n:
+        raise ValueError(f"rank {r} of {n}")
+    c = -(-int(d0) // n)
+    return max(0, min(c, int(d0) - r * c))
+
+
+@dataclass(frozen=True)
+class UnitParams:
+    """The parameters of one planning unit (a block) as one tensor-parallel rank holds them:
+    their shapes (``shapes``, dim 0 first), ``itemsize`` bytes per element and a name."""
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    itemsize: int = 4
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.shapes)
+
+    def whole_bytes(self) -> float:
+        """F: the unit whole on one rank."""
+        return float(self.itemsize * sum(math.prod(s) for s in self.shapes))
+
+    def shard_bytes(self, n: int, rank: int | None = None) -> float:
+        """S (``rank`` None: the padded shard every rank allocates) or the valid bytes ``rank``
+        holds (torch.chunk rows)."""
+        tot = 0
+        for s in self.shapes:
+            if not s:                       # a scalar parameter: not cut, every rank holds it
+                tot += 1
+                continue
+            rest = math.prod(s[1:])
+            rows = -(-s[0] // n) if rank is None else shard_rows(s[0], n, rank)
+            tot += rows * rest
+        return float(self.itemsize * tot)
+
+    def gathered_bytes(self, n: int) -> float:
+        """G: the padded whole an all-gather produces (N times the padded shard)."""
+        return n * self.shard_bytes(n)
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """One unit's sharded-data-parallel decision (module docstring): ``level`` 1, 2 or 3,
+    ``reshard_after_forward`` (level 3 only), the data axis (``data_axis`` of ``dp`` ranks) its
+    state is sharded over, and the tensor axis (``tensor_axis`` of ``tp`` ranks, 1 = none) its
+    layers are tensor-parallel on (DTensor's colwise/rowwise styles, applied first)."""
+
+    kind: ClassVar[str] = "sharded"
+    level: int = 3
+    reshard_after_forward: bool = True
+    dp: int = 1
+    tp: int = 1
+    data_axis: str = "dp"
+    tensor_axis: str = "tp"
+
+    def __str__(self) -> str:
+        raf = "" if self.level != 3 else (",reshard" if self.reshard_after_forward else ",keep")
+        tp = f",tp{self.tp}" if self.tp > 1 else ""
+        return f"zero{self.level}(dp{self.dp}{tp}{raf})"
+
+    def check(self, microbatches: int = 1) -> str | None:
+        """None when legal, else why not (module docstring)."""
+        if self.level not in LEVELS:
+            return f"level {self.level} is not one of {LEVELS}"
+        if self.dp < 1 or self.tp < 1:
+            return f"axis sizes dp={self.dp}, tp={self.tp} must be >= 1"
+        if self.dp == 1:
+            return "a data axis of 1 rank shards nothing"
+        if self.level != 3 and self.reshard_after_forward:
+            return f"level {self.level} keeps parameters whole: reshard_after_forward applies to level 3 only"
+        if self.level == 3 and not self.reshard_after_forward:
+            return "level 3 without reshard after forward runs as level 2: use level 2"
+        if self.level == 1 and microbatches <= 1:
+            return "level 1 differs from level 2 only under gradient accumulation (microbatches > 1)"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "level": self.level, "reshard_after_forward": self.reshard_after_forward,
+                "dp": self.dp, "tp": self.tp, "data_axis": self.data_axis, "tensor_axis": self.tensor_axis}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Sharded":
+        if d.get("kind", cls.kind) != cls.kind:
+            raise AutoparError(f"not a sharded decision: kind {d.get('kind')!r}", "a plan written by autopar")
+        return cls(int(d["level"]), bool(d["reshard_after_forward"]), int(d["dp"]), int(d.get("tp", 1)),
+                   str(d.get("data_axis", "dp")), str(d.get("tensor_axis", "tp")))
+
+
+def candidates(dp: int, tp: int = 1, microbatches: int = 1) -> list[Sharded]:
+    """Every legal decision on a (dp, tp) mesh: the levels fall out as choices."""
+    out = [Sharded(level, raf, dp, tp) for level in LEVELS for raf in (True, False)]
+    return [s for s in out if s.check(microbatches) is None]
+
+
+@dataclass(frozen=True)
+class UnitMemory:
+    """Per-rank bytes of one unit under one decision (module docstring's table)."""
+    params_bytes: float
+    grads_bytes: float
+    optim_bytes: float
+    transient_bytes: float
+
+    @property
+    def resident_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optim_bytes
+
+
+def unit_memory(u: UnitParams, s: Sharded | None, optim_copies: float,
+                next_whole_bytes: float = 0.0) -> UnitMemory:
+    """Memory of unit ``u`` under ``s`` (None: data parallel, everything whole); the formulas of
+    the module docstring, with ``next_whole_bytes`` the next unit's F (its prefetch)."""
+    F = u.whole_bytes()
+    if s is None:
+        return UnitMemory(F, F, optim_copies * F, 0.0)
+    S = u.shard_bytes(s.dp)
+    if s.level == 3 and s.reshard_after_forward:
+        return UnitMemory(S, S, optim_copies * S, 2 * F + next_whole_bytes)
+    grads = F if s.level == 1 else S
+    return UnitMemory(S + F, grads, optim_copies * S, F + next_whole_bytes)
+
+
+@dataclass(frozen=True)
+class UnitComm:
+    """Seconds of one unit's collectives a step: ``allgather_s`` per gather, how many gathers,
+    the reduce-scatter (or, data parallel, the all-reduce) and the optimizer step on the shard."""
+    allgather_s: float
+    gathers: int
+    reduce_s: float
+    optim_s: float
+
+
+def unit_comm(u: UnitParams, s: Sharded | None, collective_s: Callable[[str, int, float], float],
+              optim_step_s: Callable[[int, float], float], microbatches: int = 1, world_dp: int = 1) -> UnitComm:
+    """The collectives of unit ``u`` under ``s`` (module docstring). ``collective_s(kind, p,
+    nbytes)`` is the profile's fit on the data axis' link (the caller binds the link level);
+    ``optim_step_s(n_tensors, bytes)`` the optimizer's fit; ``world_dp``: the data axis of a data
+    parallel unit (``s`` None), whose gradient is all-reduced whole."""
+    F = u.whole_bytes()
+    if s is None:
+        ar = collective_s("allreduce", world_dp, F) * microbatches if world_dp > 1 else 0.0
+        return UnitComm(0.0, 0, ar, optim_step_s(u.n_tensors, F))
+    G = u.gathered_bytes(s.dp)
+    ag = collective_s("allgather", s.dp, G)
+    per_step = 1 if s.level == 1 else microbatches
+    gathers = (2 if (s.level == 3 and s.reshard_after_forward) else 1) * (microbatches if s.level == 3 else 1)
+    rs = collective_s("reduce_scatter", s.dp, G) * per_step
+    return UnitComm(ag, gathers, rs, optim_step_s(u.n_tensors, u.shard_bytes(s.dp)))
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    """One unit's compute in execution order: forward and backward seconds (exposed
+    communication of its own layers, e.g. tensor-parallel all-reduces, included)."""
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``schedule``'s answer: the step and its parts."""
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+
+
+def schedule(times: Sequence[UnitTime], comms: Sequence[UnitComm], fixed_s: float = 0.0) -> Schedule:
+    """Step time of units in execution order on two streams (module docstring, "Overlap")::
+
+        forward, u = 0..n-1:  the gather of u is issued when u-1's forward starts (u = 0: at 0);
+                              ag_done_u = max(comm_free, issue_u) + AG_u
+                              fwd_start_u = max(fwd_end_(u-1), ag_done_u)
+        backward, u = n-1..0: a unit gathered twice is gathered again, issued when u+1's
+                              backward starts (u = n-1: when the forward ends);
+                              bwd_start_u = max(bwd_end_(u+1), that gather's end)
+                              then its reduce-scatter (all-reduce) is issued at bwd_end_u
+        step = max(compute end, comm end) + sum_u opt_u + fixed_s
+
+    The communication stream serves collectives in issue order (one process group)."""
+    n = len(times)
+    comm_free = 0.0
+    t = 0.0
+    fwd_start = [0.0] * n
+    issue = 0.0
+    for u in range(n):
+        c = comms[u]
+        if c.gathers:
+            comm_free = max(comm_free, issue) + c.allgather_s
+            ready = comm_free
+        else:
+            ready = 0.0
+        fwd_start[u] = max(t, ready)
+        issue = fwd_start[u]
+        t = fwd_start[u] + times[u].fwd_s
+    # backward: unit u's second gather is issued when u+1's backward starts (the last unit's when
+    # the forward ends), i.e. before u+1's reduce-scatter, which is issued when u+1's ends
+    def regather(u: int, at: float) -> float:
+        nonlocal comm_free
+        c = comms[u]
+        if c.gathers < 2:
+            return 0.0
+        comm_free = max(comm_free, at) + c.allgather_s * (c.gathers - 1)
+        return comm_free
+
+    ready = regather(n - 1, t) if n else 0.0
+    for u in reversed(range(n)):
+        start = max(t, ready)
+        ready = regather(u - 1, start) if u > 0 else 0.0
+        t = start + times[u].bwd_s
+        if comms[u].reduce_s > 0:
+            comm_free = max(comm_free, t) + comms[u].reduce_s
+    compute = sum(x.fwd_s + x.bwd_s for x in times)
+    comm = sum(c.allgather_s * c.gathers + c.reduce_s for c in comms)
+    end = max(t, comm_free)
+    opt = sum(c.optim_s for c in comms)
+    return Schedule(end + opt + fixed_s, compute, comm, max(0.0, end - compute), opt)
+
+
+@dataclass(frozen=True)
+class PlanMemory:
+    resident_bytes: float
+    transient_bytes: float
+    activation_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.resident_bytes + self.transient_bytes + self.activation_bytes
+
+
+def plan_memory_bytes(units: Sequence[UnitParams], decisions: Sequence[Sharded | None], optim_copies: float,
+                      activation_bytes: float) -> PlanMemory:
+    """Per-rank memory of a plan whose units (execution order) take ``decisions``: resident
+    bytes add up, the largest transient (a unit in use, the next one prefetched) is added once,
+    activations as the layer table prices them (module docstring)."""
+    res, trans = 0.0, 0.0
+    for i, (u, s) in enumerate(zip(units, decisions)):
+        nxt = units[i + 1].whole_bytes() if i + 1 < len(units) and decisions[i + 1] is not None else 0.0
+        m = unit_memory(u, s, optim_copies, nxt)
+        res += m.resident_bytes
+        trans = max(trans, m.transient_bytes)
+    return PlanMemory(res, trans, float(activation_bytes))
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """Parameters shared by several units (tied weights): sharded together with the first unit
+    that uses them, or refused (``check_tied``)."""
+    param: str
+    units: tuple[str, ...] = field(default_factory=tuple)
+
+
+def check_tied(tied: Sequence[TiedGroup], decisions: dict[str, Sharded | None]) -> None:
+    """Refuse, naming both units, a plan that shards a tied parameter's units differently
+    (FSDP2 must own a shared parameter in exactly one unit: the outermost one that holds it,
+    usually the root). Equal decisions, or the parameter moved to the root, are accepted."""
+    for g in tied:
+        ds = {u: decisions.get(u) for u in g.units}
+        if len({str(d) for d in ds.values()}) > 1:
+            a, b = g.units[0], next(u for u in g.units[1:] if str(ds[u]) != str(ds[g.units[0]]))
+            raise AutoparError(f"parameter {g.param} is tied between units {a} ({ds[a]}) and {b} ({ds[b]}): "
+                               f"they must be sharded together",
+                               "give both units the same decision, or shard the shared parameter with the root")

@@ -1,0 +1,231 @@
+"""The run-time half of sharded data parallelism (``autopar.decomp.fsdp``): torch's own engines.
+
+``parallelize(model, mesh, units, tp_styles)`` applies, in torchtitan's order,
+
+1. tensor parallelism: DTensor's ``parallelize_module`` on the mesh's tensor axis with
+   ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` for the sub-modules
+   ``tp_styles`` names (only ``nn.Linear`` / ``nn.Embedding`` / norms: where DTensor's styles
+   match the placements; Hugging Face GPT-2's ``Conv1D`` stores its weight transposed and is not
+   one of them, so a GPT-2 plan here is sharding alone);
+2. sharding per unit: FSDP2 ``fully_shard(unit, mesh=<data axis>, reshard_after_forward=...)``
+   on every unit the plan shards (level 3: reshard as decided; levels 1 and 2: kept from
+   forward to backward), and ``fully_shard`` over an HSDP mesh of shard size 1 (``(dp, 1)``:
+   replicate, all-reduce the gradient) on a unit the plan keeps data parallel;
+3. the root: ``fully_shard(model)`` on the data axis for every parameter no unit holds
+   (embeddings, final norm, head; a tied weight lands here once, shared by both users).
+
+``set_microbatch(model, last)`` is gradient accumulation as the levels mean it: level-1 units
+skip the reduce-scatter until the last micro-batch (they keep the whole gradient, ZeRO-1),
+others reduce-scatter every micro-batch. ``check_optimizer`` refuses an optimizer that is not
+elementwise: on sharded parameters it would compute another update than one process.
+
+Gradients: FSDP2 averages over the data axis (its reduce-scatter divides by N), so the loss each
+rank back-propagates is its block's mean: the mean of the means is the global mean loss.
+
+``LiveBytes``: the peak of live tensor bytes during a step on CPU (on CUDA, the allocator's own
+``max_memory_allocated``), to set beside ``decomp.fsdp.plan_memory_bytes``.
+
+Part of the runtime: imports neither the solver nor the tracer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ..decomp.fsdp import Sharded
+from ..errors import AutoparError
+
+#: optimizers whose update looks across elements (per-tensor norms, curvature): wrong on shards
+NON_ELEMENTWISE = ("LBFGS", "LAMB", "Lamb", "FusedLAMB", "LARS", "Lars", "Shampoo", "Adafactor", "Muon")
+
+TP_STYLES = ("colwise", "rowwise", "sequence")
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse, naming it, an optimizer that is not elementwise (module docstring)."""
+    name = type(optimizer).__name__
+    if name in NON_ELEMENTWISE:
+        raise AutoparError(f"{name} is not elementwise: on sharded parameters and optimizer state it "
+                           f"computes another update than one process",
+                           "use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop)")
+
+
+def make_mesh(world: int, tp: int = 1, device: str = "cpu"):
+    """A ``DeviceMesh`` of the world: ("dp",) or ("dp", "tp") with the tensor axis innermost
+    (consecutive ranks: inside a node, torchtitan's layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if tp < 1 or world % tp:
+        raise AutoparError(f"tensor axis of {tp} ranks does not divide the world of {world}",
+                           "choose a tensor-parallel size that divides the world")
+    if tp == 1:
+        return init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+    return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _style(name: str):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    try:
+        return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}[name]()
+    except KeyError:
+        raise AutoparError(f"unknown tensor-parallel style {name!r}", f"use one of {', '.join(TP_STYLES)}") from None
+
+
+def check_tp_styles(model: nn.Module, tp_styles: Mapping[str, str]) -> None:
+    """Refuse a style on a module DTensor's styles do not fit (e.g. GPT-2's ``Conv1D``)."""
+    mods = dict(model.named_modules())
+    for path, style in tp_styles.items():
+        m = mods.get(path)
+        if m is None:
+            raise AutoparError(f"tensor-parallel style for {path!r}: the model has no such module",
+                               "name modules as model.named_modules() does")
+        ok = (nn.Linear, nn.Embedding) if style != "sequence" else (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
+        if not isinstance(m, ok):
+            raise AutoparError(f"{path} is a {type(m).__name__}: DTensor's {style} style applies to "
+                               f"{' / '.join(c.__name__ for c in ok)} only",
+                               "keep this unit data parallel or sharded without tensor parallelism")
+
+
+def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
+                tp_styles: Mapping[str, str] | None = None, root: Sharded | None = None) -> nn.Module:
+    """Apply the plan to ``model`` in place and return it (module docstring). ``mesh``: a
+    ``DeviceMesh`` with a "dp" axis and, with ``tp_styles``, a "tp" axis; ``units``: module path
+    -> its decision (None: data parallel); ``root``: the root's (default level 3)."""
+    tp_styles = dict(tp_styles or {})
+    names = mesh.mesh_dim_names or ()
+    if tp_styles:
+        if "tp" not in names:
+            raise AutoparError("tensor-parallel styles given but the mesh has no 'tp' axis",
+                               "make the mesh with make_mesh(world, tp)")
+        check_tp_styles(model, tp_styles)
+        from torch.distributed.tensor.parallel import parallelize_module
+        parallelize_module(model, mesh["tp"], {k: _style(v) for k, v in tp_styles.items()})
+    dp_mesh = mesh["dp"] if "tp" in names else mesh
+    mods = dict(model.named_modules())
+    from torch.distributed.fsdp import fully_shard
+    replicate_mesh = None
+    for path, s in units.items():
+        m = mods.get(path)
+        if m is None or path == "":
+            raise AutoparError(f"unit {path!r} is not a sub-module of the model", "name units as named_modules() does")
+        if s is None:
+            if replicate_mesh is None:
+                replicate_mesh = _replicate_mesh(dp_mesh)
+            fully_shard(m, mesh=replicate_mesh)
+            continue
+        why = s.check(microbatches=2)
+        if why is not None:
+            raise AutoparError(f"unit {path}: {s}: {why}", "re-plan; a plan file was edited by hand?")
+        if s.dp != dp_mesh.size():
+            raise AutoparError(f"unit {path} is sharded over {s.dp} ranks, the mesh's data axis has {dp_mesh.size()}",
+                               "execute the plan at the world size it was made for")
+        fully_shard(m, mesh=dp_mesh, reshard_after_forward=(s.level == 3 and s.reshard_after_forward))
+    r = root if root is not None else Sharded(3, True, dp_mesh.size())
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=(r.level == 3 and r.reshard_after_forward))
+    model._autopar_units = dict(units)       # noqa: SLF001 - read by set_microbatch
+    return model
+
+
+def _replicate_mesh(dp_mesh):
+    """The HSDP mesh (dp, 1): FSDP2 replicates over the first axis and shards over a single rank,
+    i.e. data parallelism (gradients all-reduced) inside a sharded plan."""
+    from torch.distributed.device_mesh import DeviceMesh
+    ranks = dp_mesh.mesh.reshape(-1, 1)
+    return DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("replicate", "shard"))
+
+
+def set_microbatch(model: nn.Module, last: bool) -> None:
+    """Gradient accumulation by levels (module docstring): before each micro-batch's backward,
+    ``last`` True for the final one of the step."""
+    mods = dict(model.named_modules())
+    for path, s in getattr(model, "_autopar_units", {}).items():
+        if s is not None and s.level == 1:
+            mods[path].set_requires_gradient_sync(last, recurse=False)
+            mods[path].set_reshard_after_backward(last, recurse=False)
+
+
+# ---- measured memory ----------------------------------------------------------------------------
+
+class LiveBytes:
+    """Peak bytes of live tensor storage while active (a ``TorchDispatchMode``): every tensor an
+    op returns is watched (weakly) together with ``also`` (parameters, gradients, optimizer
+    state alive before the step); after each op the live storages' current sizes are summed, so
+    that FSDP2's freeing of gathered parameters by ``untyped_storage().resize_(0)`` counts.
+    Slow (a sum over the watched storages per op): for a measured step, not a timed one."""
+
+    def __init__(self, also: Iterable[torch.Tensor] = ()) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+        self.peak_bytes = 0
+        self.start_bytes = 0
+        for t in also:
+            self._watch(t)
+
+    def _watch(self, t: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+        if isinstance(t, DTensor):
+            t = t._local_tensor                # noqa: SLF001
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        try:
+            self._refs.setdefault(id(t), weakref.ref(t))
+        except TypeError:
+            pass
+
+    def live_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        dead = []
+        for k, r in self._refs.items():
+            t = r()
+            if t is None:
+                dead.append(k)
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            seen[st.data_ptr() or id(st)] = st.nbytes()
+        for k in dead:
+            del self._refs[k]
+        return sum(seen.values())
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        outer._watch(t)
+                outer.peak_bytes = max(outer.peak_bytes, outer.live_bytes())
+                return out
+
+        self.start_bytes = self.live_bytes()
+        self.peak_bytes = self.start_bytes
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        return False
+
+
+def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]:
+    """Every parameter, gradient, buffer and optimizer-state tensor (what ``LiveBytes`` watches
+    from before the step)."""
+    out: list[torch.Tensor] = []
+    for p in model.parameters():
+        out.append(p)
+        if p.grad is not None:
+            out.append(p.grad)
+    out.extend(model.buffers())
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out

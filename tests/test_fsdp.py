@@ -1,0 +1,235 @@
+"""Sharded data parallelism (issue 40): the pure value type and formulas (``decomp.fsdp``) and the
+run on torch's FSDP2 + DTensor (``runtime.fsdp``) against one process in float64.
+
+Tolerance: 1e-12 absolute on outputs, loss, every gradient and every parameter after two AdamW
+steps (the sums differ from one process only in their order)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.decomp.fsdp import (Sharded, TiedGroup, UnitComm, UnitParams, UnitTime, candidates, check_tied,
+                                 plan_memory_bytes, schedule, shard_rows, unit_comm, unit_memory)
+from autopar.errors import AutoparError
+
+TOL = 1e-12
+
+
+# ---- pure: shard arithmetic, legality, formulas ----------------------------------------------------
+
+def test_shard_rows_are_torch_chunk_exactly():
+    for d0 in range(0, 23):
+        for n in (1, 2, 3, 4, 8):
+            got = [shard_rows(d0, n, r) for r in range(n)]
+            want = [c.shape[0] for c in torch.arange(d0).chunk(n)] if d0 else []
+            want += [0] * (n - len(want))
+            assert got == want, (d0, n)
+            assert sum(got) == d0
+
+
+def test_uneven_shard_bytes():
+    u = UnitParams("blk", ((10, 6), (10,), (5, 3)), itemsize=8)
+    assert u.whole_bytes() == 8 * (60 + 10 + 15)
+    # 4 ranks: ceil(10/4)=3 rows of 6, 3 of the bias, ceil(5/4)=2 rows of 3 (padded)
+    assert u.shard_bytes(4) == 8 * (18 + 3 + 6)
+    valid = [u.shard_bytes(4, r) for r in range(4)]
+    assert sum(valid) == u.whole_bytes()
+    assert valid[3] == 8 * (1 * 6 + 1 + 0)      # rows 9 of 10 (w, bias); nothing of the 5-row one
+    assert u.gathered_bytes(4) == 4 * u.shard_bytes(4)
+
+
+def test_levels_fall_out_as_choices():
+    assert [str(s) for s in candidates(4)] == ["zero2(dp4)", "zero3(dp4,reshard)"]
+    assert [s.level for s in candidates(4, microbatches=2)] == [1, 2, 3]
+    assert "level 2" in Sharded(3, False, 4).check()
+    assert "accumulation" in Sharded(1, False, 4).check()
+    assert "shards nothing" in Sharded(3, True, 1).check()
+    s = Sharded(2, False, 4, 2)
+    assert Sharded.from_json(s.to_json()) == s
+
+
+def test_unit_memory_against_data_parallel():
+    u = UnitParams("blk", ((1024, 1024),), itemsize=4)
+    F = u.whole_bytes()
+    dp = unit_memory(u, None, 2.0)
+    assert dp.resident_bytes == 4 * F                        # param + grad + 2 Adam states
+    z3 = unit_memory(u, Sharded(3, True, 4), 2.0, next_whole_bytes=F)
+    assert z3.resident_bytes == 4 * F / 4 and z3.transient_bytes == 3 * F
+    z2 = unit_memory(u, Sharded(2, False, 4), 2.0)
+    assert z2.resident_bytes == F + 4 * F / 4
+    z1 = unit_memory(u, Sharded(1, False, 4), 2.0)
+    assert z1.grads_bytes == F and z1.resident_bytes == 2 * F + 3 * F / 4
+    mem = plan_memory_bytes([u, u, u], [Sharded(3, True, 4)] * 3, 2.0, activation_bytes=100.0)
+    assert mem.resident_bytes == 3 * F and mem.transient_bytes == 3 * F and mem.activation_bytes == 100.0
+
+
+def _fake_collective(kind, p, nbytes):
+    a, b = {"allgather": (1, (p - 1) / p), "reduce_scatter": (1, (p - 1) / p), "allreduce": (2, 2 * (p - 1) / p)}[kind]
+    return a * math.ceil(math.log2(p)) * 1e-4 + b * nbytes * 1e-9
+
+
+def test_unit_comm_counts_collectives():
+    u = UnitParams("blk", ((1000, 100),), itemsize=4)
+    opt = lambda n, by: by * 1e-10  # noqa: E731
+    z3 = unit_comm(u, Sharded(3, True, 4), _fake_collective, opt)
+    z2 = unit_comm(u, Sharded(2, False, 4), _fake_collective, opt)
+    dp = unit_comm(u, None, _fake_collective, opt, world_dp=4)
+    assert z3.gathers == 2 and z2.gathers == 1 and dp.gathers == 0
+    assert z3.allgather_s == pytest.approx(2 * 1e-4 + 0.75 * 400000 * 1e-9)
+    assert z3.reduce_s == pytest.approx(z3.allgather_s)
+    # all-gather + reduce-scatter move what one all-reduce moves
+    assert z2.allgather_s + z2.reduce_s == pytest.approx(dp.reduce_s)
+    assert z3.optim_s == pytest.approx(dp.optim_s / 4)
+    z1 = unit_comm(u, Sharded(1, False, 4), _fake_collective, opt, microbatches=3)
+    z2m = unit_comm(u, Sharded(2, False, 4), _fake_collective, opt, microbatches=3)
+    assert z2m.reduce_s == pytest.approx(3 * z1.reduce_s)
+
+
+def test_schedule_overlap_by_hand():
+    # two units, 1 s forward / 2 s backward each; gathers of 0.5 s, reduce-scatters 0.25 s
+    t = [UnitTime(1.0, 2.0)] * 2
+    c = [UnitComm(0.5, 2, 0.25, 0.0)] * 2
+    s = schedule(t, c)
+    # fwd: AG0 0-0.5, F0 0.5-1.5, AG1 0.5-1.0 (issued at F0's start), F1 1.5-2.5
+    # bwd: AG1' issued 2.5 -> 3.0, B1 3.0-5.0, RS1 5.0-5.25; AG0' issued 3.0 -> 3.5 (stream free),
+    #      B0 5.0-7.0, RS0 7.0-7.25
+    assert s.step_time_s == pytest.approx(7.25)
+    assert s.exposed_comm_s == pytest.approx(7.25 - 6.0)
+    no_comm = schedule(t, [UnitComm(0.0, 0, 0.0, 0.0)] * 2)
+    assert no_comm.step_time_s == pytest.approx(6.0)
+
+
+def test_tied_weights_refused_naming_both():
+    tied = [TiedGroup("wte.weight", ("wte", "lm_head"))]
+    check_tied(tied, {"wte": Sharded(3, True, 4), "lm_head": Sharded(3, True, 4)})
+    with pytest.raises(AutoparError, match="wte.*lm_head"):
+        check_tied(tied, {"wte": Sharded(3, True, 4), "lm_head": None})
+
+
+def test_non_elementwise_optimizer_refused():
+    from autopar.runtime.fsdp import check_optimizer
+    p = [nn.Parameter(torch.zeros(2))]
+    check_optimizer(torch.optim.AdamW(p))
+    with pytest.raises(AutoparError, match="LBFGS"):
+        check_optimizer(torch.optim.LBFGS(p))
+
+
+def test_live_bytes_counts_a_step():
+    from autopar.runtime.fsdp import LiveBytes
+    a = torch.zeros(1000, dtype=torch.float64)
+    with LiveBytes(also=[a]) as lb:
+        b = a + 1                  # 8000 more
+        c = b * 2                  # 8000 more
+        del b, c
+        d = a + 3                  # the two before are gone
+    assert lb.start_bytes == 8000
+    assert lb.peak_bytes == 24000
+    del d
+
+
+# ---- distributed: FSDP2 (+ DTensor TP) against one process ----------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, d=6, h=10):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+CONFIGS = {
+    "zero3": ({"blocks.0": (3, True), "blocks.1": (3, True)}, 1, 1),
+    "zero2": ({"blocks.0": (2, False), "blocks.1": (2, False)}, 1, 1),
+    "zero1-accum": ({"blocks.0": (1, False), "blocks.1": (1, False)}, 1, 2),
+    "mixed-dp": ({"blocks.0": None, "blocks.1": (3, True)}, 1, 1),
+    "zero3+tp": ({"blocks.0": (3, True), "blocks.1": (3, True)}, 2, 1),
+    "zero2+tp": ({"blocks.0": (2, False), "blocks.1": (1, False)}, 2, 2),
+}
+
+
+def _check_configs(rank, world, names):
+    import torch.distributed as dist
+
+    from autopar.runtime import fsdp as rf
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    batch = 8
+    for name in names:
+        spec, tp, micro = CONFIGS[name]
+        dp = world // tp
+        torch.manual_seed(0)
+        ref = Tiny()
+        model = Tiny()
+        model.load_state_dict(ref.state_dict())
+        mesh = rf.make_mesh(world, tp)
+        units = {k: (None if v is None else Sharded(v[0], v[1], dp, tp)) for k, v in spec.items()}
+        styles = {}
+        if tp > 1:
+            for i in range(2):
+                styles[f"blocks.{i}.up"] = "colwise"
+                styles[f"blocks.{i}.down"] = "rowwise"
+        rf.parallelize(model, mesh, units, styles)
+        dp_rank = mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        rf.check_optimizer(opt)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(1)
+        errs = []
+        for step in range(2):
+            x = torch.randn(micro, batch, 5, generator=g)
+            y = torch.randn(micro, batch, 3, generator=g)
+            for k in range(micro):
+                rf.set_microbatch(model, last=(k == micro - 1))
+                xs, ys = x[k].chunk(dp)[dp_rank], y[k].chunk(dp)[dp_rank]
+                o = model(xs)
+                loss = ((o - ys) ** 2).mean() / micro
+                loss.backward()
+                ro = ref(x[k])
+                rloss = ((ro - y[k]) ** 2).mean() / micro
+                rloss.backward()
+                errs.append((o - ro.chunk(dp)[dp_rank]).abs().max().item())
+                lt = loss.detach().clone()
+                dist.all_reduce(lt)
+                errs.append(abs(lt.item() / world - rloss.item()))
+            for (q, p), rp in zip(model.named_parameters(), ref.parameters()):
+                errs.append((p.grad.full_tensor() - rp.grad).abs().max().item())
+            opt.step()
+            ropt.step()
+            opt.zero_grad()
+            ropt.zero_grad()
+            for p, rp in zip(model.parameters(), ref.parameters()):
+                errs.append((p.full_tensor() - rp).abs().max().item())
+        out[name] = max(errs)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_level_alone_and_with_tp_matches_one_process(world):
+    from autopar.runtime.launch import run_ranks
+    names = [n for n in CONFIGS if world == 4 or CONFIGS[n][1] == 1]
+    res = run_ranks(_check_configs, world, args=(names,), start_method="fork", timeout_s=240)
+    for r in res:
+        for name, err in r.items():
+            assert err < TOL, (world, name, err)
+    assert set(res[0]) == set(names)
