@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 # the shipped plans are priced by the committed profiles as measured, not at this machine's
 # usual speed (autopar.profile.history), so that they do not depend on where they were re-made
 export AUTOPAR_SPEED_HISTORY=off
+# planning reads the committed profile alone (no machine-local shape cache: autopar plan measures
+# nothing unless --measure-shapes asks), so a plan re-made here is the same anywhere;
+# benchmarks/compare_core.py re-makes every shipped plan in process and compares it with the file
 CPU=calibration/cpu-2core-gloo.json
 A100=calibration/datasheet-a100-cluster.json
 PLANS=strategies/plans
