@@ -171,6 +171,96 @@ class TransitionDecision(_Record):
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LayerPrice(_Record):
+    """What the cost model predicted for one layer under its decomposition, per rank (the
+    slowest), as ``autopar.decomp.base.LayerCost`` prices it (the plan file's
+    ``layers[].predicted``): seconds of compute and exposed communication per pass, the gradient
+    all-reduce, bytes held, what priced the compute (``source``: exact, fit, mixed)."""
+    fwd_compute_s: float = 0.0
+    bwd_compute_s: float = 0.0
+    fwd_comm_s: float = 0.0
+    bwd_comm_s: float = 0.0
+    grad_sync_s: float = 0.0
+    grad_sync_bytes: float = 0.0
+    param_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    optim_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    workspace_bytes: float = 0.0
+    source: str = ""
+    optim_step_s: float = 0.0
+    grad_sync_latency: tuple = ()
+    memory_bytes: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_compute_s + self.bwd_compute_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.fwd_comm_s + self.bwd_comm_s
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out["grad_sync_latency"] = [list(x) for x in self.grad_sync_latency]
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "LayerPrice":
+        obj = dict(obj or {})
+        lat = tuple(tuple(x) for x in obj.pop("grad_sync_latency", None) or ())
+        return dataclasses.replace(super().from_json(obj), grad_sync_latency=lat)
+
+
+@dataclass(frozen=True)
+class LayerAlternative(_Record):
+    """A kept candidate of a layer (``layers[].alternatives``): its choice, its time (forward,
+    backward and gradient sync) and its memory per rank."""
+    choice: str
+    time_s: float = 0.0
+    memory_bytes: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RuntimeRecord(_Record):
+    """Which runtime the planner expects the plan to run on (plan.json ``runtime``): "native"
+    (the user's module on each rank) or "traced" (op by op), its predicted step, why, and the
+    comparison with the native data-parallel plan (``autopar.cost.native.RuntimeChoice``;
+    absent fields: a plan-level strategy's own record)."""
+    expected: str
+    step_time_s: float | None = None
+    ilp_step_time_s: float | None = None
+    native_data_parallel_step_time_s: float | None = None
+    op_by_op_runtime_gap_s: float | None = None
+    grad_reducer_s: float | None = None
+    ops: int | None = None
+    reason: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    # the keys the record was read with (written back as read; empty: every field set)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):
+            if f.name in ("extra", "present"):
+                continue
+            v = getattr(self, f.name)
+            if (f.name in self.present) if self.present else (v is not None or f.name == "expected"):
+                out[f.name] = v
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "RuntimeRecord":
+        names = {f.name for f in fields(cls)} - {"extra", "present"}
+        rec = super().from_json({k: v for k, v in obj.items() if k != "present"})
+        return dataclasses.replace(rec, present=tuple(k for k in obj if k in names))
+
+
 def _layout(obj, layer: Any, fld: str):
     """A ``Layout`` from its JSON (``[[dim, parts], ...]`` or ``{"splits": ..., "partial": p}``);
     a malformed one is a ``PlanFileError`` naming the layer and the field."""
@@ -194,14 +284,14 @@ class LayerDecision:
     module: str
     kinds: tuple[str, ...]
     out_shape: tuple[int, ...]
-    decomposition_json: Mapping[str, Any]
+    decomposition_json: Mapping[str, Any]   # the decomposition's JSON; ``decomposition()`` builds it
     choice: str
-    in_layouts: Mapping[str, Any]         # value -> Layout
-    out_layout: Any                       # Layout
-    predicted: Mapping[str, Any]          # LayerCost JSON (``autopar.decomp.base.LayerCost``)
+    in_layouts: "Mapping[str, Layout]"    # value -> Layout
+    out_layout: "Layout"
+    predicted: LayerPrice                 # the cost model's price of this layer
     source: str = ""
     exact_keys: tuple[str, ...] = ()
-    alternatives: tuple[Mapping[str, Any], ...] = ()
+    alternatives: tuple[LayerAlternative, ...] = ()
     illegal: Mapping[str, Any] = field(default_factory=dict)
     extra: Mapping[str, Any] = field(default_factory=dict)
     # the pin that fixed this layer's choice (``autopar.pins``, ``--pin``: "PATTERN=WANT"), or
@@ -224,21 +314,19 @@ class LayerDecision:
     # predicted seconds of this layer (the cost model's, see ``predicted``)
     @property
     def fwd_s(self) -> float:
-        p = self.predicted
-        return float(p.get("fwd_compute_s", 0.0)) + float(p.get("fwd_comm_s", 0.0))
+        return self.predicted.fwd_compute_s + self.predicted.fwd_comm_s
 
     @property
     def bwd_s(self) -> float:
-        p = self.predicted
-        return float(p.get("bwd_compute_s", 0.0)) + float(p.get("bwd_comm_s", 0.0))
+        return self.predicted.bwd_compute_s + self.predicted.bwd_comm_s
 
     @property
     def grad_sync_s(self) -> float:
-        return float(self.predicted.get("grad_sync_s", 0.0))
+        return self.predicted.grad_sync_s
 
     @property
     def memory_bytes(self) -> float:
-        return float(self.predicted.get("memory_bytes", 0.0))
+        return self.predicted.memory_bytes
 
     def to_json(self) -> dict[str, Any]:
         out = {"layer": self.layer, "name": self.name, "module": self.module,
@@ -246,8 +334,8 @@ class LayerDecision:
                "decomposition": dict(self.decomposition_json), "choice": self.choice,
                "in_layouts": {v: lay.to_json() for v, lay in self.in_layouts.items()},
                "out_layout": self.out_layout.to_json(),
-               "predicted": dict(self.predicted), "source": self.source,
-               "exact_keys": list(self.exact_keys), "alternatives": [dict(a) for a in self.alternatives],
+               "predicted": self.predicted.to_json(), "source": self.source,
+               "exact_keys": list(self.exact_keys), "alternatives": [a.to_json() for a in self.alternatives],
                "illegal": dict(self.illegal)}
         if self.pinned:
             out["pinned"] = self.pinned
@@ -263,9 +351,9 @@ class LayerDecision:
             in_layouts={str(v): _layout(lay, obj["layer"], f"in_layouts[{v!r}]")
                         for v, lay in (obj.get("in_layouts") or {}).items()},
             out_layout=_layout(obj.get("out_layout") or [], obj["layer"], "out_layout"),
-            predicted=dict(obj.get("predicted") or {}), source=str(obj.get("source", "")),
+            predicted=LayerPrice.from_json(obj.get("predicted") or {}), source=str(obj.get("source", "")),
             exact_keys=tuple(obj.get("exact_keys") or ()),
-            alternatives=tuple(dict(a) for a in obj.get("alternatives") or ()),
+            alternatives=tuple(LayerAlternative.from_json(a) for a in obj.get("alternatives") or ()),
             illegal=dict(obj.get("illegal") or {}),
             extra={k: v for k, v in obj.items() if k not in LayerDecision._KEYS},
             pinned=str(obj.get("pinned") or ""))
@@ -443,11 +531,13 @@ class Plan:
     # every whole-plan candidate priced by the plan-level strategies, the chosen one marked
     # (plans made before the strategies seam: empty)
     strategies: tuple[StrategyAlternative, ...] = ()
+    # the runtime the planner expects (plan.json ``runtime``); None: a plan made without it
+    runtime: RuntimeRecord | None = None
 
     _KEYS = ("schema", "created", "autopar_version", "plan_file", "model", "world_size", "mesh",
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
              "graph", "generated", "timings_s", "batch_norm", "trainers", "padding", "options",
-             "strategies")
+             "strategies", "runtime")
 
     @property
     def world_size(self) -> int:
@@ -514,6 +604,8 @@ class Plan:
             out["options"] = self.options.to_json()
         if self.strategies:
             out["strategies"] = [a.to_json() for a in self.strategies]
+        if self.runtime is not None:
+            out["runtime"] = self.runtime.to_json()
         out.update(self.extra)
         return out
 
@@ -585,6 +677,11 @@ class Plan:
             except (TypeError, AttributeError) as e:
                 raise _bad(src, "strategies", "strategies", f"malformed ({e})") from None
             plan = dataclasses.replace(plan, strategies=alts)
+        if obj.get("runtime") is not None:
+            try:
+                plan = dataclasses.replace(plan, runtime=RuntimeRecord.from_json(obj["runtime"]))
+            except (TypeError, AttributeError) as e:
+                raise _bad(src, "runtime", "runtime", f"malformed ({e})") from None
         check_plan(plan, src)
         if world_size is not None and plan.world_size != int(world_size):
             raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",
@@ -610,7 +707,7 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
                 layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
                 out_shape=tuple(lay.out_shape), decomposition_json=dec.to_json(), choice=str(dec),
                 in_layouts={v: dec.in_layout(lay, v) for v in lay.inputs},
-                out_layout=dec.out_layout(lay), predicted={}))
+                out_layout=dec.out_layout(lay), predicted=LayerPrice()))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{src} needs world_size, graph and layers [{{layer, decomposition}}] "
                             f"({e.__class__.__name__}: {e})", "make the plan with `autopar plan`") from None

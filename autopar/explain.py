@@ -133,10 +133,10 @@ def _profile_path(plan, plan_path: Path) -> Path | None:
 
 def _loss_output(plan) -> str | None:
     """The graph's output when the plan priced the vocabulary-parallel loss (a ``vocab_head``
-    candidate on the output layer), as ``pipeline.vocab_loss_output`` decided at plan time."""
+    candidate on the output layer), as ``planner.vocab_loss_output`` decided at plan time."""
     out = plan.graph_json.get("output")
     for d in plan.layers:
-        seen = [a.get("choice", "") for a in d.alternatives] + list(d.illegal)
+        seen = [a.choice for a in d.alternatives] + list(d.illegal)
         if any(str(c).startswith("vocab_head") for c in seen):
             return out
     return None
@@ -150,7 +150,7 @@ def _kinds(plan) -> list[str] | None:
     kinds = set()
     for d in plan.layers:
         for a in d.alternatives:
-            kinds.add(str(a.get("choice", "")).split("(")[0])
+            kinds.add(a.choice.split("(")[0])
     kinds = {k for k in kinds if k in REGISTRY}
     return sorted(kinds) if kinds else None
 
@@ -257,7 +257,7 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
     """The explanation of one layer (module docstring)."""
     li = find_layer(plan, str(layer))
     d = plan.layer(li)
-    recorded = {str(a.get("choice")): float(a.get("time_s", 0.0)) for a in d.alternatives}
+    recorded = {a.choice: a.time_s for a in d.alternatives}
     notes: list[str] = []
     gp = plan.solver.extra.get("graph_parallel") or {}
     if str(gp.get("chosen", "")).startswith("graphs"):
@@ -282,9 +282,8 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
     cands: list[Candidate] = []
     if table is None:
         for a in d.alternatives:
-            cands.append(Candidate(str(a.get("choice")), math.nan, math.nan, math.nan, math.nan,
-                                   float(a.get("memory_bytes", 0.0)), None, None, None,
-                                   float(a.get("time_s", 0.0)), chosen=str(a.get("choice")) == d.choice))
+            cands.append(Candidate(a.choice, math.nan, math.nan, math.nan, math.nan, a.memory_bytes,
+                                   None, None, None, a.time_s, chosen=a.choice == d.choice))
         why = (f"{d.choice} is the plan-level graph-parallel choice (note above)" if gp.get("chosen", "").startswith("graphs")
                else _why_recorded(d, cands, plan))
         return Explanation(li, d.name, d.module, tuple(d.kinds), tuple(d.out_shape), d.choice, tuple(cands),
@@ -335,10 +334,10 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
         notes.append(f"layer{'s' if len(stale) > 1 else ''} {', '.join(map(str, stale[:6]))}"
                      f"{' ...' if len(stale) > 6 else ''} re-price{'' if len(stale) > 1 else 's'} otherwise than "
                      "plan.json recorded (the profile or its shape cache changed): the step column uses today's prices")
-    rt = plan.extra.get("runtime") or {}
-    if rt.get("expected") == "native" and choice is not None:
+    rt = plan.runtime
+    if rt is not None and rt.expected == "native" and choice is not None:
         notes.append(f"the plan runs the user's module natively, predicted {plan.predicted.step_time_s * 1e3:.3f} ms "
-                     f"({rt.get('reason')}); the step column prices every candidate op by op, as the solver "
+                     f"({rt.reason}); the step column prices every candidate op by op, as the solver "
                      "compared them")
     why = _why(plan, d, cands, choice is not None)
     return Explanation(li, d.name, d.module, tuple(d.kinds), tuple(d.out_shape), d.choice, tuple(cands),
@@ -348,9 +347,9 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
 def _plan_level_reasons(plan, d) -> list[str]:
     """What the plan records that can keep a layer off its cheapest single swap."""
     out = []
-    rt = plan.extra.get("runtime") or {}
-    if rt.get("expected") == "native":
-        out.append(f"the plan runs natively ({rt.get('reason')}); its layers were priced op by op to compare")
+    rt = plan.runtime
+    if rt is not None and rt.expected == "native":
+        out.append(f"the plan runs natively ({rt.reason}); its layers were priced op by op to compare")
     if plan.solver.gap:
         out.append(f"the solver stopped at a gap of {plan.solver.gap:.2g}")
     pin = getattr(d, "pinned", "") or (d.extra or {}).get("pinned")

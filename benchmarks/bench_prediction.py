@@ -157,7 +157,7 @@ def _plan_key(plan_path, model, env: dict) -> tuple:
     from autopar.artifacts import load_plan
     plan = load_plan(plan_path)
     return (str(model), tuple(sorted(env.items())), plan.world_size, plan.model.batch_size,
-            tuple(l.choice for l in plan.layers), (plan.extra.get("runtime") or {}).get("expected"))
+            tuple(l.choice for l in plan.layers), plan.runtime.expected if plan.runtime else None)
 
 
 #: timed steps of a short plan: at least this many seconds of them per execution (a GPT step
@@ -284,7 +284,7 @@ def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]
     from autopar.decomp.base import CostContext
     plan = load_plan(plan_path)
     p = plan.predicted.step_time_s
-    if (plan.extra.get("runtime") or {}).get("expected") == "native":
+    if plan.runtime is not None and plan.runtime.expected == "native":
         return p, True          # the planner priced it natively already (``cost.native``)
     graph = plan.graph()
     decisions = {d.layer: d.decomposition() for d in plan.layers}

@@ -36,4 +36,4 @@ def test_measured_ops_are_preferred_and_reported(root, profile):
     assert srcs["pool"] == "exact"                      # a max-pool layer: all its ops measured
     assert srcs["stem.0"] == "mixed"                    # conv from the fit, bn + relu exact
     pool = next(l for l in r.plan.layers if l.module == "pool")
-    assert pool.predicted["fwd_compute_s"] >= 1.0
+    assert pool.predicted.fwd_compute_s >= 1.0

@@ -32,7 +32,7 @@ def test_explain_every_shipped_plan(path, monkeypatch):
     (chosen,) = [c for c in ex.candidates if c.chosen]
     d = plan.layer(li)
     assert ex.layer == li and chosen.choice == d.choice == ex.chosen
-    assert {c.choice for c in ex.candidates} >= {a["choice"] for a in d.alternatives}
+    assert {c.choice for c in ex.candidates} >= {a.choice for a in d.alternatives}
     text = explain(path, str(li))
     assert text.splitlines()[0].startswith(f"layer {li} ") and f"* {d.choice[:20]}" in text and "\nwhy: " in text
     if chosen.step_s is None:          # a plan-level choice (graphs(P)): the recorded totals
@@ -41,8 +41,7 @@ def test_explain_every_shipped_plan(path, monkeypatch):
     others = [c.step_s for c in ex.candidates if not c.chosen and not c.blocked]
     # an optimal plan: no single swap the solver could take prices the step lower
     assert not others or chosen.step_s <= min(others) * (1 + 1e-9)
-    rt = plan.extra.get("runtime") or {}
-    if ex.plan_matches and rt.get("expected") == "traced":
+    if ex.plan_matches and plan.runtime is not None and plan.runtime.expected == "traced":
         # re-priced as made: the plan's step is the prediction it recorded
         assert chosen.step_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
@@ -64,7 +63,7 @@ def test_fresh_plan_reprices_exactly_and_every_choice_wins(tmp_path, root, profi
                   PlanOptions(world_size=4, calibration=str(prof), out_dir=str(tmp_path / "p"),
                               memory_limit_bytes=LIMIT))
     plan = load_plan(r.plan_path)
-    assert (plan.extra["runtime"]["expected"] == "traced" and len(plan.decompositions()) > 1), plan.decompositions()
+    assert (plan.runtime.expected == "traced" and len(plan.decompositions()) > 1), plan.decompositions()
     blocked_seen = 0
     for d in plan.layers:
         ex = explain_layer(plan, r.plan_path, d.layer)

@@ -83,8 +83,8 @@ def test_pin_everything_to_sample_is_the_data_parallel_plan(root, profile):
     r = _plan(root, profile, pins=("*=sample",), kinds=None)
     assert all(d.choice == "sample(4)" and d.pinned == "*=sample" for d in r.plan.layers)
     # sample(2) is also legal everywhere: the solver took the kind's cheapest for the plan
-    assert all("sample(2)" in [a["choice"] for a in d.alternatives] for d in r.plan.layers)
-    assert r.plan.extra["runtime"]["expected"] == "native"     # the pins allow the native runtime
+    assert all("sample(2)" in [a.choice for a in d.alternatives] for d in r.plan.layers)
+    assert r.plan.runtime.expected == "native"     # the pins allow the native runtime
     assert r.plan.options.pins == (Pin("*", "sample"),)
 
 
@@ -98,7 +98,7 @@ def test_pin_a_kind_on_a_glob_leaves_the_rest_to_the_solver(root, profile):
     for d in r.plan.layers:
         if d.layer in hit:
             assert d.kind == "spatial" and d.pinned == "layer1.*=spatial", (d.layer, d.choice)
-            assert all(a["choice"].startswith("spatial") for a in d.alternatives)
+            assert all(a.choice.startswith("spatial") for a in d.alternatives)
         else:
             assert d.pinned == "", d.layer
             assert len(d.alternatives) > 1          # a solver's choice, not a pin
@@ -110,7 +110,7 @@ def test_pin_an_exact_choice_that_the_pruner_drops(root, profile):
     still takes it, priced as the unpruned table prices it."""
     free = _plan(root, profile)
     conv = free.plan.layer(2)
-    assert conv.module == "layer1.0.conv1" and "spatial(1,4x1)" not in [a["choice"] for a in conv.alternatives]
+    assert conv.module == "layer1.0.conv1" and "spatial(1,4x1)" not in [a.choice for a in conv.alternatives]
     r = _plan(root, profile, pins=("layer1.0.conv1=spatial(1,4x1)", "head=filter(1,4)"))
     assert r.plan.layer(2).choice == "spatial(1,4x1)" and r.plan.layer(2).pinned == "layer1.0.conv1=spatial(1,4x1)"
     assert r.plan.layer(24).choice == "filter(1,4)" and r.plan.layer(24).pinned == "head=filter(1,4)"
@@ -146,9 +146,9 @@ def test_pins_hold_under_the_placement_search(root, profile):
 
 def test_pins_on_a_transformer_exact_head_choice(root, profile):
     free = _plan(root, profile, model=GPT)
-    att = [d for d in free.plan.layers if "head" in {a["choice"].split("(")[0] for a in d.alternatives}]
+    att = [d for d in free.plan.layers if "head" in {a.choice.split("(")[0] for a in d.alternatives}]
     assert att, "no attention unit offers head parallelism"
-    choice = next(a["choice"] for a in att[0].alternatives if a["choice"].startswith("head("))
+    choice = next(a.choice for a in att[0].alternatives if a.choice.startswith("head("))
     mod = att[0].module
     r = _plan(root, profile, model=GPT, pins=(f"{mod}={choice}",))
     got = [d for d in r.plan.layers if d.pinned]
@@ -301,6 +301,6 @@ def test_a_pinned_plan_executes_equal_to_one_process(root, tmp_path, profile):
 
 def test_runtime_reason_names_the_pins_that_exclude_data_parallelism(root, profile):
     r = _plan(root, profile, pins=("layer1.0.*=channel",))
-    rt = r.plan.extra["runtime"]
-    assert rt["expected"] == "traced" and rt["native_data_parallel_step_time_s"] is None
-    assert "the pins (layer1.0.*=channel) leave some layer without sample" in rt["reason"]
+    rt = r.plan.runtime
+    assert rt.expected == "traced" and rt.native_data_parallel_step_time_s is None
+    assert "the pins (layer1.0.*=channel) leave some layer without sample" in rt.reason

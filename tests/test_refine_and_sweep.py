@@ -38,9 +38,11 @@ def _plan_and_run(world, shapes, blocking, grad, n=8, exposed=0.01, noise=None):
 def _typed(plan):
     """The fields of a typed plan (``autopar.artifacts.Plan``) that refinement reads."""
     from types import SimpleNamespace as NS
+
+    from autopar.artifacts import LayerPrice
     return NS(world_size=plan["world_size"], mesh=NS(ranks_per_node=plan["world_size"]), transitions=(),
               layers=tuple(NS(layer=lay["layer"], exact_keys=tuple(lay["exact_keys"]),
-                              predicted=lay["predicted"]) for lay in plan["layers"]),
+                              predicted=LayerPrice.from_json(lay["predicted"])) for lay in plan["layers"]),
               predicted=NS(**plan["predicted"]))
 
 

@@ -63,7 +63,7 @@ def test_toy_is_chosen_when_cheaper_and_listed_when_not(toy, tmp_path, profile, 
     assert r.plan.predicted.step_time_s == pytest.approx(alts["toy_all_sample"].step_time_s, rel=1e-12)
     assert r.plan.predicted.step_time_s < min(others)
     assert all(d.choice == "sample(2)" for d in r.plan.layers)
-    assert r.plan.extra["runtime"]["reason"] == "plan-level strategy toy all-sample chosen"
+    assert r.plan.runtime.reason == "plan-level strategy toy all-sample chosen"
     assert any("toy strategy chosen" in n for n in r.plan.solver.notes)
     # plan.json keeps every alternative with its prediction, and reads back
     back = _alts(load_plan(r.plan_path))

@@ -119,8 +119,7 @@ def run_rows(run: dict[str, Any], plan) -> RunRows:
     for m in run["measured"]["per_layer"]:
         lay = by_layer[m["layer"]]
         p = lay.predicted
-        layers.append(LayerRow(compute_s=p["fwd_compute_s"] + p["bwd_compute_s"],
-                               comm_s=p["fwd_comm_s"] + p["bwd_comm_s"] + trans_into.get(m["layer"], 0.0),
+        layers.append(LayerRow(compute_s=p.compute_s, comm_s=p.comm_s + trans_into.get(m["layer"], 0.0),
                                keys=tuple(lay.exact_keys),
                                measured_s=float(m["measured_s"]) * norm, world=on_node))
     pred = plan.predicted

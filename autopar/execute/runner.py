@@ -246,7 +246,7 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
             layer=m["layer"], module=lay.module or lay.name, choice=lay.choice,
             measured_s=m["fwd_s"] + m["bwd_s"], measured_fwd_s=m["fwd_s"], measured_bwd_s=m["bwd_s"],
             predicted_s=lay.fwd_s + lay.bwd_s + trans_into.get(m["layer"], 0.0),
-            source=lay.predicted.get("source", "")))
+            source=lay.predicted.source))
     rtol, atol = opts.tolerances()
     base = r0["baseline"]
     return RunResult(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..artifacts import (PLAN_SCHEMA, LayerDecision, MeshInfo, ModelRef, Plan, Prediction, SolverInfo,
-                         StrategyAlternative, TransitionDecision, check_plan)
+                         RuntimeRecord, StrategyAlternative, TransitionDecision, check_plan)
 from ..decomp.redistribute import steps_str
 from ..decomp.transition import plan_layouts
 from ..io import sha256_file
@@ -132,7 +132,7 @@ def build(loaded: Loaded, priced: Priced, solved: Solved, chosen: Chosen, req: R
         layers=layers, transitions=transitions(table, sol.choice, world),
         graph_json=table.graph.to_json(), generated=f"{mf.name.replace('-', '_')}_dist.py",
         options=o, batch_norm=priced.bn.to_json(),
-        extra={"runtime": chosen.records["runtime"]} if "runtime" in chosen.records else {},
+        runtime=RuntimeRecord.from_json(chosen.records["runtime"]) if "runtime" in chosen.records else None,
         strategies=tuple(StrategyAlternative.from_json(c.to_json(c is chosen.choice.chosen))
                          for c in chosen.choice.candidates))
     check_plan(plan, f"the plan made for {mf.name}")

@@ -41,7 +41,7 @@ def shape_price_of(plan: Plan, nodes: int, edges: int, plan_file: str | None = N
     edge axis; ``nodes`` or ``nodes + 1``, the padded extra node -> node axis; else other)."""
     edge = node = other = 0.0
     for d in plan.layers:
-        w = float(d.predicted.get("fwd_compute_s", 0.0)) + float(d.predicted.get("bwd_compute_s", 0.0))
+        w = d.predicted.compute_s
         dim1 = d.out_shape[1] if len(d.out_shape) > 1 else None
         if dim1 == edges:
             edge += w

@@ -133,16 +133,16 @@ def _count_choices(plan) -> str:
 
 def _data_parallel(plan) -> str:
     """The data-parallel plan's prediction as plan.json records it (``runtime``)."""
-    rt = plan.extra.get("runtime") or {}
-    dp = rt.get("native_data_parallel_step_time_s")
+    rt = plan.runtime
+    dp = rt.native_data_parallel_step_time_s if rt is not None else None
     step = plan.predicted.step_time_s
     if dp:
-        if rt.get("expected") == "native" and abs(dp - step) <= 1e-12 * max(dp, step):
+        if rt.expected == "native" and abs(dp - step) <= 1e-12 * max(dp, step):
             return f"data parallelism {_ms(dp)} (this plan)"
-        if "memory limit" in str(rt.get("reason", "")):
+        if "memory limit" in rt.reason:
             return f"data parallelism {_ms(dp)} but over the memory limit"
         return f"data parallelism {_ms(dp)} ({dp / step:.2f}x this plan)"
-    if "native_data_parallel_step_time_s" in rt:
+    if rt is not None and rt.ilp_step_time_s is not None:    # compared, and no data-parallel plan
         return "no data-parallel plan (runtime below)"
     return "data parallelism not recorded in this plan"
 
@@ -162,9 +162,8 @@ def summary_lines(plan) -> list[str]:
                  f"{_mib(pr.memory_per_rank_bytes)} per rank" + (f" (limit {_mib(limit)})" if limit else ""))
     lines.append(f"    fwd {pr.fwd_s * 1e3:.3f}, bwd {pr.bwd_s * 1e3:.3f}, exposed comm "
                  f"{pr.exposed_comm_s * 1e3:.3f}, optimizer {pr.optimizer_s * 1e3:.3f} ms")
-    rt = plan.extra.get("runtime") or {}
-    if rt:
-        lines.append(f"  runtime: {rt.get('expected', '?')} ({rt.get('reason', '')})")
+    if plan.runtime is not None:
+        lines.append(f"  runtime: {plan.runtime.expected} ({plan.runtime.reason})")
     gp = s.extra.get("graph_parallel")
     if gp:
         lines.append(f"  graph parallelism (graphs({gp.get('parts')}), whole graphs per rank): "
