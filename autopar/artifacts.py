@@ -72,6 +72,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .errors import AutoparError, PlanFileError, RunFileError  # noqa: F401  (RunFileError re-exported)
 from .io import atomic_write_json, read_json
+from .decomp import REGISTRY, decomposition_from_json
+from .decomp.bn import BatchNormStats, MODES
+from .decomp.ir import Layer, LayerGraphData
+from .decomp.layout import Layout
+from .decomp.placement import Placement
+from .pins import parse_pins
 
 PLAN_SCHEMA = "autopar.plan/2"
 #: older plan schemas this autopar migrates on load (losslessly)
@@ -264,7 +270,6 @@ class RuntimeRecord(_Record):
 def _layout(obj, layer: Any, fld: str):
     """A ``Layout`` from its JSON (``[[dim, parts], ...]`` or ``{"splits": ..., "partial": p}``);
     a malformed one is a ``PlanFileError`` naming the layer and the field."""
-    from .decomp.layout import Layout
     try:
         return obj if isinstance(obj, Layout) else Layout.from_json(obj)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -308,7 +313,6 @@ class LayerDecision:
 
     def decomposition(self):
         """The ``Decomposition`` value (``autopar.decomp``), built on each call."""
-        from .decomp import decomposition_from_json
         return decomposition_from_json(dict(self.decomposition_json))
 
     # predicted seconds of this layer (the cost model's, see ``predicted``)
@@ -380,7 +384,6 @@ class MeshInfo:
 
     def placement(self):
         """The ``Placement`` (``autopar.decomp.placement``) the runtime applies at init."""
-        from .decomp.placement import Placement
         return Placement(self.world_size, self.local_stride)
 
     @property
@@ -546,7 +549,6 @@ class Plan:
     def graph(self):
         """The layer graph (``autopar.decomp.ir.LayerGraphData``), built anew on each call from
         ``graph_json`` (so no caller can change another's copy)."""
-        from .decomp.ir import LayerGraphData
         return LayerGraphData.from_json(self.graph_json)
 
     def placement(self):
@@ -566,7 +568,6 @@ class Plan:
 
     def bn_stats(self):
         """The batch-norm statistics (``autopar.decomp.bn.BatchNormStats``) the plan computes."""
-        from .decomp.bn import BatchNormStats
         return BatchNormStats.from_json(self.batch_norm)
 
     def layer(self, index: int) -> LayerDecision:
@@ -693,8 +694,6 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
     """A plan built in memory from only ``{"world_size", "graph", "layers": [{"layer",
     "decomposition"}]}`` (e.g. ``calibrate.overhead``'s synthetic chain): the layouts are the
     decompositions' own, every prediction is empty; checked like a plan file."""
-    from .decomp import decomposition_from_json
-    from .decomp.ir import Layer
     try:
         world = int(obj["world_size"])
         glayers = {int(g["index"]): g for g in obj["graph"]["layers"]}
@@ -784,8 +783,6 @@ def check_layout(layout: Any, shape: Sequence[int], world: int, src: str,
 
 def check_plan(plan: Plan, src: str = "plan") -> None:
     """Everything a plan must satisfy before any process starts (see the module docstring)."""
-    from .decomp import REGISTRY
-    from .decomp.ir import Layer
 
     world = plan.world_size
     mesh = plan.mesh
@@ -800,7 +797,6 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
     if len(mesh.ranks) != world:
         raise _bad(src, "mesh", "mesh.ranks", f"{len(mesh.ranks)} ranks for a world of {world}")
     check_ranks(mesh.ranks, world, src, "mesh", "mesh.ranks")
-    from .decomp.bn import MODES
     bn = plan.batch_norm
     if not isinstance(bn, Mapping) or bn.get("mode") not in MODES:
         raise _bad(src, "plan", "batch_norm.mode", f"{bn!r}: the mode must be one of {MODES}")
@@ -1182,7 +1178,6 @@ class PlanOptions:
                                "give a positive number of ranks")
         if self.kinds is not None:
             object.__setattr__(self, "kinds", tuple(self.kinds))
-        from .pins import parse_pins
         object.__setattr__(self, "pins", parse_pins(self.pins))
         for name in ("calibration", "out_dir", "shapes"):
             v = getattr(self, name)

@@ -16,12 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from .io import atomic_write_json
+from .artifacts import PlanHooks, PlanOptions
+from .decomp import REGISTRY
+from .errors import AutoparError
+from .modelfile import load_model_file
+from .planner import load_calibration, make_plan, parse_bytes
+from .trace.tracer import trace_model
 
 
 def series() -> dict[str, tuple[list[str] | None, Any]]:
     """name -> (decomposition kinds, candidate filter): one series per class that names one,
     then the ILP's hybrid over every kind."""
-    from .decomp import REGISTRY
     kept = [k for k, cls in REGISTRY.items() if cls.always_kept]
     out: dict[str, tuple[list[str] | None, Any]] = {}
     for kind, cls in REGISTRY.items():
@@ -35,11 +40,6 @@ def series() -> dict[str, tuple[list[str] | None, Any]]:
 def sweep(model: str | Path, worlds: list[int], batch_size: int | None, calibration: str | None,
           memory_limit_bytes: float | None = None, ranks_per_node: int | None = None,
           families: dict | None = None, placement: str | int = "search", pins: tuple = ()) -> dict[str, Any]:
-    from .artifacts import PlanHooks, PlanOptions
-    from .errors import AutoparError
-    from .modelfile import load_model_file
-    from .planner import load_calibration, make_plan
-    from .trace.tracer import trace_model
     _, profile = load_calibration(calibration)
     mf = load_model_file(model)
     batch = batch_size or mf.default_batch_size() or 8
@@ -96,7 +96,6 @@ def plot(result: dict[str, Any], png: Path) -> Path:
 def scaling_sweep(args, worlds: list[int], out_dir: Path, pins: tuple = ()) -> tuple[Path, list[str]]:
     """CLI helper for ``autopar plan --sweep``: write scaling.json and scaling.png to out_dir;
     ``pins`` (``autopar.pins``) hold in every point (a point where one cannot is left out)."""
-    from .planner import parse_bytes
     res = sweep(args.model, worlds, args.batch_size, args.calibration,
                 parse_bytes(args.memory_limit), args.ranks_per_node,
                 placement=getattr(args, "placement", "search"), pins=pins)

@@ -25,7 +25,7 @@ from ..profile.keys import op_key, op_spec  # noqa: F401  (the keys of what this
 from ..decomp.ir import OpSpec
 from ..profile.profile import load_profile, save_profile
 from ..profile.speed import profile_nominal_s
-from ..runtime.launch import run_ranks
+from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from ..runtime.ops import call_local
 from .speed import SpeedTrack, normalize_exact
 
@@ -123,7 +123,7 @@ def add_op_shapes(profile_path: str | Path, specs: list[dict], progress: Callabl
         return path
     import torch  # noqa: F401  (before forking)
     t0 = time.perf_counter()
-    res, probes = run_ranks(_measure_rank, 1, (todo, repeats), timeout_s=900)[0]
+    res, probes = rank_launch.run_ranks(_measure_rank, 1, (todo, repeats), timeout_s=900)[0]
     prof.exact.update(normalize_exact(res, probes, profile_nominal_s(prof)))
     prof.samples.setdefault("exact_ops", {}).update(      # as measured (``speed.as_measured``)
         {k: {"raw": v, "probe_s": probes.get(k)} for k, v in res.items()})

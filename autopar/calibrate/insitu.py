@@ -40,7 +40,7 @@ import time
 from ..profile.straggler import Straggler, fit_straggler  # noqa: F401  (measured here)
 from ..profile.profile import load_profile, require_measured_here, save_profile
 from ..runtime.comm import Comm
-from ..runtime.launch import run_ranks
+from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from ..runtime.ops import sync_batch_norm
 from .optimizer import add_optimizer_step, measure_optimizer_step
 from .report import default_report_dir, write_report
@@ -292,7 +292,7 @@ def measure_in_situ(world_sizes, iters: int = 30, timeout_s: float = 300.0, leng
     for w in world_sizes:
         if w < 2:
             continue
-        per_rank = run_ranks(_step_costs_rank, w, args=(iters, lengths), timeout_s=timeout_s)
+        per_rank = rank_launch.run_ranks(_step_costs_rank, w, args=(iters, lengths), timeout_s=timeout_s)
         rounds = raw_rounds(per_rank)
         if raw is not None:
             raw[str(w)] = rounds
@@ -428,7 +428,7 @@ def measure_step_costs(prof, world: int, iters: int, launch=None, worlds=None) -
     blocking all-reduces and of the other kinds, and the optimizer step, on one rank started by
     ``launch(fn, world, args)`` (the calibration's backend; default gloo) (``calibrate.run``
     and ``remeasure`` alike). Returns what was measured."""
-    launch = launch or (lambda fn, w, args: run_ranks(fn, w, args))
+    launch = launch or (lambda fn, w, args: rank_launch.run_ranks(fn, w, args))
     raw: dict = {}
     straggle, lat, by_kind, phi = measure_in_situ(worlds or range(2, world + 1), iters=iters, raw=raw)
     prof.samples["insitu_raw"] = raw

@@ -37,7 +37,7 @@ from ..decomp.base import CostContext
 from ..profile.keys import shape_key
 from ..profile.shapes import CACHE_SCHEMA, cache_path, can_measure, load_cache, write_cache  # noqa: F401
 from ..profile.speed import profile_nominal_s
-from ..runtime.launch import run_ranks
+from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from .kernels import measure_exact, spec_features
 from .run import _check_backend
 from .speed import SpeedTrack, normalize_exact
@@ -157,7 +157,7 @@ class OnDemand:
                  f"{sum(est):.1f} s; autopar plan --measure-shapes; written to {self.path})")
         t0 = time.perf_counter()
         import torch  # noqa: F401  (before forking)
-        done, _ = run_ranks(_measure_rank, 1, (todo, budget, device, est, profile_nominal_s(self.base)),
+        done, _ = rank_launch.run_ranks(_measure_rank, 1, (todo, budget, device, est, profile_nominal_s(self.base)),
                             backend=backend, timeout_s=max(budget, 0) * 2 + 60)[0]
         self.spent_s += time.perf_counter() - t0
         self.measured += list(done)

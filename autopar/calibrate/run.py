@@ -36,7 +36,7 @@ from ..profile import fit
 from ..profile.profile import (COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint,
                                load_profile, require_measured_here, save_profile)
 from ..profile.history import record
-from ..runtime.launch import run_ranks, start_method_for
+from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from .insitu import describe_step_costs, measure_step_costs
 from .overhead import (add_runtime_overhead, measure_grad_reducer, measure_runtime_overhead_by_family,
                        measure_runtime_overhead_s)
@@ -315,7 +315,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
     device = _check_backend(backend, world_size)
     out = Path(out) if out is not None else default_output_path(backend)
     sw = sweep or (QUICK if quick else FULL)
-    method = "spawn" if device == "cuda" else start_method_for(backend, start_method)
+    method = "spawn" if device == "cuda" else rank_launch.start_method_for(backend, start_method)
     import torch  # noqa: F401  (imported before forking, so that children start fast)
     import torch.distributed  # noqa: F401
 
@@ -327,7 +327,7 @@ def calibrate(quick: bool, world_size: int, backend: str, out: Path | None,
                  "the timings; calibrate on a quiet machine")
 
     def launch(fn, world, args):
-        return run_ranks(fn, world, args, backend=backend, timeout_s=timeout_s,
+        return rank_launch.run_ranks(fn, world, args, backend=backend, timeout_s=timeout_s,
                          start_method=method)
 
     def stamp() -> str:
@@ -565,7 +565,7 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     reps = repeats or int(prof.provenance.get("sweep", {}).get("exact_repeats", FULL.exact_repeats))
     t0 = time.perf_counter()
     progress(f"exact shapes: measuring {len(todo)} new shape(s) ({len(specs) - len(todo)} known)")
-    exact, samples, readings = run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
+    exact, samples, readings = rank_launch.run_ranks(_exact_rank, 1, (todo, reps, device), backend=backend,
                                          timeout_s=timeout_s,
                                          start_method="spawn" if device == "cuda" else None)[0]
     nominal = speed.profile_nominal_s(prof)    # stated at the speed the profile's kernels are

@@ -42,12 +42,12 @@ from ..profile.history import record
 from ..report.report import write_run_report
 from ..runtime.comm import Comm, create_groups
 from ..runtime.entry import build_user_model, synthetic_batch
-from ..runtime.launch import run_ranks
+from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from ..runtime.model import plan_groups
 from ..tournament.run import execute_tournament
 from ..tournament.runtime import TournamentRunOptions
 from .baseline import ddp_runner, graph_split_roles
-from .timing import instrumented_steps, timed_steps
+from . import timing  # ``timing.timed_steps`` looked up at each call: tests replace it
 
 
 @dataclass
@@ -162,15 +162,15 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
                          bn_stats=plan.bn_stats(), graph=dm.graph)
 
     # 4. timing: the plan's steps, and DDP's interleaved with them in rounds (``interleaved``)
-    timed_steps(*plan_args, opts.warmup, comm, sync, barrier)
+    timing.timed_steps(*plan_args, opts.warmup, comm, sync, barrier)
     if ddp is None:
-        plan_times = timed_steps(*plan_args, opts.steps, comm, sync, barrier)
+        plan_times = timing.timed_steps(*plan_args, opts.steps, comm, sync, barrier)
         baseline = None
     else:
-        timed_steps(*ddp.step_args(), opts.warmup, comm, sync, barrier)
+        timing.timed_steps(*ddp.step_args(), opts.warmup, comm, sync, barrier)
         plan_times, ddp_times = interleaved(plan_args, ddp.step_args(), opts.steps, comm, sync, barrier)
         baseline = ddp.result(ddp_times)
-    per_layer, phases = instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, comm,
+    per_layer, phases = timing.instrumented_steps(dm, opt, local, plan_loss, opts.instrumented_steps, comm,
                                            sync, barrier)
     barrier()
     # the machine's speed now, by the probe the profile's kernel times are stated against
@@ -202,9 +202,9 @@ def interleaved(plan_args: tuple, ddp_args: tuple, steps: int, comm, sync, barri
     for k, n in enumerate(sizes):
         for who in ((0, 1) if k % 2 == 0 else (1, 0)):
             if who == 0:
-                plan_t += timed_steps(*plan_args, n, comm, sync, barrier)
+                plan_t += timing.timed_steps(*plan_args, n, comm, sync, barrier)
             else:
-                ddp_t += timed_steps(*ddp_args, n, comm, sync, barrier)
+                ddp_t += timing.timed_steps(*ddp_args, n, comm, sync, barrier)
     return plan_t, ddp_t
 
 
@@ -304,7 +304,7 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
              f"{opts.warmup}+{opts.steps} timed steps, DDP baseline")
     t0 = time.perf_counter()
     placement = plan.placement()   # ranks relabeled at init; results in logical order
-    results = run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
+    results = rank_launch.run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
                         backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
     # the probe read after the timed steps joins this machine's speed history, which only plans
@@ -346,7 +346,7 @@ def execute_runset(runset_path: str | Path, opts: ExecuteOptions, out_dir: str |
     progress(f"executing run set {runset_path}: {len(rs.entries)} plans at once on {rs.world_size} "
              f"processes ({', '.join(f'{e.plan.model.name} on ranks {list(e.ranks)}' for e in rs.entries)})")
     t0 = time.perf_counter()
-    results = run_ranks(_runset_rank_main, rs.world_size, args=(str(runset_path), modules, opts),
+    results = rank_launch.run_ranks(_runset_rank_main, rs.world_size, args=(str(runset_path), modules, opts),
                         backend=opts.backend, timeout_s=opts.timeout_s)
     wall = time.perf_counter() - t0
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -35,7 +35,7 @@ from ..errors import ModelFileError, TraceError
 from ..modelfile import ModelFile, split_output
 from ..ops import MULTI_OUTPUT, classify, family_of
 from .graph_items import mark_graph_items
-from .recorder import NotOneTensor, Unsupported, record
+from . import recorder  # ``recorder.record`` looked up at each call: tests replace it
 
 
 def _dtype_name(dt) -> str:
@@ -124,11 +124,11 @@ def export_graph(mf: ModelFile, batch_size: int, dtype=None):
     # what it does not reproduce falls back to export below.
     returns_tensor = None
     try:
-        gm, params, buffers, user_inputs = record(model, inputs)
+        gm, params, buffers, user_inputs = recorder.record(model, inputs)
         return gm, _canonical(params, model), _canonical(buffers, model), user_inputs, RECORDER
-    except NotOneTensor:
+    except recorder.NotOneTensor:
         returns_tensor = False
-    except Unsupported:
+    except recorder.Unsupported:
         pass
     if returns_tensor is False or not _returns_tensor(model, inputs):
         gm, params, buffers, user_inputs, tracer = export_step(mf, model, inputs, batch_size, dtype)
