@@ -1,0 +1,419 @@
+"""Run a model cut into pipeline stages (``autopar.decomp.stages.StageLayout``) with torch's own
+schedules (``torch.distributed.pipelining``: ``PipelineStage`` + ``Schedule*``): autopar builds
+the stage modules, the process groups and the schedule object, and writes no scheduler.
+
+Which models: *sequential block models*, read as ``pre -> blocks[0..L) -> post`` where the
+layers of the layout are the blocks: the plain GPT of ``strategies/examples/gpt.py``
+(``tok``/``pos`` embeddings, ``blocks``, ``ln`` + ``head``), Hugging Face GPT-2
+(``transformer.wte``/``wpe``/``drop``, ``transformer.h``, ``transformer.ln_f`` + ``lm_head``),
+and any module offering ``pipeline_parts() -> (pre, blocks, post)``. Stage 0 runs ``pre`` and
+the last stage ``post``. Several values may cross a cut: a block returning a tuple passes every
+element to the next block (and over the cut, point to point, each with its gradient).
+
+Ranks: stage s holds ``stage.ranks`` laid ``dp x tp`` (row-major, tp fastest). The rank at
+(d, t) of every stage forms one *pipeline group* (its own ``PipelineStage`` chain); the ranks of
+a stage with the same t form its data-parallel group (gradients averaged after the schedule's
+step); with the same d its tensor-parallel group (blocks split Megatron-style by
+``shard_gpt_block``; replicated values cross the cut from each tp rank to its peer).
+
+Semantics of one step: data-parallel group d takes rows ``[d B/D, (d+1) B/D)`` of the batch; the
+schedule splits them into M microbatches along dim 0; the loss is the mean over microbatches of
+``loss_fn`` on each (torch's ``scale_grads``: gradients of that mean), then averaged over the D
+groups: for a per-element-mean loss and equal microbatches, the loss of the whole batch. Batch
+norm inside a stage normalises each microbatch with its own statistics and updates running
+statistics once per microbatch, in microbatch order (``reference_step`` computes exactly that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..decomp.stages import StageLayout
+from ..errors import PipelineError
+
+# ------------------------------------------------------------------------------------------
+# Cutting a model into stage modules
+# ------------------------------------------------------------------------------------------
+
+
+class _GPTPre(nn.Module):
+    def __init__(self, tok: nn.Module, pos: nn.Module, drop: nn.Module | None = None):
+        super().__init__()
+        self.tok, self.pos, self.drop = tok, pos, drop
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.drop(x) if self.drop is not None else x
+
+
+class _Post(nn.Module):
+    def __init__(self, *mods: nn.Module):
+        super().__init__()
+        self.mods = nn.ModuleList(mods)
+
+    def forward(self, x):
+        for m in self.mods:
+            x = m(x)
+        return x
+
+
+def pipeline_parts(model: nn.Module) -> tuple[nn.Module | None, Sequence[nn.Module], nn.Module | None]:
+    """``(pre, blocks, post)`` of a sequential block model (module docstring); the modules are the
+    model's own (parameters shared, not copied). Refuses other models naming what it looked for."""
+    if hasattr(model, "pipeline_parts"):
+        return model.pipeline_parts()
+    if all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln", "head")):
+        return _GPTPre(model.tok, model.pos), list(model.blocks), _Post(model.ln, model.head)
+    tr = getattr(model, "transformer", None)
+    if tr is not None and all(hasattr(tr, a) for a in ("wte", "wpe", "h", "ln_f")) and hasattr(model, "lm_head"):
+        return _GPTPre(tr.wte, tr.wpe, getattr(tr, "drop", None)), list(tr.h), _Post(tr.ln_f, model.lm_head)
+    raise PipelineError(f"cannot cut {type(model).__name__} into pipeline stages",
+                        "stages run sequential block models: the plain GPT (tok/pos/blocks/ln/head), HF "
+                        "GPT-2, or a module with pipeline_parts() -> (pre, blocks, post)")
+
+
+def _call_block(block: nn.Module, values: tuple) -> tuple:
+    out = block(*values)
+    if isinstance(out, tuple):
+        # HF blocks return (hidden, present, ...) in some versions: the hidden state only, unless
+        # the block is one of ours returning every value it passes on
+        return out if getattr(block, "returns_all_values", False) or len(out) == len(values) else (out[0],)
+    return (out,)
+
+
+class StageModule(nn.Module):
+    """Blocks ``[first, stop)`` of a sequential block model, with ``pre`` on the first stage and
+    ``post`` on the last. Returns a tensor when one value leaves it, else a tuple (each element
+    crosses the cut point to point)."""
+
+    def __init__(self, pre: nn.Module | None, blocks: Sequence[nn.Module], post: nn.Module | None):
+        super().__init__()
+        self.pre, self.blocks, self.post = pre, nn.ModuleList(blocks), post
+
+    def forward(self, *values):
+        if self.pre is not None:
+            out = self.pre(*values)
+            values = out if isinstance(out, tuple) else (out,)
+        for blk in self.blocks:
+            values = _call_block(blk, values)
+        if self.post is not None:
+            return self.post(*values)
+        return values[0] if len(values) == 1 else values
+
+
+def chunk_ranges(layout: StageLayout) -> list[tuple[int, int, int]]:
+    """(chunk index, first layer, stop layer) of every model chunk, in model order: the stages'
+    own ranges when V = 1; else the layers cut evenly into S*V chunks."""
+    s_count, v = layout.num_stages, layout.schedule.virtual
+    if v == 1:
+        return [(s.index, s.first_layer, s.stop_layer) for s in layout.stages]
+    n = layout.stages[-1].stop_layer
+    bounds = [round(k * n / (s_count * v)) for k in range(s_count * v + 1)]
+    return [(k, bounds[k], bounds[k + 1]) for k in range(s_count * v)]
+
+
+def chunks_of_stage(layout: StageLayout, stage: int) -> list[int]:
+    """Chunk indices held by rank group ``stage``: itself (V = 1), ``stage + k S`` (looped
+    schedules) or ``stage`` and ``2S - 1 - stage`` (V-shaped: zbv, dualpipev)."""
+    s_count, v = layout.num_stages, layout.schedule.virtual
+    if v == 1:
+        return [stage]
+    if layout.schedule.name in ("zbv", "dualpipev"):
+        return [stage, 2 * s_count - 1 - stage]
+    return [stage + k * s_count for k in range(v)]
+
+
+def stage_modules(model: nn.Module, layout: StageLayout, stage: int) -> list[tuple[int, StageModule]]:
+    """The (chunk index, module) pairs rank group ``stage`` runs (sharing the model's parameters)."""
+    pre, blocks, post = pipeline_parts(model)
+    ranges = chunk_ranges(layout)
+    if ranges[-1][2] != len(blocks):
+        raise PipelineError(f"the stage layout covers {ranges[-1][2]} layers but the model has {len(blocks)} blocks",
+                            "plan the stages for this model")
+    last = len(ranges) - 1
+    return [(c, StageModule(pre if c == 0 else None, blocks[ranges[c][1]:ranges[c][2]], post if c == last else None))
+            for c in chunks_of_stage(layout, stage)]
+
+
+def _all_chunks(model: nn.Module, layout: StageLayout) -> list[StageModule]:
+    """Every chunk's module, in model order (sharing the model's parameters)."""
+    pre, blocks, post = pipeline_parts(model)
+    ranges = chunk_ranges(layout)
+    last = len(ranges) - 1
+    return [StageModule(pre if c == 0 else None, blocks[lo:hi], post if c == last else None) for c, lo, hi in ranges]
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor parallelism inside a stage (plain GPT blocks, Megatron-style)
+# ------------------------------------------------------------------------------------------
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _shard_linear(lin: nn.Linear, dim: int, t: int, tp: int, blocks: int = 1) -> None:
+    """Keep this rank's 1/tp of ``lin``'s weight along ``dim`` (0: output features, 1: input),
+    within each of ``blocks`` equal blocks of the output (q, k, v of a fused projection)."""
+    with torch.no_grad():
+        w = lin.weight
+        if dim == 0:
+            parts = w.chunk(blocks, 0)
+            lin.weight = nn.Parameter(torch.cat([p.chunk(tp, 0)[t] for p in parts], 0).clone())
+            if lin.bias is not None:
+                bp = lin.bias.chunk(blocks, 0)
+                lin.bias = nn.Parameter(torch.cat([p.chunk(tp, 0)[t] for p in bp], 0).clone())
+        else:
+            lin.weight = nn.Parameter(w.chunk(tp, 1)[t].clone())
+
+
+class _TPBlock(nn.Module):
+    """A plain-GPT ``Block`` with attention heads and the MLP's hidden features split over the
+    stage's tp group: qkv and fc column-parallel, proj and out row-parallel (their bias added
+    once, after the all-reduce); layer norms replicated."""
+
+    def __init__(self, block: nn.Module, heads: int, t: int, tp: int, group):
+        super().__init__()
+        if heads % tp:
+            raise PipelineError(f"{heads} heads do not split over tp {tp}", "pick tp dividing the heads")
+        self.b, self.heads, self.group = block, heads // tp, group
+        _shard_linear(block.attn.qkv, 0, t, tp, blocks=3)
+        _shard_linear(block.attn.proj, 1, t, tp)
+        _shard_linear(block.fc, 0, t, tp)
+        _shard_linear(block.out, 1, t, tp)
+
+    def forward(self, x):
+        import torch.nn.functional as F
+        b, g = self.b, self.group
+        n, s, e = x.shape
+        h = _CopyToTP.apply(b.ln1(x), g)
+        q, k, v = b.attn.qkv(h).chunk(3, dim=-1)
+        el = q.shape[-1]
+        q, k, v = (z.view(n, s, self.heads, el // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, s, el)
+        x = x + _ReduceFromTP.apply(F.linear(y, b.attn.proj.weight), g) + b.attn.proj.bias
+        h = _CopyToTP.apply(b.ln2(x), g)
+        return x + _ReduceFromTP.apply(F.linear(F.gelu(b.fc(h)), b.out.weight), g) + b.out.bias
+
+
+def shard_gpt_blocks(model: nn.Module, heads: int, t: int, tp: int, group) -> dict[str, tuple[int, int, int]]:
+    """Replace each plain-GPT block of ``model`` by its tp shard ``t`` of ``tp``. Returns, per
+    sharded parameter name, ``(dim, blocks, t)`` so that a reference can cut the same slice."""
+    sharded: dict[str, tuple[int, int, int]] = {}
+    for i, blk in enumerate(list(model.blocks)):
+        model.blocks[i] = _TPBlock(blk, heads, t, tp, group)
+        pfx = f"blocks.{i}."
+        sharded.update({pfx + "attn.qkv.weight": (0, 3, t), pfx + "attn.qkv.bias": (0, 3, t),
+                        pfx + "attn.proj.weight": (1, 1, t), pfx + "fc.weight": (0, 1, t),
+                        pfx + "fc.bias": (0, 1, t), pfx + "out.weight": (1, 1, t)})
+    return sharded
+
+
+def shard_of(full: torch.Tensor, spec: tuple[int, int, int], tp: int) -> torch.Tensor:
+    """The slice of ``full`` a tp rank holds for ``shard_gpt_blocks``' spec ``(dim, blocks, t)``."""
+    dim, blocks, t = spec
+    return torch.cat([p.chunk(tp, dim)[t] for p in full.chunk(blocks, dim)], dim)
+
+
+# ------------------------------------------------------------------------------------------
+# Groups and the schedule
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StageGroups:
+    """This rank's process groups: its pipeline chain, its stage's dp and tp groups."""
+
+    pipeline: Any
+    dp: Any
+    tp: Any
+    coords: tuple[int, int]            # (d, t) inside its stage
+
+
+def make_groups(layout: StageLayout, rank: int) -> StageGroups:
+    """Create every pipeline, dp and tp group (every rank calls this, in the same order)."""
+    mine: dict[str, Any] = {}
+    st = layout.stage_of(rank)
+    size = len(st.ranks)
+    for idx in range(size):
+        g = dist.new_group([s.ranks[idx] for s in layout.stages])
+        if st.ranks[idx] == rank:
+            mine["pipeline"] = g
+    for s in layout.stages:
+        for t in range(s.tp):
+            ranks = [s.ranks[d * s.tp + t] for d in range(s.dp)]
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine["dp"] = g
+        for d in range(s.dp):
+            ranks = [s.ranks[d * s.tp + t] for t in range(s.tp)]
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine["tp"] = g
+    i = st.ranks.index(rank)
+    return StageGroups(mine["pipeline"], mine.get("dp"), mine.get("tp"), (i // st.tp, i % st.tp))
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import schedules as sch
+    from ..decomp.stages import SCHEDULES
+    return getattr(sch, SCHEDULES[name][0])
+
+
+@dataclass
+class StageRunner:
+    """One rank's part of a pipelined model: its chunk modules, groups and torch schedule.
+
+    ``step(inputs, targets)`` takes the *whole* batch (every rank passes the same), runs the
+    schedule on this data-parallel group's rows, averages gradients over the stage's dp group
+    and returns the global loss (mean over microbatches and dp groups) on every rank."""
+
+    layout: StageLayout
+    rank: int
+    modules: list[tuple[int, StageModule]]
+    groups: StageGroups
+    schedule: Any
+    loss_fn: Callable
+
+    @property
+    def stage(self):
+        return self.layout.stage_of(self.rank)
+
+    def parameters(self):
+        seen = set()
+        for _, m in self.modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        st, (d, _) = self.stage, self.groups.coords
+        rows = inputs.shape[0] // st.dp
+        x = inputs[d * rows:(d + 1) * rows]
+        y = targets[d * rows:(d + 1) * rows]
+        chunks = [c for c, _ in self.modules]
+        first, last = 0 in chunks, (self.layout.num_stages * self.layout.schedule.virtual - 1) in chunks
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        kw = {"target": y, "losses": losses} if last else {}
+        self.schedule.step(*args, **kw)
+        if self.groups.dp is not None:
+            for p in self.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.groups.dp)
+                    p.grad /= st.dp
+        # the global loss on every rank: the last stage's tp-rank-0 ranks contribute
+        contrib = torch.zeros((), dtype=torch.float64)
+        if last and self.groups.coords[1] == 0:
+            contrib = torch.stack([l.detach().to(torch.float64) for l in losses]).mean() / st.dp
+        dist.all_reduce(contrib)
+        return contrib
+
+
+def _static_metas(modules_all: list[StageModule], microbatch: torch.Tensor) -> list[tuple[tuple, Any]]:
+    """(inputs, outputs) of every chunk for one microbatch, from one forward of the chunks in
+    model order with every module in eval mode and no autograd: nothing is updated (batch-norm
+    running statistics stay as they are), unlike torch's dynamic shape inference, which runs a
+    training-mode forward and so would update them once more than the step does."""
+    modes = [(m, m.training) for c in modules_all for m in c.modules()]
+    out: list[tuple[tuple, Any]] = []
+    try:
+        for c in modules_all:
+            c.eval()
+        with torch.no_grad():
+            values: tuple = (microbatch,)
+            for c in modules_all:
+                res = c(*values)
+                out.append((tuple(_needs_grad(v) for v in values) if out else values,
+                            tuple(_needs_grad(v) for v in res) if isinstance(res, tuple) else _needs_grad(res)))
+                values = res if isinstance(res, tuple) else (res,)
+    finally:
+        for m, t in modes:
+            m.train(t)
+    return out
+
+
+def _needs_grad(t):
+    """The metadata tensor of a value that carries a gradient across a cut (floating point)."""
+    return t.detach().requires_grad_(True) if torch.is_tensor(t) and t.is_floating_point() else t
+
+
+def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Callable,
+                 heads: int | None = None, example_microbatch: torch.Tensor | None = None) -> StageRunner:
+    """Cut ``model`` (built identically on every rank) into this rank's stage modules, shard its
+    blocks over the stage's tp group when tp > 1 (plain GPT blocks; ``heads`` needed), and make
+    torch's schedule for ``layout.schedule``. Every rank calls it (group creation is collective).
+    ``example_microbatch`` (one microbatch of the first stage's input) gives torch the shapes
+    that cross each cut up front (``_static_metas``); without it torch infers them on the first
+    step with a training-mode forward (which updates batch-norm running statistics once more)."""
+    from torch.distributed.pipelining import PipelineStage
+    groups = make_groups(layout, rank)
+    st = layout.stage_of(rank)
+    if st.tp > 1:
+        if heads is None:
+            raise PipelineError("tensor parallelism inside a stage needs the number of heads", "pass heads=")
+        shard_gpt_blocks(model, heads, groups.coords[1], st.tp, groups.tp)
+    modules = stage_modules(model, layout, st.index)
+    n_chunks = layout.num_stages * layout.schedule.virtual
+    metas: dict[int, tuple] = {}
+    if example_microbatch is not None:
+        every = _all_chunks(model, layout)
+        metas = dict(enumerate(_static_metas(every, example_microbatch)))
+    stages = [PipelineStage(m, c, n_chunks, torch.device("cpu"), group=groups.pipeline,
+                            **({"input_args": metas[c][0], "output_args": metas[c][1]} if metas else {}))
+              for c, m in modules]
+    cls = _schedule_class(layout.schedule.name)
+    m = layout.schedule.microbatches
+    schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=loss_fn, scale_grads=True)
+    return StageRunner(layout, rank, modules, groups, schedule, loss_fn)
+
+
+def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
+                   microbatches: int, dp: int = 1) -> torch.Tensor:
+    """The one-process function a pipelined step computes: the batch cut into ``dp`` row blocks,
+    each into ``microbatches`` microbatches, run one after another (batch norm: statistics and
+    running-statistics updates per microbatch, in that order); the loss is the mean of the
+    per-microbatch losses; backward of that mean. Returns the loss (detached)."""
+    total = 0.0
+    n = dp * microbatches
+    for xb, yb in zip(inputs.chunk(dp), targets.chunk(dp)):
+        for xm, ym in zip(xb.tensor_split(microbatches), yb.tensor_split(microbatches)):
+            loss = loss_fn(model(xm), ym) / n
+            loss.backward()
+            total = total + loss.detach()
+    return torch.as_tensor(total)
+
+
+__all__ = ["StageModule", "StageRunner", "build_runner", "chunk_ranges", "chunks_of_stage", "make_groups",
+           "pipeline_parts", "reference_step", "shard_gpt_blocks", "shard_of", "stage_modules"]

@@ -1,0 +1,222 @@
+"""Pipeline stages run with torch's schedules on gloo against one process, in float64: outputs
+(the loss), every gradient and the parameters after an AdamW step (issue 41 item 5).
+
+Each rank builds the model from the same seed, computes the one-process reference
+(``reference_step``: the same microbatches, the mean of their losses) on a copy, runs its part of
+the pipelined step and compares the parameters it holds (its tp slice of them) with the
+reference's. Tolerance in float64: loss and gradients 1e-12 relative + 1e-13 absolute; parameters
+after AdamW 1e-12 relative + 1e-11 absolute, because AdamW divides by sqrt(v): a gradient that is
+zero analytically (attention's key bias) turns its rounding noise (1e-17) into an lr-sized step
+whose sign is noise; seen: 8.5e-13."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.dist
+TOL = dict(rtol=1e-12, atol=1e-13)
+PARAM_TOL = dict(rtol=1e-12, atol=1e-11)
+
+
+def _load_gpt(layers: int):
+    env = {"AUTOPAR_GPT_LAYERS": str(layers), "AUTOPAR_GPT_EMBED": "16", "AUTOPAR_GPT_HEADS": "4",
+           "AUTOPAR_GPT_SEQ": "8", "AUTOPAR_GPT_VOCAB": "32"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        spec = importlib.util.spec_from_file_location(f"_gpt_stages_{layers}", ROOT / "strategies/examples/gpt.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return mod
+
+
+def _two_value_model(layers: int):
+    """Blocks that pass two values on (a residual stream and a gate stream both updated by every
+    block), so that every cut is crossed by two tensors, each with its gradient."""
+    import torch
+    from torch import nn
+
+    class Blk(nn.Module):
+        returns_all_values = True
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.g = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, gate):
+            return x + torch.tanh(self.a(x)) * torch.sigmoid(gate), gate + self.g(x)
+
+    class Pre(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return h, h * 0.5
+
+    class Post(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x, gate):
+            return self.out(x * gate)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.blocks, self.post = Pre(), nn.ModuleList(Blk() for _ in range(layers)), Post()
+
+        def pipeline_parts(self):
+            return self.pre, list(self.blocks), self.post
+
+        def forward(self, x):
+            v = self.pre(x)
+            for b in self.blocks:
+                v = b(*v)
+            return self.post(*v)
+
+    return Net()
+
+
+def _bn_model(layers: int):
+    """Blocks with batch norm: statistics per microbatch (the stated semantics)."""
+    import torch
+    from torch import nn
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+        def forward(self, x):
+            return x + torch.relu(self.bn(self.lin(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.blocks, self.post = nn.Linear(4, 6), nn.ModuleList(Blk() for _ in range(layers)), nn.Linear(6, 2)
+
+        def pipeline_parts(self):
+            return self.pre, list(self.blocks), self.post
+
+        def forward(self, x):
+            x = self.pre(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.post(x)
+
+    return Net()
+
+
+def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.decomp.stages import Schedule, even_layout
+    from autopar.runtime.stages import build_runner, reference_step, shard_of
+
+    torch.manual_seed(0)
+    heads = None
+    if kind == "gpt":
+        gpt = _load_gpt(layers=4)
+        model = gpt.GPT().double()
+        x = torch.randint(0, 32, (batch, 8))
+        y = torch.randint(0, 32, (batch, 8))
+        loss_fn, heads = gpt.loss_fn, 4
+    elif kind == "two_values":
+        model = _two_value_model(4).double()
+        x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 3, (batch,))
+        loss_fn = F.cross_entropy
+    else:
+        model = _bn_model(4).double()
+        x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 2, (batch,))
+        loss_fn = F.cross_entropy
+    layout = even_layout(4, world, stages, Schedule(schedule, microbatches), tp=tp)
+    st = layout.stage_of(rank)
+
+    ref = copy.deepcopy(model)
+    ref_loss = reference_step(ref, x, y, loss_fn, microbatches, dp=st.dp)
+    ref_params = dict(ref.named_parameters())
+    ref_grads = {k: p.grad.clone() for k, p in ref_params.items()}
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.step()
+
+    runner = build_runner(model, layout, rank, loss_fn, heads=heads,
+                          example_microbatch=x[:batch // st.dp // microbatches])
+    sharded = {}
+    if st.tp > 1:
+        sharded = {f"blocks.{i}.{n}": (d, b, runner.groups.coords[1]) for i in range(4)
+                   for n, (d, b) in {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight": (1, 1),
+                                     "fc.weight": (0, 1), "fc.bias": (0, 1), "out.weight": (1, 1)}.items()}
+    loss = runner.step(x, y)
+    mine = {id(p) for p in runner.parameters()}
+    held = {n.replace(".b.", ".", 1): p for n, p in model.named_parameters() if id(p) in mine}
+    opt = torch.optim.AdamW(list(runner.parameters()), lr=1e-2)
+    grads = {n: p.grad.clone() for n, p in held.items()}
+    opt.step()
+    bad = []
+    torch.testing.assert_close(loss, ref_loss.to(torch.float64), **TOL)
+    for n, p in held.items():
+        want_g, want_p = ref_grads[n], ref_params[n].detach()
+        if n in sharded:
+            want_g, want_p = shard_of(want_g, sharded[n], st.tp), shard_of(want_p, sharded[n], st.tp)
+        for what, got, want, tol in (("grad", grads[n], want_g, TOL), ("param", p.detach(), want_p, PARAM_TOL)):
+            if not torch.allclose(got, want, **tol):
+                bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
+    if kind == "bn":   # running statistics: updated once per microbatch, in order, like the reference
+        rb = dict(ref.named_buffers())
+        for n, b in model.named_buffers():
+            if any(b is q for _, m in runner.modules for q in m.buffers()) \
+                    and not torch.allclose(b.double(), rb[n].double(), **TOL):
+                bad.append(f"buffer {n}: {b.double().sum().item()} vs {rb[n].double().sum().item()}")
+    return {"rank": rank, "stage": st.index, "params": len(held), "bad": bad, "loss": float(loss)}
+
+
+def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8):
+    from autopar.runtime.launch import run_ranks
+    res = run_ranks(_case, world, args=(kind, schedule, stages, tp, microbatches, batch), timeout_s=120)
+    for r in res:
+        assert r["bad"] == [], r
+        assert r["params"] > 0, r
+    assert len({r["loss"] for r in res}) == 1, res       # the global loss on every rank
+    return res
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt_two_stages_world_2(schedule):
+    _run(2, "gpt", schedule, 2)
+
+
+def test_gpt_two_stages_with_data_parallelism_inside_world_4():
+    res = _run(4, "gpt", "1f1b", 2)
+    assert [r["stage"] for r in res] == [0, 0, 1, 1]
+
+
+def test_gpt_two_stages_with_tensor_parallelism_inside_world_4():
+    _run(4, "gpt", "gpipe", 2, tp=2)
+
+
+def test_gpt_four_stages_world_4():
+    _run(4, "gpt", "1f1b", 4)
+
+
+def test_cut_crossed_by_two_values():
+    _run(2, "two_values", "1f1b", 2)
+
+
+def test_batch_norm_statistics_per_microbatch():
+    _run(2, "bn", "gpipe", 2)
