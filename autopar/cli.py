@@ -67,7 +67,7 @@ def cmd_refine(args) -> int:
         if run.plan_sha256 and sha256_file(plan) != run.plan_sha256:
             raise AutoparError(f"{plan} changed since run {p} measured it",
                                "execute the current plan again, or refine from runs of unchanged plans")
-        runs.append(run.to_json())
+        runs.append(run)
     try:
         out = refine_profile(runs, args.profile, out=args.output)
     except ValueError as e:
@@ -331,7 +331,7 @@ def cmd_execute(args) -> int:
     _p(f"report written to {out / 'report.md'}")
     if args.refine:
         from .calibrate.refine import refine_profile
-        path = refine_profile(run.to_json(), args.refine)
+        path = refine_profile(run, args.refine)
         _p(f"profile refined from this run: {path}")
     return 0
 

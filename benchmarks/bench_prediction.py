@@ -539,7 +539,9 @@ def judge_refinement(rows: list[dict], args, tmp: Path) -> dict:
     train = [r for r in rows if r["index"] % 2 == 0]
     held = [r for r in rows if r["index"] % 2 == 1]
     refined = tmp / "refined.json"
-    refine_profile([r["run"] for r in train], args.calibration, out=refined, plans=[r["plan"] for r in train])
+    from autopar.artifacts import RunResult
+    refine_profile([RunResult.from_json(r["run"]) for r in train], args.calibration, out=refined,
+                   plans=[r["plan"] for r in train])
     info = json.loads(refined.read_text())["provenance"]["refined"]
     c = info["corrections"]
     cv = info.get("cross_validation", {})

@@ -46,9 +46,15 @@ def _typed(plan):
               predicted=NS(**plan["predicted"]))
 
 
+def _result(run, plan):
+    """The typed run (``autopar.artifacts.RunResult``, what refinement reads) of a synthetic run."""
+    from autopar.artifacts import RunResult
+    return RunResult.from_json(_run_file_json(run, plan))
+
+
 def test_fit_recovers_exact_blocking_and_grad_sync_factors():
     truth = {"a": 1.3, "b": 0.8, "c": 1.1}
-    rows = [run_rows(r, _typed(p)) for p, r in (_plan_and_run(2, truth, 2.5, 0.6), _plan_and_run(4, truth, 2.5, 0.6))]
+    rows = [run_rows(_result(r, p), _typed(p)) for p, r in (_plan_and_run(2, truth, 2.5, 0.6), _plan_and_run(4, truth, 2.5, 0.6))]
     corr = fit(rows, ("exact", "blocking", "grad_sync"))
     for k, f in truth.items():
         assert corr.exact[k] == pytest.approx(f, rel=1e-3)
@@ -63,7 +69,7 @@ def test_fit_recovers_exact_blocking_and_grad_sync_factors():
 
 
 def test_drift_per_world_prices_shapes_no_run_measured():
-    rows = [run_rows(r, _typed(p)) for p, r in (_plan_and_run(2, {"a": 1.5, "b": 1.5}, 1.0, 1.0),
+    rows = [run_rows(_result(r, p), _typed(p)) for p, r in (_plan_and_run(2, {"a": 1.5, "b": 1.5}, 1.0, 1.0),
                                         _plan_and_run(4, {"a": 0.8, "b": 0.8}, 1.0, 1.0))]
     corr = fit(rows, ("exact", "drift"))
     assert corr.drift == pytest.approx({"2": 1.5, "4": 0.8}, rel=1e-3)
@@ -74,12 +80,12 @@ def test_drift_per_world_prices_shapes_no_run_measured():
 
 def test_cross_validation_picks_nothing_when_the_profile_is_right_and_factors_when_wrong():
     noise = [0.03, -0.02, 0.01, -0.03, 0.02, 0.0, -0.01, 0.02]
-    right = [run_rows(r, _typed(p)) for p, r in (_plan_and_run(w, {"a": 1.0, "b": 1.0}, 1.0, 1.0, noise=noise)
+    right = [run_rows(_result(r, p), _typed(p)) for p, r in (_plan_and_run(w, {"a": 1.0, "b": 1.0}, 1.0, 1.0, noise=noise)
                                          for w in (2, 4, 2, 4))]
     cv = cross_validate(right)
     assert len(cv["table"]) == 16
     assert cv["chosen_loo_median_abs_error"] <= cv["uncorrected_loo_median_abs_error"]
-    wrong = [run_rows(r, _typed(p)) for p, r in (_plan_and_run(w, {"a": 1.4, "b": 1.4}, 2.0, 1.0, noise=noise)
+    wrong = [run_rows(_result(r, p), _typed(p)) for p, r in (_plan_and_run(w, {"a": 1.4, "b": 1.4}, 2.0, 1.0, noise=noise)
                                          for w in (2, 4, 2, 4))]
     cv = cross_validate(wrong)
     assert cv["chosen"], "a systematic error must be corrected"

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
-from ..artifacts import load_plan
+from ..artifacts import RunResult, load_plan
 from ..io import atomic_write_json
 from ..profile.profile import load_profile
 
@@ -101,29 +101,29 @@ class Corrections:
         return (float(np.median(fs)) if fs else 1.0) * self.drift_of(world)
 
 
-def run_rows(run: dict[str, Any], plan) -> RunRows:
-    """The rows of one run (run.json dict) against its typed plan (``autopar.artifacts.Plan``)."""
+def run_rows(run: RunResult, plan) -> RunRows:
+    """The rows of one run (``autopar.artifacts.RunResult``) against its typed plan
+    (``autopar.artifacts.Plan``)."""
     trans_into: dict[int, float] = {}
     for t in plan.transitions:
         trans_into[t.dst] = trans_into.get(t.dst, 0.0) + t.fwd_s + t.bwd_s
     by_layer = {lay.layer: lay for lay in plan.layers}
     # per-layer and phase times come from instrumented steps (timestamps, hooks), which run
     # slower than the timed steps: scale them to the median timed step
-    ph = run["measured"].get("phases") or {}
+    ph = dict(run.measured.phases or {})
     instrumented = sum(ph.values()) if ph else 0.0
-    step = float(run["measured"]["step_time_s"])
+    step = float(run.measured.step_time_s)
     norm = step / instrumented if instrumented > 0 else 1.0
     world = plan.world_size
     on_node = min(world, int(plan.mesh.ranks_per_node or world))
     layers = []
-    for m in run["measured"]["per_layer"]:
-        lay = by_layer[m["layer"]]
+    for m in run.measured.per_layer:
+        lay = by_layer[m.layer]
         p = lay.predicted
-        layers.append(LayerRow(compute_s=p.compute_s, comm_s=p.comm_s + trans_into.get(m["layer"], 0.0),
-                               keys=tuple(lay.exact_keys),
-                               measured_s=float(m["measured_s"]) * norm, world=on_node))
+        layers.append(LayerRow(compute_s=p.compute_s, comm_s=p.comm_s + trans_into.get(m.layer, 0.0),
+                               keys=tuple(lay.exact_keys), measured_s=float(m.measured_s) * norm, world=on_node))
     pred = plan.predicted
-    return RunRows(label=str(run.get("plan", "")), world=on_node, layers=tuple(layers),
+    return RunRows(label=run.plan, world=on_node, layers=tuple(layers),
                    exposed_s=float(pred.exposed_comm_s),
                    grad_wait_s=float(ph.get("grad_sync_wait_s", 0.0)) * norm,
                    optimizer_s=float(pred.optimizer_s),
@@ -223,13 +223,13 @@ def apply_corrections(profile, corr: Corrections):
     return new
 
 
-def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: str | Path,
+def refine_profile(runs: RunResult | Sequence[RunResult], profile_path: str | Path,
                    out: str | Path | None = None, plans: list | None = None) -> Path:
-    """Refine ``profile_path`` from one or several runs (run.json dicts); write the copy to
-    ``out`` (default ``<profile>-refined.json``) and return its path."""
+    """Refine ``profile_path`` from one or several runs (``RunResult``, as ``load_run`` reads
+    run.json); write the copy to ``out`` (default ``<profile>-refined.json``) and return its path."""
 
-    runs = [runs] if isinstance(runs, dict) else list(runs)
-    plan_objs = [load_plan(p) for p in (plans or [r["plan"] for r in runs])]
+    runs = [runs] if isinstance(runs, RunResult) else list(runs)
+    plan_objs = [load_plan(p) for p in (plans or [r.plan for r in runs])]
     rows = [run_rows(r, p) for r, p in zip(runs, plan_objs)]
     if sum(len(r.layers) for r in rows) < 4:
         raise ValueError("too few measured layers to refine from (need at least 4)")
@@ -247,7 +247,7 @@ def refine_profile(runs: dict[str, Any] | list[dict[str, Any]], profile_path: st
     new.provenance = dict(new.provenance)
     new.provenance["refined"] = {
         "from_profile": str(profile_path),
-        "runs": [r.get("plan", "") for r in runs],
+        "runs": [r.plan for r in runs],
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "kinds": list(kinds),
         "corrections": {"drift_by_world": corr.drift, "blocking_comm_scale": corr.blocking,

@@ -3,14 +3,13 @@ blocks and Conv1D MLPs merged into units, and whether the loss is a vocabulary c
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
 from ..decomp.tensor_parallel.detect import attention_modules, mlp_modules
-from ..io import atomic_write_json
+from ..io import atomic_write_json, read_json
 from ..ops import describe_unregistered
 from ..trace.cache import cache_dir, trace_cached, trace_key
 from ..trace.tracer import STEP_TRACER
@@ -60,7 +59,7 @@ def vocab_loss_output_cached(mf, graph, batch_size: int, use_cache: bool = True)
         return vocab_loss_output(mf, graph, batch_size)
     path = cache_dir() / f"{trace_key(mf.path, batch_size)}.vocab-loss.json"
     try:
-        got = json.loads(path.read_text())["loss_output"]
+        got = read_json(path, ValueError, "vocabulary-loss memo")["loss_output"]
         if got is None or got == graph.output:
             return got
     except (OSError, ValueError, KeyError, TypeError):
