@@ -15,7 +15,6 @@ with integer inputs (embedding, gather, scatter, class-index losses), not unregi
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path

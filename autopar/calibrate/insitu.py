@@ -34,7 +34,6 @@ the other one can be tried against measured steps without calibrating again
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from ..profile.straggler import Straggler, fit_straggler  # noqa: F401  (measured here)
