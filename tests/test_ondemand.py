@@ -137,3 +137,23 @@ def test_other_machine_or_simulated_cluster_not_measured(here_profile, root, tmp
                                PlanOptions(world_size=8, calibration=str(root / "calibration/datasheet-a100-cluster.json"),
                                            write=False), progress=lambda s: None)
     assert m.shapes_path is None and m.measured == 0 and "datasheet" in m.not_measured_because
+
+
+def test_cli_measures_shapes_first_only_when_asked(here_profile, tmp_path, capsys):
+    from autopar.cli import main
+    from autopar.artifacts import load_plan
+    model = tmp_path / "tinycnn4.py"
+    model.write_text(MODEL.replace("12, 12", "11, 11"))
+    cache = cache_path(here_profile)
+    cache.unlink(missing_ok=True)
+    argv = ["plan", str(model), "--world-size", "2", "--batch-size", "4", "--calibration", str(here_profile)]
+    assert main(argv + ["-o", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing was measured" in out and "--measure-shapes" in out and not cache.exists()
+    assert "shapes" not in load_plan(tmp_path / "a/plan.json").calibration
+    assert main(argv + ["-o", str(tmp_path / "b"), "--measure-shapes"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("measuring missing shapes first (--measure-shapes)") < out.index("plan written to")
+    rec = load_plan(tmp_path / "b/plan.json").calibration["shapes"]
+    assert rec["path"] == str(cache) and rec["sha256"] == sha256_file(cache)
+    assert "nothing was measured" not in out
