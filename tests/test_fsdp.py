@@ -1,8 +1,8 @@
 """Sharded data parallelism (issue 40): the pure value type and formulas (``decomp.fsdp``) and the
 run on torch's FSDP2 + DTensor (``runtime.fsdp``) against one process in float64.
 
-Tolerance: 1e-12 absolute on outputs, loss, every gradient and every parameter after two AdamW
-steps (the sums differ from one process only in their order)."""
+Tolerance: 1e-12 absolute on outputs, loss, every gradient, the clipped norm and every parameter
+after two AdamW steps with clipping (the sums differ from one process only in their order)."""
 
 from __future__ import annotations
 
@@ -213,6 +213,10 @@ def _check_configs(rank, world, names):
                 errs.append(abs(lt.item() / world - rloss.item()))
             for (q, p), rp in zip(model.named_parameters(), ref.parameters()):
                 errs.append((p.grad.full_tensor() - rp.grad).abs().max().item())
+            norm = rf.clip_grad_norm_(model.parameters(), 0.05)        # clips: the norm is ~1
+            rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            assert rnorm > 0.05
+            errs.append(abs(norm.item() - rnorm.item()))
             opt.step()
             ropt.step()
             opt.zero_grad()
@@ -233,3 +237,121 @@ def test_every_level_alone_and_with_tp_matches_one_process(world):
         for name, err in r.items():
             assert err < TOL, (world, name, err)
     assert set(res[0]) == set(names)
+
+
+# ---- checkpoints: sharded <-> sharded + tensor parallel <-> data parallel at another world size -----
+
+def _build(world, name):
+    from autopar.runtime import fsdp as rf
+    spec, tp, _ = CONFIGS[name]
+    torch.manual_seed(0)
+    model = Tiny()
+    mesh = rf.make_mesh(world, tp)
+    units = {k: (None if v is None else Sharded(v[0], v[1], world // tp, tp)) for k, v in spec.items()}
+    styles = {f"blocks.{i}.{n}": s for i in range(2) for n, s in (("up", "colwise"), ("down", "rowwise"))} if tp > 1 else {}
+    rf.parallelize(model, mesh, units, styles)
+    return model, (mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()), world // tp
+
+
+def _step(model, opt, dp_rank, dp, seed):
+    import autopar.train
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+    loss = ((model(x.chunk(dp)[dp_rank]) - y.chunk(dp)[dp_rank]) ** 2).mean()
+    loss.backward()
+    autopar.train.clip_grad_norm_(model, 0.5)     # the global norm over every mesh
+    opt.step()
+    opt.zero_grad()
+
+
+def _full(model, opt):
+    out = {q: p.detach().full_tensor().clone() for q, p in model.named_parameters()}
+    for q, p in model.named_parameters():
+        for k, v in opt.state[p].items():
+            out[f"{q}.{k}"] = v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+    return {k: v.numpy().copy() for k, v in out.items()}      # arrays: tensors would cross by fd
+
+
+def _save_then_continue(rank, world, ck, name):
+    """Train 2 steps under ``name``, save, crash two saves (every rank raising inside DCP's save,
+    and after it before the commit), then one more step: the state to compare with."""
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+    torch.set_default_dtype(torch.float64)
+    model, r, dp = _build(world, name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(2):
+        _step(model, opt, r, dp, s)
+    autopar.save(ck, model, opt, extra={"step": 2})
+    saved = _full(model, opt)
+    _step(model, opt, r, dp, 99)          # change the weights, then fail to save them
+    real, outcomes = dcp.save, []
+    for where in ("during", "after"):
+        def crash(*a, **kw):
+            if where == "after":
+                real(*a, **kw)
+            raise RuntimeError("simulated crash")
+        dcp.save = crash
+        try:
+            autopar.save(ck, model, opt, extra={"step": 3})
+        except RuntimeError as e:
+            outcomes.append(str(e))
+        finally:
+            dcp.save = real
+    return {"saved": saved, "outcomes": outcomes}
+
+
+def _load_and_step(rank, world, ck, name):
+    import autopar
+    torch.set_default_dtype(torch.float64)
+    model, r, dp = _build(world, name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = autopar.load(ck, model, opt)
+    loaded = _full(model, opt)
+    _step(model, opt, r, dp, 2)
+    return {"extra": extra, "loaded": loaded, "after": _full(model, opt)}
+
+
+def _one_process(ck):
+    """Load the checkpoint into a single-process model and take the same step."""
+    from autopar.train import sharded
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sd = sharded.state_dict(model, None)
+    import torch.distributed.checkpoint as dcp
+    from autopar.train.checkpoint import _data_dir
+    dest = {k: v for k, v in sd.items() if k.startswith("model.")}
+    dcp.load(dest, checkpoint_id=str(_data_dir(ck)), no_dist=True)
+    with torch.no_grad():
+        for q, p in model.named_parameters():
+            p.copy_(dest[f"model.{q}"])
+    return model
+
+
+@pytest.mark.dist
+def test_checkpoint_round_trip_between_sharded_tp_and_dp_at_other_world(tmp_path):
+    from autopar.runtime.launch import run_ranks
+    ck = tmp_path / "ck"
+    saved = run_ranks(_save_then_continue, 4, args=(str(ck), "zero3"), start_method="fork", timeout_s=240)
+    assert saved[0]["outcomes"] == ["simulated crash", "simulated crash"]
+    want = saved[0]["saved"]
+    # the crashed saves left LATEST on the first one: load it as sharded+TP at world 4, and as a
+    # data-parallel unit beside a sharded one at world 2
+    for world, name in ((4, "zero3+tp"), (2, "mixed-dp")):
+        got = run_ranks(_load_and_step, world, args=(str(ck), name), start_method="fork", timeout_s=240)
+        assert got[0]["extra"] == {"step": 2}
+        for k, v in want.items():
+            assert (got[0]["loaded"][k] == v).all(), (name, k)
+        # one more step from the loaded state is the same function whatever the plan
+        if world == 4:
+            ref_after = got[0]["after"]
+        else:
+            for k, v in ref_after.items():
+                assert abs(got[0]["after"][k] - v).max() < TOL, (name, k)
+    # and the one-process model reads the same weights
+    m = _one_process(ck)
+    for q, p in m.named_parameters():
+        assert (p.detach().numpy() == want[q]).all(), q

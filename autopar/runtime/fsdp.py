@@ -229,3 +229,26 @@ def state_tensors(model: nn.Module, optimizer: Any = None) -> list[torch.Tensor]
         for st in optimizer.state.values():
             out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
     return out
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters on several meshes (tensor-parallel units
+    on (dp, tp), the root on dp: torch's own stacks the norms and refuses mixed meshes): each
+    gradient's norm made whole (``full_tensor``, one reduction per gradient), the global norm
+    from them, then the same scale ``min(1, max_norm / (norm + 1e-6))`` on every gradient."""
+    import math
+
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norms = []
+    for g in grads:
+        n = torch.linalg.vector_norm(g, norm_type)
+        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).to(torch.float64))
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    t = torch.stack(norms)
+    total = t.max() if math.isinf(norm_type) else t.pow(norm_type).sum().pow(1.0 / norm_type)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype).item() if isinstance(g, DTensor) else coef.to(g.dtype))
+    return total

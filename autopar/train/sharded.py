@@ -1,0 +1,158 @@
+"""Checkpoints of a model run on torch's engines (FSDP2 ``fully_shard``, DTensor tensor
+parallelism: ``runtime.fsdp``), in the same format as every other plan's (``train.checkpoint``).
+
+The keys are those of ``train.checkpoint``: ``model.<qual>`` (single-process name and shape),
+``optim.state.<qual>.<key>``, ``optim.param_groups``, ``extra``, ``autopar``. A parameter is the
+DTensor FSDP2 / DTensor hold (DCP writes each rank's chunk with its global offsets, the uneven
+torch.chunk rows included), optimizer state shaped like it is a DTensor alike, buffers are whole.
+DCP stores chunks by offset whatever wrote them, so a checkpoint saved here loads under an
+autopar plan (``ShardedTensor`` blocks) at another world size, and the reverse: DCP reads the
+overlap of every saved chunk with every wanted one.
+
+Atomic as ``train.checkpoint.save``: a new data directory, then ``LATEST`` replaced by rank 0;
+a rank dying during the save leaves ``LATEST`` naming the previous complete checkpoint.
+
+Runtime side: imports torch's checkpoint and ``train.checkpoint``'s helpers only.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import FORMAT, CheckpointError, _blob, _commit, _data_dir, _quiet, _unblob
+from .mismatch import ModelMismatch, first_of, mismatches
+
+
+def is_torch_sharded(model: Any) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2 / DTensor), not an autopar plan's."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(model, torch.nn.Module) or hasattr(model, "comm"):
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _quals(model, optimizer) -> dict[int, str]:
+    mine = {id(p): q for q, p in model.named_parameters()}
+    out = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in mine:
+                raise CheckpointError("the optimizer holds a tensor that is not a parameter of the model",
+                                      "build the optimizer over model.parameters() after parallelizing")
+            out[id(p)] = mine[id(p)]
+    return out
+
+
+def state_dict(model, optimizer=None, extra: dict | None = None) -> dict[str, Any]:
+    """The checkpoint's entries (module docstring)."""
+    sd: dict[str, Any] = {f"model.{q}": p.detach() for q, p in model.named_parameters()}
+    sd.update({f"model.{q}": b.detach() for q, b in model.named_buffers()})
+    if optimizer is not None:
+        from .optim import check_optimizer
+        check_optimizer(optimizer)
+        quals = _quals(model, optimizer)
+        sd["optim.param_groups"] = _blob([{**{k: v for k, v in g.items() if k != "params"},
+                                           "params": [quals[id(p)] for p in g["params"]]}
+                                          for g in optimizer.param_groups])
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                for k, v in optimizer.state.get(p, {}).items():
+                    key = f"optim.state.{quals[id(p)]}.{k}"
+                    sd[key] = v.detach() if isinstance(v, torch.Tensor) else _blob(v)
+    sd["extra"] = _blob(dict(extra or {}))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sd["autopar"] = _blob({"format": FORMAT, "model": type(model).__name__, "world_size": world,
+                           "runtime": "torch (FSDP2 / DTensor)",
+                           "units": {k: str(v) for k, v in getattr(model, "_autopar_units", {}).items()}})
+    return sd
+
+
+def save(path: str | Path, model, optimizer=None, extra: dict | None = None) -> Path:
+    """Save atomically (module docstring). Collective."""
+    import torch.distributed.checkpoint as dcp
+    path = Path(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    name = [f"ckpt-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    data = path / name[0]
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    with _quiet():
+        dcp.save(state_dict(model, optimizer, extra), checkpoint_id=str(data))
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        _commit(path, data.name)
+    if dist.is_initialized():
+        dist.barrier()
+    return data
+
+
+def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
+    """Load a checkpoint of any plan or world size into ``model`` (and ``optimizer``); returns
+    the saved ``extra``. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import DTensor
+    d = _data_dir(Path(path))
+    md = FileSystemReader(str(d)).read_metadata().state_dict_metadata
+    want = {q: tuple(p.shape) for q, p in model.named_parameters()}
+    want.update({q: tuple(b.shape) for q, b in model.named_buffers()})
+    have = {k[len("model."):]: tuple(v.size) for k, v in md.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    bad = mismatches(want, have)
+    if bad:
+        raise ModelMismatch(f"checkpoint {path} is of another model: " + first_of(bad),
+                            "load a checkpoint saved from this model (same parameter names and shapes)")
+    params = dict(model.named_parameters())
+    dest: dict[str, Any] = {f"model.{q}": torch.empty_like(p.detach()) for q, p in params.items()}
+    dest.update({f"model.{q}": torch.empty_like(b) for q, b in model.named_buffers()})
+    opt_keys: dict[str, tuple[str, str]] = {}
+    if optimizer is not None:
+        if "optim.param_groups" not in md:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state", "load without the optimizer")
+        dest["optim.param_groups"] = b""
+        for key, m in md.items():
+            if not key.startswith("optim.state."):
+                continue
+            qual, _, k = key[len("optim.state."):].rpartition(".")
+            if qual not in params:
+                raise ModelMismatch(f"checkpoint {path} has optimizer state for {qual}, which the model lacks",
+                                    "load a checkpoint of this model")
+            opt_keys[key] = (qual, k)
+            if isinstance(m, TensorStorageMetadata):
+                p = params[qual].detach()
+                if tuple(m.size) == tuple(p.shape) and len(m.size) > 0:
+                    dest[key] = torch.empty_like(p, dtype=m.properties.dtype)
+                else:
+                    dest[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            else:
+                dest[key] = b""
+    dest["extra"] = b""
+    with _quiet():
+        dcp.load(dest, checkpoint_id=str(d))
+    with torch.no_grad():
+        for q, p in params.items():
+            v = dest[f"model.{q}"]
+            (p.to_local() if isinstance(p, DTensor) else p).copy_(v.to_local() if isinstance(v, DTensor) else v)
+        for q, b in model.named_buffers():
+            b.copy_(dest[f"model.{q}"])
+    if optimizer is not None:
+        groups = _unblob(dest["optim.param_groups"])
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(f"checkpoint {path} has {len(groups)} optimizer parameter group(s), the "
+                                  f"optimizer {len(optimizer.param_groups)}", "build the optimizer with the same groups")
+        for g, sg in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        optimizer.state.clear()
+        for key, (qual, k) in opt_keys.items():
+            v = dest[key]
+            optimizer.state[params[qual]][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
+    return _unblob(dest["extra"]) if dest["extra"] else {}
