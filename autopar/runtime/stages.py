@@ -328,11 +328,15 @@ class StageRunner:
         args = (x,) if first else ()
         kw = {"target": y, "losses": losses} if last else {}
         self.schedule.step(*args, **kw)
-        if self.groups.dp is not None:
-            for p in self.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.groups.dp)
-                    p.grad /= st.dp
+        if self.groups.dp is not None:       # one all-reduce of every gradient, flattened
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.groups.dp)
+            flat /= st.dp
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
         # the global loss on every rank: the last stage's tp-rank-0 ranks contribute
         contrib = torch.zeros((), dtype=torch.float64)
         if last and self.groups.coords[1] == 0:
