@@ -970,8 +970,20 @@ class Baseline(_Record):
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+class ExecutedRun:
+    """What ``autopar execute`` returns, whatever the plan: a ``RunResult`` (one plan, ``kind``
+    "plan") or a ``TournamentRun`` (a plan with a trainer level, ``kind`` "tournament"). Both
+    say which plan ran, on how many ranks, and whether it matched its single-process check."""
+    kind = ""
+
+    @property
+    def passed(self) -> bool | None:
+        """True / False: the check against one process; None: not checked (skipped)."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class RunResult:
+class RunResult(ExecutedRun):
     """What ``autopar execute`` measured (run.json)."""
     plan: str
     plan_sha256: str
@@ -997,6 +1009,11 @@ class RunResult:
     _KEYS = ("schema", "created", "plan", "plan_sha256", "model", "world_size", "backend", "placement",
              "batch_size", "options", "decompositions", "validation", "measured", "predicted",
              "prediction_error", "baseline", "ratio_to_ddp", "wall_s", "notes")
+    kind = "plan"
+
+    @property
+    def passed(self) -> bool | None:
+        return self.validation.passed
 
     def to_json(self) -> dict[str, Any]:
         out = {"schema": self.schema, "created": self.created, "plan": self.plan, "plan_sha256": self.plan_sha256,
@@ -1033,6 +1050,200 @@ class RunResult:
         except (KeyError, TypeError, ValueError) as e:
             raise RunFileError(f"{src} is incomplete or malformed ({e.__class__.__name__}: {e})",
                                "execute the plan again (autopar execute)") from None
+
+
+# ---- tournament runs (``autopar.tournament.run``: run.json of a plan with a trainer level) ------
+
+TOURNAMENT_RUN_SCHEMA = "autopar.tournament-run/1"
+
+
+class _Sparse(_Record):
+    """A record written back with the keys it was read with (a field the file lacked stays out);
+    one made in code writes its fields that are set (not None)."""
+
+    def to_json(self) -> dict[str, Any]:
+        present = getattr(self, "present", ())
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name in ("extra", "present"):
+                continue
+            v = getattr(self, f.name)
+            if (f.name in present) if present else v is not None:
+                out[f.name] = _plain(v)
+        out.update(getattr(self, "extra", {}) or {})
+        return out
+
+    @classmethod
+    def read(cls, obj: Mapping[str, Any], nested: Mapping[str, Callable[[Any], Any]] | None = None):
+        """From JSON: ``nested`` builds the typed value of those keys."""
+        names = {f.name for f in fields(cls)} - {"extra", "present"}  # type: ignore[arg-type]
+        kw = {k: (nested[k](v) if nested and k in nested and v is not None else _frozen(v))
+              for k, v in obj.items() if k in names}
+        return cls(**kw, extra={k: v for k, v in obj.items() if k not in names},
+                   present=tuple(k for k in obj if k in names))
+
+
+def _frozen(v):
+    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+def _plain(v):
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v.to_json() if hasattr(v, "to_json") else v
+
+
+@dataclass(frozen=True)
+class TournamentRoundResult(_Sparse):
+    """One trainer's result in one round: its partner, both metrics, the winner, what it kept."""
+    trainer: int
+    partner: int | None = None
+    metric_own: float | str | None = None       # a metric that could not be computed: its text
+    metric_partner: float | str | None = None
+    winner: int | None = None
+    kept: str | None = None
+    notes: str | None = None
+    exchange_s: float | None = None
+    eval_s: float | None = None
+    wait_s: float | None = None
+    exchange_bytes: float | None = None
+    exchange_error: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TournamentRound(_Sparse):
+    """One tournament round: the step it ran at, the trainers alive, the pairs, each result."""
+    round: int
+    step: int | None = None
+    alive: tuple[int, ...] = ()
+    pairs: tuple[tuple[int, int], ...] = ()
+    results: tuple[TournamentRoundResult, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TrainerStop(_Sparse):
+    """Where and why a trainer stopped (a dead or killed rank), and who saw it."""
+    round: int | None = None
+    step: int | None = None
+    reason: str = ""
+    seen_by: str | None = None
+    after_s: float | None = None
+    launcher_saw: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TrainerDetail(_Sparse):
+    """One trainer of the run: its ranks, finished or stopped, its metric over time."""
+    trainer: int
+    ranks: tuple[int, ...] = ()
+    status: str = "finished"
+    stopped: TrainerStop | None = None
+    metric_over_time: tuple[tuple[int, float], ...] = ()
+    step_s: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TournamentMeasured(_Sparse):
+    """Medians over the run (the slowest rank of a trainer per round) and the bytes exchanged."""
+    step_s: float | None = None
+    exchange_s: float | None = None
+    exchange_bytes: float | None = None
+    exchange_bytes_per_rank: float | None = None
+    eval_s: float | None = None
+    tournament_s: float | None = None
+    samples_per_s: float | None = None
+    samples: int | None = None
+    span_s: float | None = None
+    note: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TournamentValidation(_Sparse):
+    """The run against its single-process simulation, or why that was ``skipped``."""
+    passed: bool | None = None
+    checked: int | None = None
+    max_rel_diff: float | None = None
+    winners_equal: bool | None = None
+    alive_equal: bool | None = None
+    survivors: tuple[int, ...] | None = None
+    rule: str | None = None
+    worst: str | None = None
+    skipped: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class TournamentRun(_Sparse, ExecutedRun):
+    """What ``autopar execute`` measured of a tournament (run.json, ``autopar.tournament-run/1``;
+    ``autopar.tournament.run`` documents every key). ``predicted``: the plan's trainer-level
+    prediction in the run's dtype (``TrainerLevel.predicted``: name -> figure); ``options``: the
+    run options as given (``TournamentRunOptions``)."""
+    schema: str
+    plan: str
+    model: str
+    trainers: int
+    ranks_per_trainer: int
+    world_size: int
+    created: str = ""
+    interval_steps: int | None = None
+    rounds: int | None = None
+    exchange: str | None = None
+    metric: str | None = None
+    dtype: str | None = None
+    batch_per_trainer: int | None = None
+    options: Mapping[str, Any] | None = None
+    wall_s: float | None = None
+    rounds_log: tuple[TournamentRound, ...] = ()
+    trainers_detail: tuple[TrainerDetail, ...] = ()
+    stopped: tuple[int, ...] = ()
+    measured: TournamentMeasured | None = None
+    predicted: Mapping[str, Any] | None = None
+    validation: TournamentValidation | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    present: tuple[str, ...] = field(default=(), compare=False)
+    kind = "tournament"
+
+    @property
+    def passed(self) -> bool | None:
+        return None if self.validation is None or self.validation.skipped else bool(self.validation.passed)
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any], src: str = "tournament run") -> "TournamentRun":
+        if not isinstance(obj, Mapping) or obj.get("schema") != TOURNAMENT_RUN_SCHEMA:
+            got = obj.get("schema") if isinstance(obj, Mapping) else None
+            raise RunFileError(f"{src} has schema {got!r}; this autopar reads {TOURNAMENT_RUN_SCHEMA!r}",
+                               "execute the plan again (autopar execute)")
+
+        def rnd(o):
+            return TournamentRound.read(o, {"results": lambda rs: tuple(TournamentRoundResult.read(r) for r in rs)})
+
+        def trainer(o):
+            return TrainerDetail.read(o, {"stopped": TrainerStop.read})
+        try:
+            return TournamentRun.read(obj, {
+                "rounds_log": lambda xs: tuple(rnd(x) for x in xs),
+                "trainers_detail": lambda xs: tuple(trainer(x) for x in xs),
+                "measured": TournamentMeasured.read, "validation": TournamentValidation.read,
+                "options": dict, "predicted": dict})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RunFileError(f"{src} is incomplete or malformed ({e.__class__.__name__}: {e})",
+                               "execute the plan again (autopar execute)") from None
+
+
+def load_tournament_run(path: str | Path) -> TournamentRun:
+    obj = read_json(path, RunFileError, "tournament run file")
+    return TournamentRun.from_json(obj, str(path))
 
 
 def load_run(path: str | Path) -> RunResult:

@@ -317,7 +317,7 @@ def cmd_execute(args) -> int:
         _p(f"run set results in {out / 'runset.json'}")
         return 0
     run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
-    if isinstance(run, dict):     # a tournament (the plan has a trainer level)
+    if run.kind == "tournament":    # the plan has a trainer level
         return _print_tournament(run, out)
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     _p(f"validation PASSED: one {opts.validate_dtype} training step against one process, "
@@ -348,27 +348,27 @@ def _kill_arg(text):
 
 
 def _print_tournament(run, out) -> int:
-    v = run["validation"]
-    stopped = run.get("stopped") or []
-    _p("validation: " + (f"skipped ({v['skipped']})" if "skipped" in v else
-       f"{'PASSED' if v['passed'] else 'FAILED'} ({v['checked']} tensors (parameters and buffers) and every "
+    """A tournament run (``artifacts.TournamentRun``) in a few lines."""
+    v = run.validation
+    _p("validation: " + (f"skipped ({v.skipped})" if v.skipped else
+       f"{'PASSED' if v.passed else 'FAILED'} ({v.checked} tensors (parameters and buffers) and every "
        f"round's winners against the single-process simulation"
-       + (f" of the survivors {v.get('survivors')}" if stopped else "") + f", max rel diff {v['max_rel_diff']:.2g})"))
-    for lg in run["rounds_log"]:
-        _p(f"round {lg['round']} (step {lg['step']}): pairs {lg['pairs']}; " + ", ".join(
-            f"t{x['trainer']} kept {x['kept']}" for x in lg["results"]))
-    for tr in run["trainers_detail"]:
-        if tr["stopped"]:
-            s = tr["stopped"]
-            _p(f"trainer {tr['trainer']} STOPPED at round {s['round']} (step {s['step']}): {s['reason']}")
-    m, p = run["measured"], run["predicted"]
+       + (f" of the survivors {list(v.survivors or ())}" if run.stopped else "") + f", max rel diff {v.max_rel_diff:.2g})"))
+    for lg in run.rounds_log:
+        _p(f"round {lg.round} (step {lg.step}): pairs {[list(q) for q in lg.pairs]}; " + ", ".join(
+            f"t{x.trainer} kept {x.kept}" for x in lg.results))
+    for tr in run.trainers_detail:
+        if tr.stopped:
+            s = tr.stopped
+            _p(f"trainer {tr.trainer} STOPPED at round {s.round} (step {s.step}): {s.reason}")
+    m, p = run.measured, run.predicted or {}
     fmt = lambda x, f=1e3: "n/a" if x is None else f"{x * f:.3f}"  # noqa: E731
-    if m.get("exchange_bytes") is not None:
+    if m.exchange_bytes is not None:
         pb = p.get("exchange_bytes_per_rank")
-        _p(f"exchange: {m['exchange_bytes']} bytes sent in all, {m['exchange_bytes_per_rank']} per rank per exchange "
+        _p(f"exchange: {m.exchange_bytes} bytes sent in all, {m.exchange_bytes_per_rank} per rank per exchange "
            f"(predicted {'n/a' if pb is None else f'{pb:.0f}'}, priced in {p.get('priced_dtype', 'the plan' + chr(39) + 's')} dtype)")
-    _p(f"measured: step {fmt(m['step_s'])} ms, exchange {fmt(m['exchange_s'])} ms, evaluation "
-       f"{fmt(m['eval_s'])} ms, {fmt(m['samples_per_s'], 1)} samples/s; predicted: step "
+    _p(f"measured: step {fmt(m.step_s)} ms, exchange {fmt(m.exchange_s)} ms, evaluation "
+       f"{fmt(m.eval_s)} ms, {fmt(m.samples_per_s, 1)} samples/s; predicted: step "
        f"{fmt(p.get('step_s'))} ms, exchange {fmt(p.get('exchange_s'))} ms, evaluation {fmt(p.get('eval_s'))} ms")
     _p(f"report written to {out / 'report.md'}")
     return 0
@@ -376,7 +376,7 @@ def _print_tournament(run, out) -> int:
 
 def cmd_check(args) -> int:
     """Load and check plans, runs and run sets (``autopar.artifacts``) without starting anything."""
-    from .artifacts import load_plan, load_run, load_runset
+    from .artifacts import load_plan, load_run, load_runset, load_tournament_run
     from .errors import AutoparError
     from .io import read_json
     for f in args.paths:
@@ -387,9 +387,9 @@ def cmd_check(args) -> int:
             _p(f"{p}: run set of {len(rs.entries)} plans on {rs.world_size} ranks: " + "; ".join(
                 f"{e.plan_path} on ranks {list(e.ranks)}" for e in rs.entries))
         elif schema.startswith("autopar.tournament-run/"):
-            r = read_json(p, AutoparError, "tournament run")
-            _p(f"{p}: tournament of {r['model']}: {r['trainers']} trainers x {r['ranks_per_trainer']} ranks, "
-               f"{r['rounds']} rounds, stopped: {r['stopped'] or 'none'}")
+            r = load_tournament_run(p)
+            _p(f"{p}: tournament of {r.model}: {r.trainers} trainers x {r.ranks_per_trainer} ranks, "
+               f"{r.rounds} rounds, stopped: {list(r.stopped) or 'none'}")
         elif schema.startswith("autopar.run/"):
             r = load_run(p)
             _p(f"{p}: run of {r.model} at world {r.world_size}, validation "

@@ -707,12 +707,12 @@ class Driver:
             run, _ = execute(rp.plan_path, opts, out_dir=out, progress=lambda s: None)
         except ValidationFailed as e:
             return {"status": "fail", "detail": first_line(e.message)}
-        if isinstance(run, dict):      # a tournament's run.json
-            v = run.get("validation") or {}
-            ok = bool(v.get("passed", False))
+        if run.kind == "tournament":   # autopar.artifacts.TournamentRun
+            v = run.validation
+            ok = bool(run.passed)
             return {"status": "pass" if ok else "fail",
-                    "detail": (f"{v.get('checked')} tensors of every trainer against the simulation"
-                               if ok else first_line(json.dumps(v)[:400]))}
+                    "detail": (f"{v.checked} tensors of every trainer against the simulation"
+                               if ok else first_line(json.dumps(v.to_json() if v else {})[:400]))}
         v = run.validation
         return {"status": "pass" if v.passed else "fail",
                 "detail": f"{v.checked} tensors within rtol {v.rtol:g}" if v.passed else "validation failed"}

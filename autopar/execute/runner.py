@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import (RUN_SCHEMA, LayerTiming, Measured, Plan, RunResult, Validation, load_plan,  # noqa: F401
-                         load_run)
+from ..artifacts import (RUN_SCHEMA, ExecutedRun, LayerTiming, Measured, Plan, RunResult,  # noqa: F401
+                         TournamentRun, Validation, load_plan, load_run)
 from ..errors import AutoparError, PlanFileError, ValidationFailed
 from ..io import atomic_write_json, sha256_file
 from .files import check_plan_files
@@ -286,18 +286,20 @@ def speed_note(plan: Plan, probe_s: float | None) -> dict[str, Any]:
 
 
 def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,
-            progress=print) -> tuple[RunResult, Path]:
-    """Run, validate, time; write run.json + report; return (the run, the folder written).
-    A plan with a trainer level (``autopar plan --trainers``) runs as a tournament instead
-    (``autopar.tournament.run.execute_tournament``), which returns its run.json as a dict."""
+            progress=print) -> tuple[ExecutedRun, Path]:
+    """Run, validate, time; write run.json + report; return (the run, the folder written): a
+    ``RunResult`` (``kind`` "plan"), or for a plan with a trainer level (``autopar plan
+    --trainers``), run as a tournament (``autopar.tournament.run.execute_tournament``), a
+    ``TournamentRun`` (``kind`` "tournament"); both are ``artifacts.ExecutedRun``."""
 
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)        # checked before any process starts
     check_batch_norm(plan, plan_path, opts.batch_norm)
     if plan.trainers is not None:      # tournament training (LTFB): T trainers on sub-meshes
-        return execute_tournament(plan_path, TournamentRunOptions(
+        tour, out = execute_tournament(plan_path, TournamentRunOptions(
             rounds=opts.rounds, seed=opts.seed, lr=opts.lr, momentum=opts.momentum, dtype=opts.validate_dtype,
             timeout_s=opts.timeout_s, kill=opts.kill_trainer), out_dir, progress, validate=opts.validate)
+        return TournamentRun.from_json(tour, str(out / "run.json")), out
     world = plan.world_size
     module_path = check_plan_files(plan_path, plan)
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "

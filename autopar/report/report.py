@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..artifacts import Plan, RunFileError, RunResult, write_run
+from ..artifacts import Plan, RunFileError, RunResult, TournamentRun, write_run
 from ..io import atomic_write_text, read_json
 from ..errors import AutoparError
 
@@ -161,11 +161,12 @@ def summarize(paths: list[str | Path]) -> str:
             rows.append(f"| {f} | {pl.model.name} | {pl.world_size} | {pl.placement()} | plan | "
                         f"{_ms(pl.predicted.step_time_s)} | n/a | n/a | not run | n/a |")
         elif schema.startswith("autopar.tournament-run/"):   # tournament training (autopar.tournament)
-            m, pr, v = d["measured"], d["predicted"], d["validation"]
-            err = ((pr.get("step_s") - m["step_s"]) / m["step_s"]) if (m.get("step_s") and pr.get("step_s")) else None
-            rows.append(f"| {f} | {d['model']} | {d['world_size']} | {d['trainers']} trainers | tournament | "
-                        f"{_ms(pr.get('step_s'))} | {_ms(m.get('step_s'))} | {_pct(err)} | "
-                        f"{'skipped' if 'skipped' in v else ('passed' if v['passed'] else 'FAILED')} | n/a |")
+            t = TournamentRun.from_json(d, str(f))
+            m, pr = t.measured, t.predicted or {}
+            err = ((pr.get("step_s") - m.step_s) / m.step_s) if (m and m.step_s and pr.get("step_s")) else None
+            rows.append(f"| {f} | {t.model} | {t.world_size} | {t.trainers} trainers | tournament | "
+                        f"{_ms(pr.get('step_s'))} | {_ms(m.step_s if m else None)} | {_pct(err)} | "
+                        f"{'skipped' if t.passed is None else ('passed' if t.passed else 'FAILED')} | n/a |")
         else:
             raise RunFileError(f"{f} is neither an autopar run nor a plan", "give run.json or plan.json files")
     return "\n".join(rows)
