@@ -10,8 +10,11 @@ Data flow (one sub-package per stage, each reading one artifact and writing the 
     calibrate -> trace -> cost -> solve -> codegen -> execute -> report
     (profile)   (layer graph) (cost table) (plan.json) (generated module) (run.json) (report.md)
 
-``decomp`` holds the decompositions (value types + one registry); ``runtime`` is what generated
-code imports and stays free of solver and tracing imports.
+``profile`` is the pure profile model (``calibrate`` measures into it, ``cost`` prices with it);
+``decomp`` holds the decompositions' plan-time halves (value types, layouts, legality, cost
+formulas; one registry); ``runtime`` is what generated code imports, with the decompositions'
+run-time halves in ``runtime.layers``, and stays free of solver and tracing imports. The import
+contract between these sides is checked from the source by ``tests/test_layering.py``.
 """
 
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ training step of one layer -- forward, loss ``sum(y * R)``, backward, weight gra
 
   single          one process per rank on the whole tensor, no communication (for scale)
   autopar         ``Spatial(1, (1, 2))``: the local W block, halo exchange
-                  (``autopar.decomp.spatial.exchange``), local conv on the window; weight and bias
+                  (``autopar.runtime.layers.halo``), local conv on the window; weight and bias
                   gradients SUM-allreduced
   dtensor         torch.distributed.tensor as shipped: ``distribute_tensor(x, mesh,
                   [Shard(3)])``, weight and bias ``[Replicate()]``, ``F.conv2d``,

@@ -97,7 +97,7 @@ def test_chain_unit_has_no_branches():
 # ---- boundary ops: exact adjoints (dot-product test over the ranks) --------------------------
 
 def _adjoint_cases(rank, world):
-    from autopar.decomp.branch.boundary import branch_slice, branch_split, branch_sum
+    from autopar.runtime.layers.boundary import branch_slice, branch_split, branch_sum
     from autopar.runtime.comm import Comm
     comm = Comm.from_env()
     groups = [list(range(world))] + ([[0, 1], [2, 3]] if world == 4 else [])

@@ -326,9 +326,12 @@ class Decomposition:
     def run(self, comm: Any, layer: Layer, op: OpSpec, inputs: list[Any],
             params: dict[str, Any], buffers: dict[str, Any]) -> Any:
         """Run ``op`` of ``layer`` on this rank's local tensors (``comm``: the runtime's
-        ``Comm`` of the plan's mesh; ``params``/``buffers`` by qualified name). Imports the
-        runtime lazily: this is the run-time half of the decomposition."""
-        raise NotImplementedError
+        ``Comm`` of the plan's mesh; ``params``/``buffers`` by qualified name). The run-time
+        half is not here: it is the function registered for this class (or the nearest base
+        class) in ``RUNNERS`` by ``autopar.runtime.layers``, which the runtime imports and
+        planning never does. A decomposition defined outside autopar (``tests/toys``) may
+        override this method with its run-time half instead."""
+        return runner_of(type(self))(self, comm, layer, op, inputs, params, buffers)
 
     # ---- serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -345,6 +348,32 @@ class Decomposition:
 
 
 REGISTRY: dict[str, type[Decomposition]] = {}
+
+#: the run-time halves: decomposition class -> ``fn(dec, comm, layer, op, inputs, params,
+#: buffers)``, filled by ``autopar.runtime.layers`` (``runs``); empty in a planning process
+RUNNERS: dict[type, Any] = {}
+
+
+def runs(cls: type) -> Any:
+    """Decorator of ``autopar.runtime.layers``: ``fn`` is the run-time half of ``cls`` and of
+    its subclasses that register none of their own."""
+    def deco(fn):
+        RUNNERS[cls] = fn
+        return fn
+    return deco
+
+
+def runner_of(cls: type) -> Any:
+    """The run-time half registered for ``cls`` or its nearest base class (``RUNNERS``)."""
+    for c in cls.__mro__:
+        fn = RUNNERS.get(c)
+        if fn is not None:
+            return fn
+    if not RUNNERS:      # the runtime loads its halves (``autopar.runtime.layers``) when it runs
+        from ..runtime import layers  # noqa: F401
+        return runner_of(cls)
+    raise NotImplementedError(f"no run-time half for decomposition {cls.__name__} "
+                              "(register one in autopar.runtime.layers, or override run)")
 
 
 def register(cls: type[Decomposition]) -> type[Decomposition]:

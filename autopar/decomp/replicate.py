@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .base import CostContext, Decomposition, LayerCost, register
 from .common import price_replicated_weights
-from .ir import BATCH_NORM, Layer
+from .ir import Layer
 from .layout import Layout
 
 
@@ -38,8 +38,3 @@ class Replicate(Decomposition):
         """All of ``price_replicated_weights`` with the layout R (whole tensors)."""
         return price_replicated_weights(layer, Layout(), ctx)
 
-    def run(self, comm, layer, op, inputs, params, buffers):
-        from ..runtime.ops import call_local, run_batch_norm
-        if op.kind == BATCH_NORM:   # local statistics: per group of the whole batch, on this rank
-            return run_batch_norm(op, inputs, params, buffers, comm, [comm.rank], layout=Layout())
-        return call_local(op, inputs, params, buffers)

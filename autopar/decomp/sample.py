@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .base import CostContext, Decomposition, LayerCost, divisors, register
 from .common import batch_dim_ok, batch_free_inputs, price_replicated_weights
 from ..ops.registry import batch_free_operand
-from .ir import BATCH_NORM, REGISTERED, Layer
+from .ir import REGISTERED, Layer
 from .layout import Layout
 
 
@@ -80,15 +80,6 @@ class Sample(Decomposition):
         ``parts`` ranks that hold different samples."""
         return price_replicated_weights(layer, self.layout(), ctx, bn_group_size=self.parts)
 
-    def run(self, comm, layer, op, inputs, params, buffers):
-        from ..runtime.ops import call_local, run_batch_norm
-        lay = _layout(self.parts)
-        if op.kind == BATCH_NORM:
-            return run_batch_norm(op, inputs, params, buffers, comm,
-                                  lay.data_group(comm.rank, comm.world), layout=lay)
-        return call_local(op, inputs, params, buffers,
-                          local_out_shape=_local_shape(self.parts, tuple(op.out_shape), comm.rank, comm.world))
-
 
 @functools.lru_cache(maxsize=None)
 def _layout(parts: int) -> Layout:
@@ -99,3 +90,4 @@ def _layout(parts: int) -> Layout:
 def _local_shape(parts: int, shape: tuple, rank: int, world: int) -> tuple:
     """This rank's block of ``shape`` (cached: the runtime asks for it on every op of every step)."""
     return _layout(parts).local_shape(shape, rank, world)
+

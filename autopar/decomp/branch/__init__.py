@@ -240,44 +240,6 @@ class Branch(Decomposition):
                          optim_bytes=prim.optimizer_bytes(ctx, pbytes),
                          activation_bytes=common_saved + max(grp_saved), source=src)
 
-    # ---- runtime -------------------------------------------------------------------------
-    def run(self, comm, layer, op, inputs, params, buffers):
-        """Shared ops on every rank; a branch's ops on its group only (zeros elsewhere: the
-        partial-sum form); joins local, or after ``branch_sum`` of their partial inputs."""
-        import torch
-
-        from ...runtime.ops import call_local
-        from .boundary import branch_sum
-        an = analysis(layer)
-        rank, world = comm.rank, comm.world
-        mine = self.group_of_rank(rank)
-        out_shape = _local_shape(self._value_layout(an, op.name), tuple(op.out_shape), rank, world)
-        role = an.role[op.name]
-        if role == "branch" and self.group_of_branch(layer, an.branch_of[op.name]) != mine:
-            ref = next((t for t in inputs if t.is_floating_point()), None)
-            dtype = ref.dtype if ref is not None else torch.float32
-            # a leaf that takes part in autograd: a collective after it (the transition that
-            # sums a partial output, a reduce join) must run its backward on every rank
-            return torch.zeros(out_shape, dtype=dtype, device=comm.device,
-                               requires_grad=dtype.is_floating_point and torch.is_grad_enabled())
-        if role == "join":
-            xs = list(inputs)
-            if an.join_mode[op.name] == "gather":     # my group's branches' slices, in order
-                mine_xs = [x for v, x in zip(op.inputs, xs)
-                           if self.group_of_branch(layer, an.branch_of[v]) == mine]
-                return torch.cat(mine_xs, dim=an.split_dim[op.name])
-            if an.join_mode[op.name] == "reduce":
-                grp = self.branch_group(rank)
-                xs = [branch_sum(x, comm, grp) if an.state.get(v) == PARTIAL else x
-                      for v, x in zip(op.inputs, xs)]
-            elif op.target in _ZERO_SHARED and mine != 0:
-                xs = [torch.zeros_like(x) if an.state.get(v, SHARED) == SHARED else x
-                      for v, x in zip(op.inputs, xs)]
-            inputs = xs
-        return call_local(op, inputs, params, buffers, local_out_shape=out_shape)
-
-
-_ZERO_SHARED = ("aten.add.Tensor", "aten.sub.Tensor", "aten.cat.default", "aten.stack.default")
 
 def _numel(shape) -> int:
     n = 1
@@ -294,3 +256,4 @@ def _layout(data: int) -> Layout:
 @functools.lru_cache(maxsize=8192)
 def _local_shape(layout: Layout, shape: tuple, rank: int, world: int) -> tuple:
     return layout.local_shape(shape, rank, world)
+

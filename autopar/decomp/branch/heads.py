@@ -340,29 +340,6 @@ class HeadGroups(Decomposition):
                          activation_bytes=saved,
                          source=sources.pop() if len(sources) == 1 else "mixed")
 
-    # ---- runtime -------------------------------------------------------------------------
-    def run(self, comm, layer, op, inputs, params, buffers):
-        """One op on this rank's blocks (module docstring: modes)."""
-        import torch
-
-        from ...runtime.ops import call_local
-        from .boundary import branch_sum
-        hp = self._plan(layer)
-        rank, world = comm.rank, comm.world
-        mode = hp.mode[op.name]
-        g = self.group_of_rank(rank)
-        out_shape = _local_shape(self.value_layout(hp.state.get(op.name)), tuple(op.out_shape), rank, world)
-        xs = list(inputs)
-        if mode == "row" and g != 0 and "bias" in op.param_names:
-            q = op.param_names["bias"]
-            params = {**params, q: torch.zeros_like(params[q]).detach()}
-        elif mode == "sum" and g != 0:
-            xs = [torch.zeros_like(x) if hp.state.get(v) is None else x for v, x in zip(op.inputs, xs)]
-        elif mode == "reduce":
-            grp = self.branch_group(rank)
-            xs = [branch_sum(x, comm, grp) if hp.state.get(v) == P else x for v, x in zip(op.inputs, xs)]
-        return call_local(op, xs, params, buffers, local_out_shape=out_shape)
-
 
 @functools.lru_cache(maxsize=None)
 def _layout(data: int) -> Layout:
@@ -372,3 +349,4 @@ def _layout(data: int) -> Layout:
 @functools.lru_cache(maxsize=8192)
 def _local_shape(layout: Layout, shape: tuple, rank: int, world: int) -> tuple:
     return layout.local_shape(shape, rank, world)
+

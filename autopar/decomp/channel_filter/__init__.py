@@ -62,7 +62,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
 from ..common import batch_dim_ok
@@ -319,65 +318,6 @@ class _WeightGrid(Decomposition):
                     other += n * layer.itemsize
         return w, other
 
-    # ---- runtime --------------------------------------------------------------------------
-    def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
-            buffers: dict[str, Any]):
-        from ...runtime.ops import call_local, run_batch_norm
-        out_lay = self.out_layout(layer)
-        if op.name == layer.anchor.name:
-            return self._run_anchor(comm, layer, op, inputs, params, buffers)
-        if op.kind == BATCH_NORM:
-            return run_batch_norm(op, inputs, params, buffers, comm,
-                                  out_lay.split_group([0], comm.rank, comm.world),
-                                  channels=out_lay.local_bounds(op.out_shape, comm.rank, comm.world)[1],
-                                  layout=out_lay)
-        return call_local(op, inputs, params, buffers,
-                          local_out_shape=out_lay.local_shape(op.out_shape, comm.rank, comm.world))
-
-    def _run_anchor(self, comm, layer, op, inputs, params, buffers):
-        """Local conv/linear on the shards; when channels are split, the partial sums are
-        reduce-scattered over the channel group and the bias is added once, after it."""
-        from ...runtime.comm import reduce_scatter_dim
-        s, pc, pf = self.grid()
-        if pc == 1:                                   # filter: nothing to sum
-            return _anchor(op, inputs, params, buffers, keep_bias=True)[0]
-        y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
-        ranks = self.group(comm.rank, "c")
-        if self.rs_along_batch:
-            out_lay = self.out_layout(layer)
-            dim = 0
-            extents = [out_lay.local_bounds(op.out_shape, q, comm.world)[0][1] for q in ranks]
-        else:
-            dim = _feature_dim(op)
-            extents = [block_extent(int(op.out_shape[dim]), pc, i) for i in range(pc)]
-        return _add_bias(reduce_scatter_dim(y, dim, comm, ranks, extents), bias, op)
-
-
-def _anchor(op: OpSpec, inputs: list[Any], params: dict[str, Any], buffers: dict[str, Any],
-            keep_bias: bool):
-    """(the anchor's local result, its bias or None): with ``keep_bias`` False the anchor runs
-    without its bias, for layers whose partial sums must not each add it."""
-    from ...runtime.ops import resolve_target, substitute_cached
-    values = dict(zip(op.inputs, inputs))
-    args = substitute_cached(op.args, values, params, buffers)
-    kwargs = substitute_cached(op.kwargs, values, params, buffers)
-    bias = None
-    if not keep_bias:
-        if len(args) > 2:
-            bias, args[2] = args[2], None
-        elif "bias" in kwargs:
-            bias, kwargs["bias"] = kwargs["bias"], None
-    return resolve_target(op.target)(*args, **kwargs), bias
-
-
-def _add_bias(y, bias, op: OpSpec):
-    """``y`` + the bias broadcast along the anchor's feature dim (``y`` when there is none)."""
-    if bias is None:
-        return y
-    shape = [1] * y.dim()
-    shape[_feature_dim(op)] = -1
-    return y + bias.reshape(shape)
-
 
 def _group(grid: tuple[int, int, int], coords: tuple[int, int, int], vary: str) -> list[int]:
     s, pc, pf = grid
@@ -544,8 +484,3 @@ class RowParallel(Channel):
                          activation_bytes=prim.saved_bytes(a, [sh["x"]], sh["y_part"], item),
                          source=src)
 
-    def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
-            buffers: dict[str, Any]):
-        y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
-        first = self.out_layout(layer).partial_index(comm.rank, comm.world) == 0
-        return _add_bias(y, bias if first else None, op)

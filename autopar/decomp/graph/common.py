@@ -228,26 +228,6 @@ class ItemSplit(Decomposition):
 
         return price_replicated_weights(layer, Layout(), ctx, compute_shapes=local)
 
-    # ---- runtime ---------------------------------------------------------------------------
-    def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
-            buffers: dict[str, Any]):
-        from ...runtime.ops import call_local, resolve_target, substitute_cached
-        lays = self.value_layouts(layer)
-        out_lay = lays[op.name]
-        local_out = out_lay.local_shape(op.out_shape, comm.rank, comm.world)
-        if op.kind == "scatter" and out_lay.partial > 1:
-            # the scatter's own input is added once: by partial index 0
-            if out_lay.partial_index(comm.rank, comm.world) != 0:
-                base = _act(op.args[0])
-                inputs = [x.new_zeros(x.shape) if v == base else x for v, x in zip(op.inputs, inputs)]
-        if op.kind in ("expand", "new_tensor") and local_out != tuple(op.out_shape):
-            values = dict(zip(op.inputs, inputs))
-            args = substitute_cached(op.args, values, params, buffers)
-            kwargs = substitute_cached(op.kwargs, values, params, buffers)
-            args[1] = [lo if int(s) == int(g) else s for s, g, lo in zip(args[1], op.out_shape, local_out)]
-            return resolve_target(op.target)(*args, **kwargs)
-        return call_local(op, inputs, params, buffers, local_out_shape=local_out)
-
 
 def _shape_of(op: OpSpec, v: str) -> list[int]:
     return op.in_shapes[op.inputs.index(v)]
@@ -268,3 +248,4 @@ def _value_layouts(dec: ItemSplit, layer: Layer) -> dict[str, Layout]:
 
 
 _CACHE: dict = {}
+

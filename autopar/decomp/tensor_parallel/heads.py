@@ -56,7 +56,6 @@ from ..ir import (ATTENTION, BINARY, CAT, DROPOUT, EXPAND, FLATTEN, LAYER_NORM, 
 from ..layout import Layout, block_extent
 from .common import grad_sync, mesh, mesh_check, partition, two_axis_candidates
 from .detect import projection
-from ..channel_filter import _add_bias, _anchor
 
 _RESHAPES = (VIEW, FLATTEN, SQUEEZE)
 SUPPORTED = frozenset({LINEAR, SLICE, VIEW, FLATTEN, SQUEEZE, EXPAND, PERMUTE, ATTENTION, UNARY,
@@ -470,37 +469,6 @@ class HeadParallel(Decomposition):
                          optim_bytes=prim.optimizer_bytes(ctx, pbytes), activation_bytes=saved,
                          source=sources.pop() if len(sources) == 1 else "mixed")
 
-    # ---- runtime ----------------------------------------------------------------------------
-    def run(self, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
-            buffers: dict[str, Any]):
-        from ...runtime.ops import local_sizes, resolve_target, substitute_cached
-        an, why = cached_analysis(layer, self.parts)
-        if an is None:
-            raise RuntimeError(f"{layer.module or layer.name}: {why}")
-        cs, ct = divmod(comm.rank, self.parts)
-        if op.name == an.row:
-            if projection(op).conv1d:                      # addmm(bias, x, w): x @ w, bias once
-                import torch
-                a = substitute_cached(op.args, dict(zip(op.inputs, inputs)), params, buffers)
-                y, bias = torch.mm(a[1], a[2]), a[0]
-            else:
-                y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
-            return _add_bias(y, bias if ct == 0 else None, op)
-        values = dict(zip(op.inputs, inputs))
-        args = substitute_cached(op.args, values, params, buffers)
-        kwargs = substitute_cached(op.kwargs, values, params, buffers)
-        if op.name in an.slices:
-            s0, s1 = an.slices[op.name]
-            if op.target.startswith("aten.narrow"):
-                args[2], args[3] = s0, s1 - s0
-            else:
-                while len(args) < 4:
-                    args.append(None)
-                args[2], args[3] = s0, s1
-        elif op.kind in (VIEW, EXPAND) and len(args) >= 2 and isinstance(args[1], list):
-            args[1] = local_sizes(args[1], op.out_shape, self.local_shape(an, op.name, op.out_shape, cs))
-        return resolve_target(op.target)(*args, **kwargs)
-
 
 @register
 @dataclass(frozen=True)
@@ -524,3 +492,4 @@ class MlpParallel(HeadParallel):
         if sum(1 for op in layer.ops if projection(op)) < 2:
             return "fewer than two projections in the unit (a column- and a row-parallel one)"
         return None
+

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..base import CostContext, Decomposition, LayerCost, register
 from ..common import price_replicated_weights
 from ..ir import BINARY, DROPOUT, LAYER_NORM, RMS_NORM, UNARY, Layer
-from ..layout import Layout, block_extent, block_start
+from ..layout import Layout
 from .common import mesh_check, two_axis_candidates
 
 SUPPORTED = frozenset({LAYER_NORM, RMS_NORM, UNARY, BINARY, DROPOUT})
@@ -92,17 +92,3 @@ class SequenceParallel(Decomposition):
         an all-gather, both on the edges."""
         return price_replicated_weights(layer, self.layout(), ctx)
 
-    def run(self, comm, layer, op, inputs, params, buffers):
-        from ...runtime.ops import call_local
-        cs, ct = divmod(comm.rank, self.parts)
-        seq = int(layer.out_shape[1])
-        s0, ns = block_start(seq, self.parts, ct), block_extent(seq, self.parts, ct)
-        local = []
-        for x, sh in zip(inputs, op.in_shapes):
-            if hasattr(x, "narrow") and not self._full_rank(layer, sh) and x.dim() == len(sh):
-                a = 1 - (len(layer.out_shape) - len(sh))
-                if a >= 0 and int(sh[a]) == seq and x.shape[a] == seq:
-                    x = x.narrow(a, s0, ns)
-            local.append(x)
-        return call_local(op, local, params, buffers,
-                          local_out_shape=self.layout().local_shape(op.out_shape, comm.rank, comm.world))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, register
 from ..common import batch_dim_ok
 from ..ir import EMBEDDING, Layer, OpSpec
-from ..layout import Layout, block_extent, block_start
+from ..layout import Layout, block_extent
 from .common import grad_sync, mesh, mesh_check, partition, two_axis_candidates
 
 
@@ -101,18 +101,6 @@ class VocabParallel(Decomposition):
                          optim_bytes=prim.optimizer_bytes(ctx, pbytes),
                          activation_bytes=prim.saved_bytes(op, [ids], out, item), source=src)
 
-    def run(self, comm, layer, op, inputs, params, buffers):
-        import torch
-        ct = comm.rank % self.parts
-        w = params[op.param_names["weight"]]
-        ids = inputs[0]
-        v = int(op.params["weight"][0])
-        lo, n = block_start(v, self.parts, ct), block_extent(v, self.parts, ct)
-        mine = (ids >= lo) & (ids < lo + n)
-        local = torch.where(mine, ids - lo, torch.zeros_like(ids))
-        y = torch.ops.aten.embedding.default(w, local)
-        return y * mine.unsqueeze(-1).to(y.dtype)
-
 
 from ..channel_filter import Filter  # noqa: E402  (the column-parallel linear it extends)
 
@@ -182,3 +170,4 @@ class VocabHead(Filter):
         fwd = 3 * prim.blocking_s(ctx, "allreduce", self.parts, 8 * m, level)
         bwd = prim.blocking_s(ctx, "allreduce", self.parts, 8 * m, level)
         return replace(c, fwd_comm_s=c.fwd_comm_s + fwd, bwd_comm_s=c.bwd_comm_s + bwd)
+

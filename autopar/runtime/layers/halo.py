@@ -1,5 +1,5 @@
 """Spatial decomposition, run-time half: differentiable halo exchange for activations split over
-spatial dims (Dryden et al., IPDPS 2019). Imported only when a plan runs (``Spatial.run``).
+spatial dims (Dryden et al., IPDPS 2019). Imported only by the runtime (``runtime.layers.spatial``).
 
 Legend: x_NC* is a local block (N, C, *spatial) of a tensor whose layout (``Layout``) splits dim 0
 (samples) and any subset of the spatial dims 2.. (D/H/W) over a process grid; "dim" is a tensor
@@ -71,7 +71,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .geometry import HaloPlan, HaloStep
+from ...decomp.spatial.geometry import HaloPlan, HaloStep
 
 
 def _p2p(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],

@@ -1,6 +1,6 @@
 """Branch-boundary communication (LBANN's grid translation), each op with its exact adjoint.
 
-Run-time half of ``autopar.decomp.branch``: imported only when a plan runs (torch and
+Run-time half of ``autopar.decomp.branch`` (``runtime.layers.branch``), imported only by the runtime (torch and
 ``torch.distributed``). ``group`` is a tuple of mesh-local ranks (``comm.group`` makes the
 process group), ``root`` the group member that holds the parent grid's copy.
 
