@@ -121,6 +121,42 @@ class _Record:
         return cls(**kw)
 
 
+class _Sparse(_Record):
+    """A record written back with the keys it was read with (a field the file lacked stays out);
+    one made in code writes its fields that are set (not None)."""
+
+    def to_json(self) -> dict[str, Any]:
+        present = getattr(self, "present", ())
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name in ("extra", "present"):
+                continue
+            v = getattr(self, f.name)
+            if (f.name in present) if present else v is not None:
+                out[f.name] = _plain(v)
+        out.update(getattr(self, "extra", {}) or {})
+        return out
+
+    @classmethod
+    def read(cls, obj: Mapping[str, Any], nested: Mapping[str, Callable[[Any], Any]] | None = None):
+        """From JSON: ``nested`` builds the typed value of those keys."""
+        names = {f.name for f in fields(cls)} - {"extra", "present"}  # type: ignore[arg-type]
+        kw = {k: (nested[k](v) if nested and k in nested and v is not None else _frozen(v))
+              for k, v in obj.items() if k in names}
+        return cls(**kw, extra={k: v for k, v in obj.items() if k not in names},
+                   present=tuple(k for k in obj if k in names))
+
+
+def _frozen(v):
+    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+def _plain(v):
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v.to_json() if hasattr(v, "to_json") else v
+
+
 @dataclass(frozen=True)
 class ModelRef(_Record):
     """The model file a plan was made from (``path`` relative to the plan's folder)."""
@@ -231,11 +267,12 @@ class LayerAlternative(_Record):
 
 
 @dataclass(frozen=True)
-class RuntimeRecord(_Record):
+class RuntimeRecord(_Sparse):
     """Which runtime the planner expects the plan to run on (plan.json ``runtime``): "native"
     (the user's module on each rank) or "traced" (op by op), its predicted step, why, and the
     comparison with the native data-parallel plan (``autopar.cost.native.RuntimeChoice``;
-    absent fields: a plan-level strategy's own record)."""
+    absent fields: a plan-level strategy's own record). Written back with the keys it was read
+    with."""
     expected: str
     step_time_s: float | None = None
     ilp_step_time_s: float | None = None
@@ -245,26 +282,11 @@ class RuntimeRecord(_Record):
     ops: int | None = None
     reason: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
-
-    # the keys the record was read with (written back as read; empty: every field set)
     present: tuple[str, ...] = field(default=(), compare=False)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {}
-        for f in fields(self):
-            if f.name in ("extra", "present"):
-                continue
-            v = getattr(self, f.name)
-            if (f.name in self.present) if self.present else (v is not None or f.name == "expected"):
-                out[f.name] = v
-        out.update(self.extra)
-        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> "RuntimeRecord":
-        names = {f.name for f in fields(cls)} - {"extra", "present"}
-        rec = super().from_json({k: v for k, v in obj.items() if k != "present"})
-        return dataclasses.replace(rec, present=tuple(k for k in obj if k in names))
+        return cls.read(obj)
 
 
 def _layout(obj, layer: Any, fld: str):
@@ -1055,42 +1077,6 @@ class RunResult(ExecutedRun):
 # ---- tournament runs (``autopar.tournament.run``: run.json of a plan with a trainer level) ------
 
 TOURNAMENT_RUN_SCHEMA = "autopar.tournament-run/1"
-
-
-class _Sparse(_Record):
-    """A record written back with the keys it was read with (a field the file lacked stays out);
-    one made in code writes its fields that are set (not None)."""
-
-    def to_json(self) -> dict[str, Any]:
-        present = getattr(self, "present", ())
-        out = {}
-        for f in fields(self):  # type: ignore[arg-type]
-            if f.name in ("extra", "present"):
-                continue
-            v = getattr(self, f.name)
-            if (f.name in present) if present else v is not None:
-                out[f.name] = _plain(v)
-        out.update(getattr(self, "extra", {}) or {})
-        return out
-
-    @classmethod
-    def read(cls, obj: Mapping[str, Any], nested: Mapping[str, Callable[[Any], Any]] | None = None):
-        """From JSON: ``nested`` builds the typed value of those keys."""
-        names = {f.name for f in fields(cls)} - {"extra", "present"}  # type: ignore[arg-type]
-        kw = {k: (nested[k](v) if nested and k in nested and v is not None else _frozen(v))
-              for k, v in obj.items() if k in names}
-        return cls(**kw, extra={k: v for k, v in obj.items() if k not in names},
-                   present=tuple(k for k in obj if k in names))
-
-
-def _frozen(v):
-    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
-
-
-def _plain(v):
-    if isinstance(v, tuple):
-        return [_plain(x) for x in v]
-    return v.to_json() if hasattr(v, "to_json") else v
 
 
 @dataclass(frozen=True)
