@@ -1,5 +1,5 @@
 """The shape-aware convolution model tells torch's two CPU convolution paths apart
-(``calibrate.kernels.conv_cpu_path``, ``conv_shape/2``) and still prices ``conv_shape/1``
+(``profile.features.conv_cpu_path``, ``conv_shape/2``) and still prices ``conv_shape/1``
 profiles as before."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from autopar.profile.fit import MIN_NATIVE_ROWS, fit_conv_shape
-from autopar.calibrate.kernels import (CONV_SHAPE_FORM, conv_cpu_path, conv_native_features,
-                                       conv_shape_features, sweep_configs)
+from autopar.calibrate.kernels import sweep_configs
+from autopar.profile.features import CONV_SHAPE_FORM, conv_cpu_path, conv_native_features, conv_shape_features
 
 
 def _conv(n, c, f, k, sp, dim=2, stride=1, groups=1):
@@ -101,11 +101,11 @@ def test_report_names_the_form_and_the_native_path_sub_model():
 
 
 def test_conv_shape_3_adds_layout_terms_and_earlier_forms_price_as_before():
-    """``conv_shape/3`` (``kernels.conv_layout_features``): channel counts off the vector block,
+    """``conv_shape/3`` (``profile.features.conv_layout_features``): channel counts off the vector block,
     strides and tensors past the caches each add a term; a profile of ``conv_shape/2`` keeps
     its nine coefficients over ``conv_shape_features``."""
-    from autopar.calibrate.kernels import (CONV_CHANNEL_BLOCK, conv_layout_features, conv_model_features,
-                                           conv_model_time_s)
+    from autopar.profile.features import (CONV_CHANNEL_BLOCK, conv_layout_features, conv_model_features,
+                                          conv_model_time_s)
     aligned = {"op": "conv", "x": [8, 32, 16, 16], "w": [64, 32, 3, 3], "padding": [1, 1]}
     odd = {"op": "conv", "x": [8, 20, 16, 16], "w": [40, 20, 3, 3], "padding": [1, 1]}
     strided = dict(aligned, stride=[2, 2])

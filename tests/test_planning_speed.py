@@ -70,7 +70,8 @@ def test_hint_and_cutoff_keep_the_optimum():
 
 def test_conv_shape_and_cache_models_fit_and_price():
     from autopar.profile.fit import cache_features, fit_conv_shape, fit_kernel_cache
-    from autopar.calibrate.kernels import conv_shape_features, sweep_configs
+    from autopar.calibrate.kernels import sweep_configs
+    from autopar.profile.features import conv_shape_features
     from fakes import synthetic_profile
     specs = sweep_configs("conv_fwd", 40, 5e8, 1 << 22)
     true = np.array([1e-5, 1e-10, 1e-10, 3e-9, 0, 1e-9, 0, 0, 0])

@@ -15,14 +15,10 @@ import statistics
 import time
 from typing import Callable, Iterable
 
-from ..profile.features import (CONV_CHANNEL_BLOCK, CONV_LARGE_TENSOR_BYTES, CONV_SHAPE_FORM,  # noqa: F401
-                                CONV_SHAPE_FORMS, F32, GATHER_SCATTER_FORMS, MKLDNN_MIN_SINGLE_SAMPLE_NUMEL,
-                                attention_features, conv_cpu_path, conv_features, conv_layout_features,
-                                conv_model_features, conv_model_time_s, conv_native_features, conv_out_shape,
-                                conv_shape_features, edge_matmul_features, elementwise_features,
-                                gather_scatter_features, matmul_features, norm_features, pool_features,
-                                spec_features)
-from ..profile.keys import normalize_spec, shape_key  # noqa: F401
+from ..profile.features import (GATHER_SCATTER_FORMS, attention_features, conv_cpu_path, edge_matmul_features,
+                                elementwise_features, gather_scatter_features, matmul_features, norm_features,
+                                pool_features, spec_features)
+from ..profile.keys import normalize_spec, shape_key
 from ..profile.schema import OP_CLASSES
 
 # --------------------------------------------------------------------------------------------

@@ -62,14 +62,14 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                              f"{_pct(e.get('heldout_max_rel_err'))} | {e.get('n_test', '-')} | {e.get('n', '-')} |")
     shaped = [op for op in OP_CLASSES if (profile.kernels.get(op) or {}).get("shape_model")]
     if shaped:
-        lines += ["", "Shape-aware convolution model (``kernels.conv_shape_features``: roofline plus "
+        lines += ["", "Shape-aware convolution model (``profile.features.conv_shape_features``: roofline plus "
                   "efficiency terms in channels, filters and image size, 1x1 apart; form ``conv_shape/3`` "
-                  "adds ``kernels.conv_layout_features``: channel counts oneDNN cannot block, strides, "
+                  "adds ``profile.features.conv_layout_features``: channel counts oneDNN cannot block, strides, "
                   "tensors past the caches), which prices "
                   "convolutions whose exact shape was not measured; held-out error per op class "
                   "(70/30 split of the sweep and the exact shapes measured here), against the flat "
                   "roofline on the same split; kept only where it is the better of the two. Forms "
-                  "``conv_shape/2`` and ``/3`` fit torch's native CPU path (``kernels.conv_cpu_path``: one small "
+                  "``conv_shape/2`` and ``/3`` fit torch's native CPU path (``profile.features.conv_cpu_path``: one small "
                   "sample, 1x1 below 16 samples) apart when that generalises better; its own held-out "
                   "error and rows in the last column:", "",
                   "| op class | held-out median | held-out max | flat held-out median | samples | form | native path |",

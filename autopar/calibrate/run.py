@@ -36,6 +36,7 @@ from ..profile import fit
 from ..profile.profile import (COLLECTIVES, OP_CLASSES, PROFILE_SCHEMA, Profile, current_fingerprint,
                                load_profile, require_measured_here, save_profile)
 from ..profile.history import record
+from ..profile.keys import shape_key
 from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from .insitu import describe_step_costs, measure_step_costs
 from .overhead import (add_runtime_overhead, measure_grad_reducer, measure_runtime_overhead_by_family,
@@ -553,7 +554,7 @@ def add_exact_shapes(profile_path, specs: list, progress: Callable[[str], None] 
     device = _check_backend(backend, 1)
     todo, seen = [], set(prof.exact)
     for spec in specs:
-        key = kernels.shape_key(spec)
+        key = shape_key(spec)
         if key not in seen:
             seen.add(key)
             todo.append(spec)
