@@ -507,6 +507,7 @@ def test_the_optimizer_step_is_timed_cold_and_fitted_with_a_fixed_share(monkeypa
     from types import SimpleNamespace
 
     from autopar.calibrate import optimizer
+    from autopar.profile import optimizer as model
     assert optimizer.cold_flush_bytes() >= 2 * 1024 * 1024
     monkeypatch.setattr(optimizer, "cold_flush_bytes", lambda: 8 << 20)     # keep the test quick
     m = optimizer.measure_optimizer_step(repeats=3)
@@ -516,8 +517,8 @@ def test_the_optimizer_step_is_timed_cold_and_fitted_with_a_fixed_share(monkeypa
     assert all(r["median_s"] > 0 and r["hot_median_s"] > 0 for r in m["samples"])
     assert math.isfinite(m["heldout_median_rel_err"])
     prof = SimpleNamespace(kernels={"optimizer_step": m})
-    assert optimizer.optimizer_step_s(prof, 10, 4096) == pytest.approx(10 * m["t0_s"] + 4096 * m["s_per_byte"])
-    assert optimizer.optimizer_fixed_s(prof) == m["fixed_s"]
+    assert model.optimizer_step_s(prof, 10, 4096) == pytest.approx(10 * m["t0_s"] + 4096 * m["s_per_byte"])
+    assert model.optimizer_fixed_s(prof) == m["fixed_s"]
     old = {k: v for k, v in m.items() if k != "fixed_s"}
-    assert optimizer.optimizer_fixed_s(SimpleNamespace(kernels={"optimizer_step": old})) == 0.0
-    assert optimizer.optimizer_fixed_s(SimpleNamespace(kernels={})) == 0.0
+    assert model.optimizer_fixed_s(SimpleNamespace(kernels={"optimizer_step": old})) == 0.0
+    assert model.optimizer_fixed_s(SimpleNamespace(kernels={})) == 0.0

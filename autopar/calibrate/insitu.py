@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from ..profile.straggler import Straggler, fit_straggler  # noqa: F401  (measured here)
+from ..profile.straggler import Straggler, fit_straggler
+from ..profile.optimizer import add_optimizer_step
 from ..profile.profile import load_profile, require_measured_here, save_profile
 from ..runtime.comm import Comm
 from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from ..runtime.ops import sync_batch_norm
-from .optimizer import add_optimizer_step, measure_optimizer_step
+from .optimizer import measure_optimizer_step
 from .report import default_report_dir, write_report
 
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..profile.optimizer import add_optimizer_step, optimizer_fixed_s, optimizer_step_s  # noqa: F401  (its model)
-
 #: (tensors, elements per tensor): fixed-cost-bound, overhead-bound, mixed, bandwidth-bound
 SETS = ((4, 16), (96, 16), (32, 256), (48, 4096), (16, 65536), (4, 1 << 20))
 #: the sets judged but not fitted (held out), then fitted with the rest
