@@ -74,7 +74,8 @@ class StageSearch:
         out: dict[int, StageOption] = {}
         for o in self.options:
             cur = out.get(o.stages)
-            if cur is None or (cur.price is None and o.price is not None) or \
+            # priced beats refused; among refused the last tried (the largest tp: the closest to fit)
+            if cur is None or (cur.price is None and (o.price is not None or o.refused is not None)) or \
                     (o.price is not None and o.step_s < cur.step_s):
                 out[o.stages] = o
         return out

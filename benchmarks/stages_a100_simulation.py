@@ -1,0 +1,242 @@
+"""Pipeline stages chosen on the datasheet A100 profile (issue 41's must-show): a 96-layer GPT at
+1024 ranks (8 per node, ``strategies/clusters/a100-128x8.json``) with the stage count, cuts and
+microbatches searched; and a table beside the published Megatron-LM 3-D-parallel results.
+
+A pure prediction (no process starts). Each stage's sub-plan comes from autopar's solver:
+``make_plan`` of the plain GPT (``strategies/examples/gpt.py``) with ONE block at the model's
+width, on ``tp`` ranks of one node, for one microbatch of ``mb`` sequences (cached per (tp,
+mb)); the block's layers give a unit's forward/backward/memory, the embeddings and the head are
+folded into the first and last unit. Data parallelism over the stage's ``dp`` sub-mesh adds the
+all-reduce of the unit's gradients (the profile's allreduce fit at the level the dp group spans).
+``autopar.cost.stages.search_stages`` then tries every feasible stage count x tp x microbatch
+size with its best cuts and prices each with ``decomp.stages.price_pipeline`` (1F1B).
+
+Published figures (PAPER rows): Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC'21 (arXiv 2104.04473), Table 1 -- TRANSCRIBED BY HAND,
+not re-read from the PDF in this session: check them against the paper before quoting. Their
+runs: A100 80 GB, fp16 tensor cores, activation recomputation, sequence 2048, vocabulary 51,200.
+Their TFLOP/s count 4 passes (recomputation): ``96 B s l h^2 (1 + s/6h + V/16lh)`` per
+iteration; we also give their figure on the 3-pass basis (x 72/96 of the layer term), which is
+what autopar's prediction counts (it does not recompute).
+
+Profiles: (a) ``calibration/datasheet-a100-cluster.json`` as shipped (FP32 matmuls, PyTorch's
+default, 15.6 TFLOP/s effective: the 40 GB A100 cluster it describes); (b) an ASSUMED what-if
+copy, made here and not written to disk: matmul and attention at the fp16 tensor-core peak
+312 TFLOP/s x 0.8, memory 80 GB -- closer to the paper's runs, still without recomputation.
+
+    python benchmarks/stages_a100_simulation.py        # about a minute
+Writes ``reports/stages/a100-simulation.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "reports" / "stages"
+sys.path.insert(0, str(ROOT))
+
+SEQ, VOCAB = 2048, 51200
+PAPER_SOURCE = "Narayanan et al., SC'21 (arXiv 2104.04473), Table 1, transcribed by hand (verify before quoting)"
+#: params (billions), heads, hidden, layers, tensor-parallel size, pipeline size, GPUs, batch,
+#: achieved TFLOP/s per GPU (their 4-pass count)
+PAPER = [
+    dict(params_b=39.1, heads=64, hidden=8192, layers=48, tp=8, pp=2, gpus=512, batch=1536, tflops=138),
+    dict(params_b=76.1, heads=80, hidden=10240, layers=60, tp=8, pp=4, gpus=1024, batch=1792, tflops=140),
+    dict(params_b=145.6, heads=96, hidden=12288, layers=80, tp=8, pp=8, gpus=1536, batch=2304, tflops=148),
+    dict(params_b=310.1, heads=128, hidden=16384, layers=96, tp=8, pp=16, gpus=1920, batch=2160, tflops=155),
+]
+#: the issue's must-show: a 96-layer GPT (GPT-3 175B's shape) at 1024 ranks, 8 per node
+MUST = dict(heads=96, hidden=12288, layers=96, gpus=1024, batch=1536)
+ASSUMED_FP16 = {"tensor_core_flops_per_s": 312e12, "efficiency": 0.8, "memory_limit_bytes": 80e9,
+                "why": "what-if closer to the paper's runs (fp16 tensor cores, 80 GB); not a datasheet profile "
+                       "as shipped, not measured"}
+RANKS_PER_NODE = 8
+
+
+def _model_flops(batch, layers, hidden):
+    """Model FLOPs per iteration, 3 passes (forward + backward), Megatron's formula without the
+    recomputation pass: 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    return 72 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (12 * layers * hidden))
+
+
+def _block_plans(cfg, prof, prof_path, opt_state):
+    """(tp, mb) -> (pre, block, post) as dicts of per-rank costs, from autopar's solver."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    os.environ.update(AUTOPAR_GPT_LAYERS="1", AUTOPAR_GPT_EMBED=str(cfg["hidden"]), AUTOPAR_GPT_HEADS=str(cfg["heads"]),
+                      AUTOPAR_GPT_SEQ=str(SEQ), AUTOPAR_GPT_VOCAB=str(VOCAB))
+    cache = {}
+
+    def get(tp, mb):
+        if (tp, mb) not in cache:
+            r = make_plan(ROOT / "strategies/examples/gpt.py",
+                          PlanOptions(world_size=tp, batch_size=mb, calibration=str(prof_path), ranks_per_node=RANKS_PER_NODE,
+                                      write=False, placement="block", trace_cache=False,
+                                      optimizer_state_per_param=opt_state),
+                          PlanHooks(profile=prof))
+            tab, ch = r.table, list(r.solution.choice)
+            parts = {"pre": [], "block": [], "post": []}
+            seen_block = False
+            for li, lay in enumerate(tab.graph.layers):
+                mod = (getattr(lay, "module", "") or "")
+                if mod.startswith("blocks."):
+                    part, seen_block = "block", True
+                else:
+                    part = "post" if seen_block else "pre"
+                parts[part].append((tab.layers[li].costs[ch[li]], str(tab.layers[li].choices[ch[li]])))
+            cache[(tp, mb)] = {k: {"fwd_s": sum(c.fwd_s for c, _ in v), "bwd_s": sum(c.bwd_s for c, _ in v),
+                                   "sync_s": sum(c.grad_sync_s for c, _ in v),
+                                   "act_bytes": sum(c.activation_bytes + c.workspace_bytes for c, _ in v),
+                                   "static_bytes": sum(c.param_bytes + c.grad_bytes + c.optim_bytes for c, _ in v),
+                                   "grad_bytes": sum(c.grad_bytes for c, _ in v),
+                                   "choices": sorted({d for _, d in v})} for k, v in parts.items()}
+        return cache[(tp, mb)]
+    return get
+
+
+def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
+    from autopar.cost.stages import search_stages
+    from autopar.decomp.stages import StageCost, cut_send_time_s
+    n, world = cfg["layers"], cfg["gpus"]
+    prof = prof.with_topology(RANKS_PER_NODE, max(1, world // RANKS_PER_NODE))
+    plans = _block_plans(cfg, prof, prof_path, opt_state)
+
+    def unit(i, dp, tp, mb):
+        p = plans(tp, mb)
+        parts = ["block"] + (["pre"] if i == 0 else []) + (["post"] if i == n - 1 else [])
+        tot = {k: sum(p[q][k] for q in parts) for k in ("fwd_s", "bwd_s", "sync_s", "act_bytes", "static_bytes",
+                                                         "grad_bytes")}
+        level = "inter" if dp * tp > RANKS_PER_NODE else "intra"
+        dp_sync = prof.collective_time_s("allreduce", dp, tot["grad_bytes"], level=level) if dp > 1 else 0.0
+        return StageCost(tot["fwd_s"], tot["bwd_s"], tot["sync_s"] + dp_sync, tot["act_bytes"], tot["static_bytes"])
+
+    results = {}
+    t0 = time.perf_counter()
+
+    # the cut's send depends on S (which ranks sit on either side): search one S at a time
+    from autopar.decomp.stages import feasible_stage_counts
+    options, best = [], None
+    for s_count in feasible_stage_counts(n, world):
+        size = world // s_count
+
+        def cut(k, tp, mb, size=size):
+            src = list(range(k * size, (k + 1) * size))
+            dst = list(range((k + 1) * size, (k + 2) * size))
+            return cut_send_time_s(prof, mb * SEQ * cfg["hidden"] * 4, src, dst)
+
+        sr = search_stages(n, world, cfg["batch"], unit, cut, stage_counts=[s_count], tps=(1, 2, 4, 8),
+                           memory_limit_bytes=memory_limit)
+        options.extend(sr.options)
+        if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
+            best = sr.best
+    from autopar.cost.stages import StageSearch
+    search = StageSearch(tuple(options), best)
+    results["search_s"] = time.perf_counter() - t0
+    results["search"] = search.to_json()
+    if best is not None:
+        results["chosen"] = {"stages": best.stages, "tp": best.tp, "dp": best.dp, "microbatches": best.microbatches,
+                             "microbatch_sequences": best.microbatch, "cuts": list(best.cuts),
+                             "step_s": best.step_s, "bubble_fraction": best.price.bubble_fraction,
+                             "peak_bytes_max": max(best.price.peak_bytes),
+                             "tokens_per_s": cfg["batch"] * SEQ / best.step_s,
+                             "model_tflops_per_gpu": _model_flops(cfg["batch"], n, cfg["hidden"]) / best.step_s / world / 1e12,
+                             "block_choices_tp": plans(best.tp, best.microbatch)["block"]["choices"]}
+    return results
+
+
+def _fp16_profile(prof):
+    p = copy.deepcopy(prof)
+    rate = ASSUMED_FP16["tensor_core_flops_per_s"] * ASSUMED_FP16["efficiency"]
+    for k in ("matmul", "attention"):
+        p.kernels[k] = dict(p.kernels[k], s_per_flop=1.0 / rate, flops_per_s=rate,
+                            source="ASSUMED what-if: fp16 tensor cores 312 TFLOP/s x 0.8 (benchmarks/stages_a100_simulation.py)")
+    return p
+
+
+def main() -> int:
+    from autopar.io import atomic_write_json, atomic_write_text
+    from autopar.profile import load_profile
+    prof_path = ROOT / "calibration" / "datasheet-a100-cluster.json"
+    prof = load_profile(prof_path, check_machine=False)
+    fp16 = _fp16_profile(prof)
+    out = {"profile": str(prof_path.relative_to(ROOT)), "paper_source": PAPER_SOURCE, "assumed_fp16": ASSUMED_FP16,
+           "seq": SEQ, "vocab": VOCAB, "schedule": "1f1b", "optimizer_state_per_param": 2.0}
+    out["must_show_96_layers_1024_ranks"] = _search(MUST, prof, prof_path, 40e9)
+    rows = []
+    for cfg in PAPER:
+        row = {"paper": cfg}
+        # their 4-pass figure on the 3-pass basis: the layer term scales 72/96, the logit term does not
+        h, l_, b = cfg["hidden"], cfg["layers"], cfg["batch"]
+        f4 = 96 * b * SEQ * l_ * h ** 2 * (1 + SEQ / (6 * h) + VOCAB / (16 * l_ * h))
+        row["paper_tflops_3pass_basis"] = cfg["tflops"] * _model_flops(b, l_, h) / f4
+        row["datasheet_fp32_40GB"] = _search(cfg, prof, prof_path, 40e9).get("chosen")
+        row["whatif_fp16_80GB"] = _search(cfg, fp16, prof_path, ASSUMED_FP16["memory_limit_bytes"]).get("chosen")
+        rows.append(row)
+        print(cfg["params_b"], row["datasheet_fp32_40GB"], row["whatif_fp16_80GB"], flush=True)
+    out["megatron_table"] = rows
+    OUT.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(OUT / "a100-simulation.json", out)
+    m = out["must_show_96_layers_1024_ranks"]
+    lines = ["# Pipeline stages on the datasheet A100 profile (written by benchmarks/stages_a100_simulation.py)", "",
+             "Pure predictions; per-stage sub-plans from autopar's solver on one GPT block per (tp, microbatch); "
+             "1F1B. See the script's docstring for every assumption.", "",
+             f"## 96-layer GPT (h 12288, 96 heads, seq {SEQ}), 1024 ranks (8 per node), batch 1536, 40 GB", ""]
+    if "chosen" in m:
+        c = m["chosen"]
+        lines += [f"Chosen: {c['stages']} stages x (dp {c['dp']} x tp {c['tp']}), M = {c['microbatches']} microbatches of "
+                  f"{c['microbatch_sequences']} sequences, cuts before blocks {c['cuts']}; step {c['step_s']:.2f} s, "
+                  f"bubble {100 * c['bubble_fraction']:.1f} %, peak {c['peak_bytes_max'] / 1e9:.1f} GB per rank, "
+                  f"{c['model_tflops_per_gpu']:.2f} model TFLOP/s per GPU.", ""]
+    else:
+        lines += ["Nothing fits.", ""]
+    lines += ["Every stage count priced (its best tp and M):", "", "| S | dp x tp | M | step (s) | bubble | peak GB | refused |",
+              "|---|---|---|---|---|---|---|"]
+    for o in m["search"]["per_stage_count"]:
+        if "refused" in o:
+            lines.append(f"| {o['stages']} | {o['dp']} x {o['tp']} | {o['microbatches']} | - | - | - | {o['refused']} |")
+        else:
+            lines.append(f"| {o['stages']} | {o['dp']} x {o['tp']} | {o['microbatches']} | {o['step_s']:.3f} | "
+                         f"{100 * o['bubble_fraction']:.1f} % | {max(o['peak_bytes']) / 1e9:.1f} | |")
+    lines += ["", "## Beside Megatron-LM (SC'21 Table 1, transcribed by hand: verify before quoting)", "",
+              "| model | GPUs | batch | paper: tp x pp | paper TFLOP/s/GPU (4-pass; 3-pass basis) | autopar FP32 40 GB: "
+              "S x dp x tp, M | TFLOP/s | autopar fp16 what-if 80 GB: S x dp x tp, M | TFLOP/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, a32, a16 = r["paper"], r["datasheet_fp32_40GB"], r["whatif_fp16_80GB"]
+
+        def cell(a):
+            return ("nothing fits", "-") if a is None else (f"{a['stages']} x {a['dp']} x {a['tp']}, M {a['microbatches']}",
+                                                            f"{a['model_tflops_per_gpu']:.1f}")
+        c32, c16 = cell(a32), cell(a16)
+        lines.append(f"| {p['params_b']} B ({p['layers']} x {p['hidden']}) | {p['gpus']} | {p['batch']} | {p['tp']} x {p['pp']} | "
+                     f"{p['tflops']} ; {r['paper_tflops_3pass_basis']:.0f} | {c32[0]} | {c32[1]} | {c16[0]} | {c16[1]} |")
+    r16 = [r["whatif_fp16_80GB"]["model_tflops_per_gpu"] / r["paper_tflops_3pass_basis"] for r in rows
+           if r["whatif_fp16_80GB"] is not None]
+    same_tp = sum(1 for r in rows if r["whatif_fp16_80GB"] and r["whatif_fp16_80GB"]["tp"] == r["paper"]["tp"])
+    pp = [(r["paper"]["pp"], r["whatif_fp16_80GB"]["stages"]) for r in rows if r["whatif_fp16_80GB"]]
+    lines += ["", "Where they differ and why:", "",
+              f"- Configuration: the fp16 what-if picks tp = 8 (one node) in {same_tp} of {len(rows)} rows, as the paper "
+              f"does, and stage counts (paper pp, autopar S) {pp}: autopar keeps every activation (no recomputation), "
+              "so where memory binds it needs as many or more stages than the paper.",
+              f"- Throughput: the what-if predicts {min(r16):.2f}-{max(r16):.2f}x the paper's figure on the same 3-pass "
+              "basis: its matmuls run at an ASSUMED 80 % of the tensor-core peak, where the paper's whole step "
+              "(with recomputation, optimizer, data loading) reached ~44-52 % of peak on its 4-pass count; the "
+              "datasheet profile prices no kernel-launch gaps between layers, no pipeline p2p overlap limits, "
+              "and no straggler.",
+              "- The datasheet profile as shipped prices matmuls in FP32 (PyTorch's default, 15.6 TFLOP/s "
+              "effective) on 40 GB GPUs: about a tenth of the paper's throughput, and more stages because "
+              "parameters, gradients and Adam state are 16 bytes per parameter at 40 GB.",
+              "- autopar's stages are all the same shape (dp x tp); it does not interleave (V = 1 here) and "
+              "cuts only between blocks."]
+    atomic_write_text(OUT / "a100-simulation.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
