@@ -124,6 +124,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-tree", help="an autopar source tree to re-make the plans with too (child process)")
     ap.add_argument("--old-label", help="what the old tree is (e.g. the git revision it was archived from)")
+    ap.add_argument("--rev", help="the revision this tree is, when it is not a git checkout (an archive)")
     ap.add_argument("--only", nargs="*", help="plan folder names (default: every shipped plan)")
     ap.add_argument("--out", default=str(ROOT / "reports" / "core_comparison.md"))
     ap.add_argument("--dump", help=argparse.SUPPRESS)      # child mode: write the re-made figures as JSON
@@ -141,11 +142,12 @@ def main() -> int:
                        cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(Path(a.old_tree).resolve())})
         old = json.loads(dump.read_text())
         dump.unlink()
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    rev = a.rev or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                  text=True).stdout.strip()
+    dirty = "" if a.rev else subprocess.run(["git", "status", "--porcelain", "--", "autopar"], cwd=ROOT,
+                                            capture_output=True, text=True).stdout.strip()
     lines = ["# Shipped plans re-made by the current core", "",
-             f"`python benchmarks/compare_core.py{' --old-tree ' + a.old_tree if a.old_tree else ''}` at "
+             f"`python benchmarks/compare_core.py{' --old-tree OLD' if a.old_tree else ''}` at "
              f"{rev}{'+dirty' if dirty else ''}: every shipped plan re-planned in process from the options "
              f"it was made with (`benchmarks/compare_core.py`, `options_json`), compared with the file: "
              f"the choice of every layer, the predicted step time and memory per rank, to {REL:g} relative.", ""]
