@@ -220,3 +220,42 @@ def test_cut_crossed_by_two_values():
 
 def test_batch_norm_statistics_per_microbatch():
     _run(2, "bn", "gpipe", 2)
+
+
+class _Dies(RuntimeError):
+    pass
+
+
+def _dying(rank, world):
+    """Rank 1 (the last stage) raises in its third microbatch's forward; rank 0 is then blocked in
+    the schedule's point-to-point receive of that microbatch's gradient."""
+    import torch
+
+    from autopar.decomp.stages import Schedule, even_layout
+    from autopar.runtime.stages import build_runner
+    torch.manual_seed(0)
+    gpt = _load_gpt(layers=4)
+    model = gpt.GPT().double()
+    x, y = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    runner = build_runner(model, even_layout(4, world, 2, Schedule("1f1b", 4)), rank, gpt.loss_fn,
+                          example_microbatch=x[:2])
+    if rank == 1:
+        calls = {"n": 0}
+
+        def boom(mod, args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise _Dies("rank 1 stopped mid-schedule")
+        runner.modules[0][1].register_forward_pre_hook(boom)
+    runner.step(x, y)
+
+
+def test_a_rank_that_dies_mid_schedule_is_named_and_nobody_hangs():
+    import time
+
+    from autopar.errors import RankFailure
+    from autopar.runtime.launch import run_ranks
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"^rank 1 failed"):
+        run_ranks(_dying, 2, timeout_s=60)
+    assert time.monotonic() - t0 < 30
