@@ -1,5 +1,8 @@
-"""Exact shapes on demand: ``autopar plan`` measures the local convolution and linear shapes of
-competitive candidates that the profile lacks, and caches them beside the profile.
+"""Measuring missing shapes: the local convolution and linear shapes of competitive candidates
+that a profile lacks, measured into the shape file beside it (``PROFILE-shapes.json``). Planning
+never runs this (it starts no process; ``autopar.planner.shapes`` names what is missing): the
+step before planning, ``autopar plan --measure-shapes`` (``calibrate.shapes_step``), does, and
+the plan then reads the shape file it names and records.
 
 A new model is then priced like a shipped one (whose shapes ``calibrate --model`` measured),
 without recalibrating. Steps (``OnDemand``):
@@ -15,7 +18,7 @@ without recalibrating. Steps (``OnDemand``):
    nor the cache holds, and measures them in one child process (``kernels.measure_exact``,
    ``REPEATS`` repeats) within ``budget_s`` (default 30 s): before each shape the child
    estimates its cost from the fitted model and stops when it would overrun. What was measured
-   is written to the cache (atomically) and the caller re-plans with it (up to 3 rounds, as
+   is written to the cache (atomically) and ``shapes_step`` plans again with it (up to 3 rounds, as
    the new optimum may have competitive shapes of its own, all within one budget); shapes left
    out are named (they stay priced by the generic model).
 
@@ -33,7 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from ..decomp.base import CostContext
+from ..planner.shapes import COMPETITIVE, competitive_specs  # noqa: F401  (one definition, the planner's)
 from ..profile.keys import shape_key
 from ..profile.shapes import CACHE_SCHEMA, cache_path, can_measure, load_cache, write_cache  # noqa: F401
 from ..profile.speed import profile_nominal_s
@@ -42,38 +45,9 @@ from .kernels import measure_exact, spec_features
 from .run import _check_backend
 from .speed import SpeedTrack, normalize_exact
 
-#: a kept choice whose time is within this factor of its layer's fastest is competitive
-COMPETITIVE = 1.25
 #: timed repeats per phase (after one warm-up) of a shape measured on demand
 REPEATS = 5
 DEFAULT_BUDGET_S = 30.0
-
-
-def competitive_specs(table, choice: list[int], ratio: float = COMPETITIVE) -> list[dict]:
-    """Conv/linear shape specs of each layer's chosen decomposition and of every kept choice
-    within ``ratio`` of the layer's fastest (priced again with a spec log; no memo)."""
-    ctx = table.ctx
-    log: list[dict] = []
-    c2 = CostContext(profile=ctx.profile, world=ctx.world, ranks_per_node=ctx.ranks_per_node,
-                     optimizer_state_per_param=ctx.optimizer_state_per_param,
-                     batch_size=ctx.batch_size, max_candidates=ctx.max_candidates,
-                     spec_log=log, placement=ctx.placement)
-    seen_layers: set = set()
-    for o, ci in zip(table.layers, choice):
-        key = tuple(map(id, o.costs))
-        if key in seen_layers:            # equal layers share their costs (cost.table)
-            continue
-        seen_layers.add(key)
-        times = [c.fwd_s + c.bwd_s + c.grad_sync_s for c in o.costs]
-        best = min(times)
-        for i, d in enumerate(o.choices):
-            if i == ci or times[i] <= ratio * best:
-                d.cost(o.layer, c2)
-    out: dict[str, dict] = {}
-    for s in log:
-        if s.get("op") in ("conv", "linear"):
-            out.setdefault(shape_key(s), s)
-    return list(out.values())
 
 
 def _measure_rank(rank, world, specs, budget_s, device, est_s, nominal_s=None):  # pragma: no cover - in child
