@@ -1368,6 +1368,12 @@ class PlanOptions:
     # layers whose choice the user fixes (``autopar.pins.Pin``: "PATTERN=KIND" or
     # "PATTERN=CHOICE", also given as such strings or {"pattern", "want"}), the last winning
     pins: tuple = ()
+    # pipeline stages (``planner.strategies.stages``, issue 41): "auto" (try every feasible stage
+    # count), an integer S, or None/"off"; microbatches M (None: tried) and torch's schedule name
+    # (``decomp.stages.SCHEDULES``; None: 1f1b). Left out of plan.json while unset
+    pipeline: str | int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -1396,6 +1402,9 @@ class PlanOptions:
         if self.kinds is not None:
             out["kinds"] = list(self.kinds)
         out["pins"] = [p.to_json() for p in self.pins]
+        for name in ("pipeline", "microbatches", "schedule"):
+            if out[name] is None:
+                del out[name]
         return out
 
     @staticmethod

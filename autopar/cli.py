@@ -129,6 +129,20 @@ def _plan_progress(verbose: bool):
     return terse
 
 
+def _pipeline_arg(value: str | None):
+    """``--pipeline auto|off|S``: "auto", None (off) or the stage count."""
+    if value is None or value == "off":
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        s = int(value)
+    except ValueError:
+        from .errors import PipelineError
+        raise PipelineError(f"--pipeline {value!r} is not auto, off or a stage count", "e.g. --pipeline 2") from None
+    return None if s == 1 else s
+
+
 def cmd_plan(args) -> int:
     import time as _time
     t_cmd = _time.perf_counter()
@@ -158,7 +172,11 @@ def cmd_plan(args) -> int:
                           trace_cache=not args.no_trace_cache, batch_norm=args.batch_norm,
                           bn_group=args.bn_group,
                           measure_budget_s=args.measure_budget, shapes=args.shapes,
-                          speed_history=args.speed_history, pins=tuple(args.pin or ()))
+                          speed_history=args.speed_history, pins=tuple(args.pin or ()),
+                          pipeline=_pipeline_arg(args.pipeline), microbatches=args.microbatches,
+                          schedule=args.schedule)
+    if options.pipeline not in (None, "off"):
+        from .planner.strategies import stages as _stages  # noqa: F401  (registers the pipeline strategy)
     if args.no_measure:
         warnings.warn("--no-measure is the default now and does nothing (planning starts no process; "
                       "--measure-shapes measures missing shapes as a step before planning)", FutureWarning)
@@ -452,6 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, help="nodes of the cluster planned for")
     p.add_argument("--cluster", help='cluster description JSON: {"ranks_per_node": R, "nodes": K}')
     p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
+    p.add_argument("--pipeline", default=None, metavar="auto|off|S",
+                   help="cut the model into pipeline stages on sub-meshes (torch's schedules): auto searches "
+                        "the stage count, cuts and microbatches; S forces S stages")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="microbatches per step under --pipeline (default: tried)")
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help="torch pipeline schedule under --pipeline: gpipe, 1f1b (default), interleaved_1f1b, "
+                        "looped_bfs, interleaved_zb, zbv, dualpipev")
     p.add_argument("--pin", action="append", metavar="PATTERN=KIND|CHOICE",
                    help="fix the layers whose module or layer name matches the glob PATTERN ('*': all) "
                         "to KIND where legal (the solver picks among that kind's choices) or to the exact "

@@ -79,6 +79,9 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("autopar.decomp.base", "autopar.runtime.layers"): _RUNNERS_LOADED,
     ("autopar.planner.strategies.graphs", "autopar.runtime.graphs"): _PLANNER_RUNTIME,
     ("autopar.planner.trace", "autopar.runtime.model"): _PLANNER_RUNTIME,
+    ("autopar.planner.strategies.stages", "autopar.planner.make"):
+        "the pipeline strategy re-plans each stage's sub-mesh with make_plan (the seam's Offer carries no "
+        "re-planner); at module level it would close make -> choose -> strategies -> stages -> make",
     ("autopar.cli", "*"): _IN_FLIGHT,
     ("autopar.explain", "*"): _IN_FLIGHT,
     ("autopar.runtime", "*"): _IN_FLIGHT,

@@ -1,0 +1,76 @@
+"""Planning pipeline stages through the plan-level strategy seam (``planner.strategies.stages``):
+plan.json names the stages and every count priced; bad requests are named errors. No process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from autopar.errors import PipelineError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def gpt8(monkeypatch):
+    for k, v in {"AUTOPAR_GPT_LAYERS": "8", "AUTOPAR_GPT_EMBED": "32", "AUTOPAR_GPT_HEADS": "4",
+                 "AUTOPAR_GPT_SEQ": "16", "AUTOPAR_GPT_VOCAB": "64"}.items():
+        monkeypatch.setenv(k, v)
+    return ROOT / "strategies/examples/gpt.py"
+
+
+def _plan(model, **kw):
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401  (registers the strategy)
+    from autopar.profile import load_profile
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    return make_plan(model, PlanOptions(world_size=4, batch_size=8, write=False, placement="block",
+                                        trace_cache=False, **kw), PlanHooks(profile=prof))
+
+
+def test_pipeline_2_names_its_stages_and_prices_every_m(gpt8):
+    plan = _plan(gpt8, pipeline=2).plan
+    rt = plan.runtime.to_json() if hasattr(plan.runtime, "to_json") else dict(plan.runtime.extra)
+    assert rt["expected"] == "stages"
+    st = rt["stages"]["stages"]
+    assert [s["layers"] for s in st] == [[0, 4], [4, 8]]
+    assert [s["ranks"] for s in st] == [[0, 1], [2, 3]]
+    assert rt["stages"]["schedule"]["name"] == "1f1b"
+    priced = rt["stage_counts_priced"]
+    assert {p["microbatches"] for p in priced if p["stages"] == 2} >= {2, 4}
+    assert all(p["step_s"] > 0 for p in priced if "refused" not in p)
+    chosen = [s for s in plan.strategies if s.chosen]
+    assert [c.strategy for c in chosen] == ["stages"]
+    assert plan.options.to_json()["pipeline"] == 2
+
+
+def test_pipeline_auto_prices_every_feasible_count(gpt8):
+    res = _plan(gpt8, pipeline="auto")
+    stages = [s for s in res.plan.strategies if s.strategy == "stages"]
+    assert sorted(s.label.split()[1] for s in stages) == ["2", "4"]
+    assert all(s.step_time_s is not None or s.illegal for s in stages)
+
+
+def test_infeasible_stage_counts_are_named(gpt8):
+    with pytest.raises(PipelineError, match=r"feasible stage counts \[2, 4\]"):
+        _plan(gpt8, pipeline=3)
+    with pytest.raises(PipelineError, match="without memory"):
+        _plan(gpt8, pipeline=2, memory_limit_bytes=64 * 1024)
+
+
+def test_a_value_crossing_a_cut_backwards_is_refused_by_name():
+    from autopar.planner.strategies.stages import crossing_values
+
+    def lay(name, module, inputs):
+        return SimpleNamespace(name=name, module=module, inputs=inputs,
+                               ops=[SimpleNamespace(name=name, out_shape=[2, 4], dtype="float32")])
+    ok = SimpleNamespace(layers=[lay("a", "blocks.0", []), lay("b", "blocks.1", ["a"]), lay("c", "blocks.2", ["a", "b"])])
+    cross = crossing_values(ok, [0, 1, 2])
+    assert [v for v, _ in cross[0]] == ["a"] and sorted(v for v, _ in cross[1]) == ["a", "b"]
+    assert cross[1][0][1] == 32.0
+    bad = SimpleNamespace(layers=[lay("a", "blocks.0", ["c"]), lay("b", "blocks.1", ["a"]), lay("c", "blocks.2", ["b"])])
+    with pytest.raises(PipelineError, match="value c .*backwards"):
+        crossing_values(bad, [0, 1, 2])
