@@ -40,6 +40,7 @@ from ..calibrate.speed import probe_reading_s
 from ..decomp.graph.inputs import check_edge_indices
 from ..profile.history import record
 from ..report.report import write_run_report
+from .stages import execute_stages
 from ..runtime.comm import Comm, create_groups
 from ..runtime.entry import build_user_model, synthetic_batch
 from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
@@ -300,6 +301,8 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
             rounds=opts.rounds, seed=opts.seed, lr=opts.lr, momentum=opts.momentum, dtype=opts.validate_dtype,
             timeout_s=opts.timeout_s, kill=opts.kill_trainer), out_dir, progress, validate=opts.validate)
         return TournamentRun.from_json(tour, str(out / "run.json")), out
+    if plan.runtime is not None and plan.runtime.expected == "stages":     # pipeline stages (issue 41)
+        return execute_stages(plan_path, plan, opts, out_dir, progress, _choose_out_dir, write_run_report)
     world = plan.world_size
     module_path = check_plan_files(plan_path, plan)
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "

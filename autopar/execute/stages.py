@@ -1,0 +1,172 @@
+"""``autopar execute`` of a pipeline-stage plan (plan.json ``runtime.expected == "stages"``): fresh
+ranks run the stage layout with torch's schedule (``runtime.stages``), validate one step against
+one process in the validation dtype (the loss, every gradient each rank holds, the parameters
+after the SGD step execute uses everywhere), then time ``steps`` steps in float32 and report the
+measured step and bubble beside the plan's prediction.
+
+Measured bubble: ``1 - M (f + b)_bottleneck / step``, with each stage's forward and backward of
+one microbatch timed alone on its own ranks right after the timed steps (the idle share of the
+bottleneck stage's ranks); predicted: ``price.bubble_s / step_s`` from plan.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import Measured, Plan, RunResult, Validation
+from ..artifacts import write_run
+from ..io import atomic_write_text, sha256_file
+from ..decomp.stages import StageLayout
+from ..errors import PlanFileError
+from ..modelfile import load_model_file, model_env
+from ..runtime import launch as rank_launch
+from .validate import RULE, compare
+
+
+def stage_layout(plan: Plan) -> tuple[StageLayout, dict[str, Any]]:
+    """The plan's stage layout and price, or a ``PlanFileError`` naming what is missing."""
+    rt = plan.runtime
+    extra = dict(rt.extra) if rt is not None else {}
+    if rt is None or rt.expected != "stages" or "stages" not in extra:
+        raise PlanFileError("plan.json has no pipeline stages (runtime.stages)", "re-plan with --pipeline")
+    return StageLayout.from_json(extra["stages"]), dict(extra.get("price") or {})
+
+
+def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, opts) -> dict[str, Any]:
+    import torch
+
+    from ..runtime.stages import _all_chunks, _static_metas, build_runner, reference_step
+    layout = StageLayout.from_json(layout_json)
+    with model_env(env):
+        mf = load_model_file(model_path)
+    st = layout.stage_of(rank)
+    m = layout.schedule.microbatches
+    batch = opts["batch"]
+    loss_fn = mf.loss_fn()
+    dtype = getattr(torch, opts["dtype"])
+    torch.manual_seed(opts["seed"])
+    model = mf.build_model().to(dtype)
+    x = mf.example_inputs(batch)[0]
+    y = mf.example_targets(batch)
+    if torch.is_floating_point(x):
+        x = x.to(dtype)
+    mb = batch // st.dp // m
+    ref = copy.deepcopy(model)
+    ref_loss = reference_step(ref, x, y, loss_fn, m, dp=st.dp)
+    ref_p = dict(ref.named_parameters())
+    ref_g = {n: p.grad.detach().clone() for n, p in ref_p.items()}
+    torch.optim.SGD(ref.parameters(), lr=opts["lr"], momentum=opts["momentum"]).step()
+    runner = build_runner(model, layout, rank, loss_fn, example_microbatch=x[:mb])
+    loss = runner.step(x, y)
+    mine = {id(p) for p in runner.parameters()}
+    held = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+    rtol, atol = opts["rtol"], opts["atol"]
+    checks = [compare(f"rank {rank}: loss", loss.reshape(1), ref_loss.to(loss.dtype).reshape(1), rtol, atol)]
+    checks += [compare(f"rank {rank}: grad {n}", p.grad, ref_g[n], rtol, atol) for n, p in held]
+    torch.optim.SGD([p for _, p in held], lr=opts["lr"], momentum=opts["momentum"]).step()
+    checks += [compare(f"rank {rank}: param {n} after step", p.detach(), ref_p[n].detach(), rtol, atol)
+               for n, p in held]
+
+    # timing, float32, a fresh model and schedule
+    import torch.distributed as dist
+    torch.manual_seed(opts["seed"])
+    model = mf.build_model()
+    x32 = mf.example_inputs(batch)[0]
+    runner = build_runner(model, layout, rank, loss_fn, example_microbatch=x32[:mb])
+    opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
+    times = []
+    for i in range(opts["warmup"] + opts["steps"]):
+        opt.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
+        runner.step(x32, y)
+        dist.barrier()
+        opt.step()
+        if i >= opts["warmup"]:
+            times.append(time.perf_counter() - t0)
+    # this stage alone on one microbatch (every rank at once, as in the step)
+    (c, mod), = runner.modules[:1]
+    metas = _static_metas(_all_chunks(model, layout), x32[:mb])
+    inp = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in metas[c][0])
+    fw, bw = [], []
+    last = c == layout.num_stages - 1
+    for _ in range(opts["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = mod(*inp)
+        t1 = time.perf_counter()
+        (loss_fn(out, y[:mb]) if last else sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
+        fw.append(t1 - t0)
+        bw.append(time.perf_counter() - t1)
+    return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
+            "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss)}
+
+
+def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_out_dir, write_report
+                   ) -> tuple[RunResult, Path]:
+    layout, price = stage_layout(plan)
+    world = plan.world_size
+    rtol, atol = opts.tolerances()
+    ropts = {"batch": plan.model.batch_size, "dtype": opts.validate_dtype, "seed": opts.seed, "lr": opts.lr,
+             "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps}
+    progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages, "
+             f"{layout.schedule.torch_class} over {layout.schedule.microbatches} microbatches; validation, "
+             f"{opts.warmup}+{opts.steps} timed steps")
+    t0 = time.perf_counter()
+    res = rank_launch.run_ranks(_rank, world, args=(str(plan.model_file(plan_path)), plan.model_env(),
+                                                     layout.to_json(), ropts),
+                                backend=opts.backend, timeout_s=opts.timeout_s)
+    checks = tuple(c for r in res for c in r["checks"])
+    step = statistics.median(statistics.median(r["step_times_s"]) for r in res if r["step_times_s"])
+    per_stage = {}
+    for r in res:
+        per_stage.setdefault(r["stage"], []).append(r["fwd_s"] + r["bwd_s"])
+    bott = max(statistics.median(v) for v in per_stage.values())
+    m = layout.schedule.microbatches
+    measured_bubble = max(0.0, 1.0 - m * bott / step) if step > 0 else None
+    predicted = plan.predicted.step_time_s
+    stages_rec = {"layout": layout.to_json(), "measured_step_s": step, "predicted_step_s": predicted,
+                  "measured_bubble_fraction": measured_bubble,
+                  "predicted_bubble_fraction": price.get("bubble_fraction"),
+                  "stage_fwd_plus_bwd_s_alone": {str(k): statistics.median(v) for k, v in per_stage.items()},
+                  "bubble_rule": "1 - M (f + b)_bottleneck / step; f, b: one microbatch on its stage alone"}
+    run = RunResult(
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        plan=str(plan_path), plan_sha256=sha256_file(plan_path), model=plan.model.name, world_size=world,
+        backend=opts.backend, placement={"kind": "block"}, batch_size=plan.model.batch_size, options=asdict(opts),
+        decompositions=(f"stages({layout.num_stages})",),
+        validation=Validation(passed=all(c.passed for c in checks), dtype=opts.validate_dtype, rtol=rtol, atol=atol,
+                              rule=RULE, checked=len(checks), checks=checks),
+        measured=Measured(step_time_s=step, step_times_s=tuple(res[0]["step_times_s"]),
+                          phases={"pipeline_step_s": step}, per_layer=(), grad_sync_bytes_per_step=0.0),
+        predicted=plan.predicted, prediction_error=(predicted - step) / step if step > 0 else None,
+        baseline=None, ratio_to_ddp=None, wall_s=time.perf_counter() - t0,
+        notes=(f"runtime: pipeline stages ({layout.schedule.torch_class}); measured bubble "
+               f"{measured_bubble:.2f} vs predicted {price.get('bubble_fraction', float('nan')):.2f}",),
+        extra={"stages": stages_rec})
+    progress(run.notes[0])
+    progress(f"step: measured {step * 1e3:.2f} ms, predicted {predicted * 1e3:.2f} ms")
+    out = choose_out_dir(plan, out_dir, passed=run.validation.passed)
+    write_run(run, out / "run.json")
+    v = run.validation
+    lines = [f"# {plan.model.name}: {layout.num_stages} pipeline stages on {world} ranks", "",
+             f"- stages: " + "; ".join(f"{s.index}: blocks [{s.first_layer}, {s.stop_layer}) on ranks {list(s.ranks)} "
+                                       f"(dp {s.dp} x tp {s.tp})" for s in layout.stages),
+             f"- schedule: {layout.schedule.torch_class}, {m} microbatches",
+             f"- validation ({v.dtype}, {v.rule}, rtol {v.rtol:g}, atol {v.atol:g}): "
+             f"{'passed' if v.passed else 'FAILED'}, {v.checked} tensors",
+             "", "| | measured | predicted |", "|---|---|---|",
+             f"| step | {step * 1e3:.3f} ms | {predicted * 1e3:.3f} ms |",
+             f"| bubble fraction | {measured_bubble:.3f} | {price.get('bubble_fraction', float('nan')):.3f} |", "",
+             f"Measured bubble: {stages_rec['bubble_rule']}."]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+    return run, out
+
+
+__all__ = ["execute_stages", "stage_layout"]
