@@ -74,3 +74,28 @@ def test_a_value_crossing_a_cut_backwards_is_refused_by_name():
     bad = SimpleNamespace(layers=[lay("a", "blocks.0", ["c"]), lay("b", "blocks.1", ["a"]), lay("c", "blocks.2", ["b"])])
     with pytest.raises(PipelineError, match="value c .*backwards"):
         crossing_values(bad, [0, 1, 2])
+
+
+@pytest.mark.dist
+def test_a_pipeline_plan_executes_and_validates_at_world_2(monkeypatch, tmp_path):
+    """plan --pipeline 2 then execute: float64 validation against one process passes; the run
+    records measured step and bubble beside the prediction."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    for k, v in {"AUTOPAR_GPT_LAYERS": "4", "AUTOPAR_GPT_EMBED": "16", "AUTOPAR_GPT_HEADS": "4",
+                 "AUTOPAR_GPT_SEQ": "8", "AUTOPAR_GPT_VOCAB": "32"}.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    res = make_plan(ROOT / "strategies/examples/gpt.py",
+                    PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "plan"), placement="block",
+                                trace_cache=False, pipeline=2, microbatches=4), PlanHooks(profile=prof))
+    run, out = execute(res.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False, timeout_s=120),
+                       out_dir=tmp_path / "run", progress=lambda *_: None)
+    assert run.validation.passed and run.validation.checked > 10
+    st = run.extra["stages"]
+    assert st["measured_step_s"] > 0 and st["predicted_step_s"] == pytest.approx(res.plan.predicted.step_time_s)
+    assert 0.0 <= st["measured_bubble_fraction"] <= 1.0 and st["predicted_bubble_fraction"] > 0
+    assert (out / "run.json").is_file() and (out / "report.md").is_file()
