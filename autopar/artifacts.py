@@ -300,18 +300,37 @@ def _layout(obj, layer: Any, fld: str):
 
 
 @dataclass(frozen=True)
+class DecompositionRef:
+    """A layer's decomposition as plan.json names it (key ``decomposition``): its ``kind`` and
+    its parameters, the fields of that kind's ``Decomposition`` dataclass in file order (e.g.
+    ``parts``, ``grid``); ``LayerDecision.decomposition()`` builds the value from it. A kind the
+    registry lacks is kept as read, so that the plan check names the layer and the field."""
+    kind: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{k: _plain(v) for k, v in self.params}}
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> "DecompositionRef":
+        obj = dict(obj)
+        kind = obj.pop("kind")
+        return DecompositionRef(str(kind), tuple((str(k), _frozen(v)) for k, v in obj.items()))
+
+
+@dataclass(frozen=True)
 class LayerDecision:
     """One layer's decomposition and what the cost model predicted for it.
 
     ``in_layouts`` / ``out_layout``: a ``Layout`` per value (``autopar.decomp.layout``; JSON
     ``[[dim, parts], ...]``, or ``{"splits": ..., "partial": p}`` for a partial sum);
-    ``decomposition_json`` is the decomposition's JSON (key ``decomposition`` in the file)."""
+    ``decomposition_ref`` names the decomposition (key ``decomposition`` in the file)."""
     layer: int
     name: str
     module: str
     kinds: tuple[str, ...]
     out_shape: tuple[int, ...]
-    decomposition_json: Mapping[str, Any]   # the decomposition's JSON; ``decomposition()`` builds it
+    decomposition_ref: DecompositionRef     # kind and parameters; ``decomposition()`` builds the value
     choice: str
     in_layouts: "Mapping[str, Layout]"    # value -> Layout
     out_layout: "Layout"
@@ -331,11 +350,11 @@ class LayerDecision:
 
     @property
     def kind(self) -> str:
-        return str(self.decomposition_json.get("kind", ""))
+        return self.decomposition_ref.kind
 
     def decomposition(self):
         """The ``Decomposition`` value (``autopar.decomp``), built on each call."""
-        return decomposition_from_json(dict(self.decomposition_json))
+        return decomposition_from_json(self.decomposition_ref.to_json())
 
     # predicted seconds of this layer (the cost model's, see ``predicted``)
     @property
@@ -357,7 +376,7 @@ class LayerDecision:
     def to_json(self) -> dict[str, Any]:
         out = {"layer": self.layer, "name": self.name, "module": self.module,
                "kinds": list(self.kinds), "out_shape": list(self.out_shape),
-               "decomposition": dict(self.decomposition_json), "choice": self.choice,
+               "decomposition": self.decomposition_ref.to_json(), "choice": self.choice,
                "in_layouts": {v: lay.to_json() for v, lay in self.in_layouts.items()},
                "out_layout": self.out_layout.to_json(),
                "predicted": self.predicted.to_json(), "source": self.source,
@@ -373,7 +392,7 @@ class LayerDecision:
         return LayerDecision(
             layer=int(obj["layer"]), name=str(obj.get("name", "")), module=str(obj.get("module") or ""),
             kinds=tuple(obj.get("kinds", ())), out_shape=tuple(int(x) for x in obj.get("out_shape", ())),
-            decomposition_json=dict(obj["decomposition"]), choice=str(obj.get("choice", "")),
+            decomposition_ref=DecompositionRef.from_json(obj["decomposition"]), choice=str(obj.get("choice", "")),
             in_layouts={str(v): _layout(lay, obj["layer"], f"in_layouts[{v!r}]")
                         for v, lay in (obj.get("in_layouts") or {}).items()},
             out_layout=_layout(obj.get("out_layout") or [], obj["layer"], "out_layout"),
@@ -726,7 +745,8 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
             lay = Layer.from_json(gl)
             decisions.append(LayerDecision(
                 layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
-                out_shape=tuple(lay.out_shape), decomposition_json=dec.to_json(), choice=str(dec),
+                out_shape=tuple(lay.out_shape), decomposition_ref=DecompositionRef.from_json(dec.to_json()),
+                choice=str(dec),
                 in_layouts={v: dec.in_layout(lay, v) for v in lay.inputs},
                 out_layout=dec.out_layout(lay), predicted=LayerPrice()))
     except (KeyError, TypeError, ValueError) as e:
@@ -870,7 +890,7 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
             want_out = dec.out_layout(layer)
         except Exception as e:  # a hand-edited decomposition the registry cannot build
             raise _bad(src, unit, f"layers[{i}].decomposition",
-                       f"{dict(d.decomposition_json)} cannot be built for this layer ({e.__class__.__name__}: {e})") from None
+                       f"{d.decomposition_ref.to_json()} cannot be built for this layer ({e.__class__.__name__}: {e})") from None
         for v, want in want_in.items():
             if d.in_layouts[v] != want:
                 raise _bad(src, unit, f"layers[{i}].in_layouts[{v!r}]",

@@ -287,7 +287,7 @@ def test_plan_of_decisions_only_gets_the_decompositions_layouts(plan):
     """What calibrate.overhead hands DistModel: world size, graph, one decomposition per layer."""
     from autopar.artifacts import plan_from_decisions
     obj = {"world_size": 2, "graph": dict(plan.graph_json),
-           "layers": [{"layer": d.layer, "decomposition": dict(d.decomposition_json)} for d in plan.layers]}
+           "layers": [{"layer": d.layer, "decomposition": d.decomposition_ref.to_json()} for d in plan.layers]}
     p = plan_from_decisions(obj)
     assert [(d.in_layouts, d.out_layout) for d in p.layers] == [(d.in_layouts, d.out_layout) for d in plan.layers]
     obj["layers"][0]["decomposition"] = {"kind": "diagonal"}

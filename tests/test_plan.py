@@ -31,7 +31,7 @@ def test_plan_writes_versioned_plan_and_module(tmp_path, root, prof_file, capsys
     assert plan.solver.status == "Optimal" and plan.solver.gap is not None
     assert plan.calibration["fingerprint"]["host"] == "synthetic"
     assert len(plan.layers) == len(plan.graph().layers)
-    assert all(l.source and l.decomposition_json for l in plan.layers)
+    assert all(l.source and l.decomposition_ref.kind for l in plan.layers)
     assert json.loads((out / "plan.json").read_text())["schema"] == "autopar.plan/2"
     mod = out / plan.generated
     py_compile.compile(str(mod), doraise=True)
