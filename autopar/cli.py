@@ -154,10 +154,10 @@ def cmd_plan(args) -> int:
     kinds = args.kinds.split(",") if args.kinds else None
     if args.kinds:
         from .decomp import REGISTRY
-        bad = [k for k in kinds if k not in REGISTRY]
+        bad = [k for k in kinds if k not in REGISTRY and k != "sharded"]   # sharded: plan-level (FSDP)
         if bad:
             from .errors import AutoparError
-            raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY)}")
+            raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY) + ['sharded']}")
     if args.cluster:
         _read_cluster(args)
     if args.exact:

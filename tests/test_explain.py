@@ -59,9 +59,11 @@ def test_fresh_plan_reprices_exactly_and_every_choice_wins(tmp_path, root, profi
     from autopar.planner import make_plan
     prof = tmp_path / "prof.json"
     save_profile(profile, prof)
+    from autopar.decomp import REGISTRY
+    # every per-layer kind, not the plan-level "sharded" (FSDP, which would meet the limit)
     r = make_plan(root / "strategies/examples/gpt.py",
                   PlanOptions(world_size=4, calibration=str(prof), out_dir=str(tmp_path / "p"),
-                              memory_limit_bytes=LIMIT))
+                              memory_limit_bytes=LIMIT, kinds=tuple(REGISTRY)))
     plan = load_plan(r.plan_path)
     assert (plan.runtime.expected == "traced" and len(plan.decompositions()) > 1), plan.decompositions()
     blocked_seen = 0

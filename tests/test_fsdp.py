@@ -316,9 +316,8 @@ def _load_and_step(rank, world, ck, name):
 def _one_process(ck):
     """Load the checkpoint into a single-process model and take the same step."""
     from autopar.train import sharded
-    torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny().double()          # in this (pytest's) process: the default dtype stays
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sd = sharded.state_dict(model, None)
     import torch.distributed.checkpoint as dcp
@@ -355,3 +354,83 @@ def test_checkpoint_round_trip_between_sharded_tp_and_dp_at_other_world(tmp_path
     m = _one_process(ck)
     for q, p in m.named_parameters():
         assert (p.detach().numpy() == want[q]).all(), q
+
+
+# ---- the planner: sharded data parallelism as a plan-level strategy --------------------------------
+
+#: under the synthetic profile the shipped GPT's data-parallel plan needs 0.49 MiB per rank at world 4
+LIMIT = 0.4 * 2**20
+
+
+@pytest.fixture(scope="module")
+def gpt_plans(tmp_path_factory, root=None):
+    from pathlib import Path
+
+    from fakes import synthetic_profile
+
+    from autopar.artifacts import PlanOptions
+    from autopar.planner import make_plan
+    from autopar.profile import save_profile
+    base = tmp_path_factory.mktemp("fsdp-plans")
+    prof = base / "prof.json"
+    save_profile(synthetic_profile(), prof)
+    gpt = Path(__file__).resolve().parents[1] / "strategies/examples/gpt.py"
+    out = {}
+    for name, world, limit, kinds in (("free", 4, None, None), ("limited", 4, LIMIT, None),
+                                      ("limited-w2", 2, 0.6 * 2**20, None), ("off", 4, LIMIT, ("sample", "replicate"))):
+        try:
+            out[name] = make_plan(gpt, PlanOptions(world_size=world, calibration=str(prof), out_dir=str(base / name),
+                                                   memory_limit_bytes=limit, kinds=kinds))
+        except AutoparError as e:
+            out[name] = e
+    return out
+
+
+def test_sharded_plan_chosen_under_a_limit_data_parallelism_misses(gpt_plans):
+    r = gpt_plans["limited"]
+    plan = r.plan
+    assert plan.runtime.expected == "fsdp"
+    sh = dict(plan.runtime.extra)["sharded"]
+    assert sh["axis"] == "dp" and sh["mesh"] == {"dp": 4} and sh["base"] == "native"
+    decs = [Sharded.from_json(v) for v in sh["units"].values() if v is not None]
+    assert decs and all(d.dp == 4 and d.check() is None for d in decs)
+    assert plan.predicted.memory_per_rank_bytes <= LIMIT
+    nat = next(s for s in plan.strategies if s.strategy == "native")
+    assert nat.illegal and "over the memory limit" in nat.illegal
+    assert any(s.chosen for s in plan.strategies if s.strategy == "sharded")
+
+
+def test_sharded_listed_with_its_prediction_when_not_chosen_and_off_by_kinds(gpt_plans):
+    free = gpt_plans["free"].plan
+    sh = [s for s in free.strategies if s.strategy == "sharded"]
+    assert sh and all(s.step_time_s is not None for s in sh)
+    chosen = next(s for s in free.strategies if s.chosen)
+    assert chosen.step_time_s <= min(s.step_time_s for s in free.strategies if s.illegal is None) * (1 + 1e-12)
+    off = gpt_plans["off"]
+    # without sharding, the per-layer kinds given cannot meet the limit, or the plan is traced
+    if isinstance(off, AutoparError):
+        assert "memory" in str(off).lower()
+    else:
+        assert off.plan.runtime.expected != "fsdp"
+        assert any("leaves out sharded" in (s.illegal or "") for s in off.plan.strategies)
+
+
+def test_sharded_plan_at_another_world_size_refused_naming_both(gpt_plans):
+    from autopar.artifacts import load_plan
+    from autopar.errors import PlanFileError
+    with pytest.raises(PlanFileError, match="4.*2|2.*4"):
+        load_plan(gpt_plans["limited"].plan_path, 2)
+
+
+@pytest.mark.dist
+def test_autopar_execute_validates_a_sharded_plan(gpt_plans, tmp_path):
+    """``autopar execute`` of the world-2 sharded plan: float64 validation against one process,
+    peak memory measured beside the prediction, plan / DDP and plan / FSDP2 timed."""
+    from autopar.execute.runner import ExecuteOptions, execute
+    r = gpt_plans["limited-w2"]
+    assert r.plan.runtime.expected == "fsdp", [(s.strategy, s.illegal) for s in r.plan.strategies]
+    run, out = execute(r.plan_path, ExecuteOptions(steps=3, warmup=1), out_dir=tmp_path / "run", progress=lambda s: None)
+    assert run.validation.passed and run.validation.checked > 10
+    sh = dict(run.extra)["sharded"]
+    assert sh["measured_peak_bytes_per_rank"] > 0 and sh["ratio_to_fsdp2"] > 0 and sh["ratio_to_ddp"] > 0
+    assert (out / "run.json").is_file()

@@ -71,12 +71,22 @@ on the shards. A unit not sharded (data parallel) contributes its all-reduce to 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
 
 from ..errors import AutoparError
 
 LEVELS = (1, 2, 3)
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+def unit_of(module: str) -> str:
+    """The planning unit (block) a module path belongs to: the path up to the first element of a
+    ``ModuleList`` / ``Sequential`` (``transformer.h.3.attn`` -> ``transformer.h.3``); "" (the
+    root) for a path outside every block."""
+    m = _BLOCK.match(module or "")
+    return m.group(1) if m else ""
 
 
 def shard_rows(d0: int, n: int, r: int) -> int:

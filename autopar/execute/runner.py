@@ -21,6 +21,8 @@ and writes ``RUNDIR/run.json`` (a ``RunResult``, ``autopar.artifacts``) with rep
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime as _dt
 import importlib.util
 import statistics
@@ -42,6 +44,7 @@ from ..profile.history import record
 from ..report.report import write_run_report
 from .stages import execute_stages
 from ..runtime.comm import Comm, create_groups
+from .fsdp import fsdp_main, sharded_record
 from ..runtime.entry import build_user_model, synthetic_batch
 from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from ..runtime.model import plan_groups
@@ -85,8 +88,11 @@ def _import_generated(path: Path):
 
 
 def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: ExecuteOptions) -> dict[str, Any]:
-    """One rank of a single plan on the whole world."""
-    return _mesh_main(load_plan(plan_path, world), plan_path, module_path, Comm.from_env(), opts)
+    """One rank of a single plan on the whole world (a sharded plan on torch's FSDP2: ``execute.fsdp``)."""
+    plan = load_plan(plan_path, world)
+    if plan.runtime is not None and plan.runtime.expected == "fsdp":
+        return fsdp_main(plan, plan_path, Comm.from_env(), opts)
+    return _mesh_main(plan, plan_path, module_path, Comm.from_env(), opts)
 
 
 def _runset_rank_main(rank: int, world: int, runset_path: str, module_paths: list[str],
@@ -304,6 +310,9 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     if plan.runtime is not None and plan.runtime.expected == "stages":     # pipeline stages (issue 41)
         return execute_stages(plan_path, plan, opts, out_dir, progress, _choose_out_dir, write_run_report)
     world = plan.world_size
+    sharded = plan.runtime is not None and plan.runtime.expected.startswith("fsdp")
+    if sharded:
+        sharded_record(plan)           # refused here, before any process starts, when not runnable
     module_path = check_plan_files(plan_path, plan)
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "
              f"{opts.warmup}+{opts.steps} timed steps, DDP baseline")
@@ -312,6 +321,13 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     results = rank_launch.run_ranks(_rank_main, world, args=(str(plan_path), str(module_path), opts),
                         backend=opts.backend, timeout_s=opts.timeout_s, placement=placement)
     run = run_result(plan, plan_path, opts, results[0], placement, time.perf_counter() - t0)
+    if sharded:
+        sh = results[0]["sharded"]
+        run = dataclasses.replace(run, extra={**run.extra, "sharded": sh})
+        progress(f"sharded: measured peak {sh['measured_peak_bytes_per_rank'] / 2**20:.2f} MiB per rank, predicted "
+                 f"{sh['predicted_memory_per_rank_bytes'] / 2**20:.2f} MiB ({sh['memory_measured_by']}); plan / FSDP2 "
+                 f"on every block {sh['ratio_to_fsdp2']:.2f}x" + (f", plan / DDP {sh['ratio_to_ddp']:.2f}x"
+                                                                 if sh["ratio_to_ddp"] is not None else ""))
     # the probe read after the timed steps joins this machine's speed history, which only plans
     # made with ``--speed-history`` read (``profile.history``)
     record(results[0].get("speed_probe_s"), "execute")

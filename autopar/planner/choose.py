@@ -9,7 +9,7 @@ from typing import Any
 
 from .load import Loaded, Request
 from .solve import Solved
-from .strategies import STRATEGIES, Choice, Offer, choose as choose_rule, offer_all
+from .strategies import STRATEGIES, Choice, Offer, choose as choose_rule, memory_fit, offer_all
 from .strategies.native import NAME as NATIVE
 from .strategies.op_by_op import NAME as OP_BY_OP
 
@@ -33,6 +33,8 @@ def choose(loaded: Loaded, solved: Solved, req: Request) -> Chosen:
     cands = offer_all(base)
     fallback = next(c for c in cands if c.strategy == OP_BY_OP)
     choice = choose_rule(cands, req.memory_limit_bytes, fallback)
+    if solved.infeasible is not None and memory_fit(choice.chosen.prediction, req.memory_limit_bytes) is not None:
+        raise solved.infeasible           # no strategy fits either: the solver's own words
     own = {name: s.record(base, choice) for name, s in STRATEGIES.items() if hasattr(s, "record")}
     records: dict[str, Any] = {}
     for rec in own.values():                 # registration order: a later record wins

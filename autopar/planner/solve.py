@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.table import evaluate
+from ..errors import InfeasiblePlan, SolverError
 from ..solve.ilp import solve as solve_ilp
 from ..solve.placement import PlacementResult, search_placement
 from .load import Request
@@ -21,6 +22,10 @@ class TableSolver:
     req: Request
     edges_s: list[float] = field(default_factory=list)
     solves_s: list[float] = field(default_factory=list)
+    # the solver's InfeasiblePlan under the memory limit, when it was raised: the table was then
+    # solved without the limit, so that plan-level strategies that store less than any choice per
+    # layer (sharded data parallelism) are still offered; ``choose`` raises it when none fits
+    infeasible: Exception | None = None
 
     def solve(self, table):
         t = time.perf_counter()
@@ -28,7 +33,22 @@ class TableSolver:
         self.edges_s.append(time.perf_counter() - t)
         t = time.perf_counter()
         o = self.req.options
-        s = solve_ilp(table, memory_limit_bytes=o.memory_limit_bytes, time_limit_s=o.time_limit_s, solver=o.solver)
+        if o.memory_limit_bytes is None:
+            s = solve_ilp(table, memory_limit_bytes=None, time_limit_s=o.time_limit_s, solver=o.solver)
+        else:
+            # the fastest plan without the limit first: when it fits, it is the answer under the limit
+            # too; when the limit cannot be met (or not within the time limit), it is what
+            # plan-level strategies that store less than any choice per layer start from
+            free = solve_ilp(table, memory_limit_bytes=None, time_limit_s=o.time_limit_s, solver=o.solver)
+            if evaluate(table, free.choice).memory_per_rank_bytes <= o.memory_limit_bytes:
+                s = free
+            else:
+                try:
+                    s = solve_ilp(table, memory_limit_bytes=o.memory_limit_bytes, time_limit_s=o.time_limit_s,
+                                  solver=o.solver)
+                except (InfeasiblePlan, SolverError) as e:
+                    self.infeasible = self.infeasible or e
+                    s = free
         self.solves_s.append(time.perf_counter() - t)
         return s
 
@@ -39,6 +59,7 @@ class Solved:
     placed: PlacementResult
     maker: TableMaker
     timings_s: dict[str, float]
+    infeasible: Exception | None = None   # the solver's InfeasiblePlan under the limit (TableSolver)
 
     @property
     def table(self):
@@ -64,4 +85,4 @@ def solve(traced: Traced, priced: Priced, req: Request) -> Solved:
     req.say(f"solved with {sol.solver} in {sol.time_s:.2f} s ({sol.status}, gap {sol.gap})"
             + (f"; {len(solves_s)} placements solved in {timings['solve_s']:.2f} s" if len(solves_s) > 1 else ""))
     req.say(placed.summary())
-    return Solved(placed, maker, timings)
+    return Solved(placed, maker, timings, solver.infeasible)

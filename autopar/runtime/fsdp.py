@@ -89,12 +89,36 @@ def check_tp_styles(model: nn.Module, tp_styles: Mapping[str, str]) -> None:
                                "keep this unit data parallel or sharded without tensor parallelism")
 
 
+ZERO3 = "zero3"
+
+
+def check_tied(model: nn.Module, units: Iterable[str]) -> None:
+    """Refuse, naming both, a parameter shared by two units (tied weights): FSDP2 manages a
+    parameter in the one unit that registers it, and the other would use it unmanaged. A tie
+    inside one unit or the root is fine (GPT-2's wte / lm_head are both the root's)."""
+    paths = sorted((u for u in units if u), key=len, reverse=True)
+
+    def owner(q: str) -> str:
+        return next((u for u in paths if q.startswith(u + ".")), "")
+    seen: dict[int, tuple[str, str]] = {}
+    for q, p in model.named_parameters(remove_duplicate=False):
+        u = owner(q)
+        if id(p) in seen and seen[id(p)][1] != u:
+            q0, u0 = seen[id(p)]
+            raise AutoparError(f"parameter {q0} (unit {u0 or '<root>'}) is tied to {q} (unit {u or '<root>'}): "
+                               f"two units cannot each shard one tensor",
+                               "make both one unit, or leave the shared parameter to the root (plan them unsharded)")
+        seen.setdefault(id(p), (q, u))
+
+
 def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
-                tp_styles: Mapping[str, str] | None = None, root: Sharded | None = None) -> nn.Module:
+                tp_styles: Mapping[str, str] | None = None, root: Sharded | None | str = ZERO3) -> nn.Module:
     """Apply the plan to ``model`` in place and return it (module docstring). ``mesh``: a
     ``DeviceMesh`` with a "dp" axis and, with ``tp_styles``, a "tp" axis; ``units``: module path
-    -> its decision (None: data parallel); ``root``: the root's (default level 3)."""
+    -> its decision (None: data parallel); ``root``: the root's (default ZeRO-3; None: data
+    parallel)."""
     tp_styles = dict(tp_styles or {})
+    check_tied(model, units)
     names = mesh.mesh_dim_names or ()
     if tp_styles:
         if "tp" not in names:
@@ -123,8 +147,11 @@ def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
             raise AutoparError(f"unit {path} is sharded over {s.dp} ranks, the mesh's data axis has {dp_mesh.size()}",
                                "execute the plan at the world size it was made for")
         fully_shard(m, mesh=dp_mesh, reshard_after_forward=(s.level == 3 and s.reshard_after_forward))
-    r = root if root is not None else Sharded(3, True, dp_mesh.size())
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=(r.level == 3 and r.reshard_after_forward))
+    if root is None:
+        fully_shard(model, mesh=replicate_mesh if replicate_mesh is not None else _replicate_mesh(dp_mesh))
+    else:
+        r = Sharded(3, True, dp_mesh.size()) if root == ZERO3 else root
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=(r.level == 3 and r.reshard_after_forward))
     model._autopar_units = dict(units)       # noqa: SLF001 - read by set_microbatch
     return model
 

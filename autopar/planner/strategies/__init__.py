@@ -180,3 +180,4 @@ def offer_all(base) -> list[Candidate]:
 
 # the built-in strategies (one import line each)
 from . import op_by_op, native, graphs  # noqa: E402,F401
+from . import sharded  # noqa: E402,F401

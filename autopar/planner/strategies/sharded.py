@@ -1,0 +1,264 @@
+"""Sharded data parallelism (FSDP / ZeRO) chosen per planning unit (``decomp.fsdp``), run on
+torch's FSDP2 (``runtime.fsdp``): a plan-level strategy on top of the native data-parallel plan.
+
+Units. A planning unit is a block: the module path up to an element of a ``ModuleList`` /
+``Sequential`` (``transformer.h.3``); parameters outside every block (embeddings, final norm,
+head) form the root unit, which ``fully_shard(model)`` holds. A unit's parameters are read from
+the layer graph (qualified names and shapes); its compute is the sum of its layers' priced
+forward and backward (transitions into them included) under the native plan.
+
+Choice. Each unit is data parallel or one of ``decomp.fsdp.candidates(world)`` (ZeRO-2, ZeRO-3 with
+reshard; ZeRO-1 needs gradient accumulation, which a plan does not carry yet). Units are ranked by
+their parameter bytes; the assignments tried are "the j largest at ZeRO-3, the next k at ZeRO-2,
+the rest data parallel" for every j, k (a grid of at most ``MAX_TRIES``), each priced by
+``decomp.fsdp.schedule`` (two streams, prefetch of one unit) and ``plan_memory_bytes``. Prices are
+stated against the native plan's own prediction: a sharded candidate's step is the native step
+plus ``schedule(assignment) - schedule(all data parallel)``, its memory the native memory less the
+units' data-parallel resident bytes plus the assignment's (so the all-data-parallel assignment
+prices exactly as the native plan). The fastest assignment that fits the memory limit is offered
+(without a limit: the fastest, which the chooser sets against every other candidate).
+
+plan.json: when chosen, ``runtime`` is ``{"expected": "fsdp", ..., "sharded": {"axis": "dp",
+"mesh": {"dp": P}, "units": {path: decision or null}, "root": decision}}`` (which units are sharded
+on which axis), and the candidate is listed among every alternative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ...cost.native import choose_runtime, native_choice
+from ...cost.table import evaluate
+from ...decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, plan_memory_bytes, schedule,
+                            unit_comm, unit_of)
+from ...profile.optimizer import optimizer_step_s
+from . import Candidate, memory_fit, register_strategy
+
+NAME = "sharded"
+MAX_TRIES = 400
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Units:
+    """A table's units in execution order (the root first), their parameters, and per layer the
+    index of its segment: consecutive layers of one unit (the root appears twice in a model whose
+    head follows its blocks)."""
+    names: tuple[str, ...]
+    params: tuple[UnitParams, ...]
+    segments: tuple[tuple[int, tuple[int, ...]], ...]   # (unit index, layer indices) in order
+    groups: tuple[int, ...] = ()                        # per unit: its data axis (gradient group size)
+
+
+def find_units(table, choice) -> Units:
+    """The units of ``table`` under ``choice``: each parameter as rank 0 holds it under its
+    layer's decision (``ParamShard.local_shape``; the whole parameter under data parallelism) and
+    the size of its gradient group (the ranks holding the same shard: the unit's data axis)."""
+    graph = table.graph
+    world = table.ctx.world
+    qual: dict[str, tuple[tuple[int, ...], int, int]] = {}
+    order: list[str] = [""]
+    layer_unit: list[str] = []
+    last = ""
+    for l, lay in enumerate(graph.layers):
+        mods = [op.module for op in lay.ops if op.module]
+        u = unit_of(mods[0]) if mods else (unit_of(lay.module) if lay.module else last)
+        dec = table.layers[l].choices[choice[l]]
+        for op in lay.ops:
+            for role, q in op.param_names.items():
+                if q in qual:
+                    continue
+                sh = dec.layer_param_shard(lay, op, role)
+                shape = tuple(int(x) for x in sh.local_shape(op.params[role], 0, world))
+                qual[q] = (shape, _ITEMSIZE.get(op.dtype, 4), len(sh.grad_group(0, world)))
+        if u not in order:
+            order.append(u)
+        layer_unit.append(u)
+        last = u
+    by_unit: dict[str, list] = {u: [] for u in order}
+    for q, v in qual.items():
+        u = unit_of(q.rsplit(".", 1)[0]) if "." in q else ""
+        by_unit[u if u in by_unit else ""].append(v)
+    params = tuple(UnitParams(u or "<root>", tuple(s for s, _, _ in by_unit[u]),
+                              max((i for _, i, _ in by_unit[u]), default=4)) for u in order)
+    groups = tuple(min((g for _, _, g in by_unit[u]), default=1) for u in order)
+    segs: list[tuple[int, list[int]]] = []
+    for li in table.topo:
+        k = order.index(layer_unit[li])
+        if segs and segs[-1][0] == k:
+            segs[-1][1].append(li)
+        else:
+            segs.append((k, [li]))
+    return Units(tuple(order), params, tuple((k, tuple(ls)) for k, ls in segs), groups)
+
+
+def _segment_times(table, choice, units: Units) -> list[UnitTime]:
+    table.ensure_edges()
+    fwd = [0.0] * len(table.layers)
+    bwd = [0.0] * len(table.layers)
+    for l, lo in enumerate(table.layers):
+        c = lo.costs[choice[l]]
+        fwd[l] += c.fwd_s
+        bwd[l] += c.bwd_s
+    for e in table.edges:
+        fwd[e.dst] += e.fwd_s[choice[e.src]][choice[e.dst]]
+        bwd[e.dst] += e.bwd_s[choice[e.src]][choice[e.dst]]
+    return [UnitTime(sum(fwd[l] for l in ls), sum(bwd[l] for l in ls)) for _, ls in units.segments]
+
+
+@dataclass(frozen=True)
+class Priced:
+    assignment: tuple[Sharded | None, ...]      # per unit (units.names order)
+    step_time_s: float
+    memory_bytes: float
+
+
+class _Pricer:
+    """Prices assignments for one table (module docstring)."""
+
+    def __init__(self, table, choice, native_pred):
+        ctx = table.ctx
+        self.units = find_units(table, choice)
+        self.world = ctx.world
+        self.times = _segment_times(table, choice, self.units)
+        prof = ctx.profile
+        self.k = float(ctx.optimizer_state_per_param)
+        # a unit's data axis: its gradient group, of g ranks; rank 0's group is ranks 0, w/g, ...
+        # (the sample axis is outermost) unless g is the world; its link from CostContext.level
+        self.levels = {g: ctx.level(range(0, ctx.world, ctx.world // g)) for g in set(self.units.groups) if g > 1}
+        self.coll = lambda kind, p, n: prof.collective_time_s(kind, p, n, self.levels.get(p, "inter"))  # noqa: E731
+        opt = lambda n, by: optimizer_step_s(prof, n, by) or 0.0  # noqa: E731
+        self.opt = opt
+        self.native = native_pred
+        self.comm_cache: dict = {}
+        dp = (None,) * len(self.units.names)
+        self.dp_sched = self._schedule(dp)
+        self.dp_mem = self._memory(dp)
+
+    def _comm(self, u: int, s: Sharded | None) -> UnitComm:
+        key = (u, s)
+        if key not in self.comm_cache:
+            self.comm_cache[key] = unit_comm(self.units.params[u], s, self.coll, self.opt,
+                                             world_dp=self.units.groups[u])
+        return self.comm_cache[key]
+
+    def _schedule(self, a) -> float:
+        comms, seen = [], set()
+        for k, _ in self.units.segments:
+            c = self._comm(k, a[k])
+            if k in seen:     # the root's second segment (the head): its collectives already counted
+                comms.append(UnitComm(0.0, 0, 0.0, 0.0))
+            else:
+                comms.append(c)
+                seen.add(k)
+        # a unit's gradient is complete when backward reaches its first segment: move the first
+        # segment's collectives there (it is the one issued last in backward) -- already so
+        return schedule(self.times, comms).step_time_s
+
+    def _memory(self, a) -> float:
+        return plan_memory_bytes(self.units.params, a, self.k, 0.0).total_bytes
+
+    def price(self, a) -> Priced:
+        t = float(self.native.step_time_s) + self._schedule(a) - self.dp_sched
+        m = float(self.native.memory_per_rank_bytes) - self.dp_mem + self._memory(a)
+        return Priced(tuple(a), t, m)
+
+    def assignments(self):
+        n = len(self.units.names)
+        zs = [{s.level: s for s in candidates(g)} if g > 1 else {} for g in self.units.groups]
+        rank = sorted(range(n), key=lambda u: -self.units.params[u].whole_bytes())
+        step = max(1, int((n + 1) ** 2 / MAX_TRIES) + 1) if (n + 1) ** 2 > MAX_TRIES else 1
+        js = sorted(set(list(range(0, n + 1, step)) + [n]))
+        for j in js:
+            for k in sorted(set(list(range(0, n - j + 1, step)) + [n - j])):
+                a: list = [None] * n
+                for u in rank[:j]:
+                    a[u] = zs[u].get(3)
+                for u in rank[j:j + k]:
+                    a[u] = zs[u].get(2)
+                yield tuple(a)
+
+
+def describe(names, a) -> str:
+    n3 = sum(1 for s in a if s is not None and s.level == 3)
+    n2 = sum(1 for s in a if s is not None and s.level == 2)
+    return f"{n3} unit(s) ZeRO-3, {n2} ZeRO-2, {len(a) - n3 - n2} data parallel of {len(a)}"
+
+
+@register_strategy
+class ShardedDataParallel:
+    name = NAME
+    priority = 2
+
+    def offer(self, base):
+        table = base.table
+        label = "sharded data parallel (FSDP2)"
+        if table.ctx.world < 2:
+            return (Candidate(NAME, label, illegal="one rank: nothing to shard", priority=self.priority),)
+        kinds = base.req.options.kinds
+        if kinds and NAME not in kinds:
+            return (Candidate(NAME, label, priority=self.priority,
+                              illegal=f"--kinds {','.join(kinds)} leaves out {NAME}"),)
+        if base.req.constrained:
+            return (Candidate(NAME, label, priority=self.priority,
+                              illegal="layers pinned or filtered: the ILP's plan is kept"),)
+        out = []
+        nat = native_choice(table)
+        if nat is not None:
+            _, nat_pred = choose_runtime(table, nat, evaluate, None)
+            out.append(self._best(base, tuple(nat), nat_pred, "fsdp", f"{label} over the native data-parallel plan"))
+        sol = tuple(base.solution.choice)
+        if nat is None or sol != tuple(nat):
+            # sharding the state the ILP's plan replicates (each parameter over its gradient group);
+            # priced, not yet executable: FSDP2 runs the user's module, the op-by-op runtime has no
+            # sharded state (``execute`` refuses it, naming why). Offered only where no executable
+            # candidate fits the memory limit, so that a plan that runs is never displaced by it.
+            c = self._best(base, sol, base.prediction, "fsdp+traced",
+                           "sharded state over the ILP's plan (priced; not executable yet)")
+            runnable = [x for x in out if x.illegal is None and memory_fit(x.prediction, base.memory_limit_bytes) is None]
+            if memory_fit(base.prediction, base.memory_limit_bytes) is None or runnable:
+                c = dataclasses.replace(c, illegal="not executable yet; offered only when no executable plan fits "
+                                                   "the memory limit")
+            out.append(c)
+        return tuple(c for c in out if c is not None)
+
+    def _best(self, base, choice, pred, runtime: str, label: str):
+        pricer = _Pricer(base.table, choice, pred)
+        limit = base.memory_limit_bytes
+        best = None
+        for a in pricer.assignments():
+            if all(s is None for s in a):
+                continue
+            p = pricer.price(a)
+            fits = limit is None or p.memory_bytes <= limit
+            key = (not fits, p.step_time_s if fits else p.memory_bytes)
+            if best is None or key < best[0]:
+                best = (key, p)
+        if best is None:
+            return Candidate(NAME, label, illegal="no unit has parameters on more than one rank",
+                             priority=self.priority)
+        p = best[1]
+        what = describe(pricer.units.names, p.assignment)
+        return Candidate(NAME, f"{label}: {what}",
+                         dataclasses.replace(pred, step_time_s=p.step_time_s, memory_per_rank_bytes=p.memory_bytes),
+                         table=base.table, choice=tuple(choice), runtime=runtime,
+                         priority=self.priority + (0 if runtime == "fsdp" else 1), detail=(pricer.units, p),
+                         note=f"sharded data parallelism chosen: {what}")
+
+    def record(self, base, choice) -> dict:
+        c = choice.chosen
+        if c.strategy != NAME:
+            return {}
+        units, p = c.detail
+        world = base.table.ctx.world
+        root = p.assignment[0]
+        sharded = {"axis": "dp", "mesh": {"dp": world}, "base": "native" if c.runtime == "fsdp" else "ilp",
+                   "units": {n: (s.to_json() if s is not None else None)
+                             for n, s in zip(units.names[1:], p.assignment[1:])},
+                   "root": root.to_json() if root is not None else None}
+        why = memory_fit(c.prediction, base.memory_limit_bytes)
+        return {"runtime": {"expected": c.runtime, "step_time_s": c.step_time_s,
+                            "reason": f"{c.label}" + ("" if why is None else f" ({why})"),
+                            "sharded": sharded}}
