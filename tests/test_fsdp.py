@@ -434,3 +434,73 @@ def test_autopar_execute_validates_a_sharded_plan(gpt_plans, tmp_path):
     sh = dict(run.extra)["sharded"]
     assert sh["measured_peak_bytes_per_rank"] > 0 and sh["ratio_to_fsdp2"] > 0 and sh["ratio_to_ddp"] > 0
     assert (out / "run.json").is_file()
+
+
+def _user_loop(rank, world, plan_path, wrong_plan_path):
+    """``autopar.parallelize`` of a sharded plan in a user's loop: AdamW, clipping, a scheduler,
+    gradient accumulation over 2 micro-batches, against one process; LBFGS refused at its step;
+    a plan for another world size refused naming both sizes."""
+    import importlib.util
+
+    import autopar
+    import autopar.train
+    from autopar.errors import PlanFileError
+    spec = importlib.util.spec_from_file_location("gpt_example", Path_(plan_path).parents[0] / "gpt_model.py")
+    mf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mf)
+    torch.manual_seed(0)
+    ref = mf.build_model().double()
+    model = mf.build_model().double()
+    model.load_state_dict(ref.state_dict())
+    out = {}
+    try:
+        autopar.parallelize(mf.build_model(), wrong_plan_path)
+    except PlanFileError as e:
+        out["wrong_world"] = str(e)
+    model = autopar.parallelize(model, plan_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, lambda s: 1.0 / (1 + s))
+    g = torch.Generator().manual_seed(3)
+    batch = 4
+    for step in range(2):
+        for k in range(2):
+            x = torch.randint(0, mf.VOCAB, (batch, mf.SEQ), generator=g)
+            y = torch.randint(0, mf.VOCAB, (batch, mf.SEQ), generator=g)
+            model.set_requires_gradient_sync(k == 1)
+            (mf.loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]) / 2).backward()
+            (mf.loss_fn(ref(x), y) / 2).backward()
+        n = autopar.train.clip_grad_norm_(model, 0.1)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        out.setdefault("norm_err", []).append(abs(n.item() - rn.item()))
+        opt.step(); ropt.step(); sched.step(); rsched.step(); opt.zero_grad(); ropt.zero_grad()  # noqa: E702
+    rp = dict(ref.named_parameters())
+    out["param_err"] = max((p.detach().full_tensor() - rp[q].detach()).abs().max().item()
+                           for q, p in model.named_parameters())
+    bad = torch.optim.LBFGS(model.parameters())
+    try:
+        bad.step(lambda: mf.loss_fn(model(x.chunk(world)[rank]), y.chunk(world)[rank]))
+    except AutoparError as e:
+        out["lbfgs"] = str(e)
+    return out
+
+
+def Path_(p):
+    from pathlib import Path
+    return Path(p)
+
+
+@pytest.mark.dist
+def test_parallelize_sharded_plan_in_a_user_loop(gpt_plans, tmp_path):
+    import shutil
+
+    from autopar.runtime.launch import run_ranks
+    r = gpt_plans["limited-w2"]
+    shutil.copy(Path_(__file__).resolve().parents[1] / "strategies/examples/gpt.py", r.plan_path.parent / "gpt_model.py")
+    res = run_ranks(_user_loop, 2, args=(str(r.plan_path), str(gpt_plans["limited"].plan_path)),
+                    start_method="fork", timeout_s=240)
+    for o in res:
+        assert o["param_err"] < 1e-10 and max(o["norm_err"]) < 1e-10, o
+        assert "LBFGS" in o["lbfgs"]
+        assert "world size 4" in o["wrong_world"] and "2 ranks" in o["wrong_world"]

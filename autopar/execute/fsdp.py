@@ -25,8 +25,8 @@ import statistics
 from typing import Any
 
 from ..decomp.fsdp import Sharded, unit_of
-from ..errors import PlanFileError
 from ..runtime import fsdp as rf
+from ..runtime.fsdp import sharded_record, units_of  # noqa: F401  (runner imports them from here)
 from ..runtime.entry import build_user_model, synthetic_batch
 from ..runtime.model import output_tensor
 from . import timing
@@ -35,32 +35,6 @@ from .validate import compare
 
 #: interleaved rounds of plan / DDP / FSDP2 timing
 ROUNDS = 6
-
-
-def sharded_record(plan) -> dict[str, Any]:
-    """plan.json's ``runtime.sharded`` (``planner.strategies.sharded``), checked before any
-    process starts: a ``PlanFileError`` naming the field when absent or not runnable."""
-    rt = plan.runtime
-    if rt is None or rt.expected not in ("fsdp", "fsdp+traced"):
-        raise PlanFileError("not a sharded plan (runtime.expected is not fsdp)", "plan with autopar plan")
-    rec = dict(rt.extra).get("sharded")
-    if not isinstance(rec, dict) or "units" not in rec:
-        raise PlanFileError("plan.json runtime.sharded is missing or has no units", "re-plan with autopar plan")
-    if rt.expected != "fsdp" or rec.get("base") != "native":
-        raise PlanFileError("this plan shards the state of an op-by-op plan: priced, but not executable yet "
-                            "(FSDP2 runs the user's module under data parallelism only)",
-                            "raise --memory-limit so that a sharded plan over data parallelism fits, or add ranks")
-    world = int(rec["mesh"]["dp"])
-    if world != plan.world_size:
-        raise PlanFileError(f"runtime.sharded is for {world} ranks, the plan for {plan.world_size}",
-                            "re-plan: the file was edited by hand?")
-    return rec
-
-
-def units_of(rec: dict[str, Any]) -> tuple[dict[str, Sharded | None], Sharded | None]:
-    units = {k: (Sharded.from_json(v) if v is not None else None) for k, v in rec["units"].items()}
-    units[""] = Sharded.from_json(rec["root"]) if rec.get("root") is not None else None
-    return units, units[""]
 
 
 def every_block(model) -> dict[str, Sharded]:

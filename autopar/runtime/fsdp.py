@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..decomp.fsdp import Sharded
-from ..errors import AutoparError
+from ..errors import AutoparError, PlanFileError
 
 #: optimizers whose update looks across elements (per-tensor norms, curvature): wrong on shards
 NON_ELEMENTWISE = ("LBFGS", "LAMB", "Lamb", "FusedLAMB", "LARS", "Lars", "Shampoo", "Adafactor", "Muon")
@@ -172,6 +172,32 @@ def set_microbatch(model: nn.Module, last: bool) -> None:
         if s is not None and s.level == 1:
             mods[path].set_requires_gradient_sync(last, recurse=False)
             mods[path].set_reshard_after_backward(last, recurse=False)
+
+
+def sharded_record(plan) -> dict[str, Any]:
+    """plan.json's ``runtime.sharded`` (``planner.strategies.sharded``), checked before any
+    process starts: a ``PlanFileError`` naming the field when absent or not runnable."""
+    rt = plan.runtime
+    if rt is None or rt.expected not in ("fsdp", "fsdp+traced"):
+        raise PlanFileError("not a sharded plan (runtime.expected is not fsdp)", "plan with autopar plan")
+    rec = dict(rt.extra).get("sharded")
+    if not isinstance(rec, dict) or "units" not in rec:
+        raise PlanFileError("plan.json runtime.sharded is missing or has no units", "re-plan with autopar plan")
+    if rt.expected != "fsdp" or rec.get("base") != "native":
+        raise PlanFileError("this plan shards the state of an op-by-op plan: priced, but not executable yet "
+                            "(FSDP2 runs the user's module under data parallelism only)",
+                            "raise --memory-limit so that a sharded plan over data parallelism fits, or add ranks")
+    world = int(rec["mesh"]["dp"])
+    if world != plan.world_size:
+        raise PlanFileError(f"runtime.sharded is for {world} ranks, the plan for {plan.world_size}",
+                            "re-plan: the file was edited by hand?")
+    return rec
+
+
+def units_of(rec: dict[str, Any]) -> tuple[dict[str, Sharded | None], Sharded | None]:
+    units = {k: (Sharded.from_json(v) if v is not None else None) for k, v in rec["units"].items()}
+    units[""] = Sharded.from_json(rec["root"]) if rec.get("root") is not None else None
+    return units, units[""]
 
 
 # ---- measured memory ----------------------------------------------------------------------------

@@ -12,11 +12,19 @@
 
 from ..runtime import fsdp as _fsdp
 from . import checkpoint as _checkpoint, optim as _optim, sharded as _sharded
-from .api import ModelMismatch, ParallelModule, init_distributed, parallelize
+from . import api as _api
+from .api import ModelMismatch, ParallelModule, init_distributed
 from .checkpoint import (CheckpointError, full_optimizer_state_dict, full_state_dict,
                          load_full_optimizer_state_dict, load_full_state_dict)
 from .data import BatchMismatch, BatchSharding, PlanSampler, plan_loader, shard_batch
 from .optim import check_optimizer, grad_norm
+
+
+def parallelize(model, plan, **kwargs):
+    """``api.parallelize``, or ``sharded.parallelize`` for a plan that runs on torch's FSDP2."""
+    if _sharded.is_sharded_plan(plan):
+        return _sharded.parallelize(model, plan, **kwargs)
+    return _api.parallelize(model, plan, **kwargs)
 
 
 def save(path, dmodel, optimizer=None, extra=None):

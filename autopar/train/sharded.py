@@ -156,3 +156,65 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
             v = dest[key]
             optimizer.state[params[qual]][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
     return _unblob(dest["extra"]) if dest["extra"] else {}
+
+
+# ---- autopar.parallelize of a sharded plan ------------------------------------------------------
+
+def is_sharded_plan(plan) -> bool:
+    """Whether the plan file ``plan`` runs on torch's FSDP2 (plan.json ``runtime.expected``)."""
+    from ..artifacts import load_plan
+    p = load_plan(Path(plan))
+    return p.runtime is not None and p.runtime.expected.startswith("fsdp")
+
+
+_HOOKED = False
+
+
+def _refuse_non_elementwise(optimizer, args, kwargs):
+    """A global optimizer step pre-hook: an optimizer over sharded (DTensor) parameters that is
+    not elementwise is refused at its first step, named (``runtime.fsdp.check_optimizer``)."""
+    from torch.distributed.tensor import DTensor
+
+    from ..runtime.fsdp import check_optimizer
+    if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+        check_optimizer(optimizer)
+
+
+def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
+    """``autopar.parallelize`` of a sharded plan: the user's module itself on FSDP2, units as
+    plan.json says (``runtime.fsdp.parallelize``), trainable in the user's loop (any elementwise
+    optimizer, ``autopar.train.clip_grad_norm_``, schedulers, ``set_requires_gradient_sync`` for
+    gradient accumulation, ``autopar.save``/``load``). Each rank feeds its block of the batch
+    (dim 0, ``batch.chunk(world)[rank]``) and back-propagates its block's mean loss (FSDP2 averages
+    over the ranks). Refused, naming both sizes, under a process group of another world size."""
+    global _HOOKED
+    from ..artifacts import load_plan
+    from ..errors import AutoparError, PlanFileError
+    from ..runtime import fsdp as rf
+    from .api import check_model, check_model_file
+    plan_path = Path(plan)
+    p = load_plan(plan_path)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AutoparError(f"autopar.parallelize needs a process group: plan {plan_path} runs on {p.world_size} ranks",
+                           f"start with torchrun --nproc-per-node {p.world_size} and init_process_group first")
+    world = dist.get_world_size()
+    if world != p.world_size:
+        raise PlanFileError(f"sharded plan {plan_path} was made for world size {p.world_size}, this process group "
+                            f"has {world} ranks", f"run with {p.world_size} processes, or re-plan with "
+                                                  f"--world-size {world}")
+    check_model_file(p, plan_path)
+    check_model(model, p)
+    rec = rf.sharded_record(p)
+    units, root = rf.units_of(rec)
+    if sync_module_states and world > 1:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+    dev = next((t.device.type for t in model.parameters()), "cpu")
+    rf.parallelize(model, rf.make_mesh(world, 1, dev), {k: v for k, v in units.items() if k}, root=root)
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_refuse_non_elementwise)
+        _HOOKED = True
+    model.autopar_plan = p
+    return model
