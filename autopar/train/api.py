@@ -53,6 +53,7 @@ from ..artifacts import Plan, load_plan
 from ..decomp.base import ParamShard
 from ..errors import AutoparError, PlanFileError
 from .mismatch import ModelMismatch, first_of, mismatches  # noqa: F401  (ModelMismatch re-exported)
+from .stages import PipelineModule
 
 class _GlobalLoss(torch.autograd.Function):
     """forward: the sum of every rank's share over the mesh (the single-process loss);
@@ -346,6 +347,12 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=comm.global_rank(0), group=comm.mesh_group)
+    if p.runtime is not None and p.runtime.expected == "stages":      # pipeline stages (issue 41)
+        from ..modelfile import load_model_file, model_env
+        with model_env(p.model_env()):
+            mf = load_model_file(p.model_file(plan_path))
+        x = mf.example_inputs(p.model.batch_size)[0]
+        return PipelineModule(model, p, loss_fn or mf.loss_fn(), x)
     cls = module_class or _load_generated_class(p, plan_path)
     train_cls = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {"__module__": __name__})
     kw = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..errors import AutoparError
 from .mismatch import FIRST_MISMATCHES, ModelMismatch, first_of, mismatches
+from .stages import PipelineModule, load as stages_load, save as stages_save
 
 FORMAT = "autopar.checkpoint/1"
 LATEST = "LATEST"
@@ -220,6 +221,14 @@ def _data_dir(path: Path) -> Path:
 def save(path: str | Path, dmodel, optimizer=None, extra: dict[str, Any] | None = None) -> Path:
     """Save the model (and optimizer, and ``extra``) to the checkpoint directory ``path``,
     atomically (module docstring). Collective: every rank calls it. Returns the data directory."""
+    if isinstance(dmodel, PipelineModule):          # pipeline stages: whole tensors per stage
+        if optimizer is not None:
+            raise CheckpointError("optimizer state of a pipeline plan is not checkpointed yet",
+                                  "save the model alone (autopar.train.save(path, dmodel))")
+        return stages_save(path, dmodel, {"extra": _blob(dict(extra or {})),
+                                          "autopar": _blob({"format": FORMAT, "model": dmodel.plan.model.name,
+                                                            "world_size": dist.get_world_size(),
+                                                            "stages": dmodel.layout.to_json()})})
     _need_default_group(dmodel)
     import torch.distributed.checkpoint as dcp
 
@@ -283,6 +292,12 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
     """Load a checkpoint saved under any plan or world size into ``dmodel`` (and
     ``optimizer``, built over ``dmodel.parameters()``); returns the saved ``extra``.
     Collective: every rank calls it."""
+    if isinstance(dmodel, PipelineModule):
+        if optimizer is not None:
+            raise CheckpointError("optimizer state of a pipeline plan is not checkpointed yet",
+                                  "load the model alone (autopar.train.load(path, dmodel))")
+        stages_load(path, dmodel)
+        return {}
     _need_default_group(dmodel)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

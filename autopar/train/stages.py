@@ -1,0 +1,121 @@
+"""The user's own loop under a pipeline-stage plan (issue 41 item 6): what ``autopar.parallelize``
+returns for a plan whose runtime is ``"stages"``, and its checkpoints.
+
+The step is the schedule's step: ``dmodel.loss(inputs, target)`` runs torch's schedule over the
+whole batch (every rank passes the same batch; each stage's dp group takes its rows), i.e. the
+forward AND the backward of every microbatch, averages the gradients over the stage's dp group,
+and returns the global loss (mean over microbatches and dp groups) on every rank. The returned
+tensor requires grad so that the loop's ``loss.backward()`` runs, but it is a no-op: the
+gradients are already in ``.grad``. ``dmodel.parameters()`` are the parameters this rank's stage
+holds (whole tensors; dp replicas hold equal copies), what the optimizer steps.
+
+Checkpoints (``save`` / ``load``) use torch.distributed.checkpoint with single-process names and
+whole tensors: each rank writes the parameters and buffers of its stage (replicas deduplicated
+by DCP), so a checkpoint covers the whole model and loads into any plan that reads
+single-process names (``autopar.train.checkpoint.load`` of a plan without stages, at any world
+size), and back. Optimizer state is not saved for pipeline plans (a stated limit).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..artifacts import Plan
+from ..decomp.stages import StageLayout
+from ..errors import AutoparError, PlanFileError
+from ..runtime.stages import build_runner
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage of a pipeline plan, driven by torch's schedule (module docstring)."""
+
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, example_inputs: torch.Tensor):
+        super().__init__()
+        rt = plan.runtime
+        extra = dict(rt.extra) if rt is not None else {}
+        if "stages" not in extra:
+            raise PlanFileError("plan.json has no pipeline stages (runtime.stages)", "re-plan with --pipeline")
+        self.plan = plan
+        self.layout = StageLayout.from_json(extra["stages"])
+        self.rank = dist.get_rank()
+        st = self.layout.stage_of(self.rank)
+        mb = example_inputs.shape[0] // st.dp // self.layout.schedule.microbatches
+        self.full = model                                   # every name kept (checkpoints), own stage trained
+        self.runner = build_runner(model, self.layout, self.rank, loss_fn, example_microbatch=example_inputs[:mb])
+        held = {id(p) for p in self.runner.parameters()}
+        self._held = {n: p for n, p in model.named_parameters() if id(p) in held}
+        mods = {id(b) for _, m in self.runner.modules for b in m.buffers()}
+        self._bufs = {n: b for n, b in model.named_buffers() if id(b) in mods}
+
+    def parameters(self, recurse: bool = True):          # what the optimizer steps: this stage's
+        return iter(self._held.values())
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return iter((prefix + n, p) for n, p in self._held.items())
+
+    def loss(self, inputs, target) -> torch.Tensor:
+        """The schedule's step on the whole batch; the global loss, the same on every rank."""
+        x = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        value = self.runner.step(x, target)
+        return value.detach().clone().requires_grad_(True)   # backward(): a no-op (grads are in .grad)
+
+    def forward(self, *args, **kwargs):
+        raise AutoparError("a pipeline plan runs forward and backward together in the schedule",
+                           "call dmodel.loss(inputs, target) in the training loop")
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def state_dict_local(self) -> dict[str, torch.Tensor]:
+        return {**{n: p.detach() for n, p in self._held.items()}, **{n: b for n, b in self._bufs.items()}}
+
+
+def save(path: str | Path, dmodel: PipelineModule, entries: dict[str, Any] | None = None) -> Path:
+    """Every rank writes its stage's parameters and buffers (single-process names, whole
+    tensors); ``path/LATEST`` names the data directory (written last, by rank 0). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    from ..io import atomic_write_text
+    path = Path(path)
+    name = [f"ckpt-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    data = path / name[0]
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    sd: dict[str, Any] = {f"model.{k}": v for k, v in dmodel.state_dict_local().items()}
+    sd.update(entries or {})           # opaque entries every rank writes alike (the saved ``extra``)
+    dcp.save(sd, checkpoint_id=str(data))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        atomic_write_text(path / "LATEST", data.name + "\n")
+    dist.barrier()
+    return data
+
+
+def load(path: str | Path, dmodel: PipelineModule) -> None:
+    """Fill this rank's stage from a checkpoint saved under any plan (single-process names);
+    a missing or misshapen entry is a named error. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    path = Path(path)
+    latest = path / "LATEST"
+    d = path / latest.read_text().strip() if latest.is_file() else path
+    md = FileSystemReader(str(d)).read_metadata().state_dict_metadata
+    mine = dmodel.state_dict_local()
+    for k, v in mine.items():
+        have = md.get(f"model.{k}")
+        if have is None or tuple(getattr(have, "size", ())) != tuple(v.shape):
+            raise AutoparError(f"checkpoint {path} has no entry model.{k} of shape {tuple(v.shape)}",
+                               "load a checkpoint saved from this model")
+    dest = {f"model.{k}": torch.empty_like(v) for k, v in mine.items()}
+    dcp.load(dest, checkpoint_id=str(d))
+    with torch.no_grad():
+        for k, v in mine.items():
+            v.copy_(dest[f"model.{k}"])
+
+
+__all__ = ["PipelineModule", "load", "save"]

@@ -1,0 +1,117 @@
+"""The user's loop under a pipeline plan (``autopar.parallelize`` -> ``dmodel.loss`` -> backward ->
+AdamW) against one process in float64, and checkpoints moving between a pipeline plan at world
+2 and a plan without stages at world 1, both ways (issue 41 item 6). Every computation runs in
+fresh ranks (the parent only plans and compares). Tolerance: 1e-12 relative + 1e-11 absolute
+(parameters after AdamW; see tests/test_stages_runtime.py for why)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.dist
+ENV = {"AUTOPAR_GPT_LAYERS": "4", "AUTOPAR_GPT_EMBED": "16", "AUTOPAR_GPT_HEADS": "4", "AUTOPAR_GPT_SEQ": "8",
+       "AUTOPAR_GPT_VOCAB": "32"}
+M = 4
+
+
+def _gpt():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_gpt_train_stages", ROOT / "strategies/examples/gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _batch(gpt):
+    import torch
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 32, (8, 8), generator=g), torch.randint(0, 32, (8, 8), generator=g)
+
+
+def _plain_step(rank, world, plan, ckpt_in, ckpt_out):
+    """Plan without stages (world 1): optionally load, one user-loop step, save; full params."""
+    import torch
+    import autopar
+    from autopar.train import full_state_dict, load, save
+    gpt = _gpt()
+    torch.manual_seed(1)
+    dm = autopar.parallelize(gpt.GPT().double(), plan)
+    if ckpt_in:
+        load(ckpt_in, dm)
+    before = {k: v.detach().numpy().copy() for k, v in full_state_dict(dm).items()}   # numpy: pickles plainly
+    if ckpt_out:
+        save(ckpt_out, dm)
+    return before
+
+
+def _pipeline_step(rank, world, plan, ckpt_in, ckpt_out):
+    """Pipeline plan (world 2): load a checkpoint of the plain plan, one user-loop step, save."""
+    import torch
+    import autopar
+    from autopar.train import load, save
+    gpt = _gpt()
+    torch.manual_seed(2)                       # other initial values: the checkpoint must set them
+    dm = autopar.parallelize(gpt.GPT().double(), plan, sync_module_states=False)
+    load(ckpt_in, dm)
+    loaded = {n: p.detach().numpy().copy() for n, p in dm.named_parameters()}
+    opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
+    x, y = _batch(gpt)
+    opt.zero_grad()
+    loss = dm.loss(x, y)
+    loss.backward()                            # a no-op: the schedule ran the backward
+    opt.step()
+    save(ckpt_out, dm)
+    return {"loss": loss.item(), "loaded": loaded}
+
+
+def _reference(rank, world, ckpt_b):
+    """One process: the plain plan's checkpoint loaded, the pipelined step's function (mean over
+    M microbatches), AdamW; the loss and the parameters."""
+    import torch
+    import autopar
+    from autopar.runtime.stages import reference_step
+    gpt = _gpt()
+    torch.manual_seed(1)
+    model = gpt.GPT().double()
+    x, y = _batch(gpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = reference_step(model, x, y, gpt.loss_fn, M)
+    opt.step()
+    return {"loss": float(loss), "params": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}}
+    _ = autopar, ckpt_b
+
+
+def test_checkpoints_move_between_a_pipeline_plan_and_a_plain_plan(monkeypatch, tmp_path):
+    import torch
+
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    from autopar.runtime.launch import run_ranks
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    model = ROOT / "strategies/examples/gpt.py"
+    pipe = make_plan(model, PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "pipe"), placement="block",
+                                        trace_cache=False, pipeline=2, microbatches=M), PlanHooks(profile=prof))
+    plain = make_plan(model, PlanOptions(world_size=1, batch_size=8, out_dir=str(tmp_path / "plain"),
+                                         placement="block", trace_cache=False), PlanHooks(profile=prof))
+    assert pipe.plan.runtime.expected == "stages"
+    ck_b, ck_a = tmp_path / "ck_plain", tmp_path / "ck_pipe"
+    # plain plan at world 1 writes its initial state (seed 1)
+    b0 = run_ranks(_plain_step, 1, args=(str(plain.plan_path), None, str(ck_b)), timeout_s=120)[0]
+    # the pipeline plan at world 2 loads it, trains one step, saves
+    res = run_ranks(_pipeline_step, 2, args=(str(pipe.plan_path), str(ck_b), str(ck_a)), timeout_s=120)
+    for r in res:
+        for n, p in r["loaded"].items():
+            assert (p == b0[n]).all(), n                          # plain -> pipeline: exact
+    # the plain plan at world 1 loads the pipeline's checkpoint: the one-process step's parameters
+    after = run_ranks(_plain_step, 1, args=(str(plain.plan_path), str(ck_a), None), timeout_s=120)[0]
+    ref = run_ranks(_reference, 1, args=(None,), timeout_s=120)[0]
+    assert res[0]["loss"] == res[1]["loss"] == pytest.approx(ref["loss"], rel=1e-12)
+    for n, want in ref["params"].items():
+        torch.testing.assert_close(torch.from_numpy(after[n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
