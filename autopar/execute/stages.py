@@ -26,6 +26,7 @@ from ..decomp.stages import StageLayout
 from ..errors import PlanFileError
 from ..modelfile import load_model_file, model_env
 from ..runtime import launch as rank_launch
+from ..runtime.stages import _all_chunks, _static_metas, build_runner, reference_step
 from .validate import RULE, compare
 
 
@@ -41,7 +42,6 @@ def stage_layout(plan: Plan) -> tuple[StageLayout, dict[str, Any]]:
 def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, opts) -> dict[str, Any]:
     import torch
 
-    from ..runtime.stages import _all_chunks, _static_metas, build_runner, reference_step
     layout = StageLayout.from_json(layout_json)
     with model_env(env):
         mf = load_model_file(model_path)
