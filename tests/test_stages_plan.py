@@ -54,9 +54,17 @@ def test_pipeline_auto_prices_every_feasible_count(gpt8):
     assert all(s.step_time_s is not None or s.illegal for s in stages)
 
 
+def test_a_v_shaped_zero_bubble_schedule_is_planned_with_two_chunks_per_rank(gpt8):
+    rt = _plan(gpt8, pipeline=2, schedule="zbv", microbatches=4).plan.runtime.to_json()
+    assert rt["stages"]["schedule"] == {"name": "zbv", "microbatches": 4, "virtual": 2,
+                                        "torch_class": "ScheduleZBVZeroBubble"}
+
+
 def test_infeasible_stage_counts_are_named(gpt8):
     with pytest.raises(PipelineError, match=r"feasible stage counts \[2, 4\]"):
         _plan(gpt8, pipeline=3)
+    with pytest.raises(PipelineError, match="not one of torch's schedules"):
+        _plan(gpt8, pipeline=2, schedule="zigzag")
     with pytest.raises(PipelineError, match="without memory"):
         _plan(gpt8, pipeline=2, memory_limit_bytes=64 * 1024)
 

@@ -26,7 +26,7 @@ import re
 from ...artifacts import PlanHooks
 from ...cost.stages import search_stages
 from ...cost.table import StepPrediction
-from ...decomp.stages import Schedule, StageCost, cut_send_time_s, even_layout, feasible_stage_counts
+from ...decomp.stages import SCHEDULES, Schedule, StageCost, cut_send_time_s, even_layout, feasible_stage_counts
 from ...errors import PipelineError
 from . import Candidate, register_strategy
 
@@ -72,6 +72,11 @@ class PipelineStages:
         mode, fixed = _requested(o)
         if mode == "off":
             return ()
+        sched_name = getattr(o, "schedule", None) or "1f1b"
+        if sched_name not in SCHEDULES:
+            raise PipelineError(f"--schedule {sched_name!r} is not one of torch's schedules here",
+                                f"use one of {', '.join(SCHEDULES)}")
+        virtual = 1 if SCHEDULES[sched_name][1] == 1 else 2      # interleaved / V-shaped: 2 chunks per rank
         units = block_units(base.graph)
         world, batch = base.req.world, base.loaded.batch_size
         if units is None:
@@ -81,12 +86,11 @@ class PipelineStages:
             return (Candidate(NAME, "pipeline stages", illegal=why, priority=self.priority),)
         n_units = max(units) + 1
         crossing_values(base.graph, units)           # refuses a value crossing a cut backwards
-        feasible = [s for s in feasible_stage_counts(n_units, world) if s > 1]
+        feasible = [s for s in feasible_stage_counts(n_units, world, virtual) if s > 1]
         if mode == "fixed" and fixed not in feasible:
             raise PipelineError(f"--pipeline {fixed} is not feasible for {n_units} blocks on {world} ranks",
                                 f"use one of the feasible stage counts {feasible} (or --pipeline auto|off)")
         counts = [fixed] if mode == "fixed" else feasible
-        sched_name = getattr(o, "schedule", None) or "1f1b"
         m_fixed = getattr(o, "microbatches", None)
         profile = base.loaded.profile
         subplans: dict[tuple[int, int], list[StageCost]] = {}
@@ -114,7 +118,7 @@ class PipelineStages:
             best = None
             for m in ms:
                 sr = search_stages(n_units, world, batch, unit_cost, cut, stage_counts=[s_count], microbatches=m,
-                                   schedule=sched_name, memory_limit_bytes=base.memory_limit_bytes)
+                                   schedule=sched_name, virtual=virtual, memory_limit_bytes=base.memory_limit_bytes)
                 records.extend(op.to_json() for op in sr.options)
                 if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
                     best = sr.best
@@ -124,8 +128,8 @@ class PipelineStages:
                 cands.append(Candidate(NAME, f"pipeline {s_count} stages", illegal=why, priority=self.priority,
                                        forced=mode == "fixed"))
                 continue
-            layout = even_layout(n_units, world, s_count, Schedule(sched_name, best.microbatches),
-                                 cuts=best.cuts)
+            layout = even_layout(n_units, world, s_count, Schedule(sched_name, best.microbatches, virtual),
+                                 cuts=best.cuts if virtual == 1 else None)   # V chunks: cut evenly
             p = best.price
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
