@@ -137,6 +137,14 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
         x = torch.randint(0, 32, (batch, 8))
         y = torch.randint(0, 32, (batch, 8))
         loss_fn, heads = gpt.loss_fn, 4
+    elif kind == "hf_gpt2":     # Hugging Face GPT-2: its embedding is tied to the head (stages 0 and 1)
+        from autopar.modelfile import load_model_file, model_env
+        with model_env({"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4",
+                        "AUTOPAR_HF_SEQ": "8", "AUTOPAR_HF_VOCAB": "32"}):
+            mf = load_model_file(ROOT / "strategies/examples/hf_gpt2.py")
+            model = mf.build_model().double()
+            x, y = mf.example_inputs(batch)[0], mf.example_targets(batch)
+        loss_fn = mf.loss_fn()
     elif kind == "two_values":
         model = _two_value_model(4).double()
         x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 3, (batch,))
@@ -212,6 +220,10 @@ def test_gpt_two_stages_with_tensor_parallelism_inside_world_4():
 
 def test_gpt_four_stages_world_4():
     _run(4, "gpt", "1f1b", 4)
+
+
+def test_hf_gpt2_with_its_tied_embedding_on_two_stages():
+    _run(2, "hf_gpt2", "1f1b", 2)
 
 
 def test_cut_crossed_by_two_values():

@@ -77,6 +77,22 @@ def pipeline_parts(model: nn.Module) -> tuple[nn.Module | None, Sequence[nn.Modu
                         "GPT-2, or a module with pipeline_parts() -> (pre, blocks, post)")
 
 
+class _LogitsOutput:
+    """What a Hugging Face causal LM returns, as far as a loss reads it: ``.logits``."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def stage_loss(model: nn.Module, loss_fn: Callable) -> Callable:
+    """The loss the last stage calls: ``loss_fn`` itself, or for a Hugging Face LM (whose last
+    stage ends at ``lm_head``, a tensor) ``loss_fn`` on an object with ``.logits``, as the user's
+    loss reads the model's output."""
+    if hasattr(model, "lm_head") and hasattr(getattr(model, "transformer", None), "h"):
+        return lambda out, target: loss_fn(_LogitsOutput(out), target)
+    return loss_fn
+
+
 def _call_block(block: nn.Module, values: tuple) -> tuple:
     out = block(*values)
     if isinstance(out, tuple):
@@ -304,6 +320,7 @@ class StageRunner:
     groups: StageGroups
     schedule: Any
     loss_fn: Callable
+    tied: tuple = ()            # (parameter, group of its holders' peers): gradients summed (tied weights)
 
     @property
     def stage(self):
@@ -328,6 +345,10 @@ class StageRunner:
         args = (x,) if first else ()
         kw = {"target": y, "losses": losses} if last else {}
         self.schedule.step(*args, **kw)
+        for p, g in self.tied:               # a weight used on several stages (tied embeddings): sum its parts
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=g)
         if self.groups.dp is not None:       # one all-reduce of every gradient, flattened
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -390,17 +411,43 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
         shard_gpt_blocks(model, heads, groups.coords[1], st.tp, groups.tp)
     modules = stage_modules(model, layout, st.index)
     n_chunks = layout.num_stages * layout.schedule.virtual
+    every = _all_chunks(model, layout)
+    tied = _tied_groups(model, layout, every, rank)
     metas: dict[int, tuple] = {}
     if example_microbatch is not None:
-        every = _all_chunks(model, layout)
         metas = dict(enumerate(_static_metas(every, example_microbatch)))
     stages = [PipelineStage(m, c, n_chunks, torch.device("cpu"), group=groups.pipeline,
                             **({"input_args": metas[c][0], "output_args": metas[c][1]} if metas else {}))
               for c, m in modules]
     cls = _schedule_class(layout.schedule.name)
     m = layout.schedule.microbatches
-    schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=loss_fn, scale_grads=True)
-    return StageRunner(layout, rank, modules, groups, schedule, loss_fn)
+    schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=stage_loss(model, loss_fn),
+                   scale_grads=True)
+    return StageRunner(layout, rank, modules, groups, schedule, loss_fn, tied)
+
+
+def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule], rank: int) -> tuple:
+    """Parameters used by chunks of several stages (GPT-2's embedding tied to its head): for each,
+    one group per (d, t) coordinate over the peers of the stages holding it, so that each stage's
+    part of the gradient is summed into the whole (Megatron's embedding group). Every rank
+    creates every group, in name order (collective)."""
+    stage_of_chunk = {c: s for s in range(layout.num_stages) for c in chunks_of_stage(layout, s)}
+    holders: dict[int, set[int]] = {}
+    for c, mod in enumerate(every):
+        for p in mod.parameters():
+            holders.setdefault(id(p), set()).add(stage_of_chunk[c])
+    out = []
+    size = len(layout.stages[0].ranks)
+    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        st = sorted(holders.get(id(p), ()))
+        if len(st) < 2:
+            continue
+        for idx in range(size):
+            ranks = [layout.stages[s].ranks[idx] for s in st]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                out.append((p, g))
+    return tuple(out)
 
 
 def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
