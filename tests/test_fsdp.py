@@ -504,3 +504,19 @@ def test_parallelize_sharded_plan_in_a_user_loop(gpt_plans, tmp_path):
         assert o["param_err"] < 1e-10 and max(o["norm_err"]) < 1e-10, o
         assert "LBFGS" in o["lbfgs"]
         assert "world size 4" in o["wrong_world"] and "2 ranks" in o["wrong_world"]
+
+
+def test_step_peak_by_hand():
+    from autopar.decomp.fsdp import step_peak_bytes
+    root = UnitParams("<root>", ((100,),), itemsize=1)        # F = 100
+    blk = UnitParams("b", ((400,),), itemsize=1)              # F = 400, S = 100 at 4 ranks
+    z3 = Sharded(3, True, 4)
+    # execution order: root (embedding), b, root (head); activations 10, 50, 5
+    m = step_peak_bytes([root, blk], [z3, z3], 1.0, [0, 1, 0], [10.0, 50.0, 5.0])
+    res = 3 * 25 + 3 * 100                                    # (param + grad + 1 state) x shard
+    # forward: root gathered (100) throughout; in b: + b gathered (400) -> res + 60 + 500
+    # backward in b: res + 60 + b gathered + b grad + root prefetched (100) = res + 60 + 900
+    assert m.resident_bytes == res and m.activation_bytes == 65
+    assert m.total_bytes == res + 60 + 900
+    dp = step_peak_bytes([root, blk], [None, None], 1.0, [0, 1, 0], [10.0, 50.0, 5.0])
+    assert dp.total_bytes == 3 * 500 + 65                     # everything whole, all activations

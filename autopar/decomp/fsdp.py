@@ -336,6 +336,56 @@ def plan_memory_bytes(units: Sequence[UnitParams], decisions: Sequence[Sharded |
     return PlanMemory(res, trans, float(activation_bytes))
 
 
+def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | None], optim_copies: float,
+                    segments: Sequence[int], segment_acts: Sequence[float], root: int = 0) -> PlanMemory:
+    """The peak of one step, walked in execution order (the refinement of ``plan_memory_bytes``
+    that ``planner.strategies.sharded`` prices with). ``segments``: the unit of each stretch of
+    consecutive layers in execution order (the root twice when its head follows the blocks),
+    ``segment_acts``: the activation bytes each stretch saves for backward::
+
+        resident  = sum_u resident_u        (unit_memory; levels 1, 2 hold F from forward on: counted
+                                             throughout, an upper bound before their forward)
+        gathered_u = F_u at level 3 with reshard (in use), else 0 (held already, or whole)
+        grad_u     = F_u for a sharded unit (its whole gradient before the reduce-scatter), else 0
+        forward, end of stretch i (unit u, next unit n):
+            resident + acts(0..i) + F_root (level 3: gathered for the whole forward) + gathered_u
+                     + gathered_n (prefetched)
+        backward, stretch i (unit u, previous unit q):
+            resident + acts(0..i) + gathered_u + grad_u + gathered_q (prefetched)
+        peak = the largest of these
+
+    Activations are freed in backward as it passes each stretch; the whole gradient of a unit
+    exists only during its backward, while the activations of the later stretches are gone."""
+    res = sum(unit_memory(u, s, optim_copies).resident_bytes for u, s in zip(params, decisions))
+
+    def gathered(u: int) -> float:
+        s = decisions[u]
+        return params[u].whole_bytes() if s is not None and s.level == 3 and s.reshard_after_forward else 0.0
+
+    def grad(u: int) -> float:
+        return params[u].whole_bytes() if decisions[u] is not None else 0.0
+    root_fwd = gathered(root)
+    n = len(segments)
+    acts, peak = 0.0, res
+    for i, u in enumerate(segments):
+        acts += segment_acts[i]
+        nxt = segments[i + 1] if i + 1 < n else None
+        held = res + acts + root_fwd + (gathered(u) if u != root else 0.0)
+        if nxt is not None and nxt not in (u, root):
+            held += gathered(nxt)
+        peak = max(peak, held)
+    for i in reversed(range(n)):
+        u = segments[i]
+        prev = segments[i - 1] if i > 0 else None
+        held = res + acts + gathered(u) + grad(u)
+        if prev is not None and prev != u:
+            held += gathered(prev)
+        peak = max(peak, held)
+        acts -= segment_acts[i]
+    total_acts = float(sum(segment_acts))
+    return PlanMemory(res, max(0.0, peak - res - total_acts), total_acts)
+
+
 @dataclass(frozen=True)
 class TiedGroup:
     """Parameters shared by several units (tied weights): sharded together with the first unit

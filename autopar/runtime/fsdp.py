@@ -222,8 +222,11 @@ class LiveBytes:
             t = t._local_tensor                # noqa: SLF001
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        try:
-            self._refs.setdefault(id(t), weakref.ref(t))
+        r = self._refs.get(id(t))
+        if r is not None and r() is t:
+            return
+        try:       # a new tensor at the id of a dead one (ids are reused): watch the new one
+            self._refs[id(t)] = weakref.ref(t)
         except TypeError:
             pass
 

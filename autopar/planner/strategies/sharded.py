@@ -11,7 +11,7 @@ Choice. Each unit is data parallel or one of ``decomp.fsdp.candidates(world)`` (
 reshard; ZeRO-1 needs gradient accumulation, which a plan does not carry yet). Units are ranked by
 their parameter bytes; the assignments tried are "the j largest at ZeRO-3, the next k at ZeRO-2,
 the rest data parallel" for every j, k (a grid of at most ``MAX_TRIES``), each priced by
-``decomp.fsdp.schedule`` (two streams, prefetch of one unit) and ``plan_memory_bytes``. Prices are
+``decomp.fsdp.schedule`` (two streams, prefetch of one unit) and ``step_peak_bytes``. Prices are
 stated against the native plan's own prediction: a sharded candidate's step is the native step
 plus ``schedule(assignment) - schedule(all data parallel)``, its memory the native memory less the
 units' data-parallel resident bytes plus the assignment's (so the all-data-parallel assignment
@@ -31,8 +31,8 @@ from typing import Any
 
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
-from ...decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, plan_memory_bytes, schedule,
-                            unit_comm, unit_of)
+from ...decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, schedule, step_peak_bytes, unit_comm,
+                            unit_of)
 from ...profile.optimizer import optimizer_step_s
 from . import Candidate, memory_fit, register_strategy
 
@@ -123,6 +123,8 @@ class _Pricer:
         self.units = find_units(table, choice)
         self.world = ctx.world
         self.times = _segment_times(table, choice, self.units)
+        self.seg_acts = [sum(table.layers[l].costs[choice[l]].activation_bytes for l in ls)
+                         for _, ls in self.units.segments]
         prof = ctx.profile
         self.k = float(ctx.optimizer_state_per_param)
         # a unit's data axis: its gradient group, of g ranks; rank 0's group is ranks 0, w/g, ...
@@ -158,7 +160,10 @@ class _Pricer:
         return schedule(self.times, comms).step_time_s
 
     def _memory(self, a) -> float:
-        return plan_memory_bytes(self.units.params, a, self.k, 0.0).total_bytes
+        """Parameters, gradients, optimizer state and activations at the step's peak
+        (``step_peak_bytes``); the native prediction's other bytes are added by ``price``."""
+        return step_peak_bytes(self.units.params, a, self.k, [k for k, _ in self.units.segments],
+                               self.seg_acts).total_bytes
 
     def price(self, a) -> Priced:
         t = float(self.native.step_time_s) + self._schedule(a) - self.dp_sched
