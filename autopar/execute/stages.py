@@ -36,6 +36,10 @@ def stage_layout(plan: Plan) -> tuple[StageLayout, dict[str, Any]]:
     extra = dict(rt.extra) if rt is not None else {}
     if rt is None or rt.expected != "stages" or "stages" not in extra:
         raise PlanFileError("plan.json has no pipeline stages (runtime.stages)", "re-plan with --pipeline")
+    if extra.get("executable") is False:
+        raise PlanFileError(f"the plan's stages use sub-plans of kinds {extra.get('sub_plan_kinds')}, which the "
+                            "stage runtime does not execute yet (it runs data parallelism inside a stage)",
+                            "re-plan with a memory limit data-parallel stages fit, or more stages")
     return StageLayout.from_json(extra["stages"]), dict(extra.get("price") or {})
 
 

@@ -13,9 +13,12 @@ and prices the schedule (``decomp.stages.price_pipeline``). The stage layout and
 priced go to plan.json's ``runtime`` record (``expected: "stages"``).
 
 Limits (stated, not hidden): one sub-plan per (sub-mesh, microbatch) cut into ranges, rather
-than one solve per (layer range, sub-mesh); sub-plans are data parallel only (tensor
-parallelism inside a stage runs in ``runtime.stages`` but is not offered here yet); the plan's
-per-layer decisions are the whole-world solver's, the stages are in the runtime record.
+than one solve per (layer range, sub-mesh). Sub-plans are data parallel inside each stage
+(what ``runtime.stages`` executes from a plan); only when no such stage fits the memory limit
+are the solver's own sub-plans (tensor parallel...) priced under half the limit, recorded with
+``executable: false`` (tensor parallelism inside a stage runs in ``runtime.stages`` for plain GPT
+blocks, but plans do not drive it yet). The plan's per-layer decisions are the whole-world
+solver's; the stages are in the runtime record.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ...artifacts import PlanHooks
 from ...cost.stages import search_stages
 from ...cost.table import StepPrediction
 from ...decomp.stages import SCHEDULES, Schedule, StageCost, cut_send_time_s, even_layout, feasible_stage_counts
-from ...errors import PipelineError
+from ...errors import InfeasiblePlan, PipelineError
 from . import Candidate, register_strategy
 
 NAME = "stages"
@@ -93,13 +96,15 @@ class PipelineStages:
         counts = [fixed] if mode == "fixed" else feasible
         m_fixed = getattr(o, "microbatches", None)
         profile = base.loaded.profile
-        subplans: dict[tuple[int, int], list[StageCost]] = {}
+        subplans: dict[tuple[str, int, int], tuple[list[StageCost], tuple[str, ...]]] = {}
 
-        def unit_cost(i, dp, tp, mb):
-            key = (dp, mb)
-            if key not in subplans:
-                subplans[key] = _unit_costs(base, dp, dp * mb, units, n_units)
-            return subplans[key][i]
+        def unit_cost_of(mode_: str):
+            def unit_cost(i, dp, tp, mb):
+                key = (mode_, dp, mb)
+                if key not in subplans:
+                    subplans[key] = _unit_costs(base, dp, dp * mb, units, n_units, mode_)
+                return subplans[key][0][i]
+            return unit_cost
 
         cands, records = [], []
         for s_count in counts:
@@ -115,13 +120,20 @@ class PipelineStages:
                 records.append({"stages": s_count, "refused": f"batch {batch} does not split into {size} ranks x "
                                                               f"M >= {s_count} microbatches"})
                 continue
-            best = None
-            for m in ms:
-                sr = search_stages(n_units, world, batch, unit_cost, cut, stage_counts=[s_count], microbatches=m,
-                                   schedule=sched_name, virtual=virtual, memory_limit_bytes=base.memory_limit_bytes)
-                records.extend(op.to_json() for op in sr.options)
-                if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
-                    best = sr.best
+            best, sub_mode = None, "data_parallel"
+            # sub-plans data parallel inside each stage (what the stage runtime executes); when no
+            # such stage fits the memory limit, the solver's own sub-plans under half the limit
+            # (tensor parallel and the rest: priced and recorded, not executable yet)
+            for mode_ in ("data_parallel", "solver"):
+                if mode_ == "solver" and (best is not None or base.memory_limit_bytes is None):
+                    break
+                for m in ms:
+                    sr = search_stages(n_units, world, batch, unit_cost_of(mode_), cut, stage_counts=[s_count],
+                                       microbatches=m, schedule=sched_name, virtual=virtual,
+                                       memory_limit_bytes=base.memory_limit_bytes)
+                    records.extend({**op.to_json(), "sub_plans": mode_} for op in sr.options)
+                    if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
+                        best, sub_mode = sr.best, mode_
             if best is None:
                 why = next((r["refused"] for r in reversed(records) if r.get("stages") == s_count and "refused" in r),
                            "nothing fits")
@@ -138,7 +150,10 @@ class PipelineStages:
                                    table=base.table, choice=tuple(base.solution.choice), runtime="stages",
                                    forced=mode == "fixed", priority=self.priority,
                                    note=f"pipeline stages: {layout.to_json()['stages']}",
-                                   detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records}))
+                                   detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
+                                           "sub_plans": sub_mode,
+                                           "sub_plan_kinds": list(subplans[(sub_mode, best.dp, best.microbatch)][1]),
+                                           "executable": sub_mode == "data_parallel"}))
         if mode == "fixed" and all(c.illegal for c in cands):
             fits = sorted({r["stages"] for r in records if "refused" not in r})
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
@@ -157,17 +172,27 @@ class PipelineStages:
         return {"runtime": {"expected": "stages", "step_time_s": c.step_time_s,
                             "reason": f"{c.label}: predicted {c.step_time_s * 1e3:.3f} ms, the fastest legal plan",
                             "stages": c.detail["layout"], "price": c.detail["price"],
+                            "sub_plans": c.detail["sub_plans"], "sub_plan_kinds": c.detail["sub_plan_kinds"],
+                            "executable": c.detail["executable"],
                             "stage_counts_priced": priced}}
 
 
-def _unit_costs(base, world: int, batch: int, units: list[int], n_units: int) -> list[StageCost]:
-    """The model planned data-parallel on ``world`` ranks for ``batch`` samples (one microbatch of
-    a stage), its per-layer costs summed per block."""
+def _unit_costs(base, world: int, batch: int, units: list[int], n_units: int,
+                mode: str = "data_parallel") -> tuple[list[StageCost], tuple[str, ...]]:
+    """The model planned on ``world`` ranks for ``batch`` samples (one microbatch of a stage),
+    its per-layer costs summed per block, and the decomposition kinds the sub-plan uses. Modes:
+    "data_parallel" (sample / replicate, no limit) or "solver" (the request's kinds, under half
+    the request's memory limit: room for the microbatches in flight)."""
     from ..make import make_plan      # the planner itself, one level down (see tests/test_layering.py)
     o = base.req.options
+    kinds = ("sample", "replicate") if mode == "data_parallel" else o.kinds
+    limit = None if mode == "data_parallel" else base.memory_limit_bytes / 2
     sub = dataclasses.replace(o, world_size=world, batch_size=batch, write=False, out_dir=None, pipeline="off",
-                              kinds=("sample", "replicate"), placement="block", memory_limit_bytes=None, pins=())
-    res = make_plan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
+                              kinds=kinds, placement="block", memory_limit_bytes=limit, pins=())
+    try:
+        res = make_plan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
+    except InfeasiblePlan:           # no sub-plan fits: every unit over any limit
+        return [StageCost(float("inf"), float("inf"), 0.0, float("inf"), float("inf"))] * n_units, ()
     tab, ch = res.table, list(res.solution.choice)
     sub_units = block_units(tab.graph) or units
     acc = [[0.0] * 5 for _ in range(n_units)]
@@ -179,7 +204,8 @@ def _unit_costs(base, world: int, batch: int, units: list[int], n_units: int) ->
         a[2] += c.grad_sync_s + c.optim_step_s
         a[3] += c.activation_bytes + c.workspace_bytes
         a[4] += c.param_bytes + c.grad_bytes + c.optim_bytes
-    return [StageCost(*a) for a in acc]
+    kinds_used = tuple(sorted({tab.layers[li].choices[ch[li]].kind for li in range(len(ch))}))
+    return [StageCost(*a) for a in acc], kinds_used
 
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
