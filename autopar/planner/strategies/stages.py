@@ -99,10 +99,12 @@ class PipelineStages:
         subplans: dict[tuple[str, int, int], tuple[list[StageCost], tuple[str, ...]]] = {}
 
         def unit_cost_of(mode_: str):
+            # the search sees each stage as ONE group of ``tp = world / S`` ranks (dp = 1) handling
+            # microbatches of ``mb`` samples: the sub-plan decides how its ranks split them
             def unit_cost(i, dp, tp, mb):
-                key = (mode_, dp, mb)
+                key = (mode_, tp, mb)
                 if key not in subplans:
-                    subplans[key] = _unit_costs(base, dp, dp * mb, units, n_units, mode_)
+                    subplans[key] = _unit_costs(base, tp, mb, units, n_units, mode_)
                 return subplans[key][0][i]
             return unit_cost
 
@@ -110,14 +112,13 @@ class PipelineStages:
         for s_count in counts:
             size = world // s_count
 
-            def cut(k, tp, mb, size=size):
-                act = _cut_bytes(base.graph, units, mb, batch)
+            def cut(k, tp, mb, size=size):       # each rank sends its 1/size share of the microbatch
+                act = _cut_bytes(base.graph, units, mb, batch) / size
                 return cut_send_time_s(profile, act, range(k * size, (k + 1) * size),
                                        range((k + 1) * size, (k + 2) * size))
-            ms = [m_fixed] if m_fixed else [m for m in (s_count, 2 * s_count, 4 * s_count)
-                                          if batch % (size * m) == 0]
+            ms = [m_fixed] if m_fixed else [m for m in (s_count, 2 * s_count, 4 * s_count) if batch % m == 0]
             if not ms:
-                records.append({"stages": s_count, "refused": f"batch {batch} does not split into {size} ranks x "
+                records.append({"stages": s_count, "refused": f"batch {batch} does not split into "
                                                               f"M >= {s_count} microbatches"})
                 continue
             best, sub_mode = None, "data_parallel"
@@ -129,9 +130,10 @@ class PipelineStages:
                     break
                 for m in ms:
                     sr = search_stages(n_units, world, batch, unit_cost_of(mode_), cut, stage_counts=[s_count],
-                                       microbatches=m, schedule=sched_name, virtual=virtual,
+                                       tps=(size,), microbatches=m, schedule=sched_name, virtual=virtual,
                                        memory_limit_bytes=base.memory_limit_bytes)
-                    records.extend({**op.to_json(), "sub_plans": mode_} for op in sr.options)
+                    records.extend({**{k: v for k, v in op.to_json().items() if k not in ("dp", "tp")},
+                                    "sub_mesh_ranks": size, "sub_plans": mode_} for op in sr.options)
                     if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
                         best, sub_mode = sr.best, mode_
             if best is None:
@@ -152,7 +154,7 @@ class PipelineStages:
                                    note=f"pipeline stages: {layout.to_json()['stages']}",
                                    detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
                                            "sub_plans": sub_mode,
-                                           "sub_plan_kinds": list(subplans[(sub_mode, best.dp, best.microbatch)][1]),
+                                           "sub_plan_kinds": list(subplans[(sub_mode, best.tp, best.microbatch)][1]),
                                            "executable": sub_mode == "data_parallel"}))
         if mode == "fixed" and all(c.illegal for c in cands):
             fits = sorted({r["stages"] for r in records if "refused" not in r})
