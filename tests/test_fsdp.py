@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.decomp.fsdp import (Sharded, TiedGroup, UnitComm, UnitParams, UnitTime, candidates, check_tied,
-                                 plan_memory_bytes, schedule, shard_rows, unit_comm, unit_memory)
+from autopar.decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, plan_memory_bytes, schedule,
+                                 shard_rows, unit_comm, unit_memory)
 from autopar.errors import AutoparError
 
 TOL = 1e-12
@@ -101,13 +101,6 @@ def test_schedule_overlap_by_hand():
     assert s.exposed_comm_s == pytest.approx(7.25 - 6.0)
     no_comm = schedule(t, [UnitComm(0.0, 0, 0.0, 0.0)] * 2)
     assert no_comm.step_time_s == pytest.approx(6.0)
-
-
-def test_tied_weights_refused_naming_both():
-    tied = [TiedGroup("wte.weight", ("wte", "lm_head"))]
-    check_tied(tied, {"wte": Sharded(3, True, 4), "lm_head": Sharded(3, True, 4)})
-    with pytest.raises(AutoparError, match="wte.*lm_head"):
-        check_tied(tied, {"wte": Sharded(3, True, 4), "lm_head": None})
 
 
 def test_non_elementwise_optimizer_refused():
@@ -562,3 +555,24 @@ def test_generated_module_is_a_readable_parallelize(gpt_plans):
     shutil.copy(Path_(__file__).resolve().parents[1] / "strategies/examples/gpt.py", model_copy)
     errs = run_ranks(_generated_step, 2, args=(str(r.module_path), str(model_copy)), start_method="fork", timeout_s=240)
     assert max(errs) < 1e-10
+
+
+def test_runtime_refuses_tied_units_and_tp_on_conv1d_naming_them():
+    from autopar.runtime.fsdp import check_tied, check_tp_styles
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.blocks[1].weight = self.blocks[0].weight
+
+    m = Tied()
+    check_tied(m, [])                               # both users in the root: one owner
+    with pytest.raises(AutoparError, match=r"blocks\.0\.weight.*blocks\.0.*blocks\.1\.weight.*blocks\.1"):
+        check_tied(m, ["blocks.0", "blocks.1"])
+    with pytest.raises(AutoparError, match=r"blocks\.1\.weight \(unit <root>\)"):
+        check_tied(m, ["blocks.0"])                 # the root would manage blocks.0's shard again
+    from transformers.pytorch_utils import Conv1D
+    gpt2_like = nn.Sequential(Conv1D(12, 4))
+    with pytest.raises(AutoparError, match="Conv1D.*colwise"):
+        check_tp_styles(gpt2_like, {"0": "colwise"})

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 from ..errors import AutoparError
@@ -384,24 +384,3 @@ def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | 
         acts -= segment_acts[i]
     total_acts = float(sum(segment_acts))
     return PlanMemory(res, max(0.0, peak - res - total_acts), total_acts)
-
-
-@dataclass(frozen=True)
-class TiedGroup:
-    """Parameters shared by several units (tied weights): sharded together with the first unit
-    that uses them, or refused (``check_tied``)."""
-    param: str
-    units: tuple[str, ...] = field(default_factory=tuple)
-
-
-def check_tied(tied: Sequence[TiedGroup], decisions: dict[str, Sharded | None]) -> None:
-    """Refuse, naming both units, a plan that shards a tied parameter's units differently
-    (FSDP2 must own a shared parameter in exactly one unit: the outermost one that holds it,
-    usually the root). Equal decisions, or the parameter moved to the root, are accepted."""
-    for g in tied:
-        ds = {u: decisions.get(u) for u in g.units}
-        if len({str(d) for d in ds.values()}) > 1:
-            a, b = g.units[0], next(u for u in g.units[1:] if str(ds[u]) != str(ds[g.units[0]]))
-            raise AutoparError(f"parameter {g.param} is tied between units {a} ({ds[a]}) and {b} ({ds[b]}): "
-                               f"they must be sharded together",
-                               "give both units the same decision, or shard the shared parameter with the root")

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
-
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
 from ...decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, schedule, step_peak_bytes, unit_comm,
