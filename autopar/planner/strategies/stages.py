@@ -15,7 +15,7 @@ priced go to plan.json's ``runtime`` record (``expected: "stages"``).
 Limits (stated, not hidden): one sub-plan per (sub-mesh, microbatch) cut into ranges, rather
 than one solve per (layer range, sub-mesh). Sub-plans are data parallel inside each stage
 (what ``runtime.stages`` executes from a plan); only when no such stage fits the memory limit
-are the solver's own sub-plans (tensor parallel...) priced under half the limit, recorded with
+are the solver's own sub-plans (tensor parallel...) priced under S x half the limit, recorded with
 ``executable: false`` (tensor parallelism inside a stage runs in ``runtime.stages`` for plain GPT
 blocks, but plans do not drive it yet). The plan's per-layer decisions are the whole-world
 solver's; the stages are in the runtime record.
@@ -183,12 +183,16 @@ def _unit_costs(base, world: int, batch: int, units: list[int], n_units: int,
                 mode: str = "data_parallel") -> tuple[list[StageCost], tuple[str, ...]]:
     """The model planned on ``world`` ranks for ``batch`` samples (one microbatch of a stage),
     its per-layer costs summed per block, and the decomposition kinds the sub-plan uses. Modes:
-    "data_parallel" (sample / replicate, no limit) or "solver" (the request's kinds, under half
-    the request's memory limit: room for the microbatches in flight)."""
+    "data_parallel" (sample / replicate, no limit) or "solver" (the request's kinds, under S x
+    half the request's memory limit)."""
     from ..make import make_plan      # the planner itself, one level down (see tests/test_layering.py)
     o = base.req.options
     kinds = ("sample", "replicate") if mode == "data_parallel" else o.kinds
-    limit = None if mode == "data_parallel" else base.memory_limit_bytes / 2
+    # the sub-plan is of the whole model, of which a stage holds 1/S: its per-layer choices are
+    # made under S x half the limit (half: room for the microbatches in flight); the search then
+    # holds each stage's real memory (static + in flight) to the limit
+    stages = max(1, base.req.world // world)
+    limit = None if mode == "data_parallel" else base.memory_limit_bytes / 2 * stages
     sub = dataclasses.replace(o, world_size=world, batch_size=batch, write=False, out_dir=None, pipeline="off",
                               kinds=kinds, placement="block", memory_limit_bytes=limit, pins=())
     try:
