@@ -4,7 +4,8 @@
    GPT and Hugging Face GPT-2 at world 2 and 4, ``autopar plan`` chooses a plan; then three
    runners train in the SAME processes, one timed step each per round, the order rotated every
    round (machine drift falls on all alike): the chosen plan through ``autopar.parallelize`` (a
-   DistModel or, for a sharded plan, the module on FSDP2), torch DDP, and torch FSDP2 with
+   DistModel stepped as ``autopar execute`` steps it, or for a sharded plan the module on FSDP2),
+   torch DDP, and torch FSDP2 with
    ``fully_shard`` on every block and the root; same model, batch and SGD. Ratios per round,
    then the median; noise = the median over rounds of |t_r / t_(r-1) - 1| of DDP.
 2. **HF GPT-2 under half of the data-parallel plan's memory** (world 4, batch 4; sizes
@@ -65,9 +66,9 @@ def _rank(rank, world, plan_path, model_file, rounds):
     pm = autopar.parallelize(build(), plan_path)
     if getattr(pm, "autopar_plan", None) is not None:          # sharded: the module on FSDP2
         runs["plan"] = (pm, lambda: loss_fn(pm(xb), yb))
-    else:
-        xs, t = autopar.shard_batch(pm, x, y)
-        runs["plan"] = (pm, lambda: pm.loss(xs, t))
+    else:     # as ``autopar execute`` times a plan: this rank's inputs, its local loss, no loss all-reduce
+        local = pm.shard_inputs([x])
+        runs["plan"] = (pm, lambda: pm.local_loss(pm(*local), y, loss_fn))
     ddp = DDP(build())
     runs["ddp"] = (ddp, lambda: loss_fn(ddp(xb), yb))
     f2 = build()
@@ -169,7 +170,8 @@ def gpt96(work: Path) -> dict:
     for u, d in [("<root>", sh["root"])] + list(sh["units"].items()):
         key = "data parallel" if d is None else (f"ZeRO-{d['level']} over {d['data_axis']} ({d['dp']} ranks)")
         levels.setdefault(key, []).append(u)
-    return {"command": "AUTOPAR_GPT_LAYERS=96 AUTOPAR_GPT_EMBED=256 " + " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
+    shown = " ".join(cmd[1:]).replace(str(ROOT) + "/", "").replace(str(out), "OUT")
+    return {"command": "AUTOPAR_GPT_LAYERS=96 AUTOPAR_GPT_EMBED=256 python " + shown,
             "wall_s": wall, "memory_mib": plan["predicted"]["memory_per_rank_bytes"] / 2**20,
             "step_s": plan["predicted"]["step_time_s"], "runtime": plan["runtime"]["expected"],
             "units_by_decision": {k: len(v) for k, v in levels.items()},
