@@ -42,7 +42,7 @@ def cmd_calibrate(args) -> int:
 
 
 def _write_calibration_report(path) -> None:
-    from .calibrate.profile import load_profile
+    from .profile import load_profile
     from .calibrate.report import default_report_dir, write_report
     rep = write_report(load_profile(path, check_machine=False), default_report_dir(path), Path(path).name)
     _p(f"calibration report (fits against measurements, held-out errors) written to {rep}")

@@ -158,8 +158,8 @@ def _kinds(plan) -> list[str] | None:
 def reprice(plan, plan_path: str | Path):
     """(the cost table ``make_plan`` solved, re-built from the plan's record, or None, and where
     its prices come from or why they could not be re-computed). Starts no process."""
-    from .calibrate.history import plan_speed_factor
-    from .calibrate.profile import load_profile
+    from .profile.history import plan_speed_factor
+    from .profile import load_profile
     from .cost.table import build_cost_table, pricing_profile
     from .decomp.base import CostContext
     path = _profile_path(plan, Path(plan_path))

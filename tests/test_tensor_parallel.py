@@ -261,7 +261,7 @@ def _vocab_ce(rank, world, vocab, parts):
     import torch
     import torch.nn.functional as F
     from autopar.decomp.layout import block_extent, block_start
-    from autopar.decomp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from autopar.runtime.layers.cross_entropy import vocab_parallel_cross_entropy
     from autopar.runtime.comm import Comm
     comm = Comm.from_env()
     groups = [list(range(s * parts, (s + 1) * parts)) for s in range(world // parts)]

@@ -369,11 +369,9 @@ def runner_of(cls: type) -> Any:
         fn = RUNNERS.get(c)
         if fn is not None:
             return fn
-    if not RUNNERS:      # the runtime loads its halves (``autopar.runtime.layers``) when it runs
-        from ..runtime import layers  # noqa: F401
-        return runner_of(cls)
-    raise NotImplementedError(f"no run-time half for decomposition {cls.__name__} "
-                              "(register one in autopar.runtime.layers, or override run)")
+    raise NotImplementedError(f"no run-time half for decomposition {cls.__name__}: the runtime registers "
+                              "them (import autopar.runtime); a new one goes in autopar.runtime.layers, "
+                              "or overrides run")
 
 
 def register(cls: type[Decomposition]) -> type[Decomposition]:

@@ -5,5 +5,6 @@ from .comm import Comm
 from .redistribute import redistribute
 from .entry import build_planned, run_generated
 from .model import DistModel
+from . import layers  # noqa: F401,E402  (registers the decompositions' run-time halves)
 
 __all__ = ["Comm", "DistModel", "build_planned", "redistribute", "run_generated"]

@@ -37,10 +37,9 @@ from .comm import Comm, local_slice
 from .ops import _BN
 from .redistribute import redistribute
 from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
-
-
-def _safe(name: str) -> str:
-    return name.replace(".", "__")
+from .native import build_native, graph_parallel
+from .structure import (_safe, map_output_tensor, output_structure, output_tensor,  # noqa: F401  (re-exported)
+                        rebuild_output)
 
 
 class LayerTimer:
@@ -204,13 +203,11 @@ class DistModel(nn.Module):
 
         # ---- pure data parallelism runs the user's module itself (``runtime.native``) -------
         # (``native``: None = when the plan allows it and AUTOPAR_NATIVE is not 0; False = never)
-        from .native import build_native
         self._native, self.native_off_reason = build_native(
             self, model, int(plan.model.batch_size or self.graph.batch_size), allowed=native)
 
         # ---- graph parallelism of a PyG batch (``decomp.graph.graphs``): whole graphs per rank,
         # the user's module run natively (there is no op-by-op path for it)
-        from .native import graph_parallel
         self._graph_roles = self._graph_shard = None
         if graph_parallel(self.decisions) is not None:
             from ..decomp.graph.graphs import graph_roles
@@ -357,7 +354,7 @@ class DistModel(nn.Module):
         vl = self._vocab_loss()
         if vl is None:
             return contextlib.nullcontext()
-        from ..decomp.tensor_parallel.cross_entropy import VocabLoss
+        from .layers.cross_entropy import VocabLoss
         return VocabLoss(vl[1], self.comm.group(vl[0]))
 
     def loss_replicas(self) -> int:
@@ -499,46 +496,6 @@ def _with_float_dtype(spec: OpSpec, params) -> OpSpec:
 
 # ---- the model's output structure (a tensor, or e.g. a Hugging Face ModelOutput) -------------
 
-def output_structure(model: nn.Module, graph: LayerGraphData):
-    """(pytree spec, leaves, index of the traced output tensor among them) of what ``model``
-    returns, found by running it on meta tensors (nothing is allocated), or None when the model
-    returns a plain tensor (or its structure cannot be found: then the tensor is returned).
-    Other tensors and non-constant objects (a key/value cache) are None in the rebuilt
-    structure (``modelfile.split_output``): the planned training step computes only what the
-    loss reads."""
-    from torch.func import functional_call
-
-    try:
-        meta = {k: torch.empty_like(v, device="meta") for k, v in
-                list(model.named_parameters()) + list(model.named_buffers())}
-        xs = [torch.empty(gi.shape, dtype=getattr(torch, gi.dtype, torch.float32), device="meta")
-              for gi in graph.inputs]
-        with torch.no_grad():
-            out = functional_call(model, meta, tuple(xs), strict=False)
-    except Exception:
-        return None
-    if isinstance(out, torch.Tensor):
-        return None
-    from ..modelfile import split_output
-    spec, leaves, _ = split_output(out)   # a cache object (DynamicCache) becomes None, as traced
-    idx = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    if len(idx) > 1:                      # several tensors: the one of the traced output's shape
-        want = tuple(graph.value_shape(graph.output))
-        idx = [i for i in idx if tuple(leaves[i].shape) == want]
-    if len(idx) != 1:
-        return None
-    return spec, [None if isinstance(v, torch.Tensor) else v for v in leaves], idx[0]
-
-
-def rebuild_output(structure, tensor: torch.Tensor):
-    if structure is None:
-        return tensor
-    import torch.utils._pytree as pytree
-    spec, leaves, i = structure
-    leaves = list(leaves)
-    leaves[i] = tensor
-    return pytree.tree_unflatten(leaves, spec)
-
 
 def target_rows(loss_layout: Layout, out_shape: Sequence[int], rank: int, world: int) -> slice:
     """This rank's rows of the target, whatever its shape (``[B]`` labels, ``[B, S]`` tokens,
@@ -550,23 +507,3 @@ def target_rows(loss_layout: Layout, out_shape: Sequence[int], rank: int, world:
     return slice(s, s + e)
 
 
-def map_output_tensor(out, fn):
-    """``out`` with its one tensor (``output_tensor``) replaced by ``fn(tensor)``, in the same
-    structure (a tensor, tuple, dict or ``ModelOutput``)."""
-    if isinstance(out, torch.Tensor):
-        return fn(out)
-    import torch.utils._pytree as pytree
-    t = output_tensor(out)
-    return pytree.tree_map(lambda v: fn(v) if v is t else v, out)
-
-
-def output_tensor(out):
-    """The one tensor of a model's output (itself for a tensor; the single tensor leaf of a
-    structure such as a Hugging Face ``ModelOutput``)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    import torch.utils._pytree as pytree
-    ts = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
-    if len(ts) != 1:
-        raise ValueError(f"the model's output holds {len(ts)} tensors; autopar plans models with one")
-    return ts[0]

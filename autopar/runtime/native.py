@@ -63,6 +63,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .structure import _safe, map_output_tensor, output_tensor
+
 
 def reducer_choice() -> str:
     """``AUTOPAR_NATIVE_REDUCER``: "ddp" (default: torch DDP's reducer wherever it can be used,
@@ -90,7 +92,6 @@ def all_params_get_grads(model: nn.Module, graph, world: int) -> bool:
     parameter that requires grad a gradient (DDP's reducer waits for each of them)."""
     from torch.func import functional_call
 
-    from .model import output_tensor
     try:
         names = [q for q, p in model.named_parameters() if p.requires_grad]
         meta = {q: torch.empty_like(p, device="meta").requires_grad_(q in names)
@@ -173,7 +174,6 @@ def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Modul
     import torch.utils._pytree as pytree
     from torch.func import functional_call
 
-    from .model import output_tensor
     try:
         meta = {k: torch.empty_like(v, device="meta") for k, v in
                 list(model.named_parameters()) + list(model.named_buffers())}
@@ -204,7 +204,6 @@ class NativeDataParallel:
     def __init__(self, dm, model: nn.Module, canonical: dict[str, str], out_rows=None) -> None:
         import copy
 
-        from .model import _safe
         self.dm = dm
         self.out_rows = out_rows      # graph parallelism: the rank's rows of the output
         # a copy of the module whose parameters ARE the DistModel's Parameter objects (tied ones
@@ -300,7 +299,6 @@ class NativeDataParallel:
             for h in handles:
                 h.remove()
         if self.out_rows is not None:     # graph parallelism: the rank's rows, in any structure
-            from .model import map_output_tensor
             out = map_output_tensor(out, self.out_rows)
         if self.model.training and self._bns:
             self._pending = True        # this rank's running statistics moved (``flush``)
