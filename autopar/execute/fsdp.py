@@ -31,7 +31,7 @@ from ..runtime.entry import build_user_model, synthetic_batch
 from ..runtime.model import output_tensor
 from . import timing
 from .baseline import ddp_runner
-from .validate import compare
+from .validate import compare, ghost_batch_norm
 
 #: interleaved rounds of plan / DDP / FSDP2 timing
 ROUNDS = 6
@@ -115,8 +115,10 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
     out = model(*[block(x) for x in xs])
     loss = loss_of(out, block(ysv))
     loss.backward()
-    rout = ref(*xs)
-    rloss = loss_of(rout, ysv)
+    bn = plan.bn_stats()     # FSDP2's ranks normalise their own samples: the reference says so
+    with ghost_batch_norm(bn.group if bn.local else None):
+        rout = ref(*xs)
+        rloss = loss_of(rout, ysv)
     rloss.backward()
     lsum = loss.detach().clone()
     comm.all_reduce_(lsum)
@@ -125,11 +127,11 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
     rparams = dict(ref.named_parameters())
     for q, p in model.named_parameters():
         g = p.grad.full_tensor() if p.grad is not None else None
-        checks.append(compare(f"grad {q}", g, rparams[q].grad, rtol, atol))
+        checks.append(compare(f"grad:{q}", g, rparams[q].grad, rtol, atol))
     opt.step()
     ropt.step()
     for q, p in model.named_parameters():
-        checks.append(compare(f"param {q} after step", p.detach().full_tensor(), rparams[q].detach(), rtol, atol))
+        checks.append(compare(f"param_after_step:{q}", p.detach().full_tensor(), rparams[q].detach(), rtol, atol))
     del model, opt, ref, ropt
     comm.barrier()
 
@@ -158,7 +160,8 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
     rf.parallelize(f2, mesh, {k: v for k, v in every_block(f2).items() if k}, root=every_block(f2)[""])
     f2opt = torch.optim.SGD(f2.parameters(), lr=opts.lr, momentum=opts.momentum)
     ddp = ddp_runner(mf, [x.to(device) for x in xs32], ys.to(torch.float32) if ys is not None and
-                     ys.is_floating_point() else ys, loss_fn, comm, opts.seed, opts.lr, opts.momentum) \
+                     ys.is_floating_point() else ys, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
+                     bn_stats=bn) \
         if opts.ddp and world > 1 else None
     runs = {"plan": (model, opt, xs_l, plan_loss, lambda: None),
             "fsdp2": (f2, f2opt, xs_l, plan_loss, lambda: None)}

@@ -79,6 +79,9 @@ class BatchSharding:
     def of(dmodel, rank: int | None = None) -> "BatchSharding":
         """The sharding of a parallelized (or any ``DistModel``) model, for ``rank`` (default:
         this process's)."""
+        plan = getattr(dmodel, "autopar_plan", None)
+        if plan is not None and not hasattr(dmodel, "graph"):
+            return BatchSharding._of_sharded(dmodel, plan, rank)
         g = dmodel.graph
         shapes = tuple(tuple(int(n) for n in gi.shape) for gi in g.inputs)
         return BatchSharding(
@@ -89,6 +92,21 @@ class BatchSharding:
             world=dmodel.comm.world, output_shape=tuple(int(n) for n in g.value_shape(g.output)),
             target_shape=getattr(dmodel, "target_shape", None),
             input_names=tuple(gi.name for gi in g.inputs))
+
+    @staticmethod
+    def _of_sharded(model, plan, rank: int | None) -> "BatchSharding":
+        """A model that ``autopar.parallelize`` put on FSDP2 (a sharded plan,
+        ``train.sharded``): every rank feeds the dim-0 block of every input and of the target."""
+        g = plan.graph()
+        world = torch.distributed.get_world_size()
+        shapes = tuple(tuple(int(n) for n in gi.shape) for gi in g.inputs)
+        by_samples = Layout.of((0, world))
+        return BatchSharding(
+            batch_size=int(g.batch_size or (shapes[0][0] if shapes else 0)), input_shapes=shapes,
+            input_layouts=tuple(by_samples for _ in shapes), target_layout=by_samples,
+            rank=torch.distributed.get_rank() if rank is None else rank, world=world,
+            output_shape=tuple(int(n) for n in g.value_shape(g.output)),
+            target_shape=getattr(model, "target_shape", None), input_names=tuple(gi.name for gi in g.inputs))
 
     def for_rank(self, rank: int) -> "BatchSharding":
         return dataclasses.replace(self, rank=rank)

@@ -191,7 +191,7 @@ def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
     from ..artifacts import load_plan
     from ..errors import AutoparError, PlanFileError
     from ..runtime import fsdp as rf
-    from .api import check_model, check_model_file
+    from .api import _model_file_loss, check_model, check_model_file
     plan_path = Path(plan)
     p = load_plan(plan_path)
     if not (dist.is_available() and dist.is_initialized()):
@@ -217,4 +217,51 @@ def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
         register_optimizer_step_pre_hook(_refuse_non_elementwise)
         _HOOKED = True
     model.autopar_plan = p
+    file_loss, target_shape = _model_file_loss(p, plan_path)
+    loss_fn = _unused.get("loss_fn")
+    _attach_loop_api(model, loss_fn or file_loss, target_shape if loss_fn is None else None)
     return model
+
+
+def _attach_loop_api(model, loss_fn, target_shape) -> None:
+    """The same loop API as every other runtime's module (``train.api.ParallelModule``):
+    ``loss(inputs, target)`` on this rank's dim-0 blocks returns the single-process loss on every
+    rank (its gradient this rank's share: FSDP2 averages the gradients over the ranks, so the
+    share is the block's own mean loss), ``reduce_loss``, ``reduce_sum``, and ``full_params`` /
+    ``full_grads`` rebuilt in full on every rank."""
+    import types
+
+    from torch.distributed.tensor import DTensor
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def reduce_loss(self, loss_local):
+        total = loss_local.detach().clone()
+        dist.all_reduce(total)
+        total = total / dist.get_world_size()
+        return loss_local + (total - loss_local.detach())     # value: the global mean; grad: own
+
+    def loss(self, inputs, target=None, loss_fn=None):
+        xs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        out = self(*xs)
+        fn = loss_fn or self.loss_fn_default
+        return self.reduce_loss(fn(out, target) if target is not None else fn(out))
+
+    def reduce_sum(self, local):
+        dev = next((q.device for q in self.parameters()), torch.device("cpu"))
+        t = torch.as_tensor(local, dtype=torch.float64, device=dev).clone()
+        dist.all_reduce(t)
+        return t
+
+    def full_params(self):
+        return {q: full(p.detach()) for q, p in self.named_parameters()}
+
+    def full_grads(self):
+        return {q: full(p.grad) if p.grad is not None else torch.zeros_like(full(p.detach()))
+                for q, p in self.named_parameters()}
+
+    model.loss_fn_default = loss_fn
+    model.target_shape = target_shape
+    for fn in (reduce_loss, loss, reduce_sum, full_params, full_grads):
+        setattr(model, fn.__name__, types.MethodType(fn, model))

@@ -29,6 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
+from ...decomp.ir import BATCH_NORM
 from ...decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, schedule, step_peak_bytes, unit_comm,
                             unit_of)
 from ...profile.optimizer import optimizer_step_s
@@ -184,6 +185,23 @@ class _Pricer:
                 yield tuple(a)
 
 
+def _batch_norm_problem(table) -> str | None:
+    """FSDP2 runs the user's module on each rank's B/world samples: a training batch norm then
+    normalises over exactly those samples. That is the plan's function only under local statistics
+    with one group per rank (what DDP computes); any other semantics is refused, naming it."""
+    bns = [(lay, op) for lay in table.graph.layers for op in lay.ops
+           if op.kind == BATCH_NORM and op.attrs.get("training", True)]
+    if not bns:
+        return None
+    ctx = table.ctx
+    bn, world, batch = ctx.batch_norm, ctx.world, ctx.batch_size
+    if bn is not None and bn.local and batch % world == 0 and bn.group == batch // world:
+        return None
+    lay = bns[0][0]
+    return (f"batch norm {lay.module or lay.name} under {bn} statistics: FSDP2 computes each rank's "
+            f"{batch // max(world, 1)} samples' statistics (--batch-norm local with the default group)")
+
+
 def describe(names, a) -> str:
     n3 = sum(1 for s in a if s is not None and s.level == 3)
     n2 = sum(1 for s in a if s is not None and s.level == 2)
@@ -207,6 +225,9 @@ class ShardedDataParallel:
         if base.req.constrained:
             return (Candidate(NAME, label, priority=self.priority,
                               illegal="layers pinned or filtered: the ILP's plan is kept"),)
+        why_bn = _batch_norm_problem(table)
+        if why_bn is not None:
+            return (Candidate(NAME, label, priority=self.priority, illegal=why_bn),)
         out = []
         nat = native_choice(table)
         if nat is not None:
