@@ -261,7 +261,21 @@ def _attach_loop_api(model, loss_fn, target_shape) -> None:
         return {q: full(p.grad) if p.grad is not None else torch.zeros_like(full(p.detach()))
                 for q, p in self.named_parameters()}
 
+    def full_buffers(self):
+        # each rank's running statistics follow its own samples; the updates are linear in the
+        # group statistics, so their mean over the ranks is the plan's (the mean over the groups)
+        out = {}
+        for q, b in self.named_buffers():
+            if b.is_floating_point():
+                t = b.detach().clone()
+                dist.all_reduce(t)
+                out[q] = t / dist.get_world_size()
+            else:
+                out[q] = b.detach().clone()
+        return out
+
     model.loss_fn_default = loss_fn
     model.target_shape = target_shape
-    for fn in (reduce_loss, loss, reduce_sum, full_params, full_grads):
+    model.bufs = dict(model.named_buffers())      # what ``full_state_dict`` lists (as DistModel's)
+    for fn in (reduce_loss, loss, reduce_sum, full_params, full_grads, full_buffers):
         setattr(model, fn.__name__, types.MethodType(fn, model))
