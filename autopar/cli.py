@@ -197,7 +197,11 @@ def cmd_plan(args) -> int:
     res = make_plan(args.model, options, PlanHooks(progress=_plan_progress(args.verbose)))
     _p(format_plan_table(res.plan, verbose=args.verbose))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
-    if res.missing_shapes:
+    if res.missing_shapes and args.measure_shapes:
+        # the measured shapes moved the plan to candidates whose shapes the step's rounds left
+        _p(f"{len(res.missing_shapes)} competitive local shape(s) are still priced by the generic model "
+           f"after the measuring step's rounds; run the same command again to measure them too")
+    elif res.missing_shapes:
         _p(f"{len(res.missing_shapes)} competitive local shape(s) are priced by the generic model (the profile "
            f"lacks them; nothing was measured). To measure them before planning: autopar plan "
            f"{' '.join(_plan_argv(args))} --measure-shapes")

@@ -81,6 +81,8 @@ def test_measure_step_then_plan_records_the_shape_file(here_profile, tmp_path):
     cache.unlink(missing_ok=True)
     assert can_measure(__import__("autopar.profile.profile", fromlist=["x"]).load_profile(here_profile), 2) is None
     lines = []
+    r0, _ = _plan(model, here_profile, tmp_path)
+    assert r0.missing_shapes
     m = measure_missing_shapes(model, _options(here_profile, tmp_path), progress=lines.append)
     assert m.measured > 0 and not m.left_out and m.shapes_path == cache, (m, lines)
     exact, why = load_cache(cache, json.loads(here_profile.read_text())["fingerprint"])
@@ -88,7 +90,9 @@ def test_measure_step_then_plan_records_the_shape_file(here_profile, tmp_path):
     r, _ = _plan(model, here_profile, tmp_path, shapes=str(cache))
     rec = r.plan.calibration["shapes"]
     assert rec["path"] == str(cache) and rec["sha256"] == sha256_file(cache) and rec["entries"] == m.measured
-    assert not r.missing_shapes
+    # what the first plan lacked is measured now (a measured shape may move the plan to other
+    # candidates whose shapes the step's rounds left: timing-dependent, so not asserted)
+    assert not set(r.missing_shapes) & set(r0.missing_shapes)
     assert any(l.source in ("exact", "mixed") for l in r.plan.layers if "conv" in l.kinds)
     # the step again: nothing new to measure; the same plan
     m2 = measure_missing_shapes(model, _options(here_profile, tmp_path), progress=lambda s: None)
