@@ -344,7 +344,7 @@ def cmd_execute(args) -> int:
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     _p(f"validation PASSED: one {opts.validate_dtype} training step against one process, "
        f"{run.validation.checked} tensors (output, loss, gradients, parameters after the step) within "
-       f"rtol {opts.tolerances()[0]:g}")
+       f"rtol {run.validation.rtol:g}")
     _p(f"step time: measured {m * 1e3:.2f} ms, predicted {p * 1e3:.2f} ms, prediction error "
        f"{100 * run.prediction_error:+.1f}%")
     if run.baseline:

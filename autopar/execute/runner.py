@@ -142,8 +142,10 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     ys_v = ys.to(vdt) if ys is not None and ys.is_floating_point() else ys
 
     # 1. validation step
+    # rank 0: the tolerances held to (a model computing in float32 inside: the float32 ones)
+    precision: dict[str, Any] = {"tolerances_given": opts.rtol is not None or opts.atol is not None}
     checks = validation_step(dm, mf, cast(xs32, vdt), ys_v, loss_fn, comm, vdt, opts.seed,
-                             opts.lr, opts.momentum, rtol, atol)
+                             opts.lr, opts.momentum, rtol, atol, precision)
     barrier()
 
     # 2. timing (float32, a fresh model unless validation ran in float32)
@@ -188,7 +190,7 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
             "phases": phases, "baseline": baseline, "grad_sync_bytes_per_step": dm.gradsync.bytes_per_step,
-            "runtime": _runtime_note(dm), "speed_probe_s": probe_s}
+            "runtime": _runtime_note(dm), "speed_probe_s": probe_s, "precision": precision}
 
 
 #: rounds the timed steps of ``autopar execute`` are split into when DDP is timed beside the plan
@@ -255,6 +257,8 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
             predicted_s=lay.fwd_s + lay.bwd_s + trans_into.get(m["layer"], 0.0),
             source=lay.predicted.source))
     rtol, atol = opts.tolerances()
+    prec = r0.get("precision") or {}
+    rtol, atol = prec.get("rtol", rtol), prec.get("atol", atol)
     base = r0["baseline"]
     return RunResult(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -269,8 +273,9 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
         predicted=plan.predicted,
         prediction_error=(predicted - measured) / measured if measured > 0 else None,
         baseline=base, ratio_to_ddp=(measured / base.ddp_step_time_s) if base else None, wall_s=wall_s,
-        notes=(r0["runtime"]["note"],) if "runtime" in r0 else (),
+        notes=((r0["runtime"]["note"],) if "runtime" in r0 else ()) + ((prec["note"],) if "note" in prec else ()),
         extra={**({"native_runtime": r0["runtime"]["native"]} if "runtime" in r0 else {}),
+               **({"validation_float32_inside": prec["float32_inside"]} if "float32_inside" in prec else {}),
                **speed_note(plan, r0.get("speed_probe_s"))})
 
 

@@ -56,6 +56,47 @@ class TrainersError(AutoparError):
     """--trainers that cannot run: not a divisor of the world, or trainers too small."""
 
 
+class TournamentDataError(TrainersError):
+    """A model file whose data the tournament cannot draw or split: its inputs are not a batch
+    of samples along dim 0 (a PyG batch of concatenated graphs), or ``example_inputs`` refuses
+    the data set's size."""
+
+
+def check_tournament_data(mf, B: int, n: int) -> None:
+    """Refuse, at plan time, a model file whose data the tournament runtime cannot use: it
+    draws ``n`` samples (``make_dataset(n, seed)``, else ``example_inputs(n)``) and cuts them
+    along dim 0 into shards and batches of ``B`` (``runtime.trainer_data`` / ``batch_of``), so
+    every input and target of ``example_inputs(B)`` must have B rows."""
+    import torch
+    torch.manual_seed(0)
+    xs, ys = mf.example_inputs(B), mf.example_targets(B)
+    xs = list(xs) if isinstance(xs, (tuple, list)) else [xs]
+    shapes = [tuple(x.shape) for x in xs] + ([tuple(ys.shape)] if ys is not None else [])
+    if any(not sh or sh[0] != B for sh in shapes):
+        raise TournamentDataError(
+            f"{mf.name}: the tournament cuts its data set into shards and batches of {B} samples along dim 0, "
+            f"but the model file's batch of {B} is not {B} rows in every input (shapes {shapes}; a PyG batch "
+            f"concatenates its graphs' nodes and edges)",
+            "train it without --trainers (autopar plan without the trainer level); no environment variable "
+            "makes such a batch splittable by rows")
+    if hasattr(mf.module, "make_dataset"):
+        return
+    try:
+        with torch.device("meta"):
+            mf.example_inputs(n), mf.example_targets(n)
+        return
+    except Exception:       # noqa: BLE001 - retried on real tensors: meta may not do what the file does
+        pass
+    try:
+        mf.example_inputs(n), mf.example_targets(n)
+    except Exception as e:  # noqa: BLE001 - the model file's own refusal, named
+        raise TournamentDataError(
+            f"{mf.name}: the tournament draws its data set of {n} samples with example_inputs({n}), which "
+            f"refuses: {type(e).__name__}: {e}",
+            f"give the model file make_dataset(n, seed) -> (inputs, targets) of n samples (the trainers' "
+            f"batch is {B})") from None
+
+
 @dataclass(frozen=True)
 class IngestionModel:
     """How fast a trainer reads its data when its shard does not fit in memory. Per node client
@@ -388,6 +429,7 @@ def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: To
                "pricing": "autopar.tournament.pricing (formulas in its docstring)"})
     from ..artifacts import check_trainer_level
     check_trainer_level(level, plan.world_size, B, "the tournament plan")
+    check_tournament_data(mf, B, T * (level.train_samples_per_trainer + level.tournament_samples))
     out_dir = Path(options.out_dir) if options.out_dir is not None else Path(
         str(default_plan_dir(mf.name, N)) + f"-t{T}")
     plan = dataclasses.replace(plan, trainers=level)
