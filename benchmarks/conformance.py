@@ -345,7 +345,7 @@ def _loop_reference(rank, world, mpath, batch, graph_batch, bn_group, out_path, 
     run saved at ``base_path`` (``PERTURB_REL``)."""
     import torch
 
-    from autopar.execute.validate import ghost_batch_norm
+    from autopar.execute.validate import Float32Inside, ghost_batch_norm
     from autopar.modelfile import load_model_file
     mf = load_model_file(mpath)
     torch.manual_seed(0)
@@ -359,7 +359,8 @@ def _loop_reference(rank, world, mpath, batch, graph_batch, bn_group, out_path, 
                 p.mul_(1 + perturb_rel * sign)
     opt = _optimizer(model.parameters())
     losses, norms = [], []
-    with ghost_batch_norm(bn_group):
+    f32 = Float32Inside(model)      # a model that casts to float32 inside meets float32 rounding
+    with ghost_batch_norm(bn_group), f32:
         for xs, y in _batches_one_process(mf, batch, graph_batch):
             opt.zero_grad()
             loss = _loss(mf, model(*xs), y)
@@ -373,7 +374,7 @@ def _loop_reference(rank, world, mpath, batch, graph_batch, bn_group, out_path, 
     state.update(model.named_buffers())
     state = {k: v.detach().clone() for k, v in state.items()}
     torch.save(state, out_path)
-    out = {"losses": losses, "norms": norms}
+    out = {"losses": losses, "norms": norms, "float32_inside": sorted(set(f32.modules))}
     if base_path is not None:
         base = torch.load(base_path)
         out["floor"] = {k: _close(v, base[k])[1] for k, v in state.items() if v.is_floating_point()}
@@ -771,6 +772,11 @@ class Driver:
             self._refs[key] = (ref, path, floor)
         ref, path, floor = self._refs[key]
         rtol = self.spec.loop_rtol
+        f32_note = ""
+        if ref.get("float32_inside"):     # what autopar execute does too (execute.validate.Float32Inside)
+            from autopar.execute.validate import DEFAULT_TOL
+            rtol = max(rtol, DEFAULT_TOL["float32"][0])
+            f32_note = f"; the model computes in float32 inside ({', '.join(ref['float32_inside'])}): rtol {rtol:g}"
         got = run_ranks(_loop_rank, self.world, args=(str(rp.plan_path), str(self.mpath), self.spec.batch, gb, str(path),
                                                     rtol, floor),
                         timeout_s=self.cell_timeout_s)[0]
@@ -793,7 +799,7 @@ class Driver:
         return {"status": "pass", "detail": f"{LOOP_STEPS} AdamW steps via {how}: losses rel {rel_l:.1e}, worst "
                                             f"tensor {got['worst'][0] or '-'} rel {got['worst'][1]:.1e}"
                                             + f", floor {worst_floor:.1e}"
-                                            + ("" if clipped else " (clipping did not clip)")}
+                                            + ("" if clipped else " (clipping did not clip)") + f32_note}
 
     def _check_checkpoint(self, row: str, rp: RowPlan) -> dict[str, Any]:
         import shutil
