@@ -13,7 +13,10 @@ Format: ``torch.distributed.checkpoint`` (DCP). Keys, all in single-process term
 A sharded parameter is written by the owner of each shard only (the lowest rank of its
 ``grad_group``), as a ``ShardedTensor`` whose shards carry their exact offsets (the plan's
 ``tensor_split`` blocks, which DTensor's chunk rule cannot express when a dim does not divide
-evenly); whole parameters and buffers are plain tensors, which DCP writes once. Loading
+evenly). A rank's block that is several boxes of the parameter (a *segmented* shard: a fused
+q|k|v weight split by heads holds a block of each of q, k and v) is several shards of that
+rank; a rank holding nothing of a parameter (a branch held by another group) writes no shard,
+so each parameter is covered by its owners' shards exactly once; whole parameters and buffers are plain tensors, which DCP writes once. Loading
 asks DCP for the blocks of the *loading* plan (owners read them, then broadcast to the other
 holders of the same shard), so a checkpoint saved under one plan or world size loads under
 any other: DCP reads the overlap of every saved chunk with every wanted block.
@@ -73,9 +76,51 @@ def _need_default_group(dmodel) -> None:
                               "run the plan on the whole process group")
 
 
-def _sharded(dmodel, qual: str, local: torch.Tensor, global_shape) -> Any:
+def _boxes(dmodel, qual: str, global_shape) -> list[tuple[list[int], list[int], tuple]]:
+    """This rank's block of ``qual`` as boxes of the global tensor: ``(offsets, sizes,
+    local_index)`` with ``local[local_index]`` the box's values. One box for a plain shard,
+    one per contiguous run of rows for a segmented one (a fused q|k|v weight split by heads
+    holds a block of each segment); boxes of no volume (a branch parameter held by another
+    group) are left out."""
+    sh = dmodel.param_shard(qual)
+    comm = dmodel.comm
+    shape = [int(n) for n in global_shape]
+    if not (sh.segments and len(sh.segments) > 1):
+        b = sh.local_bounds(shape, comm.rank, comm.world)
+        out = [([s for s, _ in b], [e for _, e in b], tuple(slice(None) for _ in b))]
+    else:
+        idx = sh.index(shape, comm.rank, comm.world)
+        seg = next(d for d, i in enumerate(idx) if isinstance(i, list))
+        offs, sizes = [], []
+        for d, i in enumerate(idx):
+            if d == seg:
+                offs.append(0)
+                sizes.append(0)
+            else:
+                a, z, _ = i.indices(shape[d])
+                offs.append(a)
+                sizes.append(max(z - a, 0))
+        out, rows, start = [], idx[seg], 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                end += 1
+            o, z = list(offs), list(sizes)
+            o[seg], z[seg] = rows[start], end - start
+            li = [slice(None)] * len(shape)
+            li[seg] = slice(start, end)
+            out.append((o, z, tuple(li)))
+            start = end
+    return [b for b in out if all(n > 0 for n in b[1]) or not b[1]]
+
+
+def _sharded(dmodel, qual: str, local: torch.Tensor, global_shape, fill: bool = False) -> Any:
     """``local`` (this rank's block of ``qual``'s layout) as what DCP saves or fills: a plain
-    tensor when the parameter is whole, else a ShardedTensor of the owners' blocks."""
+    tensor when the parameter is whole, else a ShardedTensor of the owners' boxes
+    (``_boxes``). Saving (``fill`` False): the boxes are views of ``local`` (copies where a
+    view would not be contiguous).
+    Loading (``fill`` True): the boxes are fresh tensors; ``_unbox`` copies them into
+    ``local`` after ``dcp.load``."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
     sh = dmodel.param_shard(qual)
     if not sh.dims or dmodel.comm.world == 1:
@@ -83,11 +128,24 @@ def _sharded(dmodel, qual: str, local: torch.Tensor, global_shape) -> Any:
     comm = dmodel.comm
     shards = []
     if dmodel.shard_owner(qual):
-        b = sh.local_bounds(global_shape, comm.rank, comm.world)
-        md = ShardMetadata([s for s, _ in b], [e for _, e in b],
-                           f"rank:{comm.global_rank(comm.rank)}/{local.device}")
-        shards.append(Shard(local, md))
+        for offs, sizes, li in _boxes(dmodel, qual, global_shape):
+            t = torch.empty(sizes, dtype=local.dtype, device=local.device) if fill \
+                else local[li].detach().contiguous()
+            md = ShardMetadata(offs, sizes, f"rank:{comm.global_rank(comm.rank)}/{local.device}")
+            shards.append(Shard(t, md))
     return init_from_local_shards(shards, *[int(n) for n in global_shape])
+
+
+def _unbox(dmodel, qual: str, st: Any, local: torch.Tensor, global_shape) -> None:
+    """Copy the boxes of ``st`` (``_sharded(..., fill=True)`` after ``dcp.load``) into
+    ``local``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    if not isinstance(st, ShardedTensor):
+        return
+    boxes = {tuple(o): li for o, _, li in _boxes(dmodel, qual, global_shape)}
+    with torch.no_grad():
+        for shard in st.local_shards():
+            local[boxes[tuple(shard.metadata.shard_offsets)]] = shard.tensor
 
 
 def _broadcast_shard(dmodel, qual: str, t: torch.Tensor) -> None:
@@ -133,13 +191,11 @@ def load_sharded_state_dict(dmodel, sd: dict[str, Any]) -> None:
         for qual, p in dmodel.local_params().items():
             v = sd[qual]
             if isinstance(v, ShardedTensor):
-                mine = v.local_shards()
-                if mine and mine[0].tensor.data_ptr() != p.data_ptr():
-                    p.copy_(mine[0].tensor)
+                if dmodel.shard_owner(qual):
+                    _unbox(dmodel, qual, v, p.data, tuple(v.size()))
                 _broadcast_shard(dmodel, qual, p.data)
             else:
-                b = dmodel.param_shard(qual).local_bounds(v.shape, comm.rank, comm.world)
-                blk = v[tuple(slice(s, s + e) for s, e in b)]
+                blk = v[dmodel.param_shard(qual).index(v.shape, comm.rank, comm.world)]
                 if blk.data_ptr() != p.data_ptr():
                     p.copy_(blk)
         for q, b in dmodel.bufs.items():
@@ -333,7 +389,7 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
                 dest[key] = b""
     for key, t in local.items():
         qual = key[len("model."):] if key.startswith("model.") else opt_state[key][0]
-        dest[key] = _sharded(dmodel, qual, t, shapes[qual])
+        dest[key] = _sharded(dmodel, qual, t, shapes[qual], fill=True)
     for q, b in dmodel.bufs.items():
         dest[f"model.{q}"] = torch.empty_like(b)
     dest["extra"] = b""
@@ -342,6 +398,7 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
     for key, t in local.items():
         qual = key[len("model."):] if key.startswith("model.") else opt_state[key][0]
         if dmodel.param_shard(qual).dims and dmodel.comm.world > 1:
+            _unbox(dmodel, qual, dest[key], t, shapes[qual])
             _broadcast_shard(dmodel, qual, t)
     with torch.no_grad():
         for qual, p in params.items():
@@ -398,8 +455,7 @@ def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for qual, p in dmodel.local_params().items():
             full = state_dict[qual]
-            b = dmodel.param_shard(qual).local_bounds(full.shape, comm.rank, comm.world)
-            p.copy_(full[tuple(slice(s, s + e) for s, e in b)])
+            p.copy_(full[dmodel.param_shard(qual).index(full.shape, comm.rank, comm.world)])
         for q, b in dmodel.bufs.items():
             b.copy_(state_dict[q])
 
@@ -413,8 +469,7 @@ def _assemble(dmodel, qual: str, local: torch.Tensor, global_shape) -> torch.Ten
         return local.detach().clone()
     full = torch.zeros(tuple(global_shape), dtype=local.dtype, device=local.device)
     if dmodel.shard_owner(qual):
-        b = sh.local_bounds(global_shape, comm.rank, comm.world)
-        full[tuple(slice(s, s + e) for s, e in b)] = local.detach()
+        full[sh.index(global_shape, comm.rank, comm.world)] = local.detach()
     return comm.all_reduce_(full)
 
 
@@ -469,7 +524,6 @@ def load_full_optimizer_state_dict(dmodel, optimizer, osd: dict[str, Any]) -> No
         out = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shapes[qual]) and v.dim() > 0:
-                b = dmodel.param_shard(qual).local_bounds(v.shape, comm.rank, comm.world)
-                v = v[tuple(slice(s, s + e) for s, e in b)]
+                v = v[dmodel.param_shard(qual).index(v.shape, comm.rank, comm.world)]
             out[k] = v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) else v
         optimizer.state[p] = out
