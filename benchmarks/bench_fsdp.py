@@ -122,10 +122,9 @@ def side_by_side(model: str, world: int, rounds: int, work: Path) -> dict:
 def hf_half_memory(work: Path) -> dict:
     from autopar.artifacts import PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.modelfile import model_env
     from autopar.planner import make_plan
-    old = {k: os.environ.get(k) for k in HF_BIG}
-    os.environ.update(HF_BIG)
-    try:
+    with model_env(HF_BIG):
         dp = make_plan(MODELS["hf_gpt2"], PlanOptions(world_size=4, batch_size=4, write=False))
         dp_mem = next(s for s in dp.plan.strategies if s.strategy == "native").memory_per_rank_bytes
         limit = 0.5 * dp_mem
@@ -135,12 +134,6 @@ def hf_half_memory(work: Path) -> dict:
         plan_s = time.perf_counter() - t0
         run, _ = execute(r.plan_path, ExecuteOptions(steps=6, warmup=1), out_dir=work / "hf_gpt2-w4-half-run",
                          progress=lambda s: None)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     sh = dict(run.extra)["sharded"]
     return {"sizes": HF_BIG, "dp_memory_bytes": dp_mem, "limit_bytes": limit, "plan_s": plan_s,
             "chosen": next(s.label for s in r.plan.strategies if s.chosen),

@@ -73,6 +73,7 @@ def model_path(plan: dict, plan_path: Path) -> Path:
 def remake(names: list[str]) -> dict[str, dict]:
     """name -> {choices, step_time_s, memory_per_rank_bytes} re-made by the autopar importable here."""
     from autopar.artifacts import PlanOptions
+    from autopar.modelfile import model_env
     try:
         from autopar.planner import make_plan
     except ImportError:                       # an autopar from before the planner package
@@ -82,23 +83,16 @@ def remake(names: list[str]) -> dict[str, dict]:
         plan_path = ROOT / "strategies" / "plans" / name / "plan.json"
         plan = json.loads(plan_path.read_text())
         env = {**ENV.get(name, {}), **((plan.get("padding") or {}).get("env") or {})}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                res = make_plan(model_path(plan, plan_path), PlanOptions(**options_json(plan, plan_path)))
-            p = res.plan
-            out[name] = {"choices": [d.choice for d in p.layers], "step_time_s": p.predicted.step_time_s,
-                         "memory_per_rank_bytes": p.predicted.memory_per_rank_bytes}
-        except Exception as e:  # noqa: BLE001 - reported per plan
-            out[name] = {"error": f"{e.__class__.__name__}: {e}"}
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with model_env(env):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    res = make_plan(model_path(plan, plan_path), PlanOptions(**options_json(plan, plan_path)))
+                p = res.plan
+                out[name] = {"choices": [d.choice for d in p.layers], "step_time_s": p.predicted.step_time_s,
+                             "memory_per_rank_bytes": p.predicted.memory_per_rank_bytes}
+            except Exception as e:  # noqa: BLE001 - reported per plan
+                out[name] = {"error": f"{e.__class__.__name__}: {e}"}
     return out
 
 

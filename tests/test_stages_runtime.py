@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
+
+from autopar.modelfile import model_env
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.dist
@@ -27,18 +28,10 @@ PARAM_TOL = dict(rtol=1e-12, atol=1e-11)
 def _load_gpt(layers: int):
     env = {"AUTOPAR_GPT_LAYERS": str(layers), "AUTOPAR_GPT_EMBED": "16", "AUTOPAR_GPT_HEADS": "4",
            "AUTOPAR_GPT_SEQ": "8", "AUTOPAR_GPT_VOCAB": "32"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with model_env(env):
         spec = importlib.util.spec_from_file_location(f"_gpt_stages_{layers}", ROOT / "strategies/examples/gpt.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return mod
 
 
@@ -138,7 +131,7 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
         y = torch.randint(0, 32, (batch, 8))
         loss_fn, heads = gpt.loss_fn, 4
     elif kind == "hf_gpt2":     # Hugging Face GPT-2: its embedding is tied to the head (stages 0 and 1)
-        from autopar.modelfile import load_model_file, model_env
+        from autopar.modelfile import load_model_file
         with model_env({"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4",
                         "AUTOPAR_HF_SEQ": "8", "AUTOPAR_HF_VOCAB": "32"}):
             mf = load_model_file(ROOT / "strategies/examples/hf_gpt2.py")
