@@ -3,31 +3,13 @@ the chooser takes it when it is predicted cheaper (memory permitting), plan.json
 every alternative priced, and the chosen plan executes equal to one process."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from autopar.planner.strategies import STRATEGIES
 
-MLP = """
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 12)
-        self.fc3 = nn.Linear(12, 4)
-    def forward(self, x):
-        return self.fc3(self.fc2(F.relu(self.fc1(x))))
-
-def build_model():
-    return MLP()
-
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 8),)
-"""
+MLP = (Path(__file__).parent / "toys" / "mlp.py").read_text()
 
 
 @pytest.fixture
