@@ -3,6 +3,7 @@ gets, how times are stated at the nominal speed, and that calibration and later 
 profile use it."""
 
 import json
+import statistics
 
 import pytest
 
@@ -78,6 +79,13 @@ def test_speed_entry_and_profile_nominal():
     assert speed.profile_nominal_s(P()) == pytest.approx(0.005)
     P.samples = {}
     assert speed.profile_nominal_s(P()) is None
+
+
+def test_the_stored_nominal_is_the_median_of_the_stored_readings():
+    # readings are stored to 6 significant digits; the nominal must be recomputable from them
+    # exactly (CI once failed when the nominal came from the unrounded readings: 1.4e-6 apart)
+    e = speed.speed_entry([0.0025771034997, 0.00301234567, 0.0020000012345])
+    assert e["nominal_s"] == statistics.median(e["readings_s"])
 
 
 def test_a_real_reading_is_a_positive_time():

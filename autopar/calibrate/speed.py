@@ -178,8 +178,10 @@ def speed_entry(readings_s, nominal_s: float | None = None) -> dict:
     """``samples["speed_probe"]`` of a profile: the nominal (median reading, or the one
     given), every reading, and their spread (max / min - 1)."""
     vals = [float(x) for x in readings_s if x and x > 0]
-    nominal = nominal_s if nominal_s else nominal_probe_s(vals)
-    return {"nominal_s": nominal, "readings_s": [_round(x) for x in vals],
+    kept = [_round(x) for x in vals]
+    # the nominal is the median of the readings as stored, so a reader can recompute it exactly
+    nominal = nominal_s if nominal_s else nominal_probe_s(kept)
+    return {"nominal_s": nominal, "readings_s": kept,
             "spread": (max(vals) / min(vals) - 1.0) if vals else None,
             "probe": "kernels.slowdown_kernel_set", "repeats": PROBE_REPEATS}
 
