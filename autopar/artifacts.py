@@ -2,7 +2,7 @@
 as frozen values, and the ONE module that reads and writes them as JSON.
 
 Pure: no torch, no solver, no tracer (the runtime imports this module). ``autopar.decomp`` (the
-registry, ``Layout``, ``Placement``, the layer graph types) is imported lazily, only to check a
+registry, ``Layout``, ``RankMap``, the layer graph types) is imported lazily, only to check a
 plan on load and to build what a caller asks for (``Plan.graph()``, ``LayerDecision.decomposition()``).
 
 Schemas
@@ -14,7 +14,7 @@ Schemas
     world_size   int (== mesh.world_size)
     mesh         {world_size, ranks_per_node, nodes, placement, ranks}         MeshInfo
                  placement {kind: "stride", local_stride: S}: which physical slot runs each
-                 logical rank (``autopar.decomp.placement``); ranks: the global ranks the plan
+                 logical rank (``autopar.decomp.rankmap``); ranks: the global ranks the plan
                  runs on, in logical order (a plan file alone: 0..W-1; a run set places a plan on
                  other ranks of a larger world, see ``RunSet``)
     placement_search  every placement priced (``autopar.solve.placement``), or absent
@@ -76,7 +76,7 @@ from .decomp import REGISTRY, decomposition_from_json
 from .decomp.bn import BatchNormStats, MODES
 from .decomp.ir import Layer, LayerGraphData
 from .decomp.layout import Layout
-from .decomp.placement import Placement
+from .decomp.rankmap import RankMap
 from .pins import parse_pins
 
 PLAN_SCHEMA = "autopar.plan/2"
@@ -424,8 +424,8 @@ class MeshInfo:
             object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
 
     def placement(self):
-        """The ``Placement`` (``autopar.decomp.placement``) the runtime applies at init."""
-        return Placement(self.world_size, self.local_stride)
+        """The ``RankMap`` (``autopar.decomp.rankmap``) the runtime applies at init."""
+        return RankMap(self.world_size, self.local_stride)
 
     @property
     def placement_json(self) -> dict[str, Any]:

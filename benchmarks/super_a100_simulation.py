@@ -13,7 +13,7 @@ world size. Series (``PlanOptions.kinds``):
   (HeadGroups: heads, and in the all-sub-graph variant the MLP, in G groups) for the blocks,
   with sample parallelism elsewhere,
   placement searched (block = SUPER's interleaved placement for branch units, see
-  ``autopar.decomp.placement``);
+  ``autopar.decomp.rankmap``);
 * data-only:   ``sample`` (and ``replicate``) on every layer;
 * tensor-only: ``filter`` / ``row_parallel`` (and ``replicate``) on every layer, no sample split,
   priced WITHOUT the memory limit (under 80 GB no such plan fits: every rank holds the whole

@@ -191,7 +191,7 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
     from fakes import synthetic_profile
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.decomp.base import CostContext
-    from autopar.decomp.placement import branch_contiguous
+    from autopar.decomp.rankmap import branch_contiguous
     from autopar.planner import make_plan
     monkeypatch.setenv("AUTOPAR_PGPT_SEQ", "256")       # activations large enough to matter
     prof = synthetic_profile(ranks_per_node=8, nodes=2, inter_factor=50.0)
@@ -308,13 +308,13 @@ def test_join_with_a_literal_is_summed_first():
 
 def test_placement_names_say_interleaved_or_branch_contiguous():
     from autopar.decomp.branch import HeadGroups
-    from autopar.decomp.placement import Placement, branch_contiguous, branch_role
+    from autopar.decomp.rankmap import RankMap, branch_contiguous, branch_role
     from autopar.decomp.sample import Sample
     plan = [Sample(16), Branch(4, 2, 2), HeadGroups(8, 2, 1, 1)]
-    assert branch_role(Placement.identity(16), plan) == "interleaved"
+    assert branch_role(RankMap.identity(16), plan) == "interleaved"
     assert branch_role(branch_contiguous(16, 2, 2), [Branch(4, 2, 2)]) == "branch-contiguous"
-    assert branch_role(Placement(16, 8), plan) == ""
-    assert branch_role(Placement.identity(16), [Sample(16)]) == ""
+    assert branch_role(RankMap(16, 8), plan) == ""
+    assert branch_role(RankMap.identity(16), [Sample(16)]) == ""
 
 
 def test_attention_memory_counts_scores_only_when_not_fused():

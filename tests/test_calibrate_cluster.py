@@ -36,54 +36,54 @@ def _infos(hosts, group_ranks=None, lws=None):
 # ---- layout and groups (pure) --------------------------------------------------------------
 
 def test_layout_from_hostnames():
-    lay = cluster.derive_layout(_infos(["a", "a", "b", "b"], ["0", "0", "1", "1"], lws=2))
+    lay = cluster.derive_node_map(_infos(["a", "a", "b", "b"], ["0", "0", "1", "1"], lws=2))
     assert lay.node_ranks == ((0, 1), (2, 3)) and lay.hosts == ("a", "b")
     assert (lay.nodes, lay.ranks_per_node, lay.world) == (2, 2, 4)
     assert not lay.simulated and lay.contiguous
     # ranks numbered across nodes: nodes still follow the hosts
-    lay = cluster.derive_layout(_infos(["a", "b", "a", "b"]))
+    lay = cluster.derive_node_map(_infos(["a", "b", "a", "b"]))
     assert lay.node_ranks == ((0, 2), (1, 3)) and not lay.contiguous and not lay.simulated
 
 
 def test_layout_on_one_host_is_simulated():
     # two torchrun agents on one host: two nodes, but loopback between them
-    lay = cluster.derive_layout(_infos(["a"] * 4, ["0", "0", "1", "1"]))
+    lay = cluster.derive_node_map(_infos(["a"] * 4, ["0", "0", "1", "1"]))
     assert lay.node_ranks == ((0, 1), (2, 3)) and lay.simulated
-    lay = cluster.derive_layout(_infos(["a"] * 4), ranks_per_node=2, simulate_nodes=2)
+    lay = cluster.derive_node_map(_infos(["a"] * 4), ranks_per_node=2, simulate_nodes=2)
     assert lay.node_ranks == ((0, 1), (2, 3)) and lay.simulated
-    lay = cluster.derive_layout(_infos(["a"] * 6), simulate_nodes=3)
+    lay = cluster.derive_node_map(_infos(["a"] * 6), simulate_nodes=3)
     assert (lay.nodes, lay.ranks_per_node) == (3, 2) and lay.simulated
-    lay = cluster.derive_layout(_infos(["a"] * 4), ranks_per_node=2)  # override, one host
+    lay = cluster.derive_node_map(_infos(["a"] * 4), ranks_per_node=2)  # override, one host
     assert lay.simulated
-    lay = cluster.derive_layout(_infos(["a"] * 4))  # one plain node
+    lay = cluster.derive_node_map(_infos(["a"] * 4))  # one plain node
     assert lay.node_ranks == ((0, 1, 2, 3),) and not lay.simulated
 
 
 def test_layout_errors_are_named():
     with pytest.raises(CalibrationError, match="!= world size 4"):
-        cluster.derive_layout(_infos(["a"] * 4), ranks_per_node=2, simulate_nodes=3)
+        cluster.derive_node_map(_infos(["a"] * 4), ranks_per_node=2, simulate_nodes=3)
     with pytest.raises(CalibrationError, match="does not divide"):
-        cluster.derive_layout(_infos(["a"] * 4), ranks_per_node=3)
+        cluster.derive_node_map(_infos(["a"] * 4), ranks_per_node=3)
     with pytest.raises(CalibrationError, match="different numbers of ranks"):
-        cluster.derive_layout(_infos(["a", "a", "a", "b"]))
+        cluster.derive_node_map(_infos(["a", "a", "a", "b"]))
     with pytest.raises(CalibrationError, match="on one node"):
-        cluster.derive_layout(_infos(["a", "b", "a", "b"]), ranks_per_node=2)
+        cluster.derive_node_map(_infos(["a", "b", "a", "b"]), ranks_per_node=2)
     with pytest.raises(CalibrationError, match="LOCAL_WORLD_SIZE"):
-        cluster.derive_layout(_infos(["a", "a", "b", "b"], lws=4))
+        cluster.derive_node_map(_infos(["a", "a", "b", "b"], lws=4))
 
 
 def test_ladder_and_groups():
     assert cluster.ladder(1) == [] and cluster.ladder(4) == [2, 3, 4]
     assert cluster.ladder(8) == list(range(2, 9)) and cluster.ladder(12) == [2, 4, 8, 12]
-    lay = cluster.derive_layout(_infos(["a"] * 4), ranks_per_node=2, simulate_nodes=2)
+    lay = cluster.derive_node_map(_infos(["a"] * 4), ranks_per_node=2, simulate_nodes=2)
     got = [(g.level, g.ranks, g.nodes_spanned) for g in cluster.plan_groups(lay)]
     assert got == [("intra", (0, 1), 1), ("inter", (0, 2), 2), ("inter", (0, 1, 2, 3), 2)]
-    one_node = cluster.derive_layout(_infos(["a"] * 3))
+    one_node = cluster.derive_node_map(_infos(["a"] * 3))
     assert [(g.level, g.size) for g in cluster.plan_groups(one_node)] == [("intra", 2), ("intra", 3)]
-    one_per_node = cluster.derive_layout(_infos(["a", "b", "c"]))
+    one_per_node = cluster.derive_node_map(_infos(["a", "b", "c"]))
     assert [(g.level, g.ranks) for g in cluster.plan_groups(one_per_node)] == [
         ("inter", (0, 1)), ("inter", (0, 1, 2))]  # no duplicate "whole world" group
-    big = cluster.derive_layout(_infos([f"h{i // 16}" for i in range(64)]))
+    big = cluster.derive_node_map(_infos([f"h{i // 16}" for i in range(64)]))
     groups = cluster.plan_groups(big)
     assert [g.size for g in groups if g.level == "intra"] == [2, 4, 8, 16]
     assert [g.ranks for g in groups if g.level == "inter"][:3] == [(0, 16), (0, 16, 32),

@@ -11,7 +11,7 @@ from fakes import synthetic_profile
 
 from autopar.cost.table import build_cost_table
 from autopar.decomp.base import CostContext
-from autopar.decomp.placement import Placement, candidate_strides
+from autopar.decomp.rankmap import RankMap, candidate_strides
 from autopar.errors import PlacementError, PlanFileError
 from autopar.artifacts import PlanHooks, PlanOptions
 from autopar.planner import make_plan as _make_plan
@@ -35,7 +35,7 @@ def make_plan(model, world, profile, out_dir=None, write=True, placement="search
 @pytest.mark.parametrize("world,stride", [(1, 1), (4, 1), (4, 2), (4, 4), (16, 2), (16, 4), (24, 3),
                                           (24, 6), (1024, 8), (1024, 128)])
 def test_placement_is_a_bijection_with_its_inverse(world, stride):
-    p = Placement(world, stride)
+    p = RankMap(world, stride)
     phys = [p.physical(l) for l in range(world)]
     assert sorted(phys) == list(range(world))
     assert all(p.logical(p.physical(l)) == l for l in range(world))
@@ -44,36 +44,36 @@ def test_placement_is_a_bijection_with_its_inverse(world, stride):
 
 
 def test_identity_and_the_formula():
-    assert all(Placement(8, 1).physical(l) == l for l in range(8))
-    assert all(Placement(8, 8).physical(l) == l for l in range(8))  # stride W is the identity too
-    assert Placement(8, 1).is_identity and Placement(8, 8).is_identity
-    p = Placement(8, 2)                # l = a*2 + b  ->  b*4 + a
+    assert all(RankMap(8, 1).physical(l) == l for l in range(8))
+    assert all(RankMap(8, 8).physical(l) == l for l in range(8))  # stride W is the identity too
+    assert RankMap(8, 1).is_identity and RankMap(8, 8).is_identity
+    p = RankMap(8, 2)                # l = a*2 + b  ->  b*4 + a
     assert [p.physical(l) for l in range(8)] == [0, 4, 1, 5, 2, 6, 3, 7]
-    assert not p.is_identity and str(p) == "stride(2)" and str(Placement(8, 1)) == "block"
+    assert not p.is_identity and str(p) == "stride(2)" and str(RankMap(8, 1)) == "block"
 
 
 @pytest.mark.parametrize("world,rpn,stride", [(16, 4, 2), (16, 4, 4), (64, 8, 8), (32, 4, 2)])
 def test_the_axis_of_stride_s_is_node_local(world, rpn, stride):
     """Under stride s the ranks {b + s*a} with rpn consecutive a share a node."""
-    p = Placement(world, stride)
+    p = RankMap(world, stride)
     for b in range(stride):
         for a0 in range(0, world // stride, rpn):
             group = [b + stride * a for a in range(a0, a0 + rpn)]
             assert len({p.node_of(l, rpn) for l in group}) == 1, group
     # and under block placement the same groups cross nodes
-    blk = Placement.identity(world)
+    blk = RankMap.identity(world)
     assert len({blk.node_of(l, rpn) for l in range(0, stride * rpn, stride)}) > 1
 
 
 def test_json_round_trip_and_named_errors():
-    p = Placement(16, 4)
+    p = RankMap(16, 4)
     assert p.to_json() == {"kind": "stride", "local_stride": 4}
-    assert Placement.from_json(p.to_json(), 16) == p
-    assert Placement.from_json(None, 16) == Placement.identity(16)   # plans before placements
+    assert RankMap.from_json(p.to_json(), 16) == p
+    assert RankMap.from_json(None, 16) == RankMap.identity(16)   # plans before placements
     with pytest.raises(PlacementError, match="does not divide world size 12"):
-        Placement(12, 5)
+        RankMap(12, 5)
     with pytest.raises(PlacementError, match="unknown placement"):
-        Placement.from_json({"kind": "hilbert"}, 16)
+        RankMap.from_json({"kind": "hilbert"}, 16)
 
 
 def test_candidate_strides():
@@ -90,14 +90,14 @@ def test_candidate_strides():
 
 def test_cost_context_level_under_a_placement():
     ident = CostContext(profile=None, world=8, ranks_per_node=4)
-    strided = CostContext(profile=None, world=8, ranks_per_node=4, placement=Placement(8, 2))
+    strided = CostContext(profile=None, world=8, ranks_per_node=4, placement=RankMap(8, 2))
     assert ident.level([0, 1, 2, 3]) == "intra" and strided.level([0, 1, 2, 3]) == "inter"
     assert ident.level([0, 2, 4, 6]) == "inter" and strided.level([0, 2, 4, 6]) == "intra"
     assert strided.level((1, 3, 5, 7)) == "intra" and strided.level(range(1, 8, 2)) == "intra"
     assert strided.level(range(8)) == "inter" and strided.level([5]) == "intra"
     assert strided.level([]) == "intra" and strided.level(iter([0, 1])) == "inter"
     with pytest.raises(ValueError):
-        CostContext(profile=None, world=8, ranks_per_node=4, placement=Placement(4, 2))
+        CostContext(profile=None, world=8, ranks_per_node=4, placement=RankMap(4, 2))
 
 
 # ---- the search -----------------------------------------------------------------------------
@@ -192,8 +192,8 @@ def test_shared_pricing_memo_gives_the_tables_fresh_pricing_gives(root):
     prof = synthetic_profile(ranks_per_node=2, nodes=4, inter_factor=20.0)
     base = CostContext(profile=prof, world=8, ranks_per_node=2, batch_size=8, cost_memo={})
     for s in [1] + candidate_strides(8, 2):
-        shared = build_cost_table(graph, replace(base, placement=Placement(8, s)))
-        fresh = build_cost_table(graph, replace(base, placement=Placement(8, s), cost_memo=None))
+        shared = build_cost_table(graph, replace(base, placement=RankMap(8, s)))
+        fresh = build_cost_table(graph, replace(base, placement=RankMap(8, s), cost_memo=None))
         for a, b in zip(shared.layers, fresh.layers):
             assert [str(d) for d in a.choices] == [str(d) for d in b.choices], s
             assert a.costs == b.costs and a.illegal == b.illegal and a.exact_keys == b.exact_keys
@@ -208,13 +208,13 @@ def test_plan_without_placement_means_block_and_bad_ones_are_named(mlp, two_node
     from autopar.runtime.entry import plan_placement
     r = make_plan(mlp, 4, profile=two_nodes, out_dir=tmp_path / "p")
     plan = load_plan(r.plan_path)
-    assert plan_placement(plan) == Placement(4, 2)
+    assert plan_placement(plan) == RankMap(4, 2)
     assert "placement stride(2)" in r.module_path.read_text()
     d = plan.to_json()
     del d["mesh"]["placement"]
     nop = tmp_path / "noplacement.json"
     nop.write_text(json.dumps(d))
-    assert plan_placement(load_plan(nop)) == Placement.identity(4)
+    assert plan_placement(load_plan(nop)) == RankMap.identity(4)
     d["mesh"]["placement"] = {"kind": "stride", "local_stride": 3}
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
@@ -236,10 +236,10 @@ def _fail_on_one(rank, world):
 def test_run_ranks_returns_results_in_logical_order_and_names_slots():
     from autopar.errors import RankFailure
     from autopar.runtime.launch import run_ranks
-    assert run_ranks(_rank_and_world, 4, timeout_s=60, placement=Placement(4, 2)) == \
+    assert run_ranks(_rank_and_world, 4, timeout_s=60, placement=RankMap(4, 2)) == \
         [(r, 4) for r in range(4)]
     with pytest.raises(RankFailure, match=r"rank 1 \(slot 2, placement stride\(2\)\) failed"):
-        run_ranks(_fail_on_one, 4, timeout_s=60, placement=Placement(4, 2))
+        run_ranks(_fail_on_one, 4, timeout_s=60, placement=RankMap(4, 2))
 
 
 @pytest.mark.dist
@@ -260,9 +260,9 @@ def test_plan_with_a_strided_placement_validates_on_gloo(mlp, two_nodes, tmp_pat
 RELABEL = """
 import json, os
 import torch.distributed as dist
-from autopar.decomp.placement import Placement
+from autopar.decomp.rankmap import RankMap
 from autopar.runtime.launch import init_from_env
-rank, world = init_from_env(backend="gloo", placement=Placement(4, 2))
+rank, world = init_from_env(backend="gloo", placement=RankMap(4, 2))
 got = [None] * world
 dist.all_gather_object(got, (int(os.environ["RANK"]), rank))
 if rank == 0:
@@ -287,7 +287,7 @@ def test_torchrun_processes_join_as_their_logical_rank(tmp_path):
     assert out.returncode == 0 and line, out.stderr[-2000:]
     pairs = json.loads(line[0][len("RESULT "):])
     # logical rank r is run by torchrun's RANK physical(r): 0->0, 1->2, 2->1, 3->3
-    assert [tuple(p) for p in pairs] == [(Placement(4, 2).physical(r), r) for r in range(4)]
+    assert [tuple(p) for p in pairs] == [(RankMap(4, 2).physical(r), r) for r in range(4)]
 
 
 def test_report_shows_each_artifacts_placement(mlp, two_nodes, tmp_path):

@@ -11,7 +11,7 @@ from fakes import synthetic_profile
 
 from autopar.cost.table import build_cost_table, evaluate, pricing_profile
 from autopar.decomp.base import CostContext
-from autopar.decomp.placement import Placement, candidate_strides
+from autopar.decomp.rankmap import RankMap, candidate_strides
 from autopar.solve.ilp import solve
 from autopar.solve.placement import ALIKE_NOTE, levels_price_alike, search_placement
 
@@ -77,7 +77,7 @@ def test_settled_search_equals_the_full_search_and_every_placement(resnet2d_grap
     # the reason itself: each placement solved on its own prices no plan below block's
     t_block = settled.prediction.step_time_s
     for s in strides:
-        tab = build(replace(ctx, placement=Placement(world, s)))
+        tab = build(replace(ctx, placement=RankMap(world, s)))
         sol = solve_table(tab)
         assert evaluate(tab, sol.choice).step_time_s >= t_block * (1 - 1e-12), s
 

@@ -9,7 +9,7 @@ processes)::
 
 Every rank reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE (and torchrun's GROUP_RANK),
 initialises the process group once, and all-gathers (hostname, node agent, local world size) to
-find the node of every rank (``derive_layout``; ``--ranks-per-node R`` overrides it with
+find the node of every rank (``derive_node_map``; ``--ranks-per-node R`` overrides it with
 ``rank // R``). Then, with every subgroup created by ``new_group`` in the same order on every
 rank (``plan_groups``):
 
@@ -65,7 +65,7 @@ LADDER_ALL_UP_TO = 8  # up to this many ranks (nodes), every group size; beyond,
 # ---- topology ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Layout:
+class NodeMap:
     """Which node every global rank is on, as measured (or simulated)."""
 
     node_ranks: tuple          # node_ranks[n] = sorted global ranks on node n (node 0 holds rank 0)
@@ -87,15 +87,15 @@ class Layout:
 
 
 def rank_info(group_rank: str | None = None, local_world_size: int | None = None) -> dict:
-    """What each rank contributes to ``derive_layout`` (all-gathered)."""
+    """What each rank contributes to ``derive_node_map`` (all-gathered)."""
     return {"host": socket.gethostname(),
             "group_rank": group_rank if group_rank is not None else os.environ.get("GROUP_RANK"),
             "local_world_size": local_world_size if local_world_size is not None
             else int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)}
 
 
-def derive_layout(infos: Sequence[dict], ranks_per_node: int | None = None,
-                  simulate_nodes: int | None = None) -> Layout:
+def derive_node_map(infos: Sequence[dict], ranks_per_node: int | None = None,
+                  simulate_nodes: int | None = None) -> NodeMap:
     """Nodes from the all-gathered ``rank_info`` of every rank (index = global rank).
 
     Without overrides, a node is one (hostname, torchrun agent) pair; every node must hold the
@@ -146,7 +146,7 @@ def derive_layout(infos: Sequence[dict], ranks_per_node: int | None = None,
     rpn = len(node_ranks[0])
     contiguous = all(r // rpn == n for n, ranks in enumerate(node_ranks) for r in ranks)
     simulated = simulate_nodes is not None or len(set(hosts)) < len(hosts)
-    return Layout(tuple(tuple(v) for v in node_ranks), hosts, simulated, contiguous)
+    return NodeMap(tuple(tuple(v) for v in node_ranks), hosts, simulated, contiguous)
 
 
 def ladder(n: int) -> list[int]:
@@ -172,7 +172,7 @@ class GroupSpec:
         return len(self.ranks)
 
 
-def plan_groups(layout: Layout) -> list[GroupSpec]:
+def plan_groups(layout: NodeMap) -> list[GroupSpec]:
     """The measured groups, in the order every rank creates and measures them."""
     groups = []
     node0 = layout.node_ranks[0]
@@ -271,7 +271,7 @@ def run_cluster(opts: Options, device: str = "cpu",
 
     infos = [None] * world
     dist.all_gather_object(infos, rank_info(), group=ctrl)
-    layout = derive_layout(infos, opts.ranks_per_node, opts.simulate_nodes)
+    layout = derive_node_map(infos, opts.ranks_per_node, opts.simulate_nodes)
     base = agree(lambda: _preflight(opts))
     load_before = os.getloadavg()
     groups = plan_groups(layout)
@@ -321,7 +321,7 @@ def run_cluster(opts: Options, device: str = "cpu",
 
 # ---- profile -------------------------------------------------------------------------------
 
-def _source(spec: GroupSpec, layout: Layout) -> str:
+def _source(spec: GroupSpec, layout: NodeMap) -> str:
     if spec.level == "inter" and layout.simulated:
         return (f"SIMULATED, NOT a real inter-node link: {spec.what}, but every 'node' is a set "
                 f"of processes on ONE host (loopback, host {layout.hosts[0]})")
@@ -331,7 +331,7 @@ def _source(spec: GroupSpec, layout: Layout) -> str:
             f"calibration of {layout.nodes} nodes x {layout.ranks_per_node} ranks")
 
 
-def build_profile(layout: Layout, results: list, sweep, opts: Options, elapsed_s: float = 0.0,
+def build_profile(layout: NodeMap, results: list, sweep, opts: Options, elapsed_s: float = 0.0,
                   loadavg_before=None):
     """The collectives-only profile from ``[(GroupSpec, combine_ranks output), ...]``."""
 

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Iterable
 
 from .ir import Layer, OpSpec
 from .layout import Layout, block_extent, block_start
-from .placement import Placement
+from .rankmap import RankMap
 from .bn import layer_problem
 
 
@@ -164,7 +164,7 @@ class CostContext:
     """What pricing needs besides the layer: the profile, the world, the placement.
 
     ``placement`` maps the logical ranks pricing speaks of to physical slots, and so to nodes
-    (``autopar.decomp.placement``); None is the identity (nodes hold contiguous rank ranges).
+    (``autopar.decomp.rankmap``); None is the identity (nodes hold contiguous rank ranges).
     Pricing asks about links only through ``level`` and ``worst_level`` and never reads
     ``placement`` itself: the placement search's memo (``price_once``) relies on it.
     """
@@ -178,7 +178,7 @@ class CostContext:
     max_candidates: int = 8
     spec_log: list | None = None      # when a list, every exact shape the pricing asked for
     key_log: list | None = None       # when a list, the exact measurements that priced ops
-    placement: Placement | None = None
+    placement: RankMap | None = None
     # plan-wide batch-norm statistics (``autopar.decomp.bn.BatchNormStats``); None = global
     batch_norm: Any = None
     level_log: set | None = None      # when a set, every group of <= ranks_per_node ranks that
@@ -200,7 +200,7 @@ class CostContext:
 
     def __post_init__(self) -> None:
         if self.placement is None:
-            self.placement = Placement.identity(self.world)
+            self.placement = RankMap.identity(self.world)
         elif self.placement.world != self.world:
             raise ValueError(f"placement for world {self.placement.world} used at world {self.world}")
 
@@ -240,7 +240,7 @@ class CostContext:
 
 
 @functools.lru_cache(maxsize=4096)
-def _any_crosses(placement: Placement, ranks_per_node: int, groups: tuple) -> bool:
+def _any_crosses(placement: RankMap, ranks_per_node: int, groups: tuple) -> bool:
     """Cached: pricing asks about the same few partitions many times."""
     for g in groups:
         if not g:
@@ -254,7 +254,7 @@ def _any_crosses(placement: Placement, ranks_per_node: int, groups: tuple) -> bo
 
 
 @functools.lru_cache(maxsize=65536)
-def _one_node(placement: Placement, ranks_per_node: int, ranks: tuple[int, ...]) -> bool:
+def _one_node(placement: RankMap, ranks_per_node: int, ranks: tuple[int, ...]) -> bool:
     """Cached: pricing asks about the same few groups many times at large world sizes."""
     node = placement.node_of(ranks[0], ranks_per_node)
     return all(placement.node_of(r, ranks_per_node) == node for r in ranks[1:])

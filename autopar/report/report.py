@@ -173,7 +173,7 @@ def summarize(paths: list[str | Path]) -> str:
 
 
 def _placement(obj) -> str:
-    """"block" or "stride(s)" (``decomp.placement``); runs without one are block."""
+    """"block" or "stride(s)" (``decomp.rankmap``); runs without one are block."""
     if not isinstance(obj, dict) or int(obj.get("local_stride", 1)) == 1:
         return "block"
     return f"stride({int(obj['local_stride'])})"

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..artifacts import Plan, load_plan
-from ..decomp.placement import Placement
+from ..decomp.rankmap import RankMap
 from ..modelfile import load_model_file
 from .comm import Comm
 
@@ -20,7 +20,7 @@ def read_plan(plan_file: str | Path) -> Plan:
     return load_plan(plan_file)
 
 
-def plan_placement(plan: Plan) -> Placement:
+def plan_placement(plan: Plan) -> RankMap:
     """The plan's rank placement (``mesh.placement``; plans made before placements existed
     load as the identity, block placement)."""
     return plan.placement()

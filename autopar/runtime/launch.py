@@ -14,7 +14,7 @@ initialised in this process); ``AUTOPAR_START_METHOD=fork|spawn|forkserver`` ove
 choice for gloo runs. Generated code run under ``torchrun`` does not use
 this module: it reads RANK/WORLD_SIZE from the environment (see ``init_from_env``).
 
-Rank placement (``autopar.decomp.placement``) is applied by relabeling at process-group init:
+Rank placement (``autopar.decomp.rankmap``) is applied by relabeling at process-group init:
 the process in physical slot ``p`` (launcher slot ``p``, or torchrun's RANK) joins the group as
 logical rank ``placement.logical(p)``, so every torch.distributed rank the runtime sees is the
 plan's logical rank and nothing else changes. What stays physical: the slot (and so the node,
@@ -34,7 +34,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from ..decomp.placement import Placement
+from ..decomp.rankmap import RankMap
 from ..errors import PlacementError, RankFailure
 
 
@@ -139,7 +139,7 @@ def _root_cause(errors: dict[int, str]) -> int:
 
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str = "gloo",
               timeout_s: float = 300.0, start_method: str | None = None, threads: int = 1,
-              placement: Placement | None = None) -> list[Any]:
+              placement: RankMap | None = None) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return results in rank order.
 
     ``placement`` (default: the identity) says which physical slot runs each logical rank;
@@ -151,7 +151,7 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
     import multiprocessing as mp
 
     if placement is None:
-        placement = Placement.identity(world)
+        placement = RankMap.identity(world)
     elif placement.world != world:
         raise PlacementError(f"placement for world size {placement.world} given for {world} ranks",
                              "pass the plan's placement with its world size")
@@ -217,7 +217,7 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0,
-                  placement: Placement | None = None) -> tuple[int, int]:
+                  placement: RankMap | None = None) -> tuple[int, int]:
     """Initialise the default process group from torchrun's environment; return the logical
     (rank, world). Under ``placement`` (None: the identity) the process torchrun calls RANK p
     joins as logical rank ``placement.logical(p)``; its CUDA device stays LOCAL_RANK (physical)."""

@@ -1,12 +1,12 @@
 """Rank placement search: price and solve the plan under several placements, keep the fastest.
 
 The cost model prices every collective on the link its ranks use, and which link that is
-depends on where the logical ranks run (``autopar.decomp.placement``). Under block placement
+depends on where the logical ranks run (``autopar.decomp.rankmap``). Under block placement
 (the identity) the innermost mesh axes are node-local; under local stride ``s`` the mesh axis of
 logical stride ``s`` is, e.g. the sample axis of ``Channel(S, s)`` whose gradient allreduce is
 the heaviest traffic of a wide layer. For SUPER's branch decompositions block placement is the
 interleaved placement (each sample block's branch ranks on one node: joins intra-node) and
-stride G x R the branch-contiguous one (``decomp.placement``). Which placement
+stride G x R the branch-contiguous one (``decomp.rankmap``). Which placement
 is best depends on the plan, and the plan on the placement, so the search solves the ILP per
 placement:
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..decomp.base import CostContext
-from ..decomp.placement import Placement, branch_role, candidate_strides
+from ..decomp.rankmap import RankMap, branch_role, candidate_strides
 from ..errors import PlacementError
 from ..profile.profile import LEVELS, Profile
 
@@ -74,7 +74,7 @@ TIME_TERMS = ("fwd_compute_s", "bwd_compute_s", "fwd_comm_s", "bwd_comm_s", "gra
 class PlacementTrial:
     """One placement the search looked at."""
 
-    placement: Placement
+    placement: RankMap
     solved: bool
     step_time_s: float | None          # predicted step time when solved
     gain_bound_s: float                # D_s: at most this much faster than block
@@ -97,7 +97,7 @@ class PlacementTrial:
 
 @dataclass
 class PlacementResult:
-    placement: Placement
+    placement: RankMap
     table: Any
     solution: Any
     prediction: Any
@@ -131,14 +131,14 @@ class PlacementResult:
                 "min_gain": MIN_GAIN, "max_solved": MAX_SOLVED, "tried": [t.to_json() for t in self.trials]}
 
 
-def placements_for(mode: str | int, world: int, ranks_per_node: int) -> list[Placement]:
+def placements_for(mode: str | int, world: int, ranks_per_node: int) -> list[RankMap]:
     """The placements to try for ``mode``: "search", "block" or an integer local stride."""
     if isinstance(mode, int) or (isinstance(mode, str) and mode.strip().isdigit()):
-        return [Placement(world, int(mode))]
+        return [RankMap(world, int(mode))]
     if mode == "block":
-        return [Placement.identity(world)]
+        return [RankMap.identity(world)]
     if mode == "search":
-        return [Placement.identity(world)] + [Placement(world, s)
+        return [RankMap.identity(world)] + [RankMap(world, s)
                                               for s in candidate_strides(world, ranks_per_node)]
     raise PlacementError(f"unknown placement {mode!r}",
                          "use search, block, or an integer local stride that divides the world size")

@@ -10,7 +10,7 @@ data),))`` with groups x R replicas; the branch axis inside the sample axis) hol
 block d and computes the branches of group g (branch c belongs to group ``c * groups // k``).
 Under block placement the ``groups`` ranks of one sample block are neighbours, so the
 branch-boundary collectives stay inside a node and only the gradient all-reduces cross nodes:
-SUPER's interleaved placement (``autopar.decomp.placement``).
+SUPER's interleaved placement (``autopar.decomp.rankmap``).
 
 Grid translation at the unit's boundaries (LBANN's layers; the runtime ops with their exact
 adjoints are ``branch.boundary``):

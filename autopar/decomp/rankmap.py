@@ -1,8 +1,8 @@
-"""Placement: which physical slot (and so which node) runs each logical rank. Pure arithmetic.
+"""RankMap: which physical slot (and so which node) runs each logical rank. Pure arithmetic.
 
 Layouts, decompositions and the runtime speak *logical* ranks (``Layout``: row-major, replicas
 innermost). The cluster has *physical* ranks: slot ``p`` of the launcher (or torchrun's RANK),
-on node ``p // ranks_per_node``. A ``Placement`` maps one to the other.
+on node ``p // ranks_per_node``. A ``RankMap`` maps one to the other.
 
 The family is the *local stride* ``s`` (``s`` divides the world ``W``)::
 
@@ -41,7 +41,7 @@ from ..errors import PlacementError
 
 
 @dataclass(frozen=True)
-class Placement:
+class RankMap:
     """Logical rank -> physical rank by local stride ``local_stride`` (1: identity)."""
 
     world: int
@@ -59,8 +59,8 @@ class Placement:
         object.__setattr__(self, "local_stride", s)
 
     @staticmethod
-    def identity(world: int) -> "Placement":
-        return Placement(world, 1)
+    def identity(world: int) -> "RankMap":
+        return RankMap(world, 1)
 
     @property
     def is_identity(self) -> bool:
@@ -86,20 +86,20 @@ class Placement:
         return {"kind": "stride", "local_stride": self.local_stride}
 
     @staticmethod
-    def from_json(obj: dict[str, Any] | None, world: int) -> "Placement":
+    def from_json(obj: dict[str, Any] | None, world: int) -> "RankMap":
         """``None`` (a plan written before placements existed) is the identity."""
         if obj is None:
-            return Placement.identity(world)
+            return RankMap.identity(world)
         if not isinstance(obj, dict) or obj.get("kind") != "stride" or "local_stride" not in obj:
             raise PlacementError(f"unknown placement {obj!r}",
                                  'expected {"kind": "stride", "local_stride": S}; re-plan')
-        return Placement(world, int(obj["local_stride"]))
+        return RankMap(world, int(obj["local_stride"]))
 
     def __str__(self) -> str:
         return "block" if self.local_stride == 1 else f"stride({self.local_stride})"
 
 
-def branch_role(placement: Placement, decisions) -> str:
+def branch_role(placement: RankMap, decisions) -> str:
     """What ``placement`` means for the branch decompositions among ``decisions`` (values with
     ``groups`` and ``replicas``, i.e. ``Branch`` / ``HeadGroups``): "interleaved" (block: each
     sample block's branch ranks share a node), "branch-contiguous" (stride G x R), or ""."""
@@ -115,10 +115,10 @@ def branch_role(placement: Placement, decisions) -> str:
     return "/".join(sorted(roles))
 
 
-def branch_contiguous(world: int, groups: int, replicas: int = 1) -> Placement:
+def branch_contiguous(world: int, groups: int, replicas: int = 1) -> RankMap:
     """The placement that puts each branch's data-parallel ranks together (stride G x R) for a
     branch decomposition of ``groups`` x ``replicas``; block placement is the interleaved one."""
-    return Placement(world, groups * replicas)
+    return RankMap(world, groups * replicas)
 
 
 def candidate_strides(world: int, ranks_per_node: int) -> list[int]:
