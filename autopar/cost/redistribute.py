@@ -15,20 +15,32 @@ all-gather <-> reduce-scatter, all-reduce -> all-reduce, all-to-all -> all-to-al
 exchange moves the same bytes, so n is unchanged). Slice, Pad, Unpad and ToPartial are local: 0.
 The level is ``ctx.level(group)`` for one group, ``ctx.worst_level(groups)`` for several running
 side by side.
+
+A ``MeshSend`` (point-to-point sends between two meshes) runs all its messages at once; the
+busiest rank's link bounds it. With n its ``payload_bytes`` (the busiest rank's max(sent,
+received) bytes) and k its ``messages`` (most peers one rank sends to or receives from)::
+
+    t = blocking_s(ctx, "p2p", 2, n, level) + (k - 1) * blocking_s(ctx, "p2p", 2, 0, level)
+
+one p2p of all the busiest rank's bytes plus a latency per extra message; its adjoint sends the
+gradients back along the same pairs, the same bytes: t_bwd = t_fwd. The level is
+``ctx.worst_level`` of its (sender, receiver) pairs, global ranks already.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..decomp.redistribute import COLLECTIVES, Step
+from ..decomp.redistribute import COLLECTIVES, MeshSend, Step
 from .primitives import blocking_s
 
 ADJOINT = {"allreduce": "allreduce", "reduce_scatter": "allgather", "allgather": "reduce_scatter",
-           "all_to_all": "all_to_all"}
+           "all_to_all": "all_to_all", "p2p": "p2p"}
 
 
 def global_groups(step: Step) -> tuple[tuple[int, ...], ...]:
+    if isinstance(step, MeshSend):      # its transfers name global ranks already
+        return step.pairs
     ranks = step.src.mesh.ranks
     return tuple(tuple(ranks[i] for i in g) for g in step.groups)
 
@@ -48,6 +60,9 @@ def step_s(step: Step, ctx, itemsize: int, level: str | None = None,
     if p <= 1 or n <= 0:
         return 0.0, 0.0
     level = level or step_level(step, ctx)
+    if isinstance(step, MeshSend):      # module docstring
+        t = blocking_s(ctx, "p2p", 2, n, level) + (step.messages - 1) * blocking_s(ctx, "p2p", 2, 0.0, level)
+        return t, t
     fwd = blocking_s(ctx, step.kind, p, n, level)
     adj = ADJOINT[step.kind]
     return fwd, (fwd if adj == step.kind else blocking_s(ctx, adj, p, n, level))

@@ -32,6 +32,28 @@ Steps (forward; their adjoint in the runtime, under autopar's gradient conventio
   reduce-scatter onto a dim the destination splits when that moves fewer bytes in all, else an
   all-reduce), unpad, one general all-to-all by box overlap (a local slice when every rank
   already holds what it needs), then Partial (ToPartial) and pad.
+* different meshes (other ranks, or the same ranks in another order: a stage to the next, a
+  sub-mesh to the world and back; ``_plan_across_meshes``)::
+
+      1. Unpad, then resolve Partial *on the source mesh*, as above (all-reduce, or a
+         reduce-scatter onto a dim the destination splits when that moves fewer bytes in all);
+      2. MeshSend: for each destination rank q (in ``dst.mesh`` order) and each distinct source
+         piece P (ranks equal off the Replicate axes hold one piece; the holders H(P)) whose
+         box meets q's block B_q, one transfer of the box  P ∩ B_q  from a sender s in H(P):
+             s = q                                   if q holds P itself (a local copy);
+             s = argmin_{h in H(P)} (sent_h, (pos(h) - j) mod |H(P)|)   otherwise,
+         sent_h the bytes h was given so far (greedy, spreads the load over the replicas;
+         ties rotate with q's position j, as ``box_transfers``). Every rank computes the same
+         list. The pieces of a partial-free spec tile the tensor, so the boxes tile each B_q;
+      3. on the destination mesh: ToPartial (the value on coordinate 0 of each partial group)
+         and Pad.
+  Steps 1 run on the source mesh's ranks, 3 on the destination's (their groups are local to
+  that step's mesh); MeshSend's transfers name *global* ranks (``Mesh.ranks``). Its price is
+  that of the busiest rank: n = max over ranks of max(bytes sent, bytes received) to/from
+  other ranks, k = max messages (distinct peers) of one rank, one p2p of n bytes plus k-1
+  message latencies (``autopar.cost.redistribute``); its adjoint sends the gradients back.
+  A reduce-scatter on the source mesh is planned only when each group's global ranks increase
+  in coordinate order (the run-time process groups order members by rank), else an all-reduce.
 
 ``simulate`` runs a plan on per-rank numpy or torch tensors (brute force, for tests).
 The Layout-level ``transfer_plan``/``transfer_bytes`` (world ranks) price transitions.
@@ -271,14 +293,64 @@ class Unpad(_Step):
     dst: DistSpec = field(repr=False)
 
 
-Step = AllReduce | ReduceScatter | AllGather | AllToAll | Slice | ToPartial | Pad | Unpad
-COLLECTIVES = (AllReduce, ReduceScatter, AllGather, AllToAll)
+@dataclass(frozen=True)
+class MeshSend(_Step):
+    """Point-to-point sends from ``src``'s mesh to ``dst``'s (another mesh). ``transfers`` name
+    *global* ranks (``Mesh.ranks``), unlike every other step; a transfer with ``src_rank ==
+    dst_rank`` is a local copy. Both specs are partial-free (module docstring)."""
+
+    transfers: tuple[Transfer, ...]
+    src: DistSpec = field(repr=False)
+    dst: DistSpec = field(repr=False)
+    kind = "p2p"
+
+    @property
+    def p(self) -> int:
+        return 2
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (sender, receiver) global rank pairs that exchange a message."""
+        return tuple(sorted({(t.src_rank, t.dst_rank) for t in self.transfers
+                             if t.src_rank != t.dst_rank}))
+
+    def bytes_by_rank(self, itemsize: int) -> tuple[dict[int, int], dict[int, int]]:
+        """({global rank: bytes it sends to others}, {global rank: bytes it receives})."""
+        sent: dict[int, int] = {}
+        recv: dict[int, int] = {}
+        for t in self.transfers:
+            if t.src_rank != t.dst_rank:
+                b = math.prod(e for _, e in t.box) * itemsize
+                sent[t.src_rank] = sent.get(t.src_rank, 0) + b
+                recv[t.dst_rank] = recv.get(t.dst_rank, 0) + b
+        return sent, recv
+
+    def traffic_bytes(self, itemsize: int) -> tuple[float, float]:
+        sent, recv = self.bytes_by_rank(itemsize)
+        return float(max(sent.values(), default=0)), float(max(recv.values(), default=0))
+
+    def payload_bytes(self, itemsize: int) -> float:
+        """The busiest rank's bytes, max(sent, received): its messages share its link."""
+        return max(self.traffic_bytes(itemsize))
+
+    @property
+    def messages(self) -> int:
+        """Most messages one rank sends or receives (one per peer: a pair's boxes travel as one)."""
+        count: dict[tuple[str, int], int] = {}
+        for s, d in self.pairs:
+            count[("s", s)] = count.get(("s", s), 0) + 1
+            count[("r", d)] = count.get(("r", d), 0) + 1
+        return max(count.values(), default=0)
+
+
+Step = AllReduce | ReduceScatter | AllGather | AllToAll | Slice | ToPartial | Pad | Unpad | MeshSend
+COLLECTIVES = (AllReduce, ReduceScatter, AllGather, AllToAll, MeshSend)
 
 
 def step_from_json(obj: dict) -> Step:
     """Inverse of ``Step.to_json`` (plans load without a process group)."""
     cls = {c.__name__: c for c in (AllReduce, ReduceScatter, AllGather, AllToAll, Slice,
-                                   ToPartial, Pad, Unpad)}[obj["step"]]
+                                   ToPartial, Pad, Unpad, MeshSend)}[obj["step"]]
     kw = {}
     for k, v in obj.items():
         if k == "step":
@@ -305,6 +377,8 @@ def steps_str(steps: Sequence[Step]) -> str:
             return f"{type(s).__name__}({len(s.groups)}x{len(s.groups[0])})"
         if isinstance(s, AllToAll):
             return f"AllToAll({len(s.groups)}x{s.p})"
+        if isinstance(s, MeshSend):
+            return f"MeshSend({len(s.pairs)} messages)"
         if isinstance(s, Pad):
             return f"Pad(dim {s.dim} to {s.padded})"
         if isinstance(s, Unpad):
@@ -428,10 +502,10 @@ def plan_redistribution(src: DistSpec, dst: DistSpec) -> tuple[Step, ...]:
     """The steps that move a tensor from ``src`` to ``dst`` (module docstring)."""
     if src.shape != dst.shape:
         raise ValueError(f"redistribution changes the shape: {src.shape} -> {dst.shape}")
-    if src.mesh.ranks != dst.mesh.ranks:
-        raise ValueError(f"redistribution between different rank lists: {src.mesh} -> {dst.mesh}")
     if src == dst:
         return ()
+    if src.mesh.ranks != dst.mesh.ranks:
+        return tuple(_plan_across_meshes(src, dst))
     if src.mesh == dst.mesh:
         try:
             return tuple(_plan_same_mesh(src, dst))
@@ -496,21 +570,32 @@ def _traffic_of(steps: Sequence[Step]) -> float:
     return sum(max(s.traffic_bytes(1)) for s in steps)
 
 
-def _plan_general(src: DistSpec, dst: DistSpec) -> list[Step]:
-    steps: list[Step] = _unpad_steps(src)
+def _valued(spec: DistSpec) -> DistSpec:
+    """``spec`` with values, not addends: every Partial axis Replicate."""
+    for a in spec.partial_axes:
+        spec = spec.with_placement(a, Replicate())
+    return spec
+
+
+def _resolve_partial(src: DistSpec, dst: DistSpec, target: DistSpec, exchange,
+                     ordered: bool = False) -> list[Step]:
+    """Resolve ``src``'s Partial axes one by one on its mesh: an all-reduce, or a reduce-scatter
+    onto a dim ``dst`` splits when that moves fewer bytes in all, counting the ``exchange(spec,
+    target)`` step that follows once no axis is partial. ``ordered``: a reduce-scatter only where
+    each group's global ranks increase in coordinate order (module docstring)."""
+    steps: list[Step] = []
     cur = src
-    # the destination with values, not addends: Partial -> Replicate (added back at the end)
-    target = dst
-    for a in dst.partial_axes:
-        target = target.with_placement(a, Replicate())
-    # 1. resolve Partial: reduce-scatter onto a dim dst splits when that moves fewer bytes
     for a in src.partial_axes:
         groups = axis_groups(cur, a)
         rep = cur.with_placement(a, Replicate())
         best = [AllReduce(groups, cur, rep)]
-        best_cost = _traffic_of(best) + (_traffic_of([_exchange_step(rep, target)])
+        best_cost = _traffic_of(best) + (_traffic_of([exchange(rep, target)])
                                          if not rep.is_partial else 0.0)
-        for t in dict.fromkeys(p for p in dst.placements if isinstance(p, SPLITS)):
+        if ordered and not all(_increasing(cur.mesh, g) for g in groups):
+            candidates = []
+        else:
+            candidates = dict.fromkeys(p for p in dst.placements if isinstance(p, SPLITS))
+        for t in candidates:
             try:
                 sh = cur.with_placement(a, t)
             except ValueError:      # e.g. a padded extent this axis does not divide
@@ -518,33 +603,120 @@ def _plan_general(src: DistSpec, dst: DistSpec) -> list[Step]:
             if not _scatter_ok(cur, sh, groups, t.dim):
                 continue
             cand = [ReduceScatter(groups, t.dim, cur, sh)]
-            cost = _traffic_of(cand) + (_traffic_of([_exchange_step(sh, target)])
+            cost = _traffic_of(cand) + (_traffic_of([exchange(sh, target)])
                                         if not sh.is_partial else 0.0)
             if cost < best_cost:
                 best, best_cost = cand, cost
         steps += best
         cur = best[-1].dst
-    # 2. one exchange by box overlap
-    if cur != target:
-        steps.append(_exchange_step(cur, target))
-    cur = target
-    # 3. addends where dst wants them, then padding
+    return steps
+
+
+def _increasing(mesh, group: Sequence[int]) -> bool:
+    ranks = [mesh.ranks[i] for i in group]
+    return ranks == sorted(ranks)
+
+
+def _to_partial_steps(cur: DistSpec, dst: DistSpec) -> list[Step]:
+    """Addends where ``dst`` wants them (``cur`` is ``_valued(dst)``)."""
+    steps: list[Step] = []
     for a in dst.partial_axes:
         nxt = cur.with_placement(a, Partial())
         steps.append(ToPartial(axis_groups(cur, a), cur, nxt))
         cur = nxt
-    return steps + _pad_steps(dst)
+    return steps
+
+
+def _plan_general(src: DistSpec, dst: DistSpec) -> list[Step]:
+    steps: list[Step] = _unpad_steps(src)
+    # the destination with values, not addends: Partial -> Replicate (added back at the end)
+    target = _valued(dst)
+    # 1. resolve Partial: reduce-scatter onto a dim dst splits when that moves fewer bytes
+    resolve = _resolve_partial(src, dst, target, _exchange_step)
+    steps += resolve
+    cur = resolve[-1].dst if resolve else src
+    # 2. one exchange by box overlap
+    if cur != target:
+        steps.append(_exchange_step(cur, target))
+    # 3. addends where dst wants them, then padding
+    return steps + _to_partial_steps(target, dst) + _pad_steps(dst)
+
+
+# ---- between different meshes --------------------------------------------------------------
+def mesh_transfers(src: DistSpec, dst: DistSpec) -> tuple[Transfer, ...]:
+    """The transfers of a ``MeshSend`` from partial-free ``src`` to partial-free ``dst`` on
+    another mesh, in *global* ranks (module docstring, step 2: local copy when the receiver
+    holds the piece, else the least-loaded holder)."""
+    if src.is_partial or dst.is_partial:
+        raise ValueError(f"a MeshSend moves values, not addends: {src} -> {dst}")
+    holders: dict[tuple, list[int]] = {}
+    for i in range(src.mesh.size):
+        holders.setdefault(src.piece_key(i), []).append(i)
+    pieces = [(tuple(src.mesh.ranks[i] for i in hs), src.bounds_at(hs[0])) for hs in holders.values()]
+    import numpy as np          # as box_transfers: one array test per receiver, not per piece
+    nd = len(src.shape)
+    p_lo = np.array([[b[d][0] for d in range(nd)] for _, b in pieces], dtype=np.int64).reshape(len(pieces), nd)
+    p_hi = p_lo + np.array([[b[d][1] for d in range(nd)] for _, b in pieces], dtype=np.int64).reshape(len(pieces), nd)
+    sent: dict[int, int] = {}
+    out = []
+    for j, q in enumerate(dst.mesh.ranks):
+        qbox = dst.bounds_at(j)
+        q_lo = np.array([s_ for s_, _ in qbox], dtype=np.int64)
+        q_hi = q_lo + np.array([e_ for _, e_ in qbox], dtype=np.int64)
+        lo, hi = np.maximum(p_lo, q_lo), np.minimum(p_hi, q_hi)
+        for k in np.flatnonzero(np.all(hi > lo, axis=1)):
+            hs = pieces[k][0]
+            box = tuple((int(a), int(b - a)) for a, b in zip(lo[k], hi[k]))
+            if q in hs:
+                s = q
+            else:
+                s = min(hs, key=lambda h: (sent.get(h, 0), (hs.index(h) - j) % len(hs)))
+                sent[s] = sent.get(s, 0) + math.prod(e for _, e in box)
+            out.append(Transfer(s, q, box))
+    return tuple(out)
+
+
+def _send_step(cur: DistSpec, nxt: DistSpec) -> MeshSend:
+    return MeshSend(mesh_transfers(cur, nxt), cur, nxt)
+
+
+def _plan_across_meshes(src: DistSpec, dst: DistSpec) -> list[Step]:
+    """Module docstring: resolve Partial on the source mesh, MeshSend, Partial and padding on
+    the destination mesh."""
+    steps: list[Step] = _unpad_steps(src)
+    target = _valued(dst)
+    resolve = _resolve_partial(src, dst, target, _send_step, ordered=True)
+    steps += resolve
+    cur = resolve[-1].dst if resolve else src
+    steps.append(_send_step(cur, target))
+    return steps + _to_partial_steps(target, dst) + _pad_steps(dst)
 
 
 # ---- brute-force execution ----------------------------------------------------------------
 def simulate(steps: Sequence[Step], src: DistSpec, dst: DistSpec,
              locals_: dict[int, Any]) -> dict[int, Any]:
-    """Run ``steps`` on ``{global rank: local}`` (numpy or torch); returns ``dst``'s locals."""
-    mesh = src.mesh
-    cur = {i: locals_[r] for i, r in enumerate(mesh.ranks)}
+    """Run ``steps`` on ``{global rank: local}`` (numpy or torch); returns ``dst``'s locals.
+    A step other than ``MeshSend`` runs on the ranks of its own mesh (``step.src.mesh``)."""
+    cur = {r: locals_[r] for r in src.mesh.ranks}
     for st in steps:
-        cur = _simulate_step(st, cur)
-    return {r: cur[i] for i, r in enumerate(dst.mesh.ranks)}
+        if isinstance(st, MeshSend):
+            cur = _simulate_send(st, cur)
+            continue
+        ranks = st.src.mesh.ranks
+        y = _simulate_step(st, {i: cur[r] for i, r in enumerate(ranks)})
+        cur = {ranks[i]: v for i, v in y.items()}
+    return {r: cur[r] for r in dst.mesh.ranks}
+
+
+def _simulate_send(st: MeshSend, x: dict[int, Any]) -> dict[int, Any]:
+    """``{global rank: local}`` on the source mesh -> the destination mesh's."""
+    s, d = st.src, st.dst
+    like = next(iter(x.values()))
+    y = {q: _zeros(like, valid_shape(d, j)) for j, q in enumerate(d.mesh.ranks)}
+    for t in st.transfers:
+        y[t.dst_rank][_index(t.box, d.local_bounds(t.dst_rank))] += \
+            x[t.src_rank][_index(t.box, s.local_bounds(t.src_rank))]
+    return y
 
 
 def _simulate_step(st: Step, x: dict[int, Any]) -> dict[int, Any]:
