@@ -21,6 +21,13 @@ gloo reduce-scatters and all-gathers only along dim 0 into a concatenated buffer
 chunks (environment notes): the dim is moved to the front and uneven blocks zero-padded to the
 largest; the padding is dropped after the collective. ``Comm`` members used: ``rank``,
 ``world``, ``group(ranks)`` (mesh-local), ``ensure_partitions``.
+
+Between different meshes (``redistribute_across``): the meshes' ``ranks`` are the comm's
+ranks; the steps on one mesh run on that mesh's ranks as above (mesh-local, through a view of
+the comm), and ``MeshSend`` runs as point-to-point messages, one per (sender, receiver) pair
+(its boxes concatenated in transfer order), every receive and send posted before any is waited
+on. Its adjoint sends each receiver's gradient boxes back to their sender, added into the
+sender's gradient (a box sent to several replicas gets the sum of their shares, as AllToAll).
 """
 
 from __future__ import annotations
@@ -33,14 +40,16 @@ import torch.distributed as dist
 
 from ..decomp.distspec import DistSpec
 from ..decomp.layout import Layout
+from ..decomp.mesh import Mesh
+from ..errors import AutoparError
 from .comm import all_gather_along as _ag
 from .comm import reduce_scatter_along as _rs
-from ..decomp.redistribute import (AllGather, AllReduce, AllToAll, Pad, ReduceScatter, Slice,
-                                   Step, ToPartial, Transfer, Unpad, plan_redistribution,
+from ..decomp.redistribute import (AllGather, AllReduce, AllToAll, MeshSend, Pad, ReduceScatter,
+                                   Slice, Step, ToPartial, Transfer, Unpad, plan_redistribution,
                                    transfer_bytes, transfer_plan, valid_shape)
 
-__all__ = ["redistribute", "redistribute_spec", "run_steps", "Transfer",
-           "transfer_plan", "transfer_bytes"]
+__all__ = ["redistribute", "redistribute_spec", "redistribute_across", "run_steps", "Transfer",
+           "transfer_plan", "transfer_bytes", "RedistributionError"]
 
 def _local_index(box, my_bounds):
     """Local index of global ``box`` in a block whose valid data starts at ``my_bounds``."""
@@ -227,3 +236,148 @@ def local_piece(full: torch.Tensor, spec: DistSpec, comm) -> torch.Tensor:
     if not any(spec.partial_key(i)):
         local[tuple(slice(0, e) for _, e in b)] = full[tuple(slice(s, s + e) for s, e in b)]
     return local
+
+
+# ---- between different meshes (Mesh-to-mesh) --------------------------------------------------
+class RedistributionError(AutoparError):
+    """A redistribution that cannot run as asked (names the specs, the rank and what to do)."""
+
+
+class _OnMesh:
+    """The comm seen from one mesh: ``rank``/``world`` mesh-local, groups mapped to the comm's
+    ranks (``Mesh.ranks``), for the steps that run on that mesh."""
+
+    def __init__(self, comm, mesh: Mesh) -> None:
+        self.comm, self.mesh = comm, mesh
+        self.rank, self.world = mesh.index_of(comm.rank), mesh.size
+        self.device = comm.device
+
+    def group(self, ranks: Sequence[int]):
+        return self.comm.group([self.mesh.ranks[i] for i in ranks])
+
+
+def _ordered(st: Step) -> bool:
+    """The process groups order members by rank: a collective that places blocks by position
+    needs each group's ranks increasing in coordinate order (the whole mesh's, for AllToAll)."""
+    ranks = st.src.mesh.ranks
+    if isinstance(st, AllToAll):
+        return list(ranks) == sorted(ranks)
+    if isinstance(st, (ReduceScatter, AllGather)):
+        return all([ranks[i] for i in g] == sorted(ranks[i] for i in g) for g in st.groups)
+    return True
+
+
+def _move_boxes(x: torch.Tensor | None, st: MeshSend, comm, dtype, reverse: bool) -> torch.Tensor | None:
+    """Run ``st``'s transfers forward (src -> dst, values) or reversed (dst -> src, gradients);
+    ``x``: this rank's block on the sending side (None off it). Returns the block on the
+    receiving side, added up from the boxes (None off it)."""
+    me = comm.rank
+    ins, outs = (st.dst, st.src) if reverse else (st.src, st.dst)
+    sender = (lambda t: t.dst_rank) if reverse else (lambda t: t.src_rank)
+    receiver = (lambda t: t.src_rank) if reverse else (lambda t: t.dst_rank)
+    y = None
+    if me in outs.mesh.ranks:
+        y = torch.zeros(valid_shape(outs, outs.mesh.index_of(me)), dtype=dtype, device=comm.device)
+        ob = outs.local_bounds(me)
+    ib = ins.local_bounds(me) if me in ins.mesh.ranks else None
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[Transfer]] = {}
+    for t in st.transfers:
+        s, r = sender(t), receiver(t)
+        if s == me and r == me:
+            y[_local_index(t.box, ob)] += x[_local_index(t.box, ib)]
+        elif s == me:
+            outgoing.setdefault(r, []).append(x[_local_index(t.box, ib)].reshape(-1))
+        elif r == me:
+            incoming.setdefault(s, []).append(t)
+    bufs = {q: torch.empty(sum(math.prod(e for _, e in t.box) for t in ts), dtype=dtype, device=comm.device)
+            for q, ts in incoming.items()}
+    msgs = {q: torch.cat(chunks).contiguous() for q, chunks in outgoing.items()}
+    reqs = [dist.irecv(bufs[q], src=comm.ranks[q]) for q in sorted(bufs)]
+    reqs += [dist.isend(msgs[q], dst=comm.ranks[q]) for q in sorted(msgs)]
+    for req in reqs:
+        req.wait()
+    for q, ts in incoming.items():
+        off = 0
+        for t in ts:
+            n = math.prod(e for _, e in t.box)
+            y[_local_index(t.box, ob)] += bufs[q][off:off + n].reshape([e for _, e in t.box])
+            off += n
+    return y
+
+
+class _MeshSendFn(torch.autograd.Function):
+    """``x``: this rank's block on the source mesh, or an empty token off it; returns the block
+    on the destination mesh, or an empty token off it (the token carries the autograd edge)."""
+
+    @staticmethod
+    def forward(ctx, x, step, comm):
+        ctx.step, ctx.comm = step, comm
+        ctx.dtype, ctx.in_src = x.dtype, comm.rank in step.src.mesh.ranks
+        y = _move_boxes(x.contiguous() if ctx.in_src else None, step, comm, x.dtype, False)
+        return y if y is not None else x.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        st, comm = ctx.step, ctx.comm
+        in_dst = comm.rank in st.dst.mesh.ranks
+        dx = _move_boxes(dy.contiguous() if in_dst else None, st, comm, ctx.dtype, True)
+        return (dx if ctx.in_src else dy.new_zeros(0)), None, None
+
+
+def redistribute_across(x: torch.Tensor | None, src: DistSpec, dst: DistSpec, comm,
+                        dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """Move a tensor from ``src`` to ``dst`` whose meshes may differ (a stage to the next, a
+    sub-mesh to the world and back; ``plan_redistribution``). The meshes' ranks are ``comm``'s
+    (mesh-local) ranks; on the whole world, the torch.distributed ranks.
+
+    ``x``: this rank's local tensor under ``src`` (``src.local_shape``), None on a rank off the
+    source mesh. Returns this rank's local tensor under ``dst``; on a rank of the source mesh
+    off the destination an empty tensor (shape (0,)) that carries the autograd edge; None on a
+    rank of neither. ``dtype``: of the received blocks on ranks without ``x`` (default: torch's
+    default dtype); every rank must agree.
+
+    Who calls: every rank of the two meshes; every process of ``comm`` as well when a step runs
+    a collective on one mesh (the source is Partial, or the two meshes have the same ranks: its
+    process groups are created here, collectively, the first time). Differentiable: under grad
+    mode every rank of both meshes runs backward through its result (a rank off the destination
+    adds ``y.sum()``, zero, to its loss) with ``x`` requiring grad on the source ranks, since the
+    gradient boxes travel back point to point.
+    """
+    me = comm.rank
+    for m in (src.mesh, dst.mesh):
+        if max(m.ranks) >= comm.world:
+            raise RedistributionError(f"{m} names rank {max(m.ranks)} but the comm has {comm.world} ranks",
+                                      "give meshes of the comm's ranks (the world's by default)")
+    steps = plan_redistribution(src, dst)
+    for st in steps:
+        if not _ordered(st):
+            raise RedistributionError(
+                f"{type(st).__name__} of {st.src} -> {st.dst} on {st.src.mesh}: the mesh's ranks do not "
+                f"increase along the axis, and process groups order members by rank",
+                "lay the mesh's ranks in increasing order (Mesh(sorted ranks, ...)), or run the move with "
+                "redistribute_spec on a Comm of the mesh")
+    parts = []
+    for st in steps:
+        if isinstance(st, (AllReduce, ReduceScatter, AllGather, AllToAll)):
+            r = st.src.mesh.ranks
+            parts.append([[r[i] for i in g] for g in st.groups] + [list(r)])
+    if parts:
+        comm.ensure_partitions(parts)
+    in_src, in_dst = me in src.mesh.ranks, me in dst.mesh.ranks
+    if not (in_src or in_dst):
+        return None
+    if in_src:
+        if x is None or tuple(x.shape) != src.local_shape(me):
+            raise RedistributionError(
+                f"rank {me} of {src.mesh} passed {None if x is None else tuple(x.shape)} for {src} of "
+                f"{src.shape}", f"pass its local tensor of shape {src.local_shape(me)}")
+    else:
+        x = torch.zeros(0, dtype=dtype or torch.get_default_dtype(), device=comm.device,
+                        requires_grad=torch.is_grad_enabled())
+    for st in steps:
+        if isinstance(st, MeshSend):
+            x = _MeshSendFn.apply(x, st, comm)
+        elif me in st.src.mesh.ranks:
+            x = _StepFn.apply(x, st, _OnMesh(comm, st.src.mesh))
+    return x
