@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from ..decomp.fsdp import Sharded
+from ..decomp.mesh import Mesh
 from ..errors import AutoparError, PlanFileError
+from .dtensor import device_mesh
 
 #: optimizers whose update looks across elements (per-tensor norms, curvature): wrong on shards
 NON_ELEMENTWISE = ("LBFGS", "LAMB", "Lamb", "FusedLAMB", "LARS", "Lars", "Shampoo", "Adafactor", "Muon")
@@ -56,14 +58,13 @@ def check_optimizer(optimizer: Any) -> None:
 
 def make_mesh(world: int, tp: int = 1, device: str = "cpu"):
     """A ``DeviceMesh`` of the world: ("dp",) or ("dp", "tp") with the tensor axis innermost
-    (consecutive ranks: inside a node, torchtitan's layout)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    (consecutive ranks: inside a node, torchtitan's layout). Made by ``runtime.dtensor``."""
     if tp < 1 or world % tp:
         raise AutoparError(f"tensor axis of {tp} ranks does not divide the world of {world}",
                            "choose a tensor-parallel size that divides the world")
     if tp == 1:
-        return init_device_mesh(device, (world,), mesh_dim_names=("dp",))
-    return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        return device_mesh(Mesh.world(world, "dp"), device)
+    return device_mesh(Mesh.world(world).reshape((world // tp, tp), ("dp", "tp")), device)
 
 
 def _style(name: str):
@@ -159,9 +160,8 @@ def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
 def _replicate_mesh(dp_mesh):
     """The HSDP mesh (dp, 1): FSDP2 replicates over the first axis and shards over a single rank,
     i.e. data parallelism (gradients all-reduced) inside a sharded plan."""
-    from torch.distributed.device_mesh import DeviceMesh
-    ranks = dp_mesh.mesh.reshape(-1, 1)
-    return DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("replicate", "shard"))
+    ranks = tuple(int(r) for r in dp_mesh.mesh.reshape(-1).tolist())
+    return device_mesh(Mesh(ranks, (len(ranks), 1), ("replicate", "shard")), dp_mesh.device_type)
 
 
 def set_microbatch(model: nn.Module, last: bool) -> None:
