@@ -107,3 +107,42 @@ def test_a_pipeline_plan_executes_and_validates_at_world_2(monkeypatch, tmp_path
     assert st["measured_step_s"] > 0 and st["predicted_step_s"] == pytest.approx(res.plan.predicted.step_time_s)
     assert 0.0 <= st["measured_bubble_fraction"] <= 1.0 and st["predicted_bubble_fraction"] > 0
     assert (out / "run.json").is_file() and (out / "report.md").is_file()
+
+
+@pytest.mark.dist
+def test_a_plan_with_tensor_parallelism_inside_its_stages_is_chosen_and_validates_at_world_4(monkeypatch, tmp_path):
+    """Under a memory limit only stages of dp 1 x tp 2 fit (tp halves each block's weights): the
+    search chooses them from the solver's Megatron-pinned sub-plans, plan.json records tp, the
+    heads and the sub-plan's kinds, and autopar execute runs it and validates every tp slice of
+    every gradient and parameter against one process in float64."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    for k, v in {"AUTOPAR_GPT_LAYERS": "4", "AUTOPAR_GPT_EMBED": "64", "AUTOPAR_GPT_HEADS": "4",
+                 "AUTOPAR_GPT_SEQ": "8", "AUTOPAR_GPT_VOCAB": "32"}.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+
+    def plan(limit, out=None):
+        return make_plan(ROOT / "strategies/examples/gpt.py",
+                         PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
+                                     memory_limit_bytes=limit, write=out is not None, out_dir=out),
+                         PlanHooks(profile=prof))
+    free = plan(None).plan.runtime.to_json()
+    assert free["stages"]["stages"][0]["tp"] == 1           # unlimited: data parallelism inside is faster here
+    peak = {}
+    for o in free["stage_counts_priced"]:
+        if "refused" not in o:
+            peak[o["tp"]] = min(peak.get(o["tp"], float("inf")), o["peak_bytes_max"])
+    assert peak[2] < peak[1]
+    res = plan((peak[1] + peak[2]) / 2, str(tmp_path / "plan"))
+    rt = res.plan.runtime.to_json()
+    assert [(s["dp"], s["tp"]) for s in rt["stages"]["stages"]] == [(1, 2), (1, 2)]
+    assert rt["heads"] == 4 and {"head", "filter", "row_parallel"} <= set(rt["sub_plan_kinds"])
+    run, _ = execute(res.plan_path, ExecuteOptions(steps=1, warmup=0, ddp=False, timeout_s=120),
+                     out_dir=tmp_path / "run", progress=lambda *_: None)
+    assert run.validation.passed and run.validation.dtype == "float64"
+    names = [c.tensor for c in run.validation.checks]
+    assert any("grad blocks.0.attn.qkv.weight" in n for n in names) and len(names) > 20

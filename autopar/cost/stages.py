@@ -19,8 +19,16 @@ optimal for a given bound, and the smallest feasible bound is found to 1e-9 rela
 Units are the layers the model can be cut between (transformer blocks); ``unit_cost(i, dp, tp,
 microbatch)`` prices unit i on a stage sub-mesh (its forward, backward, gradient sync over dp,
 activation bytes per microbatch, static bytes), cached per (unit, sub-mesh, microbatch); the
-caller folds embeddings into the first unit and the head into the last. Everything tried is
-returned, refused or priced, so plan.json can list every stage count with its prediction.
+caller folds embeddings into the first unit and the head into the last; a model of identical
+blocks prices one block once per (sub-mesh, microbatch) and every range is a sum of it.
+
+M: every divisor of the per-replica batch ``batch / dp`` (at least S under 1F1B). Options are
+priced in order of a lower bound on their step, ``M W / S`` (W: one microbatch's f + b over all
+units; the bottleneck stage is at least the mean and runs M microbatches; the sends and the sync
+tail only add), and an option whose bound is not below the best step found is recorded as
+pruned without being cut. Everything tried is returned, refused, pruned or priced, so plan.json
+can list every stage count with its prediction; a stage count refused for memory names the
+least peak per rank any cut of it reaches (``min_peak_bytes``: bisection with the same packing).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class StageOption:
     cuts: tuple[int, ...] = ()
     price: PipelinePrice | None = None
     refused: str | None = None
+    bound_s: float | None = None              # the lower bound the search ordered and pruned by
+    min_peak_bytes: float | None = None       # refused for memory: the least peak any cut reaches
 
     @property
     def step_s(self) -> float:
@@ -56,6 +66,10 @@ class StageOption:
     def to_json(self) -> dict:
         d = {"stages": self.stages, "dp": self.dp, "tp": self.tp, "microbatches": self.microbatches,
              "microbatch_samples": self.microbatch, "schedule": self.schedule, "cuts": list(self.cuts)}
+        if self.bound_s is not None:
+            d["lower_bound_s"] = self.bound_s
+        if self.min_peak_bytes is not None:
+            d["min_peak_bytes"] = self.min_peak_bytes
         if self.refused is not None:
             d["refused"] = self.refused
         else:
@@ -74,9 +88,10 @@ class StageSearch:
         out: dict[int, StageOption] = {}
         for o in self.options:
             cur = out.get(o.stages)
-            # priced beats refused; among refused the last tried (the largest tp: the closest to fit)
-            if cur is None or (cur.price is None and (o.price is not None or o.refused is not None)) or \
-                    (o.price is not None and o.step_s < cur.step_s):
+            # priced beats refused (the faster first); among refused, the one closest to fitting
+            if cur is None or (o.price is not None and (cur.price is None or o.step_s < cur.step_s)) or \
+                    (o.price is None and cur.price is None and o.min_peak_bytes is not None and
+                     (cur.min_peak_bytes is None or o.min_peak_bytes < cur.min_peak_bytes)):
                 out[o.stages] = o
         return out
 
@@ -95,62 +110,97 @@ def _sum(costs: Sequence[StageCost]) -> StageCost:
                      sum(c.act_bytes_per_microbatch for c in costs), sum(c.static_bytes for c in costs))
 
 
+def _pack(units: Sequence[StageCost], s_count: int, schedule: Schedule, work_bound: float | None,
+          memory_limit_bytes: float | None) -> tuple[int, ...] | None:
+    """Greedy packing: each stage in order takes as many units as fit under ``work_bound`` (f + b)
+    and the memory limit (static + in-flight x activations); the cuts, or None when units are
+    left over. Taking the farthest reach is optimal for a bound (a stage that ends later leaves
+    the rest a suffix, and a suffix's cost only shrinks): module docstring."""
+    n = len(units)
+    cuts, i = [], 0
+    for s in range(s_count):
+        left = s_count - s - 1                     # stages still to fill after this one
+        fl = in_flight_microbatches(schedule, s_count, s)
+        t = act = stat = 0.0
+        j = i
+        while j < n - left:
+            u = units[j]
+            t2, act2, stat2 = t + u.fwd_s + u.bwd_s, act + u.act_bytes_per_microbatch, stat + u.static_bytes
+            over_mem = memory_limit_bytes is not None and stat2 + fl * act2 > memory_limit_bytes
+            over_t = work_bound is not None and t2 > work_bound * (1 + 1e-12)
+            if over_mem or (j > i and over_t):
+                break
+            t, act, stat = t2, act2, stat2
+            j += 1
+        if j == i:
+            return None
+        if s < s_count - 1:
+            cuts.append(j)
+        i = j
+    return tuple(cuts) if i == n else None
+
+
 def _cuts_for(units: Sequence[StageCost], s_count: int, schedule: Schedule,
               memory_limit_bytes: float | None) -> tuple[int, ...] | None:
     """Cuts (first unit of stages 1..S-1) minimising the bottleneck f + b under the memory limit,
     or None when no cut fits (module docstring: bisection + greedy packing)."""
-    n = len(units)
     work = [u.fwd_s + u.bwd_s for u in units]
-
-    def pack(bound: float) -> tuple[int, ...] | None:
-        cuts, i = [], 0
-        for s in range(s_count):
-            left = s_count - s - 1                     # stages still to fill after this one
-            fl = in_flight_microbatches(schedule, s_count, s)
-            t = act = stat = 0.0
-            j = i
-            while j < n - left:
-                t2, act2, stat2 = t + work[j], act + units[j].act_bytes_per_microbatch, stat + units[j].static_bytes
-                over_mem = memory_limit_bytes is not None and stat2 + fl * act2 > memory_limit_bytes
-                if j > i and (t2 > bound or over_mem):
-                    break
-                if j == i and over_mem:
-                    return None
-                t, act, stat = t2, act2, stat2
-                j += 1
-            if j == i or (s == s_count - 1 and j < n):
-                return None
-            if t > bound * (1 + 1e-12):
-                return None
-            if s < s_count - 1:
-                cuts.append(j)
-            i = j
-        return tuple(cuts) if i == n else None
-
+    if _pack(units, s_count, schedule, None, memory_limit_bytes) is None:
+        return None               # not even with time unbounded: memory rules every cut out
     lo, hi = max(work), sum(work) * (1 + 1e-9)
-    if pack(hi) is None:          # not even with time unbounded: memory rules every cut out
-        return None
     for _ in range(200):
         if hi - lo <= 1e-9 * hi:
             break
         mid = 0.5 * (lo + hi)
-        if pack(mid) is not None:
+        if _pack(units, s_count, schedule, mid, memory_limit_bytes) is not None:
             hi = mid
         else:
             lo = mid
-    return pack(hi)
+    return _pack(units, s_count, schedule, hi, memory_limit_bytes)
 
 
-def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost, cut_send_s: Callable[[int, int, int], float],
-                  *, stage_counts: Sequence[int] | None = None, tps: Sequence[int] = (1,),
-                  microbatch_sizes: Sequence[int] | None = None, microbatches: int | None = None,
-                  schedule: str = "1f1b", virtual: int = 1, memory_limit_bytes: float | None = None) -> StageSearch:
-    """Try every (S, tp, microbatch size) -- S from ``stage_counts`` (default: every feasible
-    count), tp dividing the stage's ranks, dp the rest, M = batch / (dp * microbatch) (or
-    ``microbatches`` fixed) -- with the best cuts of each; return them all and the fastest.
+def min_peak_bytes(units: Sequence[StageCost], s_count: int, schedule: Schedule) -> float:
+    """The least per-rank peak (static + in-flight x activations of the fullest stage) any cut
+    into ``s_count`` stages reaches: bisection on the limit with the greedy packing (what the
+    refusal of a stage count names)."""
+    lo, hi = 0.0, max(1.0, sum(u.static_bytes + in_flight_microbatches(schedule, s_count, 0)
+                               * u.act_bytes_per_microbatch for u in units))
+    if any(u.static_bytes == float("inf") for u in units):
+        return float("inf")
+    for _ in range(200):
+        if hi - lo <= 1e-6 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if _pack(units, s_count, schedule, None, mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
-    ``cut_send_s(s, tp, microbatch)``: one microbatch's values over the cut after stage s for a
-    layout of S stages (the caller knows the link level: stage ranks are consecutive blocks)."""
+
+def microbatch_counts(per_replica: int, s_count: int, schedule: str) -> list[int]:
+    """M to try: every divisor of the per-replica batch (each microbatch a whole number of
+    samples), at least S under 1F1B (torch's 1F1B needs a microbatch in flight per stage)."""
+    return [m for m in range(1, per_replica + 1)
+            if per_replica % m == 0 and (schedule != "1f1b" or m >= s_count)]
+
+
+def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
+                  cut_send_s: Callable[[int, int, int, int], float], *, stage_counts: Sequence[int] | None = None,
+                  tps: Sequence[int] = (1,), microbatches: int | None = None, schedule: str = "1f1b",
+                  virtual: int = 1, memory_limit_bytes: float | None = None) -> StageSearch:
+    """Try every (S, tp, M) -- S from ``stage_counts`` (default: every feasible count), tp from
+    ``tps`` dividing the stage's ranks, dp the rest, M every divisor of the per-replica batch
+    ``batch / dp`` (``microbatch_counts``; or ``microbatches`` fixed) -- with the best cuts of
+    each; return them all and the fastest.
+
+    Pruning: every option's step is at least ``M W / S`` (W: one microbatch's f + b summed over
+    the units; the bottleneck stage is at least the mean, and it runs M microbatches), so options
+    are priced in order of that bound and one whose bound is not below the best step found is
+    recorded as pruned, with its bound, without cutting it.
+
+    ``cut_send_s(S, k, tp, microbatch)``: one microbatch's values over cut k of a layout of S
+    stages (the caller knows the link level: stage ranks are consecutive blocks)."""
     feasible = feasible_stage_counts(n_units, world, virtual)
     counts = list(stage_counts) if stage_counts is not None else feasible
     bad = [s for s in counts if s not in feasible]
@@ -159,64 +209,90 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost, cut
                             f"use one of the feasible stage counts {feasible}")
 
     @functools.lru_cache(maxsize=None)
-    def unit(i: int, dp: int, tp: int, mb: int) -> StageCost:   # cached per (unit, sub-mesh, microbatch)
-        return unit_cost(i, dp, tp, mb)
+    def units_of(dp: int, tp: int, mb: int) -> tuple[StageCost, ...]:   # cached per (sub-mesh, microbatch)
+        return tuple(unit_cost(i, dp, tp, mb) for i in range(n_units))
 
     options: list[StageOption] = []
+    todo: list[tuple[float, int, int, int, int, int]] = []     # (bound, S, dp, tp, M, microbatch)
     for s_count in counts:
         per = world // s_count
         for tp in tps:
             if per % tp:
                 continue
             dp = per // tp
-            if microbatches is not None:
-                if batch % (dp * microbatches):
-                    options.append(StageOption(s_count, dp, tp, microbatches, 0, schedule,
-                                               refused=f"batch {batch} does not split into dp {dp} x M {microbatches}"))
-                    continue
-                pairs = [(microbatches, batch // (dp * microbatches))]
-            else:
-                sizes = microbatch_sizes or [1, 2, 4, 8]
-                pairs = [(batch // (dp * mb), mb) for mb in sizes if batch % (dp * mb) == 0]
-                if not pairs:
-                    options.append(StageOption(s_count, dp, tp, 0, 0, schedule,
-                                               refused=f"batch {batch} does not split over dp {dp}"))
-                    continue
-            for m, mb in pairs:
+            if batch % dp:
+                options.append(StageOption(s_count, dp, tp, 0, 0, schedule,
+                                           refused=f"batch {batch} does not split over dp {dp}"))
+                continue
+            ms = [microbatches] if microbatches is not None else microbatch_counts(batch // dp, s_count, schedule)
+            if microbatches is not None and (batch // dp) % microbatches:
+                options.append(StageOption(s_count, dp, tp, microbatches, 0, schedule,
+                                           refused=f"batch {batch} does not split into dp {dp} x M {microbatches}"))
+                continue
+            if not ms:
+                options.append(StageOption(s_count, dp, tp, 0, 0, schedule,
+                                           refused=f"the per-replica batch {batch // dp} has no M >= S = {s_count}"))
+                continue
+            for m in ms:
                 try:
-                    sch = Schedule(schedule, m, virtual)
+                    Schedule(schedule, m, virtual)
                 except PipelineError as e:
-                    options.append(StageOption(s_count, dp, tp, m, mb, schedule, refused=e.message))
+                    options.append(StageOption(s_count, dp, tp, m, batch // (dp * m), schedule, refused=e.message))
                     continue
                 if schedule == "1f1b" and m < s_count:
-                    options.append(StageOption(s_count, dp, tp, m, mb, schedule,
+                    options.append(StageOption(s_count, dp, tp, m, batch // (dp * m), schedule,
                                                refused=f"1F1B needs M >= S ({m} < {s_count})"))
                     continue
-                units = [unit(i, dp, tp, mb) for i in range(n_units)]
-                cuts = _cuts_for(units, s_count, sch, memory_limit_bytes)
-                if cuts is None:
-                    options.append(StageOption(s_count, dp, tp, m, mb, schedule,
-                                               refused="no cut leaves every stage within the memory limit"))
-                    continue
-                bounds = [0, *cuts, n_units]
-                costs = [_sum(units[bounds[k]:bounds[k + 1]]) for k in range(s_count)]
-                sends = [cut_send_s(k, tp, mb) for k in range(s_count - 1)]
-                options.append(StageOption(s_count, dp, tp, m, mb, schedule, cuts,
-                                           price_pipeline(costs, sends, sch)))
-    priced = [o for o in options if o.price is not None]
-    best = min(priced, key=lambda o: (o.step_s, o.stages, o.tp)) if priced else None
+                mb = batch // (dp * m)
+                work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb))
+                todo.append((m * work / s_count, s_count, dp, tp, m, mb))
+    best: StageOption | None = None
+    for bound, s_count, dp, tp, m, mb in sorted(todo):
+        if best is not None and bound >= best.step_s:
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound,
+                                       refused=f"pruned: lower bound {bound:.6g} s >= best {best.step_s:.6g} s"))
+            continue
+        sch = Schedule(schedule, m, virtual)
+        units = units_of(dp, tp, mb)
+        cuts = _cuts_for(units, s_count, sch, memory_limit_bytes)
+        if cuts is None:
+            need = min_peak_bytes(units, s_count, sch)
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, min_peak_bytes=need,
+                                       refused=f"no cut leaves every stage within the memory limit (the least "
+                                               f"peak any cut reaches: {need / 2**20:.1f} MiB per rank)"))
+            continue
+        bounds = [0, *cuts, n_units]
+        costs = [_sum(units[bounds[k]:bounds[k + 1]]) for k in range(s_count)]
+        sends = [cut_send_s(s_count, k, tp, mb) for k in range(s_count - 1)]
+        op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound)
+        options.append(op)
+        if best is None or (op.step_s, op.stages, op.tp) < (best.step_s, best.stages, best.tp):
+            best = op
     return StageSearch(tuple(options), best)
 
 
 def require_fit(search: StageSearch, world: int, n_units: int) -> StageOption:
-    """The chosen option, or a named error listing the stage counts that fit."""
+    """The chosen option, or a named error listing the stage counts that fit and, for the others,
+    the least memory per rank they reach."""
     if search.best is not None:
         return search.best
-    fits = sorted({o.stages for o in search.options if o.price is not None})
-    tried = sorted({o.stages for o in search.options})
-    raise PipelineError(f"no stage layout of {tried} stages fits on {world} ranks for {n_units} layers "
+    raise PipelineError(f"no stage layout fits on {world} ranks for {n_units} layers "
                         f"(every one leaves a stage without memory or the batch unsplit)",
-                        f"feasible stage counts: {fits or 'none'}; raise the memory limit or the batch")
+                        f"{memory_reach(search.options)}; raise the memory limit or the batch")
 
 
-__all__ = ["StageOption", "StageSearch", "require_fit", "search_stages"]
+def memory_reach(options: Sequence[StageOption]) -> str:
+    """'S stages: X MiB' per stage count: the least peak per rank any option of it reaches."""
+    least: dict[int, float] = {}
+    for o in options:
+        v = o.min_peak_bytes if o.min_peak_bytes is not None else (
+            max(o.price.peak_bytes) if o.price is not None else None)
+        if v is not None:
+            least[o.stages] = min(least.get(o.stages, float("inf")), v)
+    fits = sorted({o.stages for o in options if o.price is not None})
+    reach = ", ".join(f"{s}: {least[s] / 2**20:.1f} MiB" for s in sorted(least))
+    return f"feasible stage counts: {fits or 'none'}; the least peak per rank each stage count reaches: {reach or 'none'}"
+
+
+__all__ = ["StageOption", "StageSearch", "memory_reach", "microbatch_counts", "min_peak_bytes", "require_fit",
+           "search_stages"]

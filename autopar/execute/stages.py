@@ -26,7 +26,7 @@ from ..decomp.stages import StageLayout
 from ..errors import PlanFileError
 from ..modelfile import load_model_file, model_env
 from ..runtime import launch as rank_launch
-from ..runtime.stages import _all_chunks, _static_metas, build_runner, reference_step
+from ..runtime.stages import _all_chunks, _static_metas, build_runner, reference_step, shard_of
 from .validate import RULE, compare
 
 
@@ -66,15 +66,17 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     ref_p = dict(ref.named_parameters())
     ref_g = {n: p.grad.detach().clone() for n, p in ref_p.items()}
     torch.optim.SGD(ref.parameters(), lr=opts["lr"], momentum=opts["momentum"]).step()
-    runner = build_runner(model, layout, rank, loss_fn, example_microbatch=x[:mb])
+    runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x[:mb])
     loss = runner.step(x, y)
-    mine = {id(p) for p in runner.parameters()}
-    held = [(n, p) for n, p in model.named_parameters() if id(p) in mine]
+    held = list(runner.held_parameters(model).items())
+
+    def want(n, t):          # the reference's tensor, cut to this rank's tp slice where it holds one
+        return shard_of(t, runner.sharded[n], st.tp) if n in runner.sharded else t
     rtol, atol = opts["rtol"], opts["atol"]
     checks = [compare(f"rank {rank}: loss", loss.reshape(1), ref_loss.to(loss.dtype).reshape(1), rtol, atol)]
-    checks += [compare(f"rank {rank}: grad {n}", p.grad, ref_g[n], rtol, atol) for n, p in held]
+    checks += [compare(f"rank {rank}: grad {n}", p.grad, want(n, ref_g[n]), rtol, atol) for n, p in held]
     torch.optim.SGD([p for _, p in held], lr=opts["lr"], momentum=opts["momentum"]).step()
-    checks += [compare(f"rank {rank}: param {n} after step", p.detach(), ref_p[n].detach(), rtol, atol)
+    checks += [compare(f"rank {rank}: param {n} after step", p.detach(), want(n, ref_p[n].detach()), rtol, atol)
                for n, p in held]
 
     # timing, float32, a fresh model and schedule
@@ -82,7 +84,7 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     torch.manual_seed(opts["seed"])
     model = mf.build_model()
     x32 = mf.example_inputs(batch)[0]
-    runner = build_runner(model, layout, rank, loss_fn, example_microbatch=x32[:mb])
+    runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x32[:mb])
     opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
     times = []
     for i in range(opts["warmup"] + opts["steps"]):
@@ -116,10 +118,12 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
                    ) -> tuple[RunResult, Path]:
     layout, price = stage_layout(plan)
     world = plan.world_size
+    heads = dict(plan.runtime.extra).get("heads")
     rtol, atol = opts.tolerances()
     ropts = {"batch": plan.model.batch_size, "dtype": opts.validate_dtype, "seed": opts.seed, "lr": opts.lr,
-             "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps}
-    progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages, "
+             "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps, "heads": heads}
+    progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages "
+             f"(dp {layout.stages[0].dp} x tp {layout.stages[0].tp} each), "
              f"{layout.schedule.torch_class} over {layout.schedule.microbatches} microbatches; validation, "
              f"{opts.warmup}+{opts.steps} timed steps")
     t0 = time.perf_counter()

@@ -321,6 +321,19 @@ class StageRunner:
     schedule: Any
     loss_fn: Callable
     tied: tuple = ()            # (parameter, group of its holders' peers): gradients summed (tied weights)
+    sharded: dict = None        # single-process parameter name -> shard_of spec (tp > 1), else {}
+
+    def held_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's parameters under their single-process names (a tp block's wrapper dropped);
+        ``self.sharded`` says which are tp slices (``shard_of``)."""
+        mine = {id(p) for p in self.parameters()}
+        return {n.replace(".b.", ".", 1) if n in self._wrapped_names(model) else n: p
+                for n, p in model.named_parameters() if id(p) in mine}
+
+    @staticmethod
+    def _wrapped_names(model: nn.Module) -> set[str]:
+        return {f"blocks.{i}.b.{n}" for i, blk in enumerate(getattr(model, "blocks", ())) if isinstance(blk, _TPBlock)
+                for n, _ in blk.b.named_parameters()}
 
     @property
     def stage(self):
@@ -405,10 +418,11 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
     from torch.distributed.pipelining import PipelineStage
     groups = make_groups(layout, rank)
     st = layout.stage_of(rank)
+    sharded: dict = {}
     if st.tp > 1:
         if heads is None:
             raise PipelineError("tensor parallelism inside a stage needs the number of heads", "pass heads=")
-        shard_gpt_blocks(model, heads, groups.coords[1], st.tp, groups.tp)
+        sharded = shard_gpt_blocks(model, heads, groups.coords[1], st.tp, groups.tp)
     modules = stage_modules(model, layout, st.index)
     n_chunks = layout.num_stages * layout.schedule.virtual
     every = _all_chunks(model, layout)
@@ -423,7 +437,7 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
     m = layout.schedule.microbatches
     schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=stage_loss(model, loss_fn),
                    scale_grads=True)
-    return StageRunner(layout, rank, modules, groups, schedule, loss_fn, tied)
+    return StageRunner(layout, rank, modules, groups, schedule, loss_fn, tied, sharded)
 
 
 def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule], rank: int) -> tuple:

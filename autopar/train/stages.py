@@ -47,9 +47,9 @@ class PipelineModule(nn.Module):
         st = self.layout.stage_of(self.rank)
         mb = example_inputs.shape[0] // st.dp // self.layout.schedule.microbatches
         self.full = model                                   # every name kept (checkpoints), own stage trained
-        self.runner = build_runner(model, self.layout, self.rank, loss_fn, example_microbatch=example_inputs[:mb])
-        held = {id(p) for p in self.runner.parameters()}
-        self._held = {n: p for n, p in model.named_parameters() if id(p) in held}
+        self.runner = build_runner(model, self.layout, self.rank, loss_fn, heads=extra.get("heads"),
+                                   example_microbatch=example_inputs[:mb])
+        self._held = self.runner.held_parameters(model)
         mods = {id(b) for _, m in self.runner.modules for b in m.buffers()}
         self._bufs = {n: b for n, b in model.named_buffers() if id(b) in mods}
 
@@ -71,6 +71,10 @@ class PipelineModule(nn.Module):
 
     # ---- checkpoints --------------------------------------------------------------------
     def state_dict_local(self) -> dict[str, torch.Tensor]:
+        if self.runner.sharded:
+            raise AutoparError("checkpoints of pipeline stages with tensor parallelism inside are not written yet "
+                               "(each rank holds a tp slice, not the whole tensor)",
+                               "checkpoint under a plan whose stages are data parallel (tp 1)")
         return {**{n: p.detach() for n, p in self._held.items()}, **{n: b for n, b in self._bufs.items()}}
 
 

@@ -1,33 +1,38 @@
 """Pipeline stages as a plan-level strategy (issue 41): the model cut into S contiguous ranges of
-blocks, each on its own sub-mesh of ``world / S`` ranks, run by one of torch's schedules over M
-microbatches (``runtime.stages``).
+blocks, each on its own sub-mesh of ``world / S`` ranks laid dp x tp, run by one of torch's
+schedules over M microbatches (``runtime.stages``).
 
 Offered only when asked (``PlanOptions.pipeline``: "auto" tries every feasible stage count > 1,
 an integer S forces that count, "off"/None offers nothing). Each stage's sub-plan comes from the
-solver on its sub-mesh: ``make_plan`` of the same model at ``world / S`` ranks for one
-microbatch (``batch / M`` samples), restricted to data parallelism inside the stage (``sample``
-/ ``replicate``: what the stage runtime executes), cached per (sub-mesh size, microbatch); its
-per-layer costs are summed per block (the units the cuts go between; embeddings fold into the
-first block, the head and loss into the last) and ``cost.stages.search_stages`` picks the cuts
-and prices the schedule (``decomp.stages.price_pipeline``). The stage layout and every count
-priced go to plan.json's ``runtime`` record (``expected: "stages"``).
+solver on its tensor-parallel group: ``make_plan`` of the same model on ``tp`` ranks for one
+microbatch of one data-parallel replica (``batch / (dp M)`` samples), with the kinds the stage
+runtime executes -- ``tp = 1``: the whole block on one rank; ``tp > 1`` (plain GPT blocks):
+Megatron's split, pinned (attention ``head(1,tp)``, MLP ``filter(1,tp)`` then
+``row_parallel(1,tp)``, the rest ``replicate``) -- cached per (tp, microbatch): one solve prices
+every block, and every (layer range, sub-mesh) of a stage is a sum of its blocks' costs (blocks
+the units the cuts go between; embeddings fold into the first block, the head and loss into the
+last). Data parallelism over the stage's ``dp`` replicas adds the all-reduce of each block's
+gradient bytes (the profile's allreduce at the link level the dp group spans).
+``cost.stages.search_stages`` then tries every (S, tp, M) -- M every divisor of the per-replica
+batch -- with its best cuts, in order of a lower bound that prunes the rest, and prices the
+schedule (``decomp.stages.price_pipeline``). The stage layout, the search's time and every
+option tried (priced, pruned with its bound, or refused with why) go to plan.json's
+``runtime`` record (``expected: "stages"``).
 
-Limits (stated, not hidden): one sub-plan per (sub-mesh, microbatch) cut into ranges, rather
-than one solve per (layer range, sub-mesh). Sub-plans are data parallel inside each stage
-(what ``runtime.stages`` executes from a plan); only when no such stage fits the memory limit
-are the solver's own sub-plans (tensor parallel...) priced under S x half the limit, recorded with
-``executable: false`` (tensor parallelism inside a stage runs in ``runtime.stages`` for plain GPT
-blocks, but plans do not drive it yet). The plan's per-layer decisions are the whole-world
-solver's; the stages are in the runtime record.
+Limits (stated, not hidden): every stage has the same sub-mesh shape; tp stays within a node and
+divides the heads; tensor parallelism inside a stage is for plain GPT blocks (what
+``runtime.stages.shard_gpt_blocks`` runs), other block models get tp = 1. The plan's per-layer
+decisions are the whole-world solver's; the stages are in the runtime record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 from ...artifacts import PlanHooks
-from ...cost.stages import search_stages
+from ...cost.stages import memory_reach, search_stages
 from ...cost.table import StepPrediction
 from ...decomp.stages import SCHEDULES, Schedule, StageCost, cut_send_time_s, even_layout, feasible_stage_counts
 from ...errors import InfeasiblePlan, PipelineError
@@ -56,6 +61,28 @@ def block_units(graph) -> list[int] | None:
     return out
 
 
+def gpt_heads(graph) -> int | None:
+    """The attention heads of a plain-GPT block model (``blocks.i.attn`` / ``.fc`` / ``.out``
+    modules, what ``runtime.stages.shard_gpt_blocks`` splits), read from the traced attention's
+    output ``[n, heads, s, d]``; None for any other model (no tensor parallelism in its stages)."""
+    mods = {getattr(lay, "module", "") or "" for lay in graph.layers}
+    if not all(f"blocks.0.{m}" in mods for m in ("attn", "fc", "out")):
+        return None
+    for lay in graph.layers:
+        for op in lay.ops:
+            if "scaled_dot_product_attention" in op.name and len(op.out_shape) == 4:
+                return int(op.out_shape[1])
+    return None
+
+
+def tp_pins(tp: int) -> tuple[str, ...]:
+    """Megatron's split of a plain GPT block over ``tp`` ranks as pins (what the stage runtime
+    runs): attention heads, the MLP's first linear by output features, its second by input
+    features; everything else whole on every rank of the group."""
+    return ("*=replicate", f"blocks.*.attn=head(1,{tp})", f"blocks.*.fc=filter(1,{tp})",
+            f"blocks.*.out=row_parallel(1,{tp})")
+
+
 def _requested(o) -> tuple[str, int | None]:
     p = getattr(o, "pipeline", None)
     if p in (None, "off", 0, 1, "1"):
@@ -63,6 +90,14 @@ def _requested(o) -> tuple[str, int | None]:
     if p == "auto":
         return "auto", None
     return "fixed", int(p)
+
+
+def _short(option_json: dict) -> dict:
+    """An option as plan.json lists it: the per-stage arrays folded into their maximum."""
+    d = {k: v for k, v in option_json.items() if k not in ("peak_bytes", "in_flight_microbatches")}
+    if "peak_bytes" in option_json:
+        d["peak_bytes_max"] = max(option_json["peak_bytes"])
+    return d
 
 
 @register_strategy
@@ -94,73 +129,68 @@ class PipelineStages:
             raise PipelineError(f"--pipeline {fixed} is not feasible for {n_units} blocks on {world} ranks",
                                 f"use one of the feasible stage counts {feasible} (or --pipeline auto|off)")
         counts = [fixed] if mode == "fixed" else feasible
-        m_fixed = getattr(o, "microbatches", None)
         profile = base.loaded.profile
-        subplans: dict[tuple[str, int, int], tuple[list[StageCost], tuple[str, ...]]] = {}
+        rpn = int(base.loaded.ranks_per_node)
+        heads = gpt_heads(base.graph)
+        tp_ok = heads is not None and (o.kinds is None or "head" in o.kinds)      # tensor parallelism allowed
+        tps = [t for t in range(1, rpn + 1) if t == 1 or (tp_ok and heads % t == 0)]
+        subplans: dict[tuple[int, int], tuple[list[StageCost], list[float], tuple[str, ...]]] = {}
 
-        def unit_cost_of(mode_: str):
-            # the search sees each stage as ONE group of ``tp = world / S`` ranks (dp = 1) handling
-            # microbatches of ``mb`` samples: the sub-plan decides how its ranks split them
-            def unit_cost(i, dp, tp, mb):
-                key = (mode_, tp, mb)
-                if key not in subplans:
-                    subplans[key] = _unit_costs(base, tp, mb, units, n_units, mode_)
-                return subplans[key][0][i]
-            return unit_cost
+        def sub(tp: int, mb: int):
+            if (tp, mb) not in subplans:
+                subplans[(tp, mb)] = _unit_costs(base, tp, mb, units, n_units)
+            return subplans[(tp, mb)]
 
-        cands, records = [], []
-        for s_count in counts:
+        def unit_cost(i, dp, tp, mb):
+            costs, grad_bytes, _ = sub(tp, mb)
+            c = costs[i]
+            level = profile.level_of(range(0, dp * tp, tp))
+            sync = profile.collective_time_s("allreduce", dp, grad_bytes[i], level=level) if dp > 1 else 0.0
+            return dataclasses.replace(c, grad_sync_s=c.grad_sync_s + sync)
+
+        cut_per_sample = _cut_bytes(base.graph, units, 1, batch)
+
+        def cut(s_count, k, tp, mb):      # every tp rank sends the whole (replicated) value to its peer
             size = world // s_count
+            return cut_send_time_s(profile, cut_per_sample * mb, range(k * size, (k + 1) * size),
+                                   range((k + 1) * size, (k + 2) * size))
 
-            def cut(k, tp, mb, size=size):       # each rank sends its 1/size share of the microbatch
-                act = _cut_bytes(base.graph, units, mb, batch) / size
-                return cut_send_time_s(profile, act, range(k * size, (k + 1) * size),
-                                       range((k + 1) * size, (k + 2) * size))
-            ms = [m_fixed] if m_fixed else [m for m in (s_count, 2 * s_count, 4 * s_count) if batch % m == 0]
-            if not ms:
-                records.append({"stages": s_count, "refused": f"batch {batch} does not split into "
-                                                              f"M >= {s_count} microbatches"})
-                continue
-            best, sub_mode = None, "data_parallel"
-            # sub-plans data parallel inside each stage (what the stage runtime executes); when no
-            # such stage fits the memory limit, the solver's own sub-plans under half the limit
-            # (tensor parallel and the rest: priced and recorded, not executable yet)
-            for mode_ in ("data_parallel", "solver"):
-                if mode_ == "solver" and (best is not None or base.memory_limit_bytes is None):
-                    break
-                for m in ms:
-                    sr = search_stages(n_units, world, batch, unit_cost_of(mode_), cut, stage_counts=[s_count],
-                                       tps=(size,), microbatches=m, schedule=sched_name, virtual=virtual,
-                                       memory_limit_bytes=base.memory_limit_bytes)
-                    records.extend({**{k: v for k, v in op.to_json().items() if k not in ("dp", "tp")},
-                                    "sub_mesh_ranks": size, "sub_plans": mode_} for op in sr.options)
-                    if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
-                        best, sub_mode = sr.best, mode_
-            if best is None:
-                why = next((r["refused"] for r in reversed(records) if r.get("stages") == s_count and "refused" in r),
-                           "nothing fits")
+        t0 = time.perf_counter()
+        sr = search_stages(n_units, world, batch, unit_cost, cut, stage_counts=counts, tps=tps,
+                           microbatches=getattr(o, "microbatches", None), schedule=sched_name, virtual=virtual,
+                           memory_limit_bytes=base.memory_limit_bytes)
+        search = {"search_s": time.perf_counter() - t0, "sub_plans_solved": len(subplans), "tps": tps,
+                  "options_tried": len(sr.options), "memory_limit_bytes": base.memory_limit_bytes,
+                  "memory_reach": memory_reach(sr.options)}
+        records = [_short(op.to_json()) for op in sr.options]
+        per = sr.best_per_stage_count()
+        cands = []
+        for s_count in counts:
+            best = per.get(s_count)
+            if best is None or best.price is None:
+                why = best.refused if best is not None else "nothing to price"
+                if all(c.illegal for c in cands) and s_count == counts[-1]:
+                    why += f" ({search['memory_reach']})"       # nothing fits: what each count reaches
                 cands.append(Candidate(NAME, f"pipeline {s_count} stages", illegal=why, priority=self.priority,
                                        forced=mode == "fixed"))
                 continue
             layout = even_layout(n_units, world, s_count, Schedule(sched_name, best.microbatches, virtual),
-                                 cuts=best.cuts if virtual == 1 else None)   # V chunks: cut evenly
+                                 tp=best.tp, cuts=best.cuts if virtual == 1 else None)   # V chunks: cut evenly
             p = best.price
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
                                   memory_per_rank_bytes=max(p.peak_bytes), grad_sync_bytes=0.0)
-            cands.append(Candidate(NAME, f"pipeline {s_count} stages x M {best.microbatches} ({sched_name})", pred,
-                                   table=base.table, choice=tuple(base.solution.choice), runtime="stages",
-                                   forced=mode == "fixed", priority=self.priority,
+            label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, dp {best.dp} x tp {best.tp})"
+            cands.append(Candidate(NAME, label, pred, table=base.table, choice=tuple(base.solution.choice),
+                                   runtime="stages", forced=mode == "fixed", priority=self.priority,
                                    note=f"pipeline stages: {layout.to_json()['stages']}",
                                    detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
-                                           "sub_plans": sub_mode,
-                                           "sub_plan_kinds": list(subplans[(sub_mode, best.tp, best.microbatch)][1]),
-                                           "executable": sub_mode == "data_parallel"}))
+                                           "search": search, "heads": heads if best.tp > 1 else None,
+                                           "sub_plan_kinds": list(sub(best.tp, best.microbatch)[2])}))
         if mode == "fixed" and all(c.illegal for c in cands):
-            fits = sorted({r["stages"] for r in records if "refused" not in r})
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
                                 f"({cands[0].illegal if cands else 'nothing priced'})",
-                                f"feasible stage counts: {fits or 'none'}; raise --memory-limit or the batch")
+                                f"{search['memory_reach']}; raise --memory-limit or the batch")
         return tuple(cands)
 
     def record(self, base, choice) -> dict:
@@ -168,40 +198,39 @@ class PipelineStages:
         mine = [x for x in choice.candidates if x.strategy == NAME]
         if not mine:
             return {}
-        priced = [r for x in mine if x.detail for r in x.detail["priced"]]
+        withd = [x for x in mine if x.detail]
+        priced = withd[0].detail["priced"] if withd else []
         if c.strategy != NAME:
             return {"pipeline_considered": priced}
         return {"runtime": {"expected": "stages", "step_time_s": c.step_time_s,
                             "reason": f"{c.label}: predicted {c.step_time_s * 1e3:.3f} ms, the fastest legal plan",
                             "stages": c.detail["layout"], "price": c.detail["price"],
-                            "sub_plans": c.detail["sub_plans"], "sub_plan_kinds": c.detail["sub_plan_kinds"],
-                            "executable": c.detail["executable"],
+                            "sub_plan_kinds": c.detail["sub_plan_kinds"], "heads": c.detail["heads"],
+                            "executable": True, "search": c.detail["search"],
                             "stage_counts_priced": priced}}
 
 
-def _unit_costs(base, world: int, batch: int, units: list[int], n_units: int,
-                mode: str = "data_parallel") -> tuple[list[StageCost], tuple[str, ...]]:
-    """The model planned on ``world`` ranks for ``batch`` samples (one microbatch of a stage),
-    its per-layer costs summed per block, and the decomposition kinds the sub-plan uses. Modes:
-    "data_parallel" (sample / replicate, no limit) or "solver" (the request's kinds, under S x
-    half the request's memory limit)."""
+def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
+                ) -> tuple[list[StageCost], list[float], tuple[str, ...]]:
+    """The model planned on ``tp`` ranks for ``mb`` samples (one microbatch of one dp replica of a
+    stage), with the stage runtime's kinds (module docstring), its per-layer costs summed per
+    block; the gradient bytes per rank of each block (what the dp all-reduce moves); the kinds."""
     from ..make import make_plan      # the planner itself, one level down (see tests/test_layering.py)
     o = base.req.options
-    kinds = ("sample", "replicate") if mode == "data_parallel" else o.kinds
-    # the sub-plan is of the whole model, of which a stage holds 1/S: its per-layer choices are
-    # made under S x half the limit (half: room for the microbatches in flight); the search then
-    # holds each stage's real memory (static + in flight) to the limit
-    stages = max(1, base.req.world // world)
-    limit = None if mode == "data_parallel" else base.memory_limit_bytes / 2 * stages
-    sub = dataclasses.replace(o, world_size=world, batch_size=batch, write=False, out_dir=None, pipeline="off",
-                              kinds=kinds, placement="block", memory_limit_bytes=limit, pins=())
+    pins = tp_pins(tp) if tp > 1 else ()
+    sub = dataclasses.replace(o, world_size=tp, batch_size=mb, write=False, out_dir=None, pipeline="off",
+                              kinds=("sample", "replicate") if tp == 1 else ("replicate", "head", "filter",
+                                                                            "row_parallel"),
+                              placement="block", memory_limit_bytes=None, pins=pins, nodes=None)
     try:
         res = make_plan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
-    except InfeasiblePlan:           # no sub-plan fits: every unit over any limit
-        return [StageCost(float("inf"), float("inf"), 0.0, float("inf"), float("inf"))] * n_units, ()
+    except InfeasiblePlan:           # no sub-plan at all: every unit priced out
+        inf = float("inf")
+        return [StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, ()
     tab, ch = res.table, list(res.solution.choice)
     sub_units = block_units(tab.graph) or units
     acc = [[0.0] * 5 for _ in range(n_units)]
+    grads = [0.0] * n_units
     for li, u in enumerate(sub_units):
         c = tab.layers[li].costs[ch[li]]
         a = acc[u]
@@ -210,8 +239,9 @@ def _unit_costs(base, world: int, batch: int, units: list[int], n_units: int,
         a[2] += c.grad_sync_s + c.optim_step_s
         a[3] += c.activation_bytes + c.workspace_bytes
         a[4] += c.param_bytes + c.grad_bytes + c.optim_bytes
+        grads[u] += c.grad_bytes
     kinds_used = tuple(sorted({tab.layers[li].choices[ch[li]].kind for li in range(len(ch))}))
-    return [StageCost(*a) for a in acc], kinds_used
+    return [StageCost(*a) for a in acc], grads, kinds_used
 
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
