@@ -124,7 +124,7 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
     for s_count in feasible_stage_counts(n, world):
         size = world // s_count
 
-        def cut(k, tp, mb, size=size):
+        def cut(s_count, k, tp, mb, size=size):
             src = list(range(k * size, (k + 1) * size))
             dst = list(range((k + 1) * size, (k + 2) * size))
             return cut_send_time_s(prof, mb * SEQ * cfg["hidden"] * 4, src, dst)
