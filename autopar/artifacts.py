@@ -2,7 +2,7 @@
 as frozen values, and the ONE module that reads and writes them as JSON.
 
 Pure: no torch, no solver, no tracer (the runtime imports this module). ``autopar.decomp`` (the
-registry, ``Layout``, ``RankMap``, the layer graph types) is imported lazily, only to check a
+registry, ``Sharding``, ``RankMap``, the layer graph types) is imported lazily, only to check a
 plan on load and to build what a caller asks for (``Plan.graph()``, ``LayerDecision.decomposition()``).
 
 Schemas
@@ -23,8 +23,8 @@ Schemas
                   notes, memory_limit_bytes, candidates, max_candidates_per_layer}  SolverInfo
     predicted    {step_time_s, fwd_s, bwd_s, grad_sync_s, exposed_comm_s, optimizer_s,
                   memory_per_rank_bytes, grad_sync_bytes}                   Prediction
-    layers       [{layer, name, module, kinds, out_shape, decomposition, choice, in_layouts,
-                   out_layout, predicted (LayerCost JSON), source, exact_keys, alternatives,
+    layers       [{layer, name, module, kinds, out_shape, decomposition, choice, in_placements,
+                   out_placement, predicted (LayerCost JSON), source, exact_keys, alternatives,
                    illegal}]                                                 LayerDecision
     transitions  [{src, dst, value, src_layout, dst_layout, fwd_s, bwd_s}]   TransitionDecision
     graph        the layer graph, ``LayerGraphData`` JSON kept as is       Plan.graph_json
@@ -44,8 +44,13 @@ Schemas
 
 Schema 1 -> 2: schema 2 only adds ``mesh.ranks`` (and makes ``mesh.placement`` explicit). A
 schema-1 plan is therefore **migrated on load** (ranks 0..W-1, a missing placement = block):
-lossless, announced by a ``PlanMigrated`` warning naming the file, never written back. Any other
-schema is refused with ``PlanFileError`` saying to re-plan.
+lossless, announced by a ``PlanMigrated`` warning naming the file, never written back. Schema 2
+-> 3: a layer's ``in_layouts``/``out_layout`` (``[[dim, parts], ...]`` or ``{"splits",
+"partial"}``) become ``in_placements``/``out_placement``, placements on named mesh axes of the
+world (``autopar.decomp.sharding``): ``{"mesh": {"shape": [4, 2], "names": ["N", "replica"]},
+"placements": ["Shard(0)", "Replicate()"]}`` (``placements`` may also map axis names to
+placements); migrated on load the same way, a layout that cannot be read refused naming the
+field. Any other schema is refused with ``PlanFileError`` saying to re-plan.
 
 ``autopar.run/1`` (``RunResult``): run.json of ``autopar execute``, unchanged in content.
 
@@ -56,15 +61,17 @@ schema is refused with ``PlanFileError`` saying to re-plan.
 
 Checks on load (``PlanFileError`` naming the unit and the field, before any process starts):
 mesh ranks out of the world or repeated; sub-meshes of a run set that overlap (both plans and
-the shared ranks named); a layer whose ``in_layouts`` miss an input value, name a dim the
-tensor lacks, split a dim more ways than its extent, or whose blocks do not divide the world
-(likewise ``out_layout``); layouts that disagree with the layer's decomposition; an unknown
+the shared ranks named); a layer whose ``in_placements`` miss an input value, name a dim the
+tensor lacks, split a dim more ways than its extent (a padded shard: pad it short), name a mesh
+axis the mesh lacks, or whose mesh is not the world or names ranks outside it (likewise
+``out_placement``); placements that disagree with the layer's decomposition; an unknown
 decomposition kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -75,13 +82,15 @@ from .io import atomic_write_json, read_json
 from .decomp import REGISTRY, decomposition_from_json
 from .decomp.bn import BatchNormStats, MODES
 from .decomp.ir import Layer, LayerGraphData
-from .decomp.layout import Layout
+from .decomp.sharding import PaddedShard, Partial, Replicate, Sharding, from_splits
 from .decomp.rankmap import RankMap
 from .pins import parse_pins
 
-PLAN_SCHEMA = "autopar.plan/2"
+PLAN_SCHEMA = "autopar.plan/3"
 #: older plan schemas this autopar migrates on load (losslessly)
-MIGRATED_PLAN_SCHEMAS = ("autopar.plan/1",)
+MIGRATED_PLAN_SCHEMAS = ("autopar.plan/1", "autopar.plan/2")
+#: the JSON of a sharding whole on every rank, when a record has none
+_WHOLE = {"mesh": {"shape": [1], "names": ["replica"]}, "placements": ["Replicate()"]}
 RUN_SCHEMA = "autopar.run/1"
 RUNSET_SCHEMA = "autopar.runset/1"
 REPLAN = "re-plan (autopar plan) instead of editing plan.json by hand"
@@ -289,14 +298,24 @@ class RuntimeRecord(_Sparse):
         return cls.read(obj)
 
 
-def _layout(obj, layer: Any, fld: str):
-    """A ``Layout`` from its JSON (``[[dim, parts], ...]`` or ``{"splits": ..., "partial": p}``);
-    a malformed one is a ``PlanFileError`` naming the layer and the field."""
+def _placements(obj, layer: Any, fld: str):
+    """A ``Sharding`` from its JSON (``{"mesh": {"shape", "names"[, "ranks"]}, "placements":
+    [...]}``; ``placements`` may also map axis names to placements, the axes not named being
+    ``Replicate()``); a malformed one is a ``PlanFileError`` naming the layer and the field."""
+    if isinstance(obj, Sharding):
+        return obj
     try:
-        return obj if isinstance(obj, Layout) else Layout.from_json(obj)
+        if isinstance(obj, Mapping) and isinstance(obj.get("placements"), Mapping):
+            names = list((obj.get("mesh") or {}).get("names") or ())
+            unknown = [a for a in obj["placements"] if a not in names]
+            if unknown:
+                raise PlanFileError(f"layer {layer}, field {fld}.placements: names mesh axis {unknown[0]!r}, "
+                                    f"which the mesh {names} lacks", "name an axis of the mesh, or re-plan")
+            obj = {**obj, "placements": [obj["placements"].get(a, "Replicate()") for a in names]}
+        return Sharding.from_json(dict(obj) if isinstance(obj, Mapping) else obj)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise PlanFileError(f"layer {layer}, field {fld}: malformed layout {obj!r} ({e})",
-                            "re-plan (`autopar plan`) instead of editing layouts by hand") from None
+        raise PlanFileError(f"layer {layer}, field {fld}: malformed placements {obj!r} ({e})",
+                            "re-plan (`autopar plan`) instead of editing placements by hand") from None
 
 
 @dataclass(frozen=True)
@@ -322,8 +341,9 @@ class DecompositionRef:
 class LayerDecision:
     """One layer's decomposition and what the cost model predicted for it.
 
-    ``in_layouts`` / ``out_layout``: a ``Layout`` per value (``autopar.decomp.layout``; JSON
-    ``[[dim, parts], ...]``, or ``{"splits": ..., "partial": p}`` for a partial sum);
+    ``in_placements`` / ``out_placement``: a ``Sharding`` per value (``autopar.decomp.sharding``;
+    JSON ``{"mesh": {"shape": [4, 2], "names": ["N", "replica"]}, "placements": ["Shard(0)",
+    "Replicate()"]}``, the mesh being the whole world);
     ``decomposition_ref`` names the decomposition (key ``decomposition`` in the file)."""
     layer: int
     name: str
@@ -332,8 +352,8 @@ class LayerDecision:
     out_shape: tuple[int, ...]
     decomposition_ref: DecompositionRef     # kind and parameters; ``decomposition()`` builds the value
     choice: str
-    in_layouts: "Mapping[str, Layout]"    # value -> Layout
-    out_layout: "Layout"
+    in_placements: "Mapping[str, Sharding]"    # value -> Sharding
+    out_placement: "Sharding"
     predicted: LayerPrice                 # the cost model's price of this layer
     source: str = ""
     exact_keys: tuple[str, ...] = ()
@@ -345,7 +365,7 @@ class LayerDecision:
     pinned: str = ""
 
     _KEYS = ("layer", "name", "module", "kinds", "out_shape", "decomposition", "choice",
-             "in_layouts", "out_layout", "predicted", "source", "exact_keys", "alternatives",
+             "in_placements", "out_placement", "predicted", "source", "exact_keys", "alternatives",
              "illegal", "pinned")
 
     @property
@@ -373,12 +393,13 @@ class LayerDecision:
     def memory_bytes(self) -> float:
         return self.predicted.memory_bytes
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, world: int) -> dict[str, Any]:
+        """The plan file's record; the placements on the mesh of ``world`` ranks."""
         out = {"layer": self.layer, "name": self.name, "module": self.module,
                "kinds": list(self.kinds), "out_shape": list(self.out_shape),
                "decomposition": self.decomposition_ref.to_json(), "choice": self.choice,
-               "in_layouts": {v: lay.to_json() for v, lay in self.in_layouts.items()},
-               "out_layout": self.out_layout.to_json(),
+               "in_placements": {v: sh.to_json(world) for v, sh in self.in_placements.items()},
+               "out_placement": self.out_placement.to_json(world),
                "predicted": self.predicted.to_json(), "source": self.source,
                "exact_keys": list(self.exact_keys), "alternatives": [a.to_json() for a in self.alternatives],
                "illegal": dict(self.illegal)}
@@ -393,9 +414,9 @@ class LayerDecision:
             layer=int(obj["layer"]), name=str(obj.get("name", "")), module=str(obj.get("module") or ""),
             kinds=tuple(obj.get("kinds", ())), out_shape=tuple(int(x) for x in obj.get("out_shape", ())),
             decomposition_ref=DecompositionRef.from_json(obj["decomposition"]), choice=str(obj.get("choice", "")),
-            in_layouts={str(v): _layout(lay, obj["layer"], f"in_layouts[{v!r}]")
-                        for v, lay in (obj.get("in_layouts") or {}).items()},
-            out_layout=_layout(obj.get("out_layout") or [], obj["layer"], "out_layout"),
+            in_placements={str(v): _placements(sh, obj["layer"], f"in_placements[{v!r}]")
+                           for v, sh in (obj.get("in_placements") or {}).items()},
+            out_placement=_placements(obj.get("out_placement") or _WHOLE, obj["layer"], "out_placement"),
             predicted=LayerPrice.from_json(obj.get("predicted") or {}), source=str(obj.get("source", "")),
             exact_keys=tuple(obj.get("exact_keys") or ()),
             alternatives=tuple(LayerAlternative.from_json(a) for a in obj.get("alternatives") or ()),
@@ -634,7 +655,7 @@ class Plan:
             out["placement_search"] = dict(self.placement_search)
         out.update({
             "calibration": dict(self.calibration), "solver": self.solver.to_json(),
-            "predicted": self.predicted.to_json(), "layers": [d.to_json() for d in self.layers],
+            "predicted": self.predicted.to_json(), "layers": [d.to_json(self.world_size) for d in self.layers],
             "transitions": [t.to_json() for t in self.transitions], "graph": dict(self.graph_json),
             "generated": self.generated, "timings_s": dict(self.timings_s),
             "batch_norm": dict(self.batch_norm)})
@@ -674,8 +695,15 @@ class Plan:
             raise _bad(src, "plan", "solver/predicted", f"malformed ({e})") from None
         layers = []
         for i, d in enumerate(obj["layers"]):
+            if isinstance(d, Mapping):
+                unit = f"layer {d.get('layer', i)} ({d.get('module') or d.get('name', '')})"
+                for v, sj in (d.get("in_placements") or {}).items():
+                    check_mesh_json(sj, mesh.world_size, src, unit, f"layers[{i}].in_placements[{v!r}]")
+                check_mesh_json(d.get("out_placement"), mesh.world_size, src, unit, f"layers[{i}].out_placement")
             try:
                 layers.append(LayerDecision.from_json(d))
+            except PlanFileError as e:
+                raise PlanFileError(f"{src}: {e.message}", e.hint) from None
             except (KeyError, TypeError, ValueError) as e:
                 raise _bad(src, f"layers[{i}]", f"layers[{i}]", f"malformed ({e.__class__.__name__}: {e})") from None
         trans = []
@@ -747,8 +775,8 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
                 layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
                 out_shape=tuple(lay.out_shape), decomposition_ref=DecompositionRef.from_json(dec.to_json()),
                 choice=str(dec),
-                in_layouts={v: dec.in_layout(lay, v) for v in lay.inputs},
-                out_layout=dec.out_layout(lay), predicted=LayerPrice()))
+                in_placements={v: dec.in_layout(lay, v) for v in lay.inputs},
+                out_placement=dec.out_layout(lay), predicted=LayerPrice()))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{src} needs world_size, graph and layers [{{layer, decomposition}}] "
                             f"({e.__class__.__name__}: {e})", "make the plan with `autopar plan`") from None
@@ -774,14 +802,43 @@ def _migrate(obj: dict[str, Any], src: str) -> dict[str, Any]:
         if world is not None and "ranks" not in mesh:
             mesh["ranks"] = list(range(int(world)))
         obj["mesh"] = mesh
+        obj["layers"] = [_migrate_layer(d, i, int(world or 1), src) for i, d in enumerate(obj.get("layers") or ())]
         obj["schema"] = PLAN_SCHEMA
         warnings.warn(f"{src}: plan of schema {schema} migrated to {PLAN_SCHEMA} on load (lossless: "
-                      f"mesh.ranks = 0..{int(world) - 1 if world is not None else 'W-1'} added); re-plan to "
+                      f"mesh.ranks = 0..{int(world) - 1 if world is not None else 'W-1'} added, layouts "
+                      f"[[dim, parts], ...] written as placements on named mesh axes); re-plan to "
                       f"write the new schema", PlanMigrated, stacklevel=3)
         return obj
     raise PlanFileError(f"{src} has schema {schema!r}; this autopar reads {PLAN_SCHEMA!r} "
                         f"(and migrates {', '.join(MIGRATED_PLAN_SCHEMAS)})",
                         "re-plan with this version of autopar")
+
+
+def _migrate_layer(d: Any, i: int, world: int, src: str) -> Any:
+    """A schema-1/2 layer record with ``in_layouts``/``out_layout`` (``[[dim, parts], ...]`` or
+    ``{"splits": [...], "partial": p}``: Shard(dim) per pair, outermost first, then a Partial
+    axis, then the replicas) rewritten as ``in_placements``/``out_placement``; one that cannot be
+    read is refused naming the field."""
+    if not isinstance(d, Mapping):
+        return d
+    d = dict(d)
+
+    def one(old: Any, fld: str) -> dict:
+        try:
+            if isinstance(old, Mapping):
+                sh = from_splits(old.get("splits", ()), int(old.get("partial", 1)))
+            else:
+                sh = from_splits([(int(dim), int(p)) for dim, p in old])
+            return sh.to_json(world)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise _bad(src, f"layer {d.get('layer', i)}", f"layers[{i}].{fld}",
+                       f"{old!r} cannot be migrated to placements ({e})") from None
+
+    if "in_layouts" in d:
+        d["in_placements"] = {v: one(lay, f"in_layouts[{v!r}]") for v, lay in (d.pop("in_layouts") or {}).items()}
+    if "out_layout" in d:
+        d["out_placement"] = one(d.pop("out_layout") or [], "out_layout")
+    return d
 
 
 # ---- checks on load -------------------------------------------------------------------------
@@ -800,27 +857,48 @@ def check_ranks(ranks: Sequence[int], world: int, src: str, unit: str, fld: str)
         raise _bad(src, unit, fld, f"ranks {sorted(set(dup))} appear more than once")
 
 
-def check_layout(layout: Any, shape: Sequence[int], world: int, src: str,
-                 unit: str, fld: str) -> None:
-    """A layout covers its tensor: dims the tensor has, each split into at most its extent,
-    each dim split once, and a number of blocks (times the partial-sum parts) that divides the
-    world."""
-    dims = []
-    for d, p in layout.splits:
+def check_mesh_json(obj: Any, world: int, src: str, unit: str, fld: str) -> None:
+    """A placement record's mesh is the plan's world: its shape holds ``world`` ranks, and the
+    ranks it names (``mesh.ranks``, optional) are in ``0..world-1``, none twice."""
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("mesh"), Mapping):
+        return                                  # malformed: LayerDecision.from_json names it
+    mesh = obj["mesh"]
+    try:
+        shape = [int(s) for s in mesh.get("shape") or ()]
+    except (TypeError, ValueError):
+        raise _bad(src, unit, f"{fld}.mesh.shape", f"{mesh.get('shape')!r} is not a list of axis sizes") from None
+    if mesh.get("ranks") is not None:
+        check_ranks([int(r) for r in mesh["ranks"]], world, src, unit, f"{fld}.mesh.ranks")
+        if len(mesh["ranks"]) != math.prod(shape):
+            raise _bad(src, unit, f"{fld}.mesh.ranks", f"{len(mesh['ranks'])} ranks for a mesh of shape {shape}")
+    if math.prod(shape) != world:
+        raise _bad(src, unit, f"{fld}.mesh.shape", f"{shape} holds {math.prod(shape)} ranks, but the plan's "
+                   f"world is {world} ranks (a layer's mesh is the whole world)")
+
+
+def check_placements(sh: Any, shape: Sequence[int], world: int, src: str,
+                     unit: str, fld: str) -> None:
+    """A sharding covers its tensor: each placement splits a dim the tensor has into at most its
+    extent (a padded shard pads it to at least its extent, a multiple of the axis size), and its
+    axes hold a number of ranks that divides the world."""
+    for a, p in enumerate(sh.placements):
+        n = sh.sizes[a]
+        if isinstance(p, Partial) or isinstance(p, Replicate):
+            continue
+        d = p.dim
         if not 0 <= d < len(shape):
-            raise _bad(src, unit, fld, f"splits dim {d}, but the tensor {list(shape)} has {len(shape)} dims")
-        if p < 1:
-            raise _bad(src, unit, fld, f"splits dim {d} into {p} parts (must be >= 1)")
-        if p > shape[d]:
-            raise _bad(src, unit, fld, f"splits dim {d} of extent {shape[d]} into {p} parts "
+            raise _bad(src, unit, fld, f"{p} on mesh axis {sh.names[a]!r} splits dim {d}, but the tensor "
+                       f"{list(shape)} has {len(shape)} dims")
+        if isinstance(p, PaddedShard):
+            if p.padded % n or p.padded < shape[d]:
+                raise _bad(src, unit, fld, f"{p} on mesh axis {sh.names[a]!r}: the padded extent must be at "
+                           f"least dim {d}'s extent {shape[d]} and a multiple of the axis size {n}")
+        elif n > shape[d]:
+            raise _bad(src, unit, fld, f"{p} splits dim {d} of extent {shape[d]} into {n} parts "
                        f"(more parts than elements: some ranks would hold nothing)")
-        if d in dims:
-            raise _bad(src, unit, fld, f"splits dim {d} twice")
-        dims.append(d)
-    blocks = layout.num_blocks * layout.partial
-    if world % blocks:
-        what = f"{layout.num_blocks} blocks x {layout.partial} partial sums" if layout.partial > 1 else f"{blocks} blocks"
-        raise _bad(src, unit, fld, f"{what} do not divide the world of {world} ranks")
+    q = math.prod(sh.sizes)
+    if world % q:
+        raise _bad(src, unit, fld, f"{sh} holds {q} ranks per replica, which does not divide the world of {world} ranks")
 
 
 def check_plan(plan: Plan, src: str = "plan") -> None:
@@ -873,15 +951,15 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
             for v, s in zip(op.get("inputs", []), op.get("in_shapes", [])):
                 shapes.setdefault(v, s)
         for v in gl.get("inputs", []):
-            if v not in d.in_layouts:
-                raise _bad(src, unit, f"layers[{i}].in_layouts",
+            if v not in d.in_placements:
+                raise _bad(src, unit, f"layers[{i}].in_placements",
                            f"misses input value {v!r} of the layer (inputs {list(gl.get('inputs', []))})")
-        for v, lay in d.in_layouts.items():
+        for v, sh in d.in_placements.items():
             if v not in gl.get("inputs", []):
-                raise _bad(src, unit, f"layers[{i}].in_layouts[{v!r}]", "is not an input value of the layer")
-            check_layout(lay, shapes.get(v, []), world, src, unit, f"layers[{i}].in_layouts[{v!r}]")
+                raise _bad(src, unit, f"layers[{i}].in_placements[{v!r}]", "is not an input value of the layer")
+            check_placements(sh, shapes.get(v, []), world, src, unit, f"layers[{i}].in_placements[{v!r}]")
         out_shape = ops[-1]["out_shape"] if ops else list(d.out_shape)
-        check_layout(d.out_layout, out_shape, world, src, unit, f"layers[{i}].out_layout")
+        check_placements(d.out_placement, out_shape, world, src, unit, f"layers[{i}].out_placement")
         # the runtime computes layouts from the decomposition: the stated ones must be its own
         try:
             dec = d.decomposition()
@@ -892,13 +970,12 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
             raise _bad(src, unit, f"layers[{i}].decomposition",
                        f"{d.decomposition_ref.to_json()} cannot be built for this layer ({e.__class__.__name__}: {e})") from None
         for v, want in want_in.items():
-            if d.in_layouts[v] != want:
-                raise _bad(src, unit, f"layers[{i}].in_layouts[{v!r}]",
-                           f"is {d.in_layouts[v].to_json()} but decomposition {dec} reads the "
-                           f"tensor as {want.to_json()}")
-        if d.out_layout != want_out:
-            raise _bad(src, unit, f"layers[{i}].out_layout",
-                       f"is {d.out_layout.to_json()} but decomposition {dec} writes {want_out.to_json()}")
+            if d.in_placements[v] != want:
+                raise _bad(src, unit, f"layers[{i}].in_placements[{v!r}]",
+                           f"is {d.in_placements[v]} but decomposition {dec} reads the tensor as {want}")
+        if d.out_placement != want_out:
+            raise _bad(src, unit, f"layers[{i}].out_placement",
+                       f"is {d.out_placement} but decomposition {dec} writes {want_out}")
     for i, t in enumerate(plan.transitions):
         for end in ("src", "dst"):
             if getattr(t, end) not in glayers:

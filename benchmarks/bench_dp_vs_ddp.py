@@ -48,7 +48,7 @@ def _rank_main(rank: int, world: int, plan_path: str, rounds: int, seed: int) ->
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from autopar.artifacts import load_plan
-    from autopar.decomp.layout import Layout
+    from autopar.decomp.sharding import Partial, Shard, Sharding
     from autopar.execute.runner import _import_generated
     from autopar.execute.timing import timed_steps
     from autopar.runtime.comm import Comm, local_slice
@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, plan_path: str, rounds: int, seed: int) ->
         base.train()
         ddp = DDP(base, process_group=comm.mesh_group)
         xs, ys = synthetic_batch(mf, plan.model.batch_size, seed + 1)
-        lay = Layout(((0, comm.world),))
+        lay = Sharding.of((Shard(0), comm.world))
         bx = [local_slice(x, lay, comm) for x in xs]
         by = local_slice(ys, lay, comm) if ys is not None else None
         lf = mf.loss_fn()

@@ -14,6 +14,7 @@ from autopar.artifacts import (PLAN_SCHEMA, RUN_SCHEMA, Baseline, Check, LayerDe
                                Measured, MeshInfo, Plan, PlanHooks, PlanMigrated, PlanOptions, Prediction,
                                RunFileError, RunResult, RunSet, SolverInfo, TransitionDecision, Validation,
                                load_plan, load_run, load_runset, write_plan, write_run, write_runset)
+from autopar.decomp.sharding import Shard, Sharding, from_splits
 from autopar.errors import AutoparError, PlanFileError
 
 SHIPPED = "strategies/plans/cnn3d-w2/plan.json"   # world 2: its plan was made for this model file
@@ -66,12 +67,17 @@ def _write(tmp_path, obj, name="plan.json"):
 def test_plan_round_trips_and_keeps_every_field(plan, shipped, tmp_path):
     orig = json.loads(shipped.read_text())
     j = plan.to_json()
-    # schema 2 adds mesh.ranks; every other field of the schema-1 file is kept as it was
+    # schema 2 adds mesh.ranks, schema 3 writes layouts as placements on named mesh axes; every
+    # other field of the schema-1 file is kept as it was
     assert j["schema"] == PLAN_SCHEMA and j["mesh"]["ranks"] == [0, 1]
     assert set(orig) <= set(j)
     for k in orig:
-        if k not in ("schema", "mesh"):
+        if k not in ("schema", "mesh", "layers"):
             assert j[k] == orig[k], k
+    for old, new in zip(orig["layers"], j["layers"]):
+        assert {k: v for k, v in old.items() if k not in ("in_layouts", "out_layout")} == \
+            {k: v for k, v in new.items() if k not in ("in_placements", "out_placement")}
+        assert new["out_placement"] == from_splits(old["out_layout"]).to_json(2)
     assert {k: v for k, v in j["mesh"].items() if k != "ranks"} == orig["mesh"]
     assert Plan.from_json(j) == plan
     f = write_plan(plan, tmp_path / "p" / "plan.json")
@@ -85,7 +91,7 @@ def test_plan_round_trips_and_keeps_every_field(plan, shipped, tmp_path):
 
 def test_parts_round_trip(plan):
     d = plan.layers[5]
-    assert LayerDecision.from_json(d.to_json()) == d and d.fwd_s > 0 and d.kind == "sample"
+    assert LayerDecision.from_json(d.to_json(2)) == d and d.fwd_s > 0 and d.kind == "sample"
     t = plan.transitions[0]
     assert TransitionDecision.from_json(t.to_json()) == t
     assert MeshInfo.from_json(plan.mesh.to_json()) == plan.mesh == MeshInfo(2, 4, 1)
@@ -153,12 +159,12 @@ def test_schema_1_plans_are_migrated_with_a_warning_naming_the_file(root, tmp_pa
         f = tmp_path / f"p{i}" / "plan.json"
         f.parent.mkdir()
         f.write_text(json.dumps(_as_schema_1(json.loads(shipped.read_text()))))
-        with pytest.warns(PlanMigrated, match=f"{f}.*autopar.plan/1 migrated to autopar.plan/2"):
+        with pytest.warns(PlanMigrated, match=f"{f}.*autopar.plan/1 migrated to autopar.plan/3"):
             p = load_plan(f)
         assert p.schema == PLAN_SCHEMA and p.mesh.ranks == tuple(range(p.world_size))
 
 
-@pytest.mark.parametrize("schema", ["autopar.plan/0", "autopar.plan/3", "something"])
+@pytest.mark.parametrize("schema", ["autopar.plan/0", "autopar.plan/4", "something"])
 def test_other_schemas_are_refused_saying_to_replan(plan_json, tmp_path, schema):
     plan_json["schema"] = schema
     with pytest.raises(PlanFileError, match="re-plan") as e:
@@ -167,6 +173,41 @@ def test_other_schemas_are_refused_saying_to_replan(plan_json, tmp_path, schema)
 
 
 # ---- hand-edited plans ----------------------------------------------------------------------
+
+def _sh(shape, names, placements):
+    """A hand-written placement record (the plan file's form)."""
+    return {"mesh": {"shape": shape, "names": names}, "placements": placements}
+
+
+def test_schema_2_layouts_are_migrated_or_refused_naming_the_field(root, tmp_path):
+    """A plan of the previous schema ([[dim, parts], ...] layouts) loads as the same plan, with
+    a warning naming the file; a layout that cannot be read is refused naming the field."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanMigrated)
+        want = load_plan(root / SHIPPED)
+    old = copy.deepcopy(want.to_json())
+    old["model"]["path"] = str((root / SHIPPED).parent.joinpath(old["model"]["path"]).resolve())
+    old["schema"] = "autopar.plan/2"
+    for d in old["layers"]:
+        ins = d.pop("in_placements", None) or {}
+        d["in_layouts"] = {v: _as_splits(sj) for v, sj in ins.items()}
+        d["out_layout"] = _as_splits(d.pop("out_placement"))
+    f = _write(tmp_path, old, "old.json")
+    with pytest.warns(PlanMigrated, match=f"{f}.*autopar.plan/2 migrated to autopar.plan/3"):
+        assert load_plan(f).layers == want.layers
+    old["layers"][2]["out_layout"] = [["x", 2]]
+    with pytest.raises(PlanFileError, match=r"layers\[2\].out_layout: \[\['x', 2\]\] cannot be migrated"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PlanMigrated)
+            load_plan(_write(tmp_path, old, "bad.json"))
+
+
+def _as_splits(sj):
+    """The schema-2 form of a placement record (what the plans shipped before schema 3 hold)."""
+    sh = Sharding.from_json(sj)
+    splits = [[p.dim, n] for p, n in zip(sh.placements, sh.sizes) if isinstance(p, Shard)]
+    return {"splits": splits, "partial": sh.partial_parts} if sh.is_partial else splits
+
 
 def _edit(plan_json, fn):
     d = copy.deepcopy(plan_json)
@@ -179,26 +220,38 @@ CASES = {
                               r"mesh, field mesh.ranks: ranks \[2\] are outside the world of 2"),
     "rank twice": (lambda d: d["mesh"].update(ranks=[1, 1]), r"mesh, field mesh.ranks: ranks \[1\] appear more than once"),
     "ranks of another world": (lambda d: d["mesh"].update(ranks=[0]), "mesh, field mesh.ranks: 1 ranks for a world of 2"),
-    "input not covered": (lambda d: d["layers"][5]["in_layouts"].pop("relu_2"),
-                          r"layer 5 \(\S+\), field layers\[5\].in_layouts: misses input value 'relu_2'"),
-    "dim the tensor lacks": (lambda d: d["layers"][9]["in_layouts"].update(adaptive_avg_pool3d=[[7, 2]]),
-                             r"layer 9 \(\S+\), field layers\[9\].in_layouts\['adaptive_avg_pool3d'\]: "
-                             r"splits dim 7, but the tensor \[4, 32, 1, 1, 1\] has 5 dims"),
-    "more parts than extent": (lambda d: d["layers"][0]["in_layouts"].update(x=[[1, 2]]),
-                               r"layer 0 \(block1.conv\), field layers\[0\].in_layouts\['x'\]: splits dim 1 of "
-                               r"extent 1 into 2 parts"),
-    "blocks do not divide the world": (lambda d: d["layers"][3].update(out_layout=[[0, 4]]),
-                                       r"layer 3 \(block3.conv\), field layers\[3\].out_layout: 4 blocks do not "
-                                       r"divide the world of 2"),
+    "input not covered": (lambda d: d["layers"][5]["in_placements"].pop("relu_2"),
+                          r"layer 5 \(\S+\), field layers\[5\].in_placements: misses input value 'relu_2'"),
+    "dim the tensor lacks": (lambda d: d["layers"][9]["in_placements"].update(adaptive_avg_pool3d=_sh([2], ["N"], ["Shard(7)"])),
+                             r"layer 9 \(\S+\), field layers\[9\].in_placements\['adaptive_avg_pool3d'\]: "
+                             r"Shard\(7\) on mesh axis 'N' splits dim 7, but the tensor \[4, 32, 1, 1, 1\] has 5 dims"),
+    "more parts than extent": (lambda d: d["layers"][0]["in_placements"].update(x=_sh([2], ["C"], ["Shard(1)"])),
+                               r"layer 0 \(block1.conv\), field layers\[0\].in_placements\['x'\]: Shard\(1\) splits "
+                               r"dim 1 of extent 1 into 2 parts"),
+    "padded extent too small": (lambda d: d["layers"][0]["in_placements"].update(x=_sh([2], ["N"], ["PaddedShard(0, 2)"])),
+                                r"layer 0 \(block1.conv\), field layers\[0\].in_placements\['x'\]: PaddedShard\(0, 2\) "
+                                r"on mesh axis 'N': the padded extent must be at least dim 0's extent 4"),
+    "mesh of another world": (lambda d: d["layers"][3].update(out_placement=_sh([4], ["N"], ["Shard(0)"])),
+                              r"layer 3 \(block3.conv\), field layers\[3\].out_placement.mesh.shape: \[4\] holds 4 "
+                              r"ranks, but the plan's world is 2 ranks"),
+    "mesh ranks outside the world": (lambda d: d["layers"][3]["out_placement"]["mesh"].update(ranks=[0, 5]),
+                                     r"layer 3 \(block3.conv\), field layers\[3\].out_placement.mesh.ranks: ranks "
+                                     r"\[5\] are outside the world of 2"),
+    "axis the mesh lacks": (lambda d: d["layers"][3].update(out_placement={"mesh": {"shape": [2], "names": ["N"]},
+                                                                           "placements": {"H": "Shard(2)"}}),
+                            r"layer 3, field out_placement.placements: names mesh axis 'H', which the mesh \['N'\] lacks"),
+    "blocks do not divide the world": (lambda d: d["layers"][3].update(out_placement=_sh([3, 1], ["N", "x"], ["Shard(0)", "Replicate()"])),
+                                       r"layer 3 \(block3.conv\), field layers\[3\].out_placement.mesh.shape: \[3, 1\] "
+                                       r"holds 3 ranks, but the plan's world is 2"),
     "unknown kind": (lambda d: d["layers"][7]["decomposition"].update(kind="diagonal"),
                      r"layer 7 \(block5.conv\), field layers\[7\].decomposition.kind: unknown decomposition "
                      r"kind 'diagonal'"),
-    "layout not the decomposition's": (lambda d: d["layers"][7].update(out_layout=[[0, 2]]),
-                                       r"layer 7 \(block5.conv\), field layers\[7\].out_layout: is \[\[0, 2\]\] "
-                                       r"but decomposition replicate writes \[\]"),
+    "layout not the decomposition's": (lambda d: d["layers"][7].update(out_placement=_sh([2], ["N"], ["Shard(0)"])),
+                                       r"layer 7 \(block5.conv\), field layers\[7\].out_placement: is \(N:2\)\[Shard\(0\)\] "
+                                       r"but decomposition replicate writes \[Replicate\(\)\]"),
     "decomposition edited": (lambda d: d["layers"][4]["decomposition"].update(kind="replicate"),
-                             r"layer 4 \(block4.conv\), field layers\[4\].in_layouts\['relu_2'\]: is \[\[0, 2\]\] "
-                             r"but decomposition replicate reads the tensor as \[\]"),
+                             r"layer 4 \(block4.conv\), field layers\[4\].in_placements\['relu_2'\]: is "
+                             r"\(N:2\)\[Shard\(0\)\] but decomposition replicate reads the tensor as \[Replicate\(\)\]"),
     "layer left out": (lambda d: d["layers"].pop(2), r"layers \[2\], field layers: the graph has these layers"),
     "bad placement": (lambda d: d["mesh"].update(placement={"kind": "hilbert"}),
                       "mesh, field mesh.placement: unknown placement"),
@@ -222,7 +275,7 @@ def test_cli_execute_refuses_a_bad_plan_before_any_process_starts(plan_json, tmp
     t = time.perf_counter()
     assert main(["execute", str(f)]) == 2
     err = capsys.readouterr().err
-    assert "PlanFileError" in err and "layers[5].in_layouts" in err and "Traceback" not in err
+    assert "PlanFileError" in err and "layers[5].in_placements" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and time.perf_counter() - t < 10
 
 
@@ -289,7 +342,7 @@ def test_plan_of_decisions_only_gets_the_decompositions_layouts(plan):
     obj = {"world_size": 2, "graph": dict(plan.graph_json),
            "layers": [{"layer": d.layer, "decomposition": d.decomposition_ref.to_json()} for d in plan.layers]}
     p = plan_from_decisions(obj)
-    assert [(d.in_layouts, d.out_layout) for d in p.layers] == [(d.in_layouts, d.out_layout) for d in plan.layers]
+    assert [(d.in_placements, d.out_placement) for d in p.layers] == [(d.in_placements, d.out_placement) for d in plan.layers]
     obj["layers"][0]["decomposition"] = {"kind": "diagonal"}
     with pytest.raises(PlanFileError, match="diagonal"):
         plan_from_decisions(obj)
@@ -304,4 +357,4 @@ def test_cli_check_names_the_fault_or_says_ok(plan, plan_json, tmp_path, capsys)
     assert "for world 2" in out and "ok" in out and "run set of 2 plans on 4 ranks" in out
     bad = _write(tmp_path, _edit(plan_json, CASES["blocks do not divide the world"][0]))
     assert main(["check", str(bad)]) == 2
-    assert "layers[3].out_layout" in capsys.readouterr().err
+    assert "layers[3].out_placement" in capsys.readouterr().err

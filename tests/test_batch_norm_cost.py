@@ -73,14 +73,14 @@ def test_grouped_batch_norm_on_one_rank_is_priced(layer, profile):
     ops): priced by ``decomp.common.bn_group_copies_s``, in compute, both directions; nothing
     for one group a rank, global statistics, or groups whose blocks are spread over ranks."""
     from autopar.decomp.common import bn_group_copies_s
-    from autopar.decomp.layout import Layout
+    from autopar.decomp.sharding import Partial, Shard, Sharding
     bn_op = next(op for op in layer.ops if op.kind == "batch_norm")
     local, glob = _ctx(profile, BatchNormStats("local", 2)), _ctx(profile, BatchNormStats("global"))
-    f, b = bn_group_copies_s(bn_op, Layout(), local)              # 8 samples: 4 groups of 2 here
+    f, b = bn_group_copies_s(bn_op, Sharding(), local)              # 8 samples: 4 groups of 2 here
     assert f > 0.0 and b > 0.0
-    assert bn_group_copies_s(bn_op, Layout(), glob) == (0.0, 0.0)
-    assert bn_group_copies_s(bn_op, Layout(((0, 4),)), local) == (0.0, 0.0)       # one group a rank
-    spread = Layout(((2, 4),))                                   # every rank a quarter of each image
+    assert bn_group_copies_s(bn_op, Sharding(), glob) == (0.0, 0.0)
+    assert bn_group_copies_s(bn_op, Sharding.of((Shard(0), 4)), local) == (0.0, 0.0)       # one group a rank
+    spread = Sharding.of((Shard(2), 4))                                   # every rank a quarter of each image
     assert bn_group_copies_s(bn_op, spread, local) == (0.0, 0.0)
     rep_local, rep_glob = Replicate().cost(layer, local), Replicate().cost(layer, glob)
     assert rep_local.fwd_compute_s == pytest.approx(rep_glob.fwd_compute_s + f)

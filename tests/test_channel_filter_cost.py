@@ -13,7 +13,7 @@ import pytest
 from autopar.decomp.base import CostContext, decomposition_from_json
 from autopar.decomp.channel_filter import Channel, ChannelFilter, Filter
 from autopar.decomp.ir import BATCH_NORM, CONV, LINEAR, UNARY, Layer, OpSpec
-from autopar.decomp.layout import Layout
+from autopar.decomp.sharding import Sharding, Shard
 from autopar.decomp.sample import Sample
 from autopar.decomp.transition import recv_bytes
 
@@ -117,12 +117,12 @@ def step_s(c) -> float:
 # ---- layouts ----------------------------------------------------------------------------------
 def test_layouts_and_free_edges():
     lay = make_layer(0, "conv", "x", [8, 16, 8, 8], 32)
-    assert Channel(2, 2).in_layout(lay, "x") == Layout(((0, 2), (1, 2)))
-    assert Channel(2, 2).out_layout(lay) == Layout(((0, 2), (1, 2)))
-    assert Filter(2, 2).in_layout(lay, "x") == Layout(((0, 2),))
-    assert Filter(2, 2).out_layout(lay) == Layout(((0, 2), (1, 2)))
-    assert ChannelFilter(1, 2, 2).in_layout(lay, "x") == Layout(((1, 2),))
-    assert ChannelFilter(1, 2, 2).out_layout(lay) == Layout(((0, 2), (1, 2)))
+    assert Channel(2, 2).in_layout(lay, "x") == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Channel(2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Filter(2, 2).in_layout(lay, "x") == Sharding.of((Shard(0), 2))
+    assert Filter(2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert ChannelFilter(1, 2, 2).in_layout(lay, "x") == Sharding.of((Shard(1), 2))
+    assert ChannelFilter(1, 2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
     nxt = make_layer(1, "conv", lay.output, lay.out_shape, 32)
     shape = lay.out_shape
     # filter -> channel, channel -> channel, channel+filter -> channel(s*pc, pf): free edges
@@ -139,8 +139,8 @@ def test_layouts_and_free_edges():
 
 def test_linear_feature_dim_and_json():
     lay = make_layer(0, "linear", "x", [8, 64], 32)
-    assert Channel(1, 2).in_layout(lay, "x") == Layout(((1, 2),))
-    assert ChannelFilter(1, 2, 2).out_layout(lay) == Layout(((0, 2), (1, 2)))
+    assert Channel(1, 2).in_layout(lay, "x") == Sharding.of((Shard(1), 2))
+    assert ChannelFilter(1, 2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
     for d in (Channel(2, 2), Filter(1, 4), ChannelFilter(2, 2, 2)):
         assert decomposition_from_json(d.to_json()) == d
     assert str(ChannelFilter(2, 2, 2)) == "channel_filter(2,2,2)"

@@ -1,13 +1,13 @@
 """The move of the model's output into the loss layout is priced (``cost.table._price_loss_move``):
 a head split by ``filter`` pays the redistribution of its logits that the runtime performs before
-the loss (``decomp.layout.loss_layout_for``), ``vocab_head`` computes the loss in place and pays
+the loss (``decomp.sharding.loss_sharding_for``), ``vocab_head`` computes the loss in place and pays
 none of it, and a head that splits only samples moves nothing."""
 
 import dataclasses
 
 import pytest
 
-from autopar.decomp.layout import loss_layout_for
+from autopar.decomp.sharding import loss_sharding_for
 from autopar.decomp.transition import transition_s
 
 
@@ -36,7 +36,7 @@ def test_head_choices_pay_the_move_of_their_logits_into_the_loss_layout(root, pr
     kinds = set()
     for d, c, c0 in zip(priced.layers[li].choices, priced.layers[li].costs, bare.layers[li].costs):
         src = d.out_layout(lay, g.output)
-        dst = loss_layout_for(src, shape[0], world)
+        dst = loss_sharding_for(src, shape[0], world)
         if getattr(d, "loss_in_place", False) or src == dst:
             assert c == c0, d
             continue

@@ -27,10 +27,10 @@ def _plan(root, tmp_path, profile, world, row):
 
 
 def test_row_parallel_leaves_a_partial_sum_resolved_on_the_edge(root, tmp_path, profile):
-    from autopar.decomp.layout import Layout
+    from autopar.decomp.sharding import Partial, Shard, Sharding
     r = _plan(root, tmp_path, profile, 2, "row_parallel")
     fc, out = _indices(root)
-    assert r.plan.layer(out).out_layout == Layout(((0, 1),), partial=2)
+    assert r.plan.layer(out).out_placement == Sharding.of((Shard(0), 1), (Partial(), 2))
     # column -> row is a free edge: the filter output is exactly the row-parallel input
     assert not [t for t in r.plan.transitions if t.src == fc and t.dst == out]
     resolve = [t for t in r.plan.transitions if t.src == out]

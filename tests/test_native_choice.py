@@ -79,7 +79,7 @@ def _plan(model, world, tmp_path, profile, name="plan", **kw):
 
 def test_broadcast_operands_are_read_whole_by_every_block_of_samples(tiny_gpt, tmp_path, profile):
     from autopar.decomp.ir import batch_free_layers
-    from autopar.decomp.layout import Layout
+    from autopar.decomp.sharding import Sharding
     from autopar.decomp.sample import Sample
     r = _plan(tiny_gpt, 2, tmp_path, profile, batch_size=4, kinds=["sample", "replicate"])
     g = r.plan.graph()
@@ -94,7 +94,7 @@ def test_broadcast_operands_are_read_whole_by_every_block_of_samples(tiny_gpt, t
     # the add of the position embedding: the token embeddings split, the position embedding whole
     add = next(l for l in g.layers if any(op.kind == "binary" and [6, 8] in op.in_shapes for op in l.ops))
     pos_value = next(v for op in add.ops for v, s in zip(op.inputs, op.in_shapes) if list(s) == [6, 8])
-    assert Sample(2).in_layout(add, pos_value) == Layout()
+    assert Sample(2).in_layout(add, pos_value) == Sharding()
     assert r.plan.runtime.expected == "native"
     # --kinds sample alone: the batch-free layers keep replicate (computed whole under any plan)
     r2 = _plan(tiny_gpt, 2, tmp_path, profile, name="only-sample", batch_size=4, kinds=["sample"])

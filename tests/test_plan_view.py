@@ -14,7 +14,7 @@ STEP_MS = 100.0     # 1 % of the step: 1 ms
 
 def _decision(i: int, ms: float, kinds=("squeeze",), choice="replicate", pinned=False, sync_ms=0.0):
     return LayerDecision(layer=i, name=f"op{i}", module=f"m{i}", kinds=tuple(kinds), out_shape=(8, 4),
-                         decomposition_ref=DecompositionRef(choice), choice=choice, in_layouts={}, out_layout=None,
+                         decomposition_ref=DecompositionRef(choice), choice=choice, in_placements={}, out_placement=None,
                          predicted=LayerPrice(fwd_compute_s=0.4 * ms * 1e-3, bwd_compute_s=0.6 * ms * 1e-3,
                                               grad_sync_s=sync_ms * 1e-3),
                          source="fit", pinned=f"m{i}=replicate" if pinned else "")

@@ -157,7 +157,7 @@ def test_batch_norm_group_check_shortcut_equals_the_block_by_block_rule():
     blocks (at 1024 ranks it was a tenth of pricing): the same answer, message included, as
     checking every block's start and extent."""
     from autopar.decomp.bn import check_groups
-    from autopar.decomp.layout import block_extent, block_start
+    from autopar.decomp.sharding import block_extent, block_start
 
     def block_by_block(n, parts, group):
         for c in range(parts):

@@ -17,7 +17,7 @@ import pytest
 from autopar.decomp.base import CostContext
 from autopar.decomp.distspec import (DistSpec, PaddedShard, Partial, Replicate, Shard, gather,
                                      parse_placement, scatter)
-from autopar.decomp.layout import Layout
+from autopar.decomp.sharding import Sharding
 from autopar.decomp.mesh import Mesh
 from autopar.decomp.redistribute import (AllGather, AllReduce, AllToAll, ReduceScatter, Slice,
                                          plan_redistribution, simulate, step_from_json, steps_str,
@@ -101,11 +101,11 @@ def test_partial_resolved_where_the_consumer_needs_it():
 
 
 # ---- layouts ----------------------------------------------------------------------------------
-CNN = [Layout(), Layout(((0, 2),)), Layout(((0, 4),)), Layout(((0, 8),)), Layout(((0, 2), (2, 2))),
-       Layout(((2, 2), (3, 2))), Layout(((2, 4),)), Layout(((1, 2),)), Layout(((0, 2), (1, 2))),
-       Layout(((0, 2), (2, 2), (3, 2))), Layout(((1, 4),)), Layout(((3, 2),))]
-PARTIAL = [Layout((), partial=2), Layout(((0, 2),), partial=2), Layout(((1, 2),), partial=2),
-           Layout((), partial=4)]
+CNN = [Sharding(), Sharding.of((Shard(0), 2)), Sharding.of((Shard(0), 4)), Sharding.of((Shard(0), 8)), Sharding.of((Shard(0), 2), (Shard(2), 2)),
+       Sharding.of((Shard(2), 2), (Shard(3), 2)), Sharding.of((Shard(2), 4)), Sharding.of((Shard(1), 2)), Sharding.of((Shard(0), 2), (Shard(1), 2)),
+       Sharding.of((Shard(0), 2), (Shard(2), 2), (Shard(3), 2)), Sharding.of((Shard(1), 4)), Sharding.of((Shard(3), 2))]
+PARTIAL = [Sharding.of((Partial(), 2)), Sharding.of((Shard(0), 2), (Partial(), 2)), Sharding.of((Shard(1), 2), (Partial(), 2)),
+           Sharding.of((Partial(), 4))]
 CNN_SHAPE = (8, 6, 7, 5)
 
 
@@ -135,7 +135,7 @@ def _old_transition_s(src, dst, shape, itemsize, ctx):
     if ctx.world <= EXACT_WORLD:
         n = float(max(transfer_bytes(src, dst, shape, ctx.world, itemsize)))
     else:
-        from autopar.decomp.layout import overlap
+        from autopar.decomp.sharding import overlap
         d0, s0 = dst.block_bounds(shape, 0, ctx.world), src.block_bounds(shape, 0, ctx.world)
         ov = overlap(d0, s0)
         n = float((math.prod(e for _, e in d0) - (math.prod(e for _, e in ov) if ov else 0)) * itemsize)
@@ -149,7 +149,7 @@ def _old_transition_s(src, dst, shape, itemsize, ctx):
 @pytest.mark.parametrize("world,rpn", [(2, 4), (4, 4), (8, 4), (8, 8), (32, 8)])
 def test_transition_price_unchanged_for_partial_free_layouts(world, rpn):
     ctx = CostContext(profile=synthetic_profile(ranks_per_node=rpn), world=world, ranks_per_node=rpn)
-    lays = [lay for lay in CNN if _fits(lay, world)] + [Layout(((0, 32),))] * (world == 32)
+    lays = [lay for lay in CNN if _fits(lay, world)] + [Sharding.of((Shard(0), 32))] * (world == 32)
     for a, b in itertools.product(lays, lays):
         for shape in (CNN_SHAPE, (16, 32, 28, 28)):
             new = transition_s(a, b, shape, 4, ctx)
@@ -160,7 +160,7 @@ def test_transition_price_unchanged_for_partial_free_layouts(world, rpn):
 
 def test_transition_with_partial_prices_its_steps_and_memoises():
     ctx = CostContext(profile=synthetic_profile(), world=4, ranks_per_node=4, cost_memo={})
-    a, b = Layout(((0, 2),), partial=2), Layout(((0, 4),))
+    a, b = Sharding.of((Shard(0), 2), (Partial(), 2)), Sharding.of((Shard(0), 4))
     f, bw = transition_s(a, b, (8, 16, 8, 8), 4, ctx)
     assert f > 0 and bw > 0
     assert len(ctx.cost_memo) == 1
@@ -247,6 +247,6 @@ def test_steps_serialise():
     js = json.loads(json.dumps([s.to_json() for s in steps]))
     assert js[0]["step"] == "ReduceScatter" and js[0]["dim"] == 1 and js[0]["groups"] == [[0, 1, 2, 3]]
     assert tuple(step_from_json(j) for j in js) == steps
-    lay = plan_redistribution(Layout(((0, 4),)).to_spec((8, 4, 6, 6), 4),
-                              Layout(((0, 2), (2, 2))).to_spec((8, 4, 6, 6), 4))
+    lay = plan_redistribution(Sharding.of((Shard(0), 4)).to_spec((8, 4, 6, 6), 4),
+                              Sharding.of((Shard(0), 2), (Shard(2), 2)).to_spec((8, 4, 6, 6), 4))
     assert tuple(step_from_json(json.loads(json.dumps(s.to_json()))) for s in lay) == lay

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autopar.decomp.distspec import DistSpec, PaddedShard, Partial, Replicate, Shard, gather, scatter
-from autopar.decomp.layout import Layout
+from autopar.decomp.sharding import Sharding
 from autopar.decomp.mesh import Mesh
 from autopar.runtime.launch import run_ranks
 
@@ -75,14 +75,14 @@ def test_placement_pairs_world2():
 def test_placement_pairs_and_cnn_layouts_world4():
     m = Mesh.world(4).reshape((2, 2), ("a", "b"))
     s = lambda *p: DistSpec(m, p, SHAPE)   # noqa: E731
-    lay = lambda *splits, partial=1: Layout(tuple(splits), partial).to_spec(CNN_SHAPE, 4)   # noqa: E731
+    lay = lambda *axes: Sharding.of(*axes).to_spec(CNN_SHAPE, 4)   # noqa: E731
     pairs = [(s(Shard(0), Partial()), s(Shard(0), Shard(1))),
              (s(Partial(), Partial()), s(Replicate(), Replicate())),
              (s(Shard(0), Shard(1)), s(Replicate(), Replicate())),
              (s(Shard(0), Shard(0)), s(Shard(1), Shard(1))),
              (s(PaddedShard(0, 6), Replicate()), s(Shard(1), Shard(0))),
-             (lay((0, 4)), lay((0, 2), (2, 2))),              # N4 -> N2xH2: different mesh shapes
-             (lay((0, 2), (3, 2)), lay((1, 4))),
-             (lay((0, 2), partial=2), lay((0, 4))),           # a partial sum kept across an edge
-             (lay(partial=4), lay((0, 2), (2, 2)))]
+             (lay((Shard(0), 4)), lay((Shard(0), 2), (Shard(2), 2))),     # N4 -> N2xH2: different mesh shapes
+             (lay((Shard(0), 2), (Shard(3), 2)), lay((Shard(1), 4))),
+             (lay((Shard(0), 2), (Partial(), 2)), lay((Shard(0), 4))),    # a partial sum kept across an edge
+             (lay((Partial(), 4)), lay((Shard(0), 2), (Shard(2), 2)))]
     _run(4, pairs)

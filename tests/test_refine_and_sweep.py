@@ -161,7 +161,8 @@ def _plan_file_json(plan):
                         "ops": [_op(f"v{i}", inp, l["kinds"][0])]})
         layers.append({**l, "name": f"v{i}", "module": f"m{i}", "out_shape": [4, 8],
                        "decomposition": {"kind": "replicate"}, "choice": "replicate",
-                       "in_layouts": {inp: []}, "out_layout": [], "source": "fit"})
+                       "in_placements": {inp: {"mesh": {"shape": [w], "names": ["replica"]}, "placements": ["Replicate()"]}},
+                       "source": "fit"})
     return {**plan, "schema": PLAN_SCHEMA, "layers": layers,
             "model": {"path": "m.py", "sha256": "0" * 64, "name": "m", "batch_size": 4},
             "mesh": {"world_size": w, "ranks_per_node": w, "nodes": 1},

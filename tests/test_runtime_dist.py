@@ -6,13 +6,13 @@ import itertools
 import pytest
 import torch
 
-from autopar.decomp.layout import Layout
+from autopar.decomp.sharding import Sharding, Shard
 from autopar.runtime.launch import run_ranks
 
 pytestmark = pytest.mark.dist
 
-LAYOUTS = [Layout(), Layout(((0, 2),)), Layout(((0, 4),)), Layout(((0, 2), (2, 2))),
-           Layout(((2, 4),)), Layout(((1, 2), (3, 2))), Layout(((3, 2),))]
+LAYOUTS = [Sharding(), Sharding.of((Shard(0), 2)), Sharding.of((Shard(0), 4)), Sharding.of((Shard(0), 2), (Shard(2), 2)),
+           Sharding.of((Shard(2), 4)), Sharding.of((Shard(1), 2), (Shard(3), 2)), Sharding.of((Shard(3), 2))]
 SHAPE = (4, 3, 5, 6)
 
 

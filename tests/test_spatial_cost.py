@@ -12,7 +12,7 @@ import autopar.decomp.spatial  # noqa: F401  (registration)
 from autopar.decomp.base import CostContext
 from autopar.decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, FLATTEN, MEAN,
                                POOL, UNARY, Layer, OpSpec)
-from autopar.decomp.layout import Layout
+from autopar.decomp.sharding import Sharding, Shard
 from autopar.decomp.replicate import Replicate
 from autopar.decomp.sample import Sample
 from autopar.decomp.spatial import Spatial
@@ -94,13 +94,13 @@ def test_layouts_and_out_layout_after_global_pooling():
     mean = follow(c, MEAN, "mean", out_shape=[4, 16], attrs={"dims": [2, 3], "keepdim": False},
                   target="aten.mean.dim")
     d = Spatial(2, (2, 1))
-    assert d.layout() == Layout(((0, 2), (2, 2)))
-    assert Spatial(1, (1, 4)).layout() == Layout(((3, 4),))
+    assert d.layout() == Sharding.of((Shard(0), 2), (Shard(2), 2))
+    assert Spatial(1, (1, 4)).layout() == Sharding.of((Shard(3), 4))
     assert d.in_layout(layer(c), "x") == d.layout()
     assert d.out_layout(layer(c)) == d.layout()
-    assert d.out_layout(layer(c, gap)) == Layout(((0, 2),))
-    assert d.out_layout(layer(c, mean)) == Layout(((0, 2),))
-    assert Spatial(1, (2, 2)).out_layout(layer(c, gap)) == Layout()
+    assert d.out_layout(layer(c, gap)) == Sharding.of((Shard(0), 2))
+    assert d.out_layout(layer(c, mean)) == Sharding.of((Shard(0), 2))
+    assert Spatial(1, (2, 2)).out_layout(layer(c, gap)) == Sharding()
     assert d.to_json() == {"kind": "spatial", "sample": 2, "spatial": [2, 1]}
     parts = Spatial(1, (2, 2)).partitions(layer(c, gap), 4)
     assert [[0, 1, 2, 3]] in parts
@@ -238,7 +238,7 @@ def test_simulated_exchange_builds_the_padded_window_with_corners(split, shape, 
     full, plans, windows = _simulate_windows(shape, dec.layout(), geoms, world)
     pads = [(d * (k - 1)) // 2] * len(split)
     padded = torch.nn.functional.pad(full, [p for p in reversed(pads) for _ in (0, 1)], value=-1.0)
-    axis_of = {dd: i for i, (dd, _) in enumerate(dec.layout().splits)}
+    axis_of = {dd: i for i, dd in enumerate(dec.layout().shard_dims)}
     geo = dict(geoms)
     for r in range(world):
         cs, _ = dec.layout().coords(r, world)

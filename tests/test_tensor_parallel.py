@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autopar.decomp.base import ParamShard
-from autopar.decomp.layout import Layout
+from autopar.decomp.sharding import Sharding, Shard
 
 LLAMA = Path(__file__).resolve().parent / "tp_llama.py"
 
@@ -58,7 +58,7 @@ def llama_env(monkeypatch):
 
 def test_segmented_param_shard_takes_each_ranks_heads_of_every_segment():
     import torch
-    sh = ParamShard(Layout(((0, 2), (1, 2))), ((0, 1),), (4, 4, 4))
+    sh = ParamShard.on(Sharding.of((Shard(0), 2), (Shard(1), 2)), ((0, 1),), (4, 4, 4))
     w = torch.arange(12 * 3).reshape(12, 3)
     rows = [sh.index(w.shape, r, 4)[0] for r in range(4)]
     assert rows[0] == rows[2] == [0, 1, 4, 5, 8, 9] and rows[1] == rows[3] == [2, 3, 6, 7, 10, 11]
@@ -104,7 +104,7 @@ def test_head_parallel_finds_the_fused_qkv_segments(root, profile):
     assert c4.param_bytes == pytest.approx((w_all - 32 * item) / 4 + 32 * item)
     assert c4.param_bytes < c1.param_bytes < w_all
     from autopar.decomp.common import price_replicated_weights
-    whole = price_replicated_weights(unit, Layout(), ctx)
+    whole = price_replicated_weights(unit, Sharding(), ctx)
     assert c4.activation_bytes < whole.activation_bytes and c1.activation_bytes < whole.activation_bytes
 
 
@@ -260,7 +260,7 @@ def test_memory_limit_forces_tensor_parallel_plan(root, tmp_path, monkeypatch, p
 def _vocab_ce(rank, world, vocab, parts):
     import torch
     import torch.nn.functional as F
-    from autopar.decomp.layout import block_extent, block_start
+    from autopar.decomp.sharding import block_extent, block_start
     from autopar.runtime.layers.cross_entropy import vocab_parallel_cross_entropy
     from autopar.runtime.comm import Comm
     comm = Comm.from_env()

@@ -33,14 +33,14 @@ def _plan(tmp_path, profile, world):
 
 
 def test_toy_is_planned_with_a_partial_sum_across_the_edge(toy, tmp_path, profile):
-    from autopar.decomp.layout import Layout
+    from autopar.decomp.sharding import Partial, Shard, Sharding
     r = _plan(tmp_path, profile, 2)
     lay = r.plan.layer(1)
     assert lay.decomposition().kind == "toy_in_features"
-    assert lay.out_layout == Layout((), partial=2)
+    assert lay.out_placement == Sharding.of((Partial(), 2))
     # the edge out of the partial sum is priced by the redistribution steps that resolve it
     t = [t for t in r.plan.transitions if t.src == 1]
-    assert t and t[0].fwd_s > 0 and "P2" in t[0].src_layout
+    assert t and t[0].fwd_s > 0 and "Partial(sum)" in t[0].src_layout
 
 
 @pytest.mark.dist

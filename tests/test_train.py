@@ -454,10 +454,10 @@ def test_full_state_dict_round_trip_at_world_1(setup, tmp_path):
 # data helper and eval mode: pure
 # ---------------------------------------------------------------------------------------------
 def _sharding(rank, world=4):
-    from autopar.decomp.layout import Layout
+    from autopar.decomp.sharding import Partial, Shard, Sharding
     from autopar.train import BatchSharding
     return BatchSharding(batch_size=BATCH, input_shapes=((BATCH, 3, 12, 12),),
-                         input_layouts=(Layout(((0, 2), (2, 2))),), target_layout=Layout(((0, 4),)),
+                         input_layouts=(Sharding.of((Shard(0), 2), (Shard(2), 2)),), target_layout=Sharding.of((Shard(0), 4)),
                          rank=rank, world=world)
 
 

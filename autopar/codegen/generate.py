@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import keyword
 from ..artifacts import Plan
-from ..decomp.layout import Layout, loss_layout_for
+from ..decomp.sharding import Sharding, loss_sharding_for
 
 
 def _var(name: str) -> str:
@@ -139,11 +139,11 @@ def generate_module(plan: Plan) -> str:
     decs = {d.layer: d.decomposition() for d in plan.layers}
     prod = graph.producer()
 
-    def layout_of_input(name: str) -> Layout:
+    def layout_of_input(name: str) -> Sharding:
         for lay in graph.layers:
             if name in lay.inputs:
                 return decs[lay.index].in_layout(lay, name)
-        return Layout()
+        return Sharding()
 
     lines: list[str] = []
     ins = ", ".join(_var(i.name) for i in graph.inputs)
@@ -151,7 +151,7 @@ def generate_module(plan: Plan) -> str:
     lines.append("        self.update_buffers()")
     for gi in graph.inputs:
         lines.append(f"        # input {gi.name} {tuple(gi.shape)} arrives as layout {layout_of_input(gi.name)}")
-    moved: dict[tuple[str, Layout], str] = {}
+    moved: dict[tuple[str, Sharding], str] = {}
     for lay in graph.layers:
         dec = decs[lay.index]
         kinds = "+".join(op.kind for op in lay.ops)
@@ -167,7 +167,7 @@ def generate_module(plan: Plan) -> str:
             key = (v, dst)
             if key not in moved:
                 nv = f"{_var(v)}__{len(moved)}"
-                lines.append(f"        {nv} = self.move({_var(v)}, {v!r}, {src.to_json()}, {dst.to_json()}, layer={lay.index})"
+                lines.append(f"        {nv} = self.move({_var(v)}, {v!r}, {src.to_json(world)}, {dst.to_json(world)}, layer={lay.index})"
                              f"  # transition {src} -> {dst}")
                 moved[key] = nv
             local[v] = moved[key]
@@ -179,10 +179,10 @@ def generate_module(plan: Plan) -> str:
     li = prod[out]
     out_layout = decs[li].out_layout(graph.layers[li], out)
     loss_layout = (out_layout if getattr(decs[li], "loss_in_place", False)   # vocabulary-parallel loss
-                   else loss_layout_for(out_layout, graph.value_shape(out)[0], world))
+                   else loss_sharding_for(out_layout, graph.value_shape(out)[0], world))
     if loss_layout != out_layout:
         lines.append(f"        # the loss is computed with samples split: {out_layout} -> {loss_layout}")
-        lines.append(f"        {_var(out)} = self.move({_var(out)}, {out!r}, {out_layout.to_json()}, {loss_layout.to_json()})")
+        lines.append(f"        {_var(out)} = self.move({_var(out)}, {out!r}, {out_layout.to_json(world)}, {loss_layout.to_json(world)})")
     # the structure the user's model returns (a tensor, or e.g. a ModelOutput holding it)
     lines.append(f"        return self.structured({_var(out)})")
 

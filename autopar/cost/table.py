@@ -38,7 +38,7 @@ from ..decomp.transition import EXACT_WORLD, transition_s
 from ..profile.optimizer import optimizer_fixed_s, optimizer_step_s
 from .primitives import (StragglerCharge, _samples, comm_interference, grad_reducer_fixed_s, grad_reducer_s,
                          straggler_charge, unsynced_compute_s)
-from ..decomp.layout import loss_layout_for
+from ..decomp.sharding import loss_sharding_for
 from ..errors import IllegalDecomposition
 
 
@@ -344,7 +344,7 @@ def _edge_prices(src: tuple, dst: tuple, shape, item: int, ctx: CostContext,
             fb = pair_cache.get(key) or local.get(key)
             if fb is None:
                 fb = transition_s(s, d, shape, item, ctx)
-                if s.partial == 1 and d.partial == 1:   # placement-independent (build_cost_table)
+                if not s.is_partial and not d.is_partial:   # placement-independent (build_cost_table)
                     pair_cache[key] = fb
                 else:
                     local[key] = fb
@@ -411,7 +411,7 @@ def build_cost_table(graph: LayerGraphData, ctx: CostContext, kinds: list[str] |
 def _price_loss_move(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOptions]) -> list[LayerOptions]:
     """The move of the model's output into the loss layout, priced in the producing layer's
     choices: the runtime computes the loss where the output splits only samples
-    (``decomp.layout.loss_layout_for``), so an output split otherwise (``filter`` on a language
+    (``decomp.sharding.loss_sharding_for``), so an output split otherwise (``filter`` on a language
     model's head: the M x V logits split by vocabulary) is first redistributed, forward and
     backward, like any transition (``transition_s``). A choice that computes the loss in place
     (``loss_in_place``: ``vocab_head``) prices its own loss. New option objects: the priced
@@ -431,7 +431,7 @@ def _price_loss_move(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
             costs.append(c)
             continue
         src = d.out_layout(lay, graph.output)
-        dst = loss_layout_for(src, shape[0], ctx.world)
+        dst = loss_sharding_for(src, shape[0], ctx.world)
         if src == dst:
             costs.append(c)
             continue

@@ -34,75 +34,86 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Iterable
 
 from .ir import Layer, OpSpec
-from .layout import Layout, block_extent, block_start
+from .sharding import Replicate, SegmentShard, Shard, Sharding, block_extent, block_start
 from .rankmap import RankMap
 from .bn import layer_problem
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ParamShard:
-    """How one parameter is held by each rank.
+    """How one parameter is held by each rank: its placements on its layer's mesh
+    (``sharding``, a ``Sharding``): ``Shard(param dim)`` on each axis that splits it (by the
+    ``tensor_split`` rule), ``SegmentShard`` for a fused weight, ``Replicate()`` on the other
+    axes. ``ParamShard()``: the whole parameter on every rank. Ranks with equal coordinates on
+    the splitting axes hold the same shard and SUM their gradients (``grad_group``): for a
+    whole parameter, the world.
 
-    ``mesh`` is a Layout used only for its rank -> coordinate arithmetic (its splits are the
-    mesh axes); ``dims`` pairs a parameter dim with the mesh axis (index into ``mesh.splits``)
-    that splits it, by the ``tensor_split`` rule. ``dims == ()``: the whole parameter on every
-    rank. Ranks with equal coordinates on those axes hold the same shard and SUM their
-    gradients (``grad_group``): for a whole parameter, the world.
-
-    ``segments`` (a *segmented* shard, e.g. a fused q|k|v weight): the first split dim is the
-    concatenation of segments of these lengths, and each segment is split by the
-    ``tensor_split`` rule on its own; a rank holds its block of every segment, in segment
-    order (rank c of p holds rows ``[q_c | k_c | v_c]``). Such a shard is no box:
-    ``local_bounds`` refuses it, ``index`` gives the indices for every kind of shard.
+    A *segmented* shard (``SegmentShard(d, (n_q, n_k, n_v))``, a fused q|k|v weight): dim d is
+    the concatenation of segments of these lengths, each split on its own; a rank holds its
+    block of every segment, in segment order (rank c of p holds rows ``[q_c | k_c | v_c]``).
+    Such a shard is no box: ``local_bounds`` refuses it, ``index`` gives the indices for every
+    kind of shard.
     """
 
-    mesh: Layout = field(default_factory=Layout)
-    dims: tuple[tuple[int, int], ...] = ()
-    segments: tuple[int, ...] = ()
+    sharding: Sharding = field(default_factory=Sharding)
+
+    def __eq__(self, other) -> bool:
+        """Same placements on the same axes, names included: two layers' meshes of equal sizes
+        are one mesh only when their axes are named alike (tied parameters, ``cost.table``)."""
+        return type(other) is type(self) and (self.sharding, self.sharding.names) == \
+            (other.sharding, other.sharding.names)
+
+    def __hash__(self) -> int:
+        return hash((self.sharding, self.sharding.names))
+
+    @staticmethod
+    def on(mesh: Sharding, dims: tuple[tuple[int, int], ...] = (), segments: tuple[int, ...] = ()) -> "ParamShard":
+        """The parameter on the axes of ``mesh`` (a layer's sharding: only its axis sizes and
+        names are used): ``dims`` pairs a parameter dim with the mesh axis that splits it;
+        ``segments`` (more than one) make the first pair a ``SegmentShard``."""
+        ps: list = [Replicate()] * len(mesh.sizes)
+        for i, (d, axis) in enumerate(dims):
+            ps[axis] = SegmentShard(d, tuple(segments)) if i == 0 and len(segments) > 1 else Shard(d)
+        return ParamShard(mesh.with_placements(ps))
+
+    @property
+    def dims(self) -> tuple[tuple[int, int], ...]:
+        """(parameter dim, mesh axis) of each axis that splits it; () when whole."""
+        sh = self.sharding
+        return tuple((sh.placements[a].dim, a) for a in sh.shard_axes)
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """The segment lengths of a segmented shard, else ()."""
+        return next((p.segments for p in self.sharding.placements if isinstance(p, SegmentShard)), ())
 
     def shard_coords(self, rank: int, world: int) -> tuple[int, ...]:
-        cs, _ = self.mesh.coords(rank, world)
-        return tuple(cs[axis] for _, axis in self.dims)
+        cs, _ = self.sharding.coords(rank, world)
+        return cs
 
     def local_bounds(self, shape, rank: int, world: int) -> tuple[tuple[int, int], ...]:
-        if self.segments and len(self.segments) > 1:
+        if len(self.segments) > 1:
             raise ValueError(f"a segmented shard ({self.segments}) is not one box: use ParamShard.index")
-        bounds = [(0, int(n)) for n in shape]
-        for (d, axis), c in zip(self.dims, self.shard_coords(rank, world)):
-            p = self.mesh.splits[axis][1]
-            bounds[d] = (block_start(int(shape[d]), p, c), block_extent(int(shape[d]), p, c))
-        return tuple(bounds)
-
-    def _segment_rows(self, shape, rank: int, world: int) -> list[int]:
-        """Global indices along the segmented dim that ``rank`` holds, in local order."""
-        d, axis = self.dims[0]
-        if sum(self.segments) != int(shape[d]):
-            raise ValueError(f"segments {self.segments} do not add up to dim {d} of shape {tuple(shape)}")
-        p = self.mesh.splits[axis][1]
-        c = self.shard_coords(rank, world)[0]
-        rows, base = [], 0
-        for n in self.segments:
-            s0 = base + block_start(n, p, c)
-            rows.extend(range(s0, s0 + block_extent(n, p, c)))
-            base += n
-        return rows
+        return self.sharding.local_bounds(shape, rank, world)
 
     def index(self, shape, rank: int, world: int) -> tuple:
         """What to index a full tensor with to get ``rank``'s shard (``full[index]``, also as
         an assignment target): slices, and a list of indices on a segmented dim."""
-        if not (self.segments and len(self.segments) > 1):
+        if len(self.segments) <= 1:
             return tuple(slice(s, s + e) for s, e in self.local_bounds(shape, rank, world))
+        sh = self.sharding
         idx: list = [slice(None)] * len(shape)
-        seg_dim = self.dims[0][0]
-        for (d, axis), c in zip(self.dims[1:], self.shard_coords(rank, world)[1:]):
-            p = self.mesh.splits[axis][1]
-            s0 = block_start(int(shape[d]), p, c)
-            idx[d] = slice(s0, s0 + block_extent(int(shape[d]), p, c))
-        idx[seg_dim] = self._segment_rows(shape, rank, world)
+        for a, c in zip(sh.shard_axes, self.shard_coords(rank, world)):
+            p, n = sh.placements[a], int(shape[sh.placements[a].dim])
+            if isinstance(p, SegmentShard):
+                idx[p.dim] = p.rows(n, sh.sizes[a], c)
+            else:
+                s0 = block_start(n, sh.sizes[a], c)
+                idx[p.dim] = slice(s0, s0 + block_extent(n, sh.sizes[a], c))
         return tuple(idx)
 
     def local_shape(self, shape, rank: int, world: int) -> tuple[int, ...]:
-        if self.segments and len(self.segments) > 1:
+        if len(self.segments) > 1:
             idx = self.index(shape, rank, world)
             return tuple(len(i) if isinstance(i, list) else len(range(*i.indices(int(n))))
                          for i, n in zip(idx, shape))
@@ -112,8 +123,7 @@ class ParamShard:
         """Ranks holding the same shard as ``rank`` (their gradients are summed)."""
         if not self.dims:
             return list(range(world))
-        me = self.shard_coords(rank, world)
-        return [q for q in range(world) if self.shard_coords(q, world) == me]
+        return self.sharding.same_shard_group(rank, world)
 
 
 @dataclass(frozen=True)
@@ -277,11 +287,11 @@ class Decomposition:
         return True
 
     # ---- layouts -------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         raise NotImplementedError
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
-        """Layout of ``value`` (one of ``layer.outputs``; default the main ``layer.output``) as
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+        """Sharding of ``value`` (one of ``layer.outputs``; default the main ``layer.output``) as
         the layer leaves it."""
         raise NotImplementedError
 
@@ -312,8 +322,8 @@ class Decomposition:
                     f"on every rank (replicate)")
         return None
 
-    def bn_layout(self, layer: Layer, op: OpSpec) -> Layout:
-        """Layout of the input of batch norm ``op`` (whose samples a rank holds); a layer input's
+    def bn_layout(self, layer: Layer, op: OpSpec) -> Sharding:
+        """Sharding of the input of batch norm ``op`` (whose samples a rank holds); a layer input's
         ``in_layout``, otherwise ``out_layout`` (transparent ops after an anchor)."""
         v = op.inputs[0]
         return self.in_layout(layer, v) if v in layer.inputs else self.out_layout(layer)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 from .ir import BATCH_NORM
-from .layout import block_extent, block_start
+from .sharding import block_extent, block_start
 
 MODES = ("local", "global")
 #: what a plan without a ``batch_norm`` field computed (plans made before the choice existed)

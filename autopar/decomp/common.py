@@ -9,10 +9,10 @@ from .base import CostContext, LayerCost
 from ..ops import family_of
 from ..ops.registry import batch_free_operand
 from .ir import BATCH_NORM, OTHER, UNARY, Layer
-from .layout import Layout
+from .sharding import Sharding
 
 
-def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
+def price_replicated_weights(layer: Layer, layout: Sharding, ctx: CostContext,
                              extra_fwd_comm_s: float = 0.0, extra_bwd_comm_s: float = 0.0,
                              workspace_bytes: float = 0.0, bn_group_size: int = 1,
                              compute_shapes=None) -> LayerCost:
@@ -60,7 +60,7 @@ def price_replicated_weights(layer: Layer, layout: Layout, ctx: CostContext,
                      activation_bytes=saved, workspace_bytes=workspace_bytes, source=src)
 
 
-def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int) -> tuple[float, float]:
+def bn_stats_comm_s(op, layout: Sharding, ctx: CostContext, global_group_size: int) -> tuple[float, float]:
     """Blocking communication of one training batch norm's statistics whose input has ``layout``
     (runtime ``runtime.ops.run_batch_norm``), (forward s, backward s):
 
@@ -78,7 +78,7 @@ def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int
     c = op.out_shape[1]
     bn = getattr(ctx, "batch_norm", None)
     if bn is not None and bn.local:
-        agg = layout.split_group([d for d, _ in layout.splits if d >= 2], 0, ctx.world)
+        agg = layout.split_group([d for d in layout.shard_dims if d >= 2], 0, ctx.world)
         a = len(agg)
         if a <= 1:
             return 0.0, 0.0
@@ -87,7 +87,7 @@ def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int
                 prim.allreduce_s(ctx, k * 2 * c * 4, agg))
     if global_group_size <= 1:
         return 0.0, 0.0
-    group = layout.data_group(0, ctx.world) if layout.splits else list(range(global_group_size))
+    group = layout.data_group(0, ctx.world) if layout.shard_axes else list(range(global_group_size))
     g = len(group)
     return prim.allreduce_s(ctx, g * (2 * c + 1) * 4, group), prim.allreduce_s(ctx, 2 * c * 4, group)
 
@@ -99,7 +99,7 @@ def bn_stats_comm_s(op, layout: Layout, ctx: CostContext, global_group_size: int
 GROUP_BN_EXTRA_OPS = (22, 8)
 
 
-def bn_group_copies_s(op, layout: Layout, ctx: CostContext) -> tuple[float, float]:
+def bn_group_copies_s(op, layout: Sharding, ctx: CostContext) -> tuple[float, float]:
     """Compute beyond the batch-norm kernel of one training batch norm under local statistics
     whose k > 1 groups are whole on this rank (no other rank holds their spatial blocks), (forward
     s, backward s): ``runtime.ops._native_group_batch_norm`` moves the groups into the channel
@@ -114,7 +114,7 @@ def bn_group_copies_s(op, layout: Layout, ctx: CostContext) -> tuple[float, floa
     bn = getattr(ctx, "batch_norm", None)
     if bn is None or not bn.local:
         return 0.0, 0.0
-    if len(layout.split_group([d for d, _ in layout.splits if d >= 2], 0, ctx.world)) > 1:
+    if len(layout.split_group([d for d in layout.shard_dims if d >= 2], 0, ctx.world)) > 1:
         return 0.0, 0.0
     x = layout.max_local_shape(op.in_shapes[0])
     if x[0] // bn.group <= 1:

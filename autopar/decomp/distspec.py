@@ -4,14 +4,21 @@ Legend: a *dim* is a tensor dimension; an *axis* is a mesh axis (``autopar.decom
 ``DistSpec(mesh, placements, shape)`` gives one placement per mesh axis:
 
 * ``Shard(d)``      dim d is split over the axis by the ``torch.tensor_split`` rule of
-                    ``layout.block_extent/block_start``; several axes may shard the same dim,
+                    ``block_extent/block_start``; several axes may shard the same dim,
                     outermost first, each splitting the block the outer ones left (as DTensor);
 * ``Replicate()``   every rank along the axis holds the same block;
 * ``Partial("sum")`` ranks along the axis hold addends: the value is their sum;
 * ``PaddedShard(d, padded)`` dim d (valid extent n = shape[d]) is padded to ``padded``, a
                     multiple of the axis size p, and cut into equal blocks of b = padded / p;
                     block c holds valid elements [c*b, min(n, (c+1)*b)) first, then zeros. The
-                    only axis that splits dim d (checked).
+                    only axis that splits dim d (checked);
+* ``HaloShard(d, lo, hi)`` owns dim d's block as ``Shard(d)`` and reads ``lo``/``hi`` more
+                    elements of its neighbours (a spatially split convolution's input);
+* ``SegmentShard(d, (n_0, n_1, ...))`` dim d is segments (fused q|k|v) each split on its own;
+                    a parameter's placement (not one box, so no ``DistSpec``).
+
+Uneven blocks need no placement of their own: every split follows the ``torch.tensor_split``
+rule (the first ``n % p`` blocks one element longer), as DTensor's ``Shard`` does.
 
 Why not ``torch.distributed.tensor``'s own placement classes: autopar's are pure (importable and
 testable without torch or a process group), serialise to JSON for plan files, and include the
@@ -118,13 +125,81 @@ class PaddedShard:
         raise ValueError(f"{self}: DTensor has no padded shard")
 
 
-Placement = Shard | Replicate | Partial | PaddedShard
-SPLITS = (Shard, PaddedShard)
+@dataclass(frozen=True)
+class HaloShard:
+    """Dim ``dim`` split by the tensor_split rule (the *owned* block, as ``Shard``), each block
+    read with ``halo_lo`` elements of its lower neighbour and ``halo_hi`` of its upper one (cut
+    at the tensor's ends): what a spatially split convolution reads (``autopar.decomp.spatial``,
+    whose ``halo_sharding`` states it per op). The owned block is what the rank writes and what
+    redistribution moves; the halo is exchanged by the layer (``runtime.layers.halo``)."""
+
+    dim: int
+    halo_lo: int = 0
+    halo_hi: int = 0
+
+    def __str__(self) -> str:
+        return f"HaloShard({self.dim}, {self.halo_lo}, {self.halo_hi})"
+
+    def block(self, n: int, parts: int, index: int) -> tuple[int, int]:
+        """The owned block: as ``Shard.block``."""
+        return block_start(n, parts, index), block_extent(n, parts, index)
+
+    def read_block(self, n: int, parts: int, index: int) -> tuple[int, int]:
+        """(start, extent) read with the halo: [s - lo, s + e + hi) cut to [0, n)."""
+        s, e = self.block(n, parts, index)
+        lo, hi = max(0, s - self.halo_lo), min(n, s + e + self.halo_hi)
+        return lo, hi - lo
+
+    def to_torch(self):
+        raise ValueError(f"{self}: DTensor has no halo'd shard (its owned block is Shard({self.dim}))")
+
+
+@dataclass(frozen=True)
+class SegmentShard:
+    """Dim ``dim`` is the concatenation of segments of lengths ``segments`` (a fused q|k|v
+    weight), each split over the axis on its own by the tensor_split rule; a rank holds its
+    block of every segment, in segment order (rank c of p: rows ``[q_c | k_c | v_c]``). Not one
+    box: ``rows`` lists the global indices a rank holds. One segment is ``Shard(dim)``."""
+
+    dim: int
+    segments: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(int(n) for n in self.segments))
+        if any(n < 0 for n in self.segments):
+            raise ValueError(f"SegmentShard segment lengths must be >= 0: {self.segments}")
+
+    def __str__(self) -> str:
+        return f"SegmentShard({self.dim}, {'|'.join(str(n) for n in self.segments)})"
+
+    def rows(self, n: int, parts: int, index: int) -> list[int]:
+        """Global indices along ``dim`` held by block ``index`` of ``parts``, in local order."""
+        if sum(self.segments) != n:
+            raise ValueError(f"segments {self.segments} do not add up to extent {n} of dim {self.dim}")
+        rows, base = [], 0
+        for m in self.segments:
+            s0 = base + block_start(m, parts, index)
+            rows.extend(range(s0, s0 + block_extent(m, parts, index)))
+            base += m
+        return rows
+
+    def to_torch(self):
+        raise ValueError(f"{self}: DTensor has no segmented shard")
+
+
+Placement = Shard | Replicate | Partial | PaddedShard | HaloShard | SegmentShard
+SPLITS = (Shard, PaddedShard, HaloShard)
+#: placements that split a dim (a segmented shard is not one box: ``DistSpec`` refuses it)
+DIM_PLACEMENTS = (Shard, PaddedShard, HaloShard, SegmentShard)
 
 _PARSE = [(re.compile(r"Shard\((\d+)\)$"), lambda m: Shard(int(m[1]))),
           (re.compile(r"Replicate\(\)$"), lambda m: Replicate()),
           (re.compile(r"Partial\((\w*)\)$"), lambda m: Partial(m[1] or "sum")),
-          (re.compile(r"PaddedShard\((\d+),\s*(\d+)\)$"), lambda m: PaddedShard(int(m[1]), int(m[2])))]
+          (re.compile(r"PaddedShard\((\d+),\s*(\d+)\)$"), lambda m: PaddedShard(int(m[1]), int(m[2]))),
+          (re.compile(r"HaloShard\((\d+),\s*(\d+),\s*(\d+)\)$"),
+           lambda m: HaloShard(int(m[1]), int(m[2]), int(m[3]))),
+          (re.compile(r"SegmentShard\((\d+),\s*(\d+(?:\|\d+)*)\)$"),
+           lambda m: SegmentShard(int(m[1]), tuple(int(n) for n in m[2].split("|"))))]
 
 
 def parse_placement(text: str) -> Placement:
@@ -163,6 +238,8 @@ class DistSpec:
             return f"{len(self.placements)} placements for {self.mesh.ndim} mesh axes"
         padded_dims = set()
         for a, p in enumerate(self.placements):
+            if isinstance(p, SegmentShard):
+                return f"axis {a}: {p} is not one box (a parameter's placement, not a DistSpec's)"
             if isinstance(p, SPLITS) and not 0 <= p.dim < len(self.shape):
                 return f"axis {a} splits dim {p.dim} of a {len(self.shape)}-d tensor"
             if isinstance(p, PaddedShard):

@@ -1,6 +1,6 @@
 """RankMap: which physical slot (and so which node) runs each logical rank. Pure arithmetic.
 
-Layouts, decompositions and the runtime speak *logical* ranks (``Layout``: row-major, replicas
+Layouts, decompositions and the runtime speak *logical* ranks (``Sharding``: row-major, replicas
 innermost). The cluster has *physical* ranks: slot ``p`` of the launcher (or torchrun's RANK),
 on node ``p // ranks_per_node``. A ``RankMap`` maps one to the other.
 

@@ -56,7 +56,7 @@ Steps (forward; their adjoint in the runtime, under autopar's gradient conventio
   in coordinate order (the run-time process groups order members by rank), else an all-reduce.
 
 ``simulate`` runs a plan on per-rank numpy or torch tensors (brute force, for tests).
-The Layout-level ``transfer_plan``/``transfer_bytes`` (world ranks) price transitions.
+The Sharding-level ``transfer_plan``/``transfer_bytes`` (world ranks) price transitions.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .distspec import SPLITS, DistSpec, Partial, Replicate, _index, _zeros
-from .layout import Layout, overlap
+from .sharding import Sharding, overlap
 
 Groups = tuple[tuple[int, ...], ...]
 
 
-# ---- Layout-level transfers (world ranks; pricing of transitions) --------------------------
+# ---- Sharding-level transfers (world ranks; pricing of transitions) --------------------------
 @dataclass(frozen=True)
 class Transfer:
     src_rank: int
@@ -79,7 +79,7 @@ class Transfer:
     box: tuple[tuple[int, int], ...]   # global (start, extent) per dim
 
 
-def _sender(src: Layout, block: int, dst_rank: int, world: int) -> int:
+def _sender(src: Sharding, block: int, dst_rank: int, world: int) -> int:
     """The rank that sends source ``block`` to ``dst_rank``: itself if it holds the block, else
     the replica chosen by ``dst_rank % replicas`` (spreads the load over replicas)."""
     r = src.replicas(world)
@@ -88,10 +88,10 @@ def _sender(src: Layout, block: int, dst_rank: int, world: int) -> int:
     return block * r + dst_rank % r
 
 
-def transfer_plan(src: Layout, dst: Layout, shape: Sequence[int], world: int) -> list[Transfer]:
+def transfer_plan(src: Sharding, dst: Sharding, shape: Sequence[int], world: int) -> list[Transfer]:
     """Every (sender, receiver, box) needed to move a tensor of global ``shape`` from ``src`` to
     ``dst`` (partial-free layouts). Pure arithmetic: every rank computes the same list."""
-    if src.partial > 1 or dst.partial > 1:
+    if src.is_partial or dst.is_partial:
         raise ValueError(f"transfer_plan moves values, not addends: {src} -> {dst} "
                          f"(use plan_redistribution)")
     out: list[Transfer] = []
@@ -117,7 +117,7 @@ def _traffic(transfers: Sequence[Transfer], n: int, itemsize: int) -> tuple[floa
     return max(sent, default=0.0), max(recv, default=0.0)
 
 
-def transfer_bytes(src: Layout, dst: Layout, shape: Sequence[int], world: int,
+def transfer_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], world: int,
                    itemsize: int) -> tuple[float, float]:
     """(max bytes any rank sends to others, max bytes any rank receives) for a redistribution."""
     return _traffic(transfer_plan(src, dst, shape, world), world, itemsize)

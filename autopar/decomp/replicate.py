@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .base import CostContext, Decomposition, LayerCost, register
 from .common import price_replicated_weights
 from .ir import Layer
-from .layout import Layout
+from .sharding import Sharding
 
 
 @register
@@ -21,11 +21,11 @@ class Replicate(Decomposition):
     kind = "replicate"
     always_kept = True
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
-        return Layout()
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
+        return Sharding()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
-        return Layout()
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+        return Sharding()
 
     @classmethod
     def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
@@ -36,5 +36,5 @@ class Replicate(Decomposition):
 
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
         """All of ``price_replicated_weights`` with the layout R (whole tensors)."""
-        return price_replicated_weights(layer, Layout(), ctx)
+        return price_replicated_weights(layer, Sharding(), ctx)
 

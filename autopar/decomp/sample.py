@@ -17,7 +17,7 @@ from .base import CostContext, Decomposition, LayerCost, divisors, register
 from .common import batch_dim_ok, batch_free_inputs, price_replicated_weights
 from ..ops.registry import batch_free_operand
 from .ir import REGISTERED, Layer
-from .layout import Layout
+from .sharding import Sharding, Shard
 
 
 @register
@@ -31,21 +31,21 @@ class Sample(Decomposition):
     # (``check`` -> ``batch_dim_ok``: dim 0 in ``independent_dims`` or ``synced_dims``)
     supported_ops = REGISTERED
 
-    def layout(self) -> Layout:
-        return Layout(((0, self.parts),))
+    def layout(self) -> Sharding:
+        return Sharding.of((Shard(0), self.parts))
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         try:
             shape = layer.in_shape(value)
         except KeyError:
             return self.layout()
         if not shape or any(int(n) == 0 for n in shape):
-            return Layout()      # an empty operand (an empty cache): whole, there is nothing to split
+            return Sharding()      # an empty operand (an empty cache): whole, there is nothing to split
         if value in batch_free_inputs(layer):
-            return Layout()      # read whole by a broadcasting op on every block (a position embedding)
+            return Sharding()      # read whole by a broadcasting op on every block (a position embedding)
         return self.layout()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.layout()
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
@@ -82,8 +82,8 @@ class Sample(Decomposition):
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(parts: int) -> Layout:
-    return Layout(((0, parts),))
+def _layout(parts: int) -> Sharding:
+    return Sharding.of((Shard(0), parts))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -3,7 +3,7 @@
 The runtime moves a tensor from the producer's ``out_layout`` to the consumer's ``in_layout``
 with ``autopar.runtime.redistribute.redistribute``, which runs the steps
 ``autopar.decomp.redistribute.plan_redistribution`` plans between the layouts' ``DistSpec``s
-(``Layout.to_spec``); ``autopar.cost.redistribute.redistribution_s`` prices them. For two
+(``Sharding.to_spec``); ``autopar.cost.redistribute.redistribution_s`` prices them. For two
 partial-free layouts the plan is one exchange, so the price is, as before::
 
     0                                              if the layouts are equal, or every rank
@@ -27,13 +27,13 @@ import functools
 import math
 from typing import Sequence
 
-from .layout import Layout, overlap
+from .sharding import Sharding, overlap
 from .redistribute import COLLECTIVES, plan_redistribution, transfer_bytes
 
 EXACT_WORLD = 16
 
 
-def recv_bytes(src: Layout, dst: Layout, shape: Sequence[int], world: int, itemsize: int) -> float:
+def recv_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], world: int, itemsize: int) -> float:
     """Bytes the busiest rank receives (or sends) in the transition; with a partial axis, summed
     over the planned steps."""
     if src == dst:
@@ -42,10 +42,10 @@ def recv_bytes(src: Layout, dst: Layout, shape: Sequence[int], world: int, items
 
 
 @functools.lru_cache(maxsize=65536)
-def _recv_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], world: int, itemsize: int) -> float:
+def _recv_bytes(src: Sharding, dst: Sharding, shape: tuple[int, ...], world: int, itemsize: int) -> float:
     """Cached: a cost table asks for the same few (layouts, shape) pairs on many edges, and the
     placement search builds one table per placement."""
-    if src.partial > 1 or dst.partial > 1:
+    if src.is_partial or dst.is_partial:
         return float(sum(max(st.traffic_bytes(itemsize)) for st in plan_layouts(src, dst, shape, world)))
     if world <= EXACT_WORLD:
         sent, recv = transfer_bytes(src, dst, shape, world, itemsize)
@@ -58,20 +58,20 @@ def _recv_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], world: int, it
 
 
 @functools.lru_cache(maxsize=16384)
-def plan_layouts(src: Layout, dst: Layout, shape: tuple[int, ...], world: int) -> tuple:
+def plan_layouts(src: Sharding, dst: Sharding, shape: tuple[int, ...], world: int) -> tuple:
     """The redistribution steps between two layouts on ranks 0..world-1 (cached)."""
     return plan_redistribution(src.to_spec(shape, world), dst.to_spec(shape, world))
 
 
-def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, ctx) -> tuple[float, float]:
+def transition_s(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, ctx) -> tuple[float, float]:
     """(forward s, backward s) to move a tensor of ``shape`` from ``src`` to ``dst``."""
     if src == dst:
         return 0.0, 0.0
     shape = tuple(int(n) for n in shape)
     if ctx.world > EXACT_WORLD:
-        if src.partial == 1 and dst.partial == 1:
+        if not src.is_partial and not dst.is_partial:
             return _unplanned_s(src, dst, shape, itemsize, ctx)
-        if dst.partial == 1:
+        if not dst.is_partial:
             return _unplanned_partial_s(src, dst, shape, itemsize, ctx)
     from ..cost.redistribute import step_s
     steps = _moving_steps(src, dst, shape, ctx.world, int(itemsize))
@@ -93,7 +93,7 @@ def transition_s(src: Layout, dst: Layout, shape: Sequence[int], itemsize: int, 
 
 
 @functools.lru_cache(maxsize=65536)
-def _moving_steps(src: Layout, dst: Layout, shape: tuple[int, ...], world: int,
+def _moving_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], world: int,
                   itemsize: int) -> tuple:
     """(step, payload bytes, global groups) of the planned collectives that move data (cached:
     pricing asks for the same pairs on many edges and under many placements). A group of the
@@ -109,7 +109,7 @@ def _moving_steps(src: Layout, dst: Layout, shape: tuple[int, ...], world: int,
     return tuple(out)
 
 
-def _unplanned_s(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, ctx) -> tuple[float, float]:
+def _unplanned_s(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, ctx) -> tuple[float, float]:
     """Large worlds, partial-free layouts: one all-to-all of the block-0 estimate."""
     n = recv_bytes(src, dst, shape, ctx.world, itemsize)
     if n <= 0:
@@ -124,7 +124,7 @@ def _unplanned_s(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
     return _all_to_all_s(n, level, ctx)
 
 
-def _unplanned_partial_s(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+def _unplanned_partial_s(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int,
                          ctx) -> tuple[float, float]:
     """Large worlds, a partial sum resolved (planning every rank's steps is O(P^2)): the
     all-reduce of rank 0's block over its partial group (an upper bound of the reduce-scatter
@@ -134,7 +134,7 @@ def _unplanned_partial_s(src: Layout, dst: Layout, shape: tuple[int, ...], items
           + _unplanned_s(src without partial, dst)
     """
     from ..cost.primitives import blocking_s
-    summed = Layout(src.splits)
+    summed = src.without_partial()
     n = math.prod(src.max_local_shape(shape)) * itemsize
     group = src.partial_group(0, ctx.world)
     t = blocking_s(ctx, "allreduce", len(group), float(n), ctx.level(group))

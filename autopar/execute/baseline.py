@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..artifacts import Baseline
 from ..decomp.graph.graphs import graph_roles
-from ..decomp.layout import Layout
+from ..decomp.sharding import Sharding, Shard
 from ..runtime.comm import local_slice
 from ..runtime.graphs import graph_rows, split_graph_batch
 
@@ -118,7 +118,7 @@ def ddp_split(mf, xs, ys, comm, graph=None):
         world = comm.world
         return (mf.build_model().to(device), bx, by, lambda o: graph_rows(o, roles.graphs, world),
                 "; the batch split into whole graphs per rank (autopar's generic graph split)")
-    lay = Layout(((0, comm.world),))
+    lay = Sharding.of((Shard(0), comm.world))
     bx = [local_slice(x, lay, comm) for x in xs]
     by = local_slice(ys, lay, comm) if ys is not None else None
     return mf.build_model().to(device), bx, by, None, ""

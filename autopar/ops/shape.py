@@ -1,4 +1,4 @@
-"""Layout ops: views and reshapes, permutations, (un)squeeze, expand, slices, concatenation
+"""Sharding ops: views and reshapes, permutations, (un)squeeze, expand, slices, concatenation
 and stacking; ``split``/``chunk``/``unbind`` are read as their slices.
 
 Views (every kind here but ``cat`` and ``stack``) cost nothing and save nothing.

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..decomp.layout import Layout
+from ..decomp.sharding import Sharding
 
 
 @dataclass
@@ -206,14 +206,14 @@ def all_reduce_sum(x: torch.Tensor, comm: Comm, ranks: Sequence[int]) -> torch.T
     return _AllReduceSum.apply(x, comm, ranks)
 
 
-def local_slice(full: torch.Tensor, layout: Layout, comm) -> torch.Tensor:
+def local_slice(full: torch.Tensor, layout: Sharding, comm) -> torch.Tensor:
     """This rank's block of a full tensor (no communication; for inputs and validation)."""
     b = layout.local_bounds(full.shape, comm.rank, comm.world)
     return full[tuple(slice(s, s + e) for s, e in b)]
 
 
 
-def assemble(local: torch.Tensor, layout: Layout, shape: Sequence[int], comm: Comm,
+def assemble(local: torch.Tensor, layout: Sharding, shape: Sequence[int], comm: Comm,
              mode: str) -> torch.Tensor:
     """Rebuild the full tensor on every rank (validation only, not differentiable).
 

@@ -32,7 +32,7 @@ from torch import nn
 from ..artifacts import Plan, plan_from_decisions
 from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
-from ..decomp.layout import Layout, loss_layout_for
+from ..decomp.sharding import Sharding, from_splits, loss_sharding_for
 from .comm import Comm, local_slice
 from .ops import _BN
 from .redistribute import redistribute
@@ -106,7 +106,7 @@ def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
         li = prod[graph.output]
         out = decisions[li].out_layout(graph.layers[li], graph.output)
         shape = graph.value_shape(graph.output)
-        moves.append((out, loss_layout_for(out, shape[0], world), shape))
+        moves.append((out, loss_sharding_for(out, shape[0], world), shape))
     for src, dst, shape in moves:
         if src != dst:
             for st in plan_layouts(src, dst, tuple(int(n) for n in shape), world):
@@ -274,14 +274,14 @@ class DistModel(nn.Module):
 
     def move(self, x: torch.Tensor, value: str, src: Sequence, dst: Sequence,
              layer: int | None = None) -> torch.Tensor:
-        """Transition of activation ``value`` from layout ``src`` to ``dst`` (JSON splits),
+        """Transition of activation ``value`` from sharding ``src`` to ``dst`` (their JSON),
         on the way into ``layer`` (its time counts for that layer)."""
         if self.timer is not None and layer is not None:
             self.timer.mark_fwd(layer)
         key = (value, repr(src), repr(dst))
         move = self._moves.get(key)
         if move is None:     # once per transition, not per step (value_shape scans the graph)
-            move = self._moves[key] = (Layout.from_json(src), Layout.from_json(dst),
+            move = self._moves[key] = (_sharding(src), _sharding(dst),
                                        tuple(self.graph.value_shape(value)))
         return redistribute(x, move[0], move[1], move[2], self.comm)
 
@@ -317,23 +317,23 @@ class DistModel(nn.Module):
             call_local(op, [], {}, self.bufs)
 
     # ---- layouts of the model's inputs and output ---------------------------------------------
-    def input_layout(self, name: str) -> Layout:
+    def input_layout(self, name: str) -> Sharding:
         for lay in self.graph.layers:
             if name in lay.inputs:
                 return self.decisions[lay.index].in_layout(lay, name)
-        return Layout()
+        return Sharding()
 
-    def output_layout(self) -> Layout:
+    def output_layout(self) -> Sharding:
         prod = self.graph.producer()
         li = prod[self.graph.output]
         return self.decisions[li].out_layout(self.graph.layers[li], self.graph.output)
 
-    def loss_layout(self) -> Layout:
-        """Where the generated forward leaves the output (``loss_layout_for``; the output's own
+    def loss_layout(self) -> Sharding:
+        """Where the generated forward leaves the output (``loss_sharding_for``; the output's own
         layout when its producer computes the loss in place, ``loss_in_place``)."""
         if self._vocab_loss() is not None:
             return self.output_layout()
-        return loss_layout_for(self.output_layout(), self.graph.value_shape(self.graph.output)[0],
+        return loss_sharding_for(self.output_layout(), self.graph.value_shape(self.graph.output)[0],
                                self.comm.world)
 
     def _vocab_loss(self):
@@ -497,7 +497,17 @@ def _with_float_dtype(spec: OpSpec, params) -> OpSpec:
 # ---- the model's output structure (a tensor, or e.g. a Hugging Face ModelOutput) -------------
 
 
-def target_rows(loss_layout: Layout, out_shape: Sequence[int], rank: int, world: int) -> slice:
+def _sharding(obj) -> Sharding:
+    """A ``self.move`` argument: a sharding's JSON, or the ``[[dim, parts], ...]`` /
+    ``{"splits", "partial"}`` form code generated for a plan of schema 2 or older holds."""
+    if isinstance(obj, dict) and "mesh" in obj:
+        return Sharding.from_json(obj)
+    if isinstance(obj, dict):
+        return from_splits(obj.get("splits", ()), int(obj.get("partial", 1)))
+    return from_splits(obj)
+
+
+def target_rows(loss_layout: Sharding, out_shape: Sequence[int], rank: int, world: int) -> slice:
     """This rank's rows of the target, whatever its shape (``[B]`` labels, ``[B, S]`` tokens,
     ``[B, H, W]`` pixels, one value per graph or node): the target is cut along dim 0 only, as
     the output's dim 0 is under the loss layout (``out_shape``: the output's global shape). A

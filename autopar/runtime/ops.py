@@ -204,10 +204,10 @@ def run_batch_norm(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, to
         op.args, dict(zip(op.inputs, inputs)), params, buffers)[:8]
     rt = _BN.get()
     if rt is not None and rt.stats.local and training:
-        from ..decomp.layout import Layout
-        lay = layout if layout is not None else Layout()
+        from ..decomp.sharding import Sharding
+        lay = layout if layout is not None else Sharding()
         # the ranks holding other spatial blocks of the same samples (and channels)
-        agg = lay.split_group([d for d, _ in lay.splits if d >= 2], comm.rank, comm.world)
+        agg = lay.split_group([d for d in lay.shard_dims if d >= 2], comm.rank, comm.world)
         replicas = comm.world // (lay.parts_of(0) * lay.parts_of(1))
         return group_batch_norm(x, w, b, rm, rv, momentum, eps, comm, agg, rt, channels, replicas)
     if channels is not None:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..decomp.distspec import DistSpec
-from ..decomp.layout import Layout
+from ..decomp.sharding import Sharding
 from ..decomp.mesh import Mesh
 from ..errors import AutoparError
 from .comm import all_gather_along as _ag
@@ -217,9 +217,9 @@ def redistribute_spec(x: torch.Tensor, src: DistSpec, dst: DistSpec, comm) -> to
     return run_steps(x, plan_redistribution(src, dst), comm)
 
 
-def redistribute(x: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],
+def redistribute(x: torch.Tensor, src: Sharding, dst: Sharding, shape: Sequence[int],
                  comm) -> torch.Tensor:
-    """Move local block ``x`` of a tensor of global ``shape`` from layout ``src`` to ``dst``
+    """Move local block ``x`` of a tensor of global ``shape`` from sharding ``src`` to ``dst``
     (the planned steps of ``autopar.decomp.transition.plan_layouts``)."""
     if src == dst:
         return x

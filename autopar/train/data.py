@@ -8,7 +8,7 @@ the loss layout (``DistModel.loss_layout``: a split of samples, possibly with re
 vocabulary-parallel loss's split of samples x logits). A rank needs, of global batch ``k``:
 
 * for input ``i``: the samples ``[s_i, s_i + n_i)`` of its block and, of each, the slab
-  ``bounds_i[1:]`` (``Layout.local_bounds``, the ``tensor_split`` rule);
+  ``bounds_i[1:]`` (``Sharding.local_bounds``, the ``tensor_split`` rule);
 * for the target: the rows of its block of the loss layout. The target is cut along dim 0
   only, whatever its shape (class labels ``[B]``, a language model's tokens ``[B, S]``, dense
   per-pixel labels ``[B, H, W]``, one value per graph or per node): its rows are those of the
@@ -43,7 +43,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..decomp.layout import Layout
+from ..decomp.sharding import Sharding
 from ..errors import AutoparError
 
 
@@ -67,8 +67,8 @@ class BatchSharding:
 
     batch_size: int
     input_shapes: tuple[tuple[int, ...], ...]
-    input_layouts: tuple[Layout, ...]
-    target_layout: Layout
+    input_layouts: tuple[Sharding, ...]
+    target_layout: Sharding
     rank: int
     world: int
     output_shape: tuple[int, ...] = ()
@@ -100,7 +100,7 @@ class BatchSharding:
         g = plan.graph()
         world = torch.distributed.get_world_size()
         shapes = tuple(tuple(int(n) for n in gi.shape) for gi in g.inputs)
-        by_samples = Layout.of((0, world))
+        by_samples = Sharding.of((0, world))
         return BatchSharding(
             batch_size=int(g.batch_size or (shapes[0][0] if shapes else 0)), input_shapes=shapes,
             input_layouts=tuple(by_samples for _ in shapes), target_layout=by_samples,
@@ -128,7 +128,7 @@ class BatchSharding:
         shape = list(self.output_shape or (self.batch_size,))
         # a sharding built by hand knows dim 0 only: the other split dims get extents that any
         # split divides (only dim 0's bounds are read)
-        need = 1 + max((d for d, _ in self.target_layout.splits), default=0)
+        need = 1 + max(self.target_layout.shard_dims, default=0)
         shape += [self.world] * (need - len(shape))
         return target_rows(self.target_layout, shape, self.rank, self.world)
 
@@ -204,7 +204,7 @@ class BatchSharding:
         for i, (shape, lay) in enumerate(zip(self.input_shapes, self.input_layouts)):
             sl = self.input_slices(i)
             what = ("a replicated copy" if lay.is_replicated() else
-                    "a sample shard" if all(d == 0 for d, _ in lay.splits) else "a spatial/channel slab")
+                    "a sample shard" if all(d == 0 for d in lay.shard_dims) else "a spatial/channel slab")
             out.append(f"input {i} {tuple(shape)} layout {lay}: {what} "
                        + "[" + ", ".join(f"{s.start}:{s.stop}" for s in sl) + "]")
         t = self.target_samples()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from autopar.decomp.base import CostContext, Decomposition, LayerCost, ParamShard, register
 from autopar.decomp.ir import LINEAR, Layer, OpSpec
-from autopar.decomp.layout import Layout, block_extent
+from autopar.decomp.sharding import Sharding, Partial, Shard, block_extent
 
 
 @register
@@ -30,15 +30,15 @@ class InFeatures(Decomposition):
     kind = "toy_in_features"
     supported_ops = frozenset({LINEAR})
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
-        return Layout(((len(layer.anchor.in_shapes[0]) - 1, self.parts),))
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
+        return Sharding.of((Shard(len(layer.anchor.in_shapes[0]) - 1), self.parts))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
-        return Layout((), partial=self.parts)
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+        return Sharding.of((Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
         if role == "weight":
-            return ParamShard(Layout(((1, self.parts),)), ((1, 0),))
+            return ParamShard.on(Sharding.of((Shard(1), self.parts)), ((1, 0),))
         return ParamShard()
 
     @classmethod

@@ -5,7 +5,7 @@ Jain et al., SUPER (IPDPS 2021): a unit's independent branches (the attention an
 parallel GPT block, the towers of a multi-tower model; ``branch.graph`` finds them in the
 traced unit) run on disjoint groups of processes; every group is replicated ``data`` times over
 blocks of samples. With world P = data x groups x R (R >= 1 plain replicas, when the batch
-is smaller than P / groups), logical rank ``r = (d * groups + g) * R + x`` (``Layout(((0,
+is smaller than P / groups), logical rank ``r = (d * groups + g) * R + x`` (``Sharding(((0,
 data),))`` with groups x R replicas; the branch axis inside the sample axis) holds samples
 block d and computes the branches of group g (branch c belongs to group ``c * groups // k``).
 Under block placement the ``groups`` ranks of one sample block are neighbours, so the
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
 from ..ir import REGISTERED, Layer, OpSpec
-from ..layout import Layout
+from ..sharding import Sharding, Partial, Shard
 from .graph import PARTIAL, SHARED, SPLIT, BranchAnalysis, analysis, refuse_batch_norm
 from .heads import HeadGroups, data_degree, groups_check, head_plan  # noqa: F401  (registration)
 
@@ -54,12 +54,17 @@ class BranchParamShard(ParamShard):
     """A whole parameter held only by the ranks of branch group ``owner`` (of ``groups``; rank
     r's group is ``(r // replicas) % groups``); the other ranks hold an empty block (extent 0
     on dim 0) and sync nothing. Gradients are summed over the owner group's ranks. ``dims`` is
-    given as ``((0, 0),)`` so that code asking ``shard.dims`` assembles the whole parameter from
-    the ranks' blocks (the owners') instead of taking any rank's copy."""
+    ``((0, 0),)`` so that code asking ``shard.dims`` assembles the whole parameter from the
+    ranks' blocks (the owners') instead of taking any rank's copy. (Not a placement: no mesh
+    axis splits the parameter; the branch groups own whole parameters.)"""
 
     owner: int = 0
     groups: int = 1
     replicas: int = 1
+
+    @property
+    def dims(self) -> tuple[tuple[int, int], ...]:
+        return ((0, 0),)
 
     def _mine(self, rank: int) -> bool:
         return (rank // self.replicas) % self.groups == self.owner
@@ -91,26 +96,26 @@ class Branch(Decomposition):
     supported_ops = REGISTERED
 
     # ---- layouts -------------------------------------------------------------------------
-    def _layout(self) -> Layout:
+    def _layout(self) -> Sharding:
         return _layout(self.data)
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         return self._layout()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         v = layer.output if value is None else value
         an = analysis(layer)
         if an.state.get(v) == PARTIAL:     # rank = (d * groups + k) * R + x
-            return Layout(((0, self.data),), partial=self.groups)
+            return Sharding.of((Shard(0), self.data), (Partial(), self.groups))
         if an.state.get(v) == SPLIT:
             return self.split_layout(an.split_dim[v])
         return self._layout()
 
-    def split_layout(self, dim: int) -> Layout:
+    def split_layout(self, dim: int) -> Sharding:
         """Samples over ``data``, ``dim`` over the branch groups (rank = (d * G + g) * R + x)."""
-        return Layout(((0, self.data), (dim, self.groups)))
+        return Sharding.of((Shard(0), self.data), (Shard(dim), self.groups))
 
-    def _value_layout(self, an: BranchAnalysis, v: str) -> Layout:
+    def _value_layout(self, an: BranchAnalysis, v: str) -> Sharding:
         return self.split_layout(an.split_dim[v]) if an.state.get(v) == SPLIT else self._layout()
 
     def group_of_branch(self, layer: Layer, c: int) -> int:
@@ -121,7 +126,7 @@ class Branch(Decomposition):
         an = analysis(layer)
         if an.role.get(op.name) != "branch":
             return ParamShard()
-        return BranchParamShard(dims=((0, 0),), owner=self.group_of_branch(layer, an.branch_of[op.name]),
+        return BranchParamShard(owner=self.group_of_branch(layer, an.branch_of[op.name]),
                                 groups=self.groups, replicas=self.replicas)
 
     def group_of_rank(self, rank: int) -> int:
@@ -249,11 +254,11 @@ def _numel(shape) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(data: int) -> Layout:
-    return Layout(((0, data),))
+def _layout(data: int) -> Sharding:
+    return Sharding.of((Shard(0), data))
 
 
 @functools.lru_cache(maxsize=8192)
-def _local_shape(layout: Layout, shape: tuple, rank: int, world: int) -> tuple:
+def _local_shape(layout: Sharding, shape: tuple, rank: int, world: int) -> tuple:
     return layout.local_shape(shape, rank, world)
 

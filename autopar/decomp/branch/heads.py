@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
 from ..common import batch_dim_ok
 from ..ir import REGISTERED, Layer, OpSpec
-from ..layout import Layout
+from ..sharding import Sharding, Partial, Shard
 from .graph import _number_operand, ancestors, refuse_batch_norm
 
 P = "P"
@@ -222,27 +222,27 @@ class HeadGroups(Decomposition):
         return [r for r in range(world) if self.group_of_rank(r) == g]
 
     # ---- layouts -------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         return _layout(self.data)
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         v = layer.output if value is None else value
         if self._plan(layer).state.get(v) == P:
-            return Layout(((0, self.data),), partial=self.groups)
+            return Sharding.of((Shard(0), self.data), (Partial(), self.groups))
         return _layout(self.data)
 
-    def value_layout(self, state) -> Layout:
+    def value_layout(self, state) -> Sharding:
         """The layout of a value of ``state`` (the sample split, and the head-group split)."""
         if isinstance(state, int) and state != 0:
-            return Layout(((0, self.data), (state, self.groups)))
+            return Sharding.of((Shard(0), self.data), (Shard(state), self.groups))
         return _layout(self.data)
 
     def layer_param_shard(self, layer: Layer, op: OpSpec, role: str) -> ParamShard:
         dim = self._plan(layer).split_params.get(op.name, {}).get(role)
         if dim is None:
             return ParamShard()
-        mesh = Layout(((0, self.data), (1, self.groups)))
-        return ParamShard(mesh=mesh, dims=((dim, len(mesh.splits) - 1),))
+        mesh = Sharding.of((Shard(0), self.data), (Shard(1), self.groups))
+        return ParamShard.on(mesh, ((dim, len(mesh.shard_axes) - 1),))
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         R, G = self.replicas, self.groups
@@ -342,11 +342,11 @@ class HeadGroups(Decomposition):
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(data: int) -> Layout:
-    return Layout(((0, data),))
+def _layout(data: int) -> Sharding:
+    return Sharding.of((Shard(0), data))
 
 
 @functools.lru_cache(maxsize=8192)
-def _local_shape(layout: Layout, shape: tuple, rank: int, world: int) -> tuple:
+def _local_shape(layout: Sharding, shape: tuple, rank: int, world: int) -> tuple:
     return layout.local_shape(shape, rank, world)
 

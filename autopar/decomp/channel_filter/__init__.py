@@ -41,7 +41,7 @@ allgathered by the generic transition (``autopar.runtime.comm.redistribute``), w
 adds the ranks' partial dx: that is the backward reduce-scatter, and it happens exactly once
 because the layer itself never sums dx. Channel+filter reduce-scatters along N rather than F:
 after the sum over the channel group each rank holds F shard ``c_f``, and splitting that shard
-further by ``c_c`` would order the F blocks (c_f, c_c), which no Layout (outermost mesh axis
+further by ``c_c`` would order the F blocks (c_f, c_c), which no Sharding (outermost mesh axis
 first, replicas innermost) can express together with an input split (c_c, then c_f replicas);
 splitting N keeps the output an ordinary layout whose sample groups are complete per channel.
 
@@ -51,7 +51,7 @@ ranks holding the same F shard (the output's sample group); its weight, bias and
 statistics are sharded by F like the anchor's bias (running statistics are updated in place in
 this rank's slice of the full buffer the runtime passes).
 
-Remainders are allowed: every split follows the ``tensor_split`` rule of ``Layout``, and the
+Remainders are allowed: every split follows the ``tensor_split`` rule of ``Sharding``, and the
 collectives pad uneven slices (``autopar.runtime.comm.reduce_scatter_dim``). Channel+filter additionally needs
 the flat split of N into ``s*pc`` blocks to refine the split into ``s`` blocks (true whenever
 ``s*pc`` divides N); ``check`` says so otherwise.
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, divisors, register
 from ..common import batch_dim_ok
 from ..ir import BATCH_NORM, CONV, DROPOUT, LINEAR, UNARY, Layer, OpSpec
-from ..layout import Layout, block_extent, block_start
+from ..sharding import Sharding, Partial, Shard, block_extent, block_start
 
 ANCHORS = (CONV, LINEAR)
 
@@ -108,12 +108,15 @@ class _WeightGrid(Decomposition):
         """All groups of ``vary`` (each rank in exactly one), sorted; cached per grid (read-only)."""
         return _partition(self.grid(), vary)
 
-    def mesh(self) -> Layout:
+    def mesh(self) -> Sharding:
         s, pc, pf = self.grid()
-        return Layout(((0, s), (1, pc), (2, pf)))  # dims are only labels of the grid axes
+        """The s x c x f grid as a mesh whose axes carry labels (Shard(0/1/2) name which grid
+        axis, not a tensor dim; the axes are named N, C, H after them): ``ParamShard.on`` reads
+        only its sizes and names."""
+        return Sharding.of((Shard(0), s), (Shard(1), pc), (Shard(2), pf))
 
     def _axis(self, label: int) -> int:
-        return [d for d, _ in self.mesh().splits].index(label)
+        return self.mesh().shard_dims.index(label)
 
     @property
     def rs_along_batch(self) -> bool:
@@ -127,16 +130,16 @@ class _WeightGrid(Decomposition):
         return "f" if self.grid()[2] > 1 else "c"
 
     # ---- layouts --------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         s, pc, _ = self.grid()
-        return Layout(((0, s), (_feature_dim(layer.anchor), pc)))
+        return Sharding.of((Shard(0), s), (Shard(_feature_dim(layer.anchor)), pc))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         s, pc, pf = self.grid()
         fo = _feature_dim(layer.anchor)
         if self.rs_along_batch:
-            return Layout(((0, s * pc), (fo, pf)))
-        return Layout(((0, s), (fo, pc * pf)))
+            return Sharding.of((Shard(0), s * pc), (Shard(fo), pf))
+        return Sharding.of((Shard(0), s), (Shard(fo), pc * pf))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
         _, pc, pf = self.grid()
@@ -146,10 +149,10 @@ class _WeightGrid(Decomposition):
                 dims.append((0, self._axis(2)))
             if pc > 1:
                 dims.append((1, self._axis(1)))
-            return ParamShard(self.mesh(), tuple(dims))
+            return ParamShard.on(self.mesh(), tuple(dims))
         # anchor bias, batch-norm weight/bias: sharded like the output's F
         label = 2 if self.out_f_vary == "f" else 1
-        return ParamShard(self.mesh(), ((0, self._axis(label)),))
+        return ParamShard.on(self.mesh(), ((0, self._axis(label)),))
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         """Channel groups (reduce-scatter), the output's sample groups (batch-norm statistics,
@@ -434,8 +437,8 @@ class RowParallel(Channel):
 
     kind = "row_parallel"
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
-        return Layout(((0, self.sample),), partial=self.parts)
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+        return Sharding.of((Shard(0), self.sample), (Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
         if op.kind in ANCHORS and role == "weight":

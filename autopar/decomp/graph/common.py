@@ -14,7 +14,7 @@ over the ``p`` inner ranks) are exactly what a gather of a block of edges reads:
 A reduction of items into whole values -- a scatter-add of messages into the node tensor, a
 sum pooling of nodes into graphs -- leaves each rank with the sum over its own block only:
 its output is ``Partial(sum)`` over the ``p`` item ranks, ``((0, s),)`` with ``partial = p``
-(``autopar.decomp.layout``). The consumer's transition resolves it (all-reduce to a whole
+(``autopar.decomp.sharding``). The consumer's transition resolves it (all-reduce to a whole
 tensor, reduce-scatter to a split one), priced by the redistribution pricing
 (``autopar.decomp.transition``). The scatter's own input (``self``: the zero buffer) is added
 by partial index 0 only, so the partial addends still sum to the single-process result. A
@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 from ..base import CostContext, Decomposition, LayerCost, divisors
 from ..common import price_replicated_weights
 from ..ir import REGISTERED, Layer, OpSpec
-from ..layout import Layout
+from ..sharding import Partial, Shard, Sharding
 from ...ops import family_of
 
 EDGE, NODE = "edge", "node"
@@ -63,34 +63,35 @@ class ItemSplit(Decomposition):
     supported_ops = REGISTERED
 
     # ---- layouts ---------------------------------------------------------------------------
-    def _graphs(self) -> tuple[tuple[int, int], ...]:
-        return ((0, self.sample),) if self.sample > 1 else ()
+    def _graphs(self) -> tuple[tuple, ...]:
+        """The graph axis, (placement, size): samples (whole graphs) split ``sample`` ways."""
+        return ((Shard(0), self.sample),)
 
-    def value_layouts(self, layer: Layer) -> dict[str, Layout]:
-        """Layout of every value of the layer: split along its item dim when it is of this
+    def value_layouts(self, layer: Layer) -> dict[str, Sharding]:
+        """Sharding of every value of the layer: split along its item dim when it is of this
         decomposition's kind, ``Partial`` when a reducing op (``reduces``) made it, else whole
         along the items (split by graphs only)."""
         return _value_layouts(self, layer)
 
-    def _value_layouts(self, layer: Layer) -> dict[str, Layout]:
+    def _value_layouts(self, layer: Layer) -> dict[str, Sharding]:
         items = layer_items(layer)
-        whole = Layout(self._graphs())
-        out: dict[str, Layout] = {}
+        whole = Sharding.of(*self._graphs())
+        out: dict[str, Sharding] = {}
         for op in layer.ops:
             for v in list(op.inputs) + [op.name]:
                 it = items.get(v)
                 if it is not None and it[1] == self.axis and not (v == op.name and self.reduces(op, items)):
-                    out[v] = Layout(self._graphs() + ((it[0], self.parts),))
+                    out[v] = Sharding.of(*self._graphs(), (Shard(it[0]), self.parts))
                 elif v == op.name and self.reduces(op, items):
-                    out[v] = Layout(self._graphs(), partial=self.parts)
+                    out[v] = Sharding.of(*self._graphs(), (Partial(), self.parts))
                 else:
                     out.setdefault(v, whole)
         return out
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
-        return self.value_layouts(layer).get(value, Layout(self._graphs()))
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
+        return self.value_layouts(layer).get(value, Sharding.of(*self._graphs()))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.value_layouts(layer)[value or layer.output]
 
     def reduces(self, op: OpSpec, items: dict) -> bool:
@@ -143,7 +144,7 @@ class ItemSplit(Decomposition):
             if why:
                 return f"{op.module or where}: {op.name}: {why}"
         for v, lay in lays.items():
-            if lay.partial > 1 and (v not in layer.outputs or
+            if lay.is_partial and (v not in layer.outputs or
                                     any(v in op.inputs for op in layer.ops)):
                 return f"partial sum {v} is read inside the layer (it must leave it)"
             shape = layer.value_shape(v)
@@ -226,14 +227,14 @@ class ItemSplit(Decomposition):
             return ([lays[v].max_local_shape(s) for v, s in zip(op.inputs, op.in_shapes)],
                     lays[op.name].max_local_shape(op.out_shape))
 
-        return price_replicated_weights(layer, Layout(), ctx, compute_shapes=local)
+        return price_replicated_weights(layer, Sharding(), ctx, compute_shapes=local)
 
 
 def _shape_of(op: OpSpec, v: str) -> list[int]:
     return op.in_shapes[op.inputs.index(v)]
 
 
-def _value_layouts(dec: ItemSplit, layer: Layer) -> dict[str, Layout]:
+def _value_layouts(dec: ItemSplit, layer: Layer) -> dict[str, Sharding]:
     """``dec._value_layouts(layer)``, kept per (decomposition, layer object): the runtime asks
     for it on every op of every step."""
     key = (dec, id(layer))

@@ -44,7 +44,7 @@ from ...errors import AutoparError
 from ..base import CostContext, Decomposition, LayerCost, register
 from ..common import price_replicated_weights
 from ..ir import BATCH_NORM, REGISTERED, Layer, LayerGraphData
-from ..layout import Layout
+from ..sharding import Sharding, Shard
 
 
 @dataclass(frozen=True)
@@ -125,23 +125,23 @@ class Graphs(Decomposition):
     kind = "graphs"
     supported_ops = REGISTERED
 
-    def value_layout(self, layer: Layer, value: str, shape) -> Layout:
+    def value_layout(self, layer: Layer, value: str, shape) -> Sharding:
         for op in layer.ops:
             it = (op.attrs.get("items") or {}).get(value)
             if it is not None:
-                return Layout(((int(it[0]), self.parts),))
+                return Sharding.of((Shard(int(it[0])), self.parts))
         if shape and int(shape[0]) == self.graphs and self.graphs % self.parts == 0:
-            return Layout(((0, self.parts),))
-        return Layout()
+            return Sharding.of((Shard(0), self.parts))
+        return Sharding()
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         try:
             shape = layer.in_shape(value)
         except KeyError:
             shape = ()
         return self.value_layout(layer, value, shape)
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         v = value or layer.output
         return self.value_layout(layer, v, layer.value_shape(v))
 
@@ -191,7 +191,7 @@ def graphs_cost(dec: Graphs, layer: Layer, ctx: CostContext,
     def local(op, ins, out):
         return ([block(v, s, len(op.out_shape)) for v, s in zip(op.inputs, op.in_shapes)],
                 block(op.name, op.out_shape))
-    return price_replicated_weights(layer, Layout(), _native_ctx(ctx), compute_shapes=local)
+    return price_replicated_weights(layer, Sharding(), _native_ctx(ctx), compute_shapes=local)
 
 
 def _native_ctx(ctx: CostContext) -> CostContext:

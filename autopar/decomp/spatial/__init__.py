@@ -23,7 +23,7 @@ conv           halo exchange (plan: ``.geometry``, run: ``.exchange``) to the in
 pool max/avg   window along every spatial dim (fill -inf / 0), pool with padding 0, no ceil;
                average = window sum / count of counted positions (count_include_pad, ceil_mode
                and divisor_override reproduced exactly)
-batch_norm     global statistics: over every rank holding a different block (``Layout.data_group``);
+batch_norm     global statistics: over every rank holding a different block (``Sharding.data_group``);
                local: per group of samples, over the ranks holding the same samples' other
                spatial blocks
 unary, binary  local (operands: same-layout tensors, reduced (N, C, 1.., 1) tensors, scalars,
@@ -48,7 +48,7 @@ from ..common import price_replicated_weights
 from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
                  OpSpec, takes_input_grad)
 from .geometry import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
-from ..layout import Layout
+from ..sharding import Sharding, Shard
 
 WINDOW_OPS = (CONV, POOL)
 
@@ -118,19 +118,19 @@ class Spatial(Decomposition):
     def spatial_dims(self) -> list[int]:
         return [2 + i for i in range(self.k)]
 
-    def layout(self) -> Layout:
-        """Layout of a spatial value: N<sample> x D/H/W<spatial[i]>."""
-        return Layout(((0, self.sample),) + tuple((2 + i, p) for i, p in enumerate(self.spatial)))
+    def layout(self) -> Sharding:
+        """Sharding of a spatial value: N<sample> x D/H/W<spatial[i]>."""
+        return Sharding.of((Shard(0), self.sample), *((Shard(2 + i), p) for i, p in enumerate(self.spatial)))
 
-    def reduced_layout(self) -> Layout:
-        """Layout of a value after a global spatial reduction: samples only."""
-        return Layout(((0, self.sample),))
+    def reduced_layout(self) -> Sharding:
+        """Sharding of a value after a global spatial reduction: samples only."""
+        return Sharding.of((Shard(0), self.sample))
 
     def is_spatial_shape(self, shape) -> bool:
         return len(shape) == 2 + self.k and math.prod(int(s) for s in shape[2:]) > 1
 
-    def value_layouts(self, layer: Layer) -> dict[str, Layout]:
-        """Layout of every value of the layer: its inputs by shape, then op by op (a global
+    def value_layouts(self, layer: Layer) -> dict[str, Sharding]:
+        """Sharding of every value of the layer: its inputs by shape, then op by op (a global
         spatial reduction, or any op on reduced inputs only, yields the reduced layout)."""
         full, red = self.layout(), self.reduced_layout()
         spatial: dict[str, bool] = {}
@@ -145,10 +145,10 @@ class Spatial(Decomposition):
                     len(op.out_shape) == 2 + self.k
         return {v: (full if sp else red) for v, sp in spatial.items()}
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         return self.value_layouts(layer).get(value, self.layout())
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.value_layouts(layer)[value or layer.output]
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
@@ -166,7 +166,7 @@ class Spatial(Decomposition):
                 lay = lays[op.inputs[0]]
                 out.append(part(lambda r, lay=lay: lay.data_group(r, world)))
                 # local statistics: the ranks holding the other spatial blocks of the same samples
-                spatial = [d for d, _ in lay.splits if d >= 2]
+                spatial = [d for d in lay.shard_dims if d >= 2]
                 if spatial:
                     out.append(part(lambda r, lay=lay, sp=tuple(spatial): lay.split_group(list(sp), r, world)))
             elif op.kind in (ADAPTIVE_POOL, MEAN) and lays[op.inputs[0]] == self.layout():
@@ -174,7 +174,7 @@ class Spatial(Decomposition):
                 out.append(part(lambda r: full.split_group(self.spatial_dims, r, world)))
         return out
 
-    def bn_layout(self, layer: Layer, op: OpSpec) -> Layout:
+    def bn_layout(self, layer: Layer, op: OpSpec) -> Sharding:
         return self.value_layouts(layer)[op.inputs[0]]
 
     # ---- legality --------------------------------------------------------------------------
@@ -243,19 +243,20 @@ class Spatial(Decomposition):
                 return f"{name}: {why}"
         return None
 
-    def _check_values(self, op: OpSpec, lays: dict[str, Layout], world: int) -> str | None:
+    def _check_values(self, op: OpSpec, lays: dict[str, Sharding], world: int) -> str | None:
         named = list(zip(op.inputs, op.in_shapes)) + [(op.name, op.out_shape)]
         for v, shape in named:
             lay = lays[v]
             if not shape or int(shape[0]) < self.sample:
                 return f"value {v} has {shape[0] if shape else 0} samples < {self.sample} sample parts"
-            for d, p in lay.splits:
+            for d in lay.shard_dims:
+                p = lay.parts_of(d)
                 if d > 0 and int(shape[d]) < p:
                     return (f"local {dim_name(d, len(shape))} extent 0 ({v}: extent {shape[d]} < "
                             f"{p} parts)")
         return None
 
-    def _check_op(self, op: OpSpec, lays: dict[str, Layout], full: Layout, world: int) -> str | None:
+    def _check_op(self, op: OpSpec, lays: dict[str, Sharding], full: Sharding, world: int) -> str | None:
         why = self._check_values(op, lays, world)
         if why:
             return why
@@ -379,10 +380,10 @@ class Spatial(Decomposition):
             cross = math.prod(e for d, e in enumerate(ext) if d != dim)
             best_t = best_b = 0.0
             if p > 1:
-                axis = [d for d, _ in full.splits].index(dim)
+                axis = full.shard_dims.index(dim)
                 for c in range(p):
                     _, lo_len, _, _, hi_len, _, sends = axis_pieces(g, p, c)
-                    coords = [0] * len(full.splits)
+                    coords = [0] * len(full.shard_axes)
                     coords[axis] = c
                     me = full.rank_of(coords, 0, world)
 
@@ -407,7 +408,7 @@ class Spatial(Decomposition):
             ext[dim] = max(b - a for a, b in (window_bounds(g, p, c) for c in range(p)))
         return total_t, total_b
 
-    def _local_shapes(self, op: OpSpec, lays: dict[str, Layout]):
+    def _local_shapes(self, op: OpSpec, lays: dict[str, Sharding]):
         """Local (largest block) input and output shapes the runtime computes on: windows for
         conv/pool inputs, blocks otherwise."""
         ins = [list(lays[v].max_local_shape(s)) for v, s in zip(op.inputs, op.in_shapes)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from ..layout import Layout, block_extent, block_start
+from ..sharding import Sharding, block_extent, block_start
 
 SPATIAL_NAMES = {1: ("W",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
@@ -162,7 +162,7 @@ class HaloIllegal(ValueError):
 
 
 @lru_cache(maxsize=4096)
-def plan_halo(in_shape: tuple[int, ...], layout: Layout, geoms: tuple[tuple[int, WindowGeom], ...],
+def plan_halo(in_shape: tuple[int, ...], layout: Sharding, geoms: tuple[tuple[int, WindowGeom], ...],
               rank: int, world: int) -> HaloPlan:
     """The exchange that turns ``rank``'s block of a tensor of global ``in_shape`` (layout
     ``layout``) into the input window of its output block (the output tensor has the same
@@ -173,7 +173,7 @@ def plan_halo(in_shape: tuple[int, ...], layout: Layout, geoms: tuple[tuple[int,
     raises HaloIllegal on every rank alike when any block of any dim breaks the rules.
     """
     cs, rep = layout.coords(rank, world)
-    axis_of = {d: i for i, (d, _) in enumerate(layout.splits)}
+    axis_of = {d: i for i, d in enumerate(layout.shard_dims)}
     local = list(layout.local_shape(in_shape, rank, world))
     steps = []
     for dim, g in sorted(geoms, key=lambda t: t[0]):

@@ -8,7 +8,7 @@ with the tensor axis innermost::
 
 so a tensor-parallel group (varying ``c_t``, the heads / sequence / vocabulary blocks of one
 sample block) is ``p`` consecutive ranks: it stays within a node under block placement, and the
-data-parallel gradient all-reduce (varying ``c_s``) is the one that crosses nodes. In ``Layout``
+data-parallel gradient all-reduce (varying ``c_s``) is the one that crosses nodes. In ``Sharding``
 terms an activation replicated over the tensor group is ``((0, s),)`` (replicas innermost), a
 partial sum over it ``((0, s),), partial=p`` and a sequence split ``((0, s), (1, p))``; all three
 put ``c_t = rank % p``, so they compose with each other and with ``filter(s, p)`` /
@@ -21,12 +21,12 @@ import functools
 import math
 
 from ..base import CostContext, Decomposition
-from ..layout import Layout
+from ..sharding import Sharding, Shard
 
 
-def mesh(sample: int, parts: int) -> Layout:
-    """The (s, p) grid as a Layout used only for rank arithmetic (dims are labels)."""
-    return Layout(((0, sample), (1, parts)))
+def mesh(sample: int, parts: int) -> Sharding:
+    """The (s, p) grid as a Sharding used only for rank arithmetic (dims are labels)."""
+    return Sharding.of((Shard(0), sample), (Shard(1), parts))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -20,7 +20,7 @@ grouping of query head h onto KV head h // (H/K) stays inside the rank. The weig
   [q_c | k_c | v_c] and each slice of it is rescaled to the local segment;
 * the output projection's weight columns are split in p blocks (the columns of the local
   heads), its bias is whole and added by tensor rank 0 only; its output is a partial sum
-  (``Layout(((0, s),), partial=p)``), resolved by the consumer's edge: an all-reduce into a
+  (``Sharding(((0, s),), partial=p)``), resolved by the consumer's edge: an all-reduce into a
   replicated layer, a reduce-scatter into a sequence-parallel one. Reshapes and identity
   dropout (p = 0) may follow it inside the unit: they are linear, so they commute with the sum.
 
@@ -53,7 +53,7 @@ from ..base import CostContext, Decomposition, LayerCost, ParamShard, register
 from ..common import batch_dim_ok
 from ..ir import (ATTENTION, BINARY, CAT, DROPOUT, EXPAND, FLATTEN, LAYER_NORM, LINEAR, MATMUL,
                   PERMUTE, RMS_NORM, SLICE, SOFTMAX, SQUEEZE, UNARY, VIEW, Layer, OpSpec)
-from ..layout import Layout, block_extent
+from ..sharding import Sharding, Partial, Shard, block_extent
 from .common import grad_sync, mesh, mesh_check, partition, two_axis_candidates
 from .detect import projection
 
@@ -338,17 +338,17 @@ class HeadParallel(Decomposition):
         return f"{self.kind}({self.sample},{self.parts})"
 
     # ---- layouts ----------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Layout:
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
         try:
             shape = layer.in_shape(value)
         except KeyError:
             shape = None
         if shape is not None and (not shape or any(int(n) == 0 for n in shape)):
-            return Layout()      # an empty operand (a legacy empty cache): whole, nothing to split
-        return Layout(((0, self.sample),))
+            return Sharding()      # an empty operand (a legacy empty cache): whole, nothing to split
+        return Sharding.of((Shard(0), self.sample))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
-        return Layout(((0, self.sample),), partial=self.parts)
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+        return Sharding.of((Shard(0), self.sample), (Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
         """Row projection: the weight's input-feature dim split (dim 1 of nn.Linear's w_FC, dim
@@ -360,9 +360,9 @@ class HeadParallel(Decomposition):
         m = mesh(self.sample, self.parts)
         axis = 0 if self.sample == 1 else 1
         if _is(op, self.row):
-            return ParamShard(m, ((proj.in_dim, axis),)) if role == proj.weight else ParamShard()
+            return ParamShard.on(m, ((proj.in_dim, axis),)) if role == proj.weight else ParamShard()
         segs = self.segments if _is(op, self.fused) else ()
-        return ParamShard(m, ((proj.out_dim if role == proj.weight else 0, axis),), segs)
+        return ParamShard.on(m, ((proj.out_dim if role == proj.weight else 0, axis),), segs)
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
         return [[list(g) for g in partition(self.sample, self.parts, "s")]] if self.sample > 1 else []

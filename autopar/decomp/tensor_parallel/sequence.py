@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..base import CostContext, Decomposition, LayerCost, register
 from ..common import price_replicated_weights
 from ..ir import BINARY, DROPOUT, LAYER_NORM, RMS_NORM, UNARY, Layer
-from ..layout import Layout
+from ..sharding import Sharding, Shard
 from .common import mesh_check, two_axis_candidates
 
 SUPPORTED = frozenset({LAYER_NORM, RMS_NORM, UNARY, BINARY, DROPOUT})
@@ -43,17 +43,17 @@ class SequenceParallel(Decomposition):
     kind = "sequence"
     supported_ops = SUPPORTED
 
-    def layout(self) -> Layout:
-        return Layout(((0, self.sample), (1, self.parts)))
+    def layout(self) -> Sharding:
+        return Sharding.of((Shard(0), self.sample), (Shard(1), self.parts))
 
     def _full_rank(self, layer: Layer, shape) -> bool:
         out = layer.out_shape
         return len(shape) == len(out) and int(shape[0]) == int(out[0]) and int(shape[1]) == int(out[1])
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
-        return self.layout() if self._full_rank(layer, layer.in_shape(value)) else Layout()
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
+        return self.layout() if self._full_rank(layer, layer.in_shape(value)) else Sharding()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.layout()
 
     @classmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..base import CostContext, Decomposition, LayerCost, ParamShard, register
 from ..common import batch_dim_ok
 from ..ir import EMBEDDING, Layer, OpSpec
-from ..layout import Layout, block_extent
+from ..sharding import Sharding, Partial, Shard, block_extent
 from .common import grad_sync, mesh, mesh_check, partition, two_axis_candidates
 
 
@@ -32,15 +32,15 @@ class VocabParallel(Decomposition):
     kind = "vocab"
     supported_ops = frozenset({EMBEDDING})
 
-    def in_layout(self, layer: Layer, value: str) -> Layout:
-        return Layout(((0, self.sample),))
+    def in_layout(self, layer: Layer, value: str) -> Sharding:
+        return Sharding.of((Shard(0), self.sample))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Layout:
-        return Layout(((0, self.sample),), partial=self.parts)
+    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+        return Sharding.of((Shard(0), self.sample), (Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
         if op.kind == EMBEDDING and role == "weight":
-            return ParamShard(mesh(self.sample, self.parts), ((0, 0 if self.sample == 1 else 1),))
+            return ParamShard.on(mesh(self.sample, self.parts), ((0, 0 if self.sample == 1 else 1),))
         return ParamShard()
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
@@ -146,7 +146,7 @@ class VocabHead(Filter):
         (``cost.table.tied_choice_sets``). Filter's (s, 1, p) grid puts the same rank on the
         same block: ``rank = c_s p + c_f``."""
         if op.kind == "linear" and role in ("weight", "bias"):
-            return ParamShard(mesh(self.sample, self.parts), ((0, 0 if self.sample == 1 else 1),))
+            return ParamShard.on(mesh(self.sample, self.parts), ((0, 0 if self.sample == 1 else 1),))
         return ParamShard()
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:

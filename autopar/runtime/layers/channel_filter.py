@@ -10,7 +10,7 @@ from typing import Any
 from ...decomp.base import runs
 from ...decomp.channel_filter import RowParallel, _feature_dim, _WeightGrid
 from ...decomp.ir import BATCH_NORM, Layer, OpSpec
-from ...decomp.layout import block_extent
+from ...decomp.sharding import block_extent
 from ..comm import reduce_scatter_dim
 from ..ops import call_local, resolve_target, run_batch_norm, substitute_cached
 

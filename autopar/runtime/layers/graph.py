@@ -19,7 +19,7 @@ def run_itemsplit(dec, comm, layer: Layer, op: OpSpec, inputs: list[Any], params
     lays = dec.value_layouts(layer)
     out_lay = lays[op.name]
     local_out = out_lay.local_shape(op.out_shape, comm.rank, comm.world)
-    if op.kind == "scatter" and out_lay.partial > 1:
+    if op.kind == "scatter" and out_lay.is_partial:
         # the scatter's own input is added once: by partial index 0
         if out_lay.partial_index(comm.rank, comm.world) != 0:
             base = _act(op.args[0])

@@ -1,7 +1,7 @@
 """Spatial decomposition, run-time half: differentiable halo exchange for activations split over
 spatial dims (Dryden et al., IPDPS 2019). Imported only by the runtime (``runtime.layers.spatial``).
 
-Legend: x_NC* is a local block (N, C, *spatial) of a tensor whose layout (``Layout``) splits dim 0
+Legend: x_NC* is a local block (N, C, *spatial) of a tensor whose layout (``Sharding``) splits dim 0
 (samples) and any subset of the spatial dims 2.. (D/H/W) over a process grid; "dim" is a tensor
 dim, "axis" a mesh axis. Blocks follow the ``tensor_split`` rule, so uneven extents are handled.
 
@@ -55,7 +55,7 @@ the boundary of its block; gradients of fill values are dropped; the own part is
 steps' backwards run in reverse order, so corner gradients travel back through both hops.
 
 Communication: ``torch.distributed.batch_isend_irecv`` on the default group; neighbours are
-mesh-local ranks from ``Layout.rank_of`` (derived from mesh coordinates, never by hand), mapped
+mesh-local ranks from ``Sharding.rank_of`` (derived from mesh coordinates, never by hand), mapped
 to global ranks by the layer's ``Comm`` (so a plan runs unchanged on a sub-mesh); ranks
 with nothing to exchange in a step issue nothing. Tested with gloo; with NCCL the first
 ``batch_isend_irecv`` of a group must involve every rank of the group, so run one collective on

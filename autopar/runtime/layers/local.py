@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...decomp.base import runs
 from ...decomp.ir import BATCH_NORM
-from ...decomp.layout import Layout
+from ...decomp.sharding import Sharding
 from ...decomp.replicate import Replicate
 from ...decomp.sample import Sample, _layout, _local_shape
 from ..ops import call_local, run_batch_norm
@@ -25,5 +25,5 @@ def run_sample(dec, comm, layer, op, inputs, params, buffers):
 @runs(Replicate)
 def run_replicate(dec, comm, layer, op, inputs, params, buffers):
     if op.kind == BATCH_NORM:   # local statistics: per group of the whole batch, on this rank
-        return run_batch_norm(op, inputs, params, buffers, comm, [comm.rank], layout=Layout())
+        return run_batch_norm(op, inputs, params, buffers, comm, [comm.rank], layout=Sharding())
     return call_local(op, inputs, params, buffers)

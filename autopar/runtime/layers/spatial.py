@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ...decomp.base import runs
 from ...decomp.ir import ADAPTIVE_POOL, BATCH_NORM, CONV, MEAN, POOL, Layer, OpSpec
-from ...decomp.layout import block_extent
+from ...decomp.sharding import block_extent
 from ...decomp.spatial import Spatial, _expand, window_params
 from ...decomp.spatial.geometry import window_bounds
 from ..comm import all_reduce_sum
@@ -80,7 +80,7 @@ def _pool_counts(dec: Spatial, op: OpSpec, rank: int, world: int):
     """Tensor (1, 1, *local out) of the divisors of an average pool for ``rank``'s block."""
     full = dec.layout()
     cs, _ = full.coords(rank, world)
-    axis_of = {d: i for i, (d, _) in enumerate(full.splits)}
+    axis_of = {d: i for i, d in enumerate(full.shard_dims)}
     include = bool(op.attrs.get("count_include_pad", True))
     per_dim = []
     for (d, g), (lo, hi, s, k_eff) in zip(dec.window_geoms(op), window_params(op, dec.k)):

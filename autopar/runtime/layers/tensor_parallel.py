@@ -11,7 +11,7 @@ import torch
 
 from ...decomp.base import runs
 from ...decomp.ir import EXPAND, VIEW, Layer, OpSpec
-from ...decomp.layout import block_extent, block_start
+from ...decomp.sharding import block_extent, block_start
 from ...decomp.tensor_parallel.detect import projection
 from ...decomp.tensor_parallel.heads import HeadParallel, cached_analysis
 from ...decomp.tensor_parallel.sequence import SequenceParallel
