@@ -14,8 +14,10 @@
    plan's own estimate, executed by ``autopar execute`` (float64 validation, measured peak memory
    per rank beside the prediction, plan / DDP / FSDP2).
 3. **The 96-layer GPT at 1024 ranks** (8 per node, ``strategies/clusters/a100-128x8.json``),
-   batch 256, under 400 MiB: ``autopar plan`` timed from a shell; which units are sharded on
-   which axis.
+   batch 256, under 400 MiB: ``autopar plan`` with the default kinds timed from a shell (wall
+   clock, interpreter start included); which units are sharded on which axis, where the
+   process's time went and the solver's notes (the memory-limited ILP is skipped when its
+   Lagrangian bound proves the sharded plan faster: ``planner.solve``).
 
     python benchmarks/bench_fsdp.py [--rounds 12] [--out reports/benchmarks/fsdp.md]
 
@@ -151,7 +153,7 @@ def gpt96(work: Path) -> dict:
     out = work / "gpt96-w1024"
     cmd = [sys.executable, "-m", "autopar", "plan", str(MODELS["gpt"]), "--world-size", "1024", "--batch-size", "256",
            "--cluster", str(ROOT / "strategies/clusters/a100-128x8.json"), "--memory-limit", "400MiB",
-           "--kinds", "sample,replicate,sharded", "--out", str(out)]
+           "--out", str(out)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -167,6 +169,7 @@ def gpt96(work: Path) -> dict:
     return {"command": "AUTOPAR_GPT_LAYERS=96 AUTOPAR_GPT_EMBED=256 python " + shown,
             "wall_s": wall, "memory_mib": plan["predicted"]["memory_per_rank_bytes"] / 2**20,
             "step_s": plan["predicted"]["step_time_s"], "runtime": plan["runtime"]["expected"],
+            "timings_s": plan["timings_s"], "solver_notes": plan["solver"]["notes"],
             "units_by_decision": {k: len(v) for k, v in levels.items()},
             "examples": {k: v[:3] for k, v in levels.items()}}
 
@@ -211,6 +214,9 @@ def main(argv=None) -> int:
     else:
         lines += [f"- `{g['command']}`", f"- planned in {g['wall_s']:.1f} s from a shell; predicted "
                   f"{g['memory_mib']:.1f} MiB per rank, step {g['step_s'] * 1e3:.0f} ms; runtime {g['runtime']}",
+                  "- inside the process (plan.json timings_s): " + ", ".join(
+                      f"{k} {v:.2f}" for k, v in g["timings_s"].items() if k.endswith("_s")),
+                  "- solver notes: " + " / ".join(g["solver_notes"]),
                   "- units by decision: " + "; ".join(f"{k}: {n} (e.g. {', '.join(g['examples'][k])})"
                                                        for k, n in g["units_by_decision"].items()), ""]
     lines += ["## Chosen plan vs torch DDP vs torch FSDP2 (every block), no memory limit", "",

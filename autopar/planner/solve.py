@@ -3,16 +3,19 @@ program / ILP), the fastest placement kept (``solve.placement.search_placement``
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.table import evaluate
 from ..errors import InfeasiblePlan, SolverError
+from ..solve.elimination import limited_lower_bound_s
 from ..solve.ilp import solve as solve_ilp
 from ..solve.placement import PlacementResult, search_placement
 from .load import Request
 from .price import Priced, TableMaker
+from .strategies.sharded import fitting_step_s as sharded_fitting_step_s
 from .trace import Traced
 
 
@@ -42,15 +45,35 @@ class TableSolver:
             free = solve_ilp(table, memory_limit_bytes=None, time_limit_s=o.time_limit_s, solver=o.solver)
             if evaluate(table, free.choice).memory_per_rank_bytes <= o.memory_limit_bytes:
                 s = free
+            elif (skip := self._limited_beaten(table, free)) is not None:
+                s = dataclasses.replace(free, notes=list(free.notes) + [skip])
             else:
+                # the DP knows no memory limit: its plan, over the limit, would be found again
+                solver = "ilp" if free.solver == "dp" else o.solver
                 try:
                     s = solve_ilp(table, memory_limit_bytes=o.memory_limit_bytes, time_limit_s=o.time_limit_s,
-                                  solver=o.solver)
+                                  solver=solver)
                 except (InfeasiblePlan, SolverError) as e:
                     self.infeasible = self.infeasible or e
                     s = free
         self.solves_s.append(time.perf_counter() - t)
         return s
+
+    def _limited_beaten(self, table, free) -> str | None:
+        """Why the memory-limited ILP need not run (its note), or None: the sharded strategy
+        offers a plan over ``free`` that fits the limit, and no per-layer plan that fits can be
+        faster (``limited_lower_bound_s``); that ILP can take minutes (a 96-layer GPT at 1024
+        ranks: HiGHS's time limit, 60 s)."""
+        limit = self.req.options.memory_limit_bytes
+        target = sharded_fitting_step_s(table, free.choice, self.req, limit)
+        if target is None:
+            return None
+        lb = limited_lower_bound_s(table, limit, at_least=target)
+        if lb is None or lb < target:
+            return None
+        return (f"the memory-limited ILP was not run: no per-layer plan within {limit / 2**20:.1f} MiB is "
+                f"faster than {lb:.6g} s (Lagrangian bound, solve.elimination.limited_lower_bound_s), and "
+                f"sharded data parallelism over this plan fits in {target:.6g} s")
 
 
 @dataclass(frozen=True)

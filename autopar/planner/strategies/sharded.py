@@ -202,6 +202,46 @@ def _batch_norm_problem(table) -> str | None:
             f"{batch // max(world, 1)} samples' statistics (--batch-norm local with the default group)")
 
 
+def _fastest(pricer: "_Pricer", limit: float | None) -> Priced | None:
+    """The fastest assignment that fits ``limit`` (none fitting: the one of least memory); None
+    when no unit can be sharded."""
+    best = None
+    for a in pricer.assignments():
+        if all(s is None for s in a):
+            continue
+        p = pricer.price(a)
+        fits = limit is None or p.memory_bytes <= limit
+        key = (not fits, p.step_time_s if fits else p.memory_bytes)
+        if best is None or key < best[0]:
+            best = (key, p)
+    return None if best is None else best[1]
+
+
+def fitting_step_s(table, choice, req, memory_limit_bytes: float) -> float | None:
+    """The step seconds of the sharded candidate this strategy would offer, legal and within
+    ``memory_limit_bytes``, when the solver's plan is ``choice`` (a plan over the limit, so the
+    state-sharding candidate over it is legal), or None when it offers none that fits.
+    ``planner.solve`` asks it before the memory-limited ILP: when no plan that fits the limit can
+    beat this (a lower bound, ``solve.elimination.limited_lower_bound_s``), that ILP is not run.
+    A data-parallel plan over the native choice that fits displaces the one over ``choice``
+    (``offer``), so its figure is the answer then."""
+    if table.ctx.world < 2 or req.constrained or _batch_norm_problem(table) is not None:
+        return None
+    kinds = req.options.kinds
+    if kinds and NAME not in kinds:
+        return None
+    nat = native_choice(table)
+    if nat is not None:
+        _, nat_pred = choose_runtime(table, nat, evaluate, None)
+        p = _fastest(_Pricer(table, tuple(nat), nat_pred), memory_limit_bytes)
+        if p is not None and p.memory_bytes <= memory_limit_bytes:
+            return p.step_time_s
+        if tuple(nat) == tuple(choice):
+            return None
+    p = _fastest(_Pricer(table, tuple(choice), evaluate(table, list(choice))), memory_limit_bytes)
+    return p.step_time_s if p is not None and p.memory_bytes <= memory_limit_bytes else None
+
+
 def describe(names, a) -> str:
     n3 = sum(1 for s in a if s is not None and s.level == 3)
     n2 = sum(1 for s in a if s is not None and s.level == 2)
@@ -250,20 +290,10 @@ class ShardedDataParallel:
 
     def _best(self, base, choice, pred, runtime: str, label: str):
         pricer = _Pricer(base.table, choice, pred)
-        limit = base.memory_limit_bytes
-        best = None
-        for a in pricer.assignments():
-            if all(s is None for s in a):
-                continue
-            p = pricer.price(a)
-            fits = limit is None or p.memory_bytes <= limit
-            key = (not fits, p.step_time_s if fits else p.memory_bytes)
-            if best is None or key < best[0]:
-                best = (key, p)
-        if best is None:
+        p = _fastest(pricer, base.memory_limit_bytes)
+        if p is None:
             return Candidate(NAME, label, illegal="no unit has parameters on more than one rank",
                              priority=self.priority)
-        p = best[1]
         what = describe(pricer.units.names, p.assignment)
         return Candidate(NAME, f"{label}: {what}",
                          dataclasses.replace(pred, step_time_s=p.step_time_s, memory_per_rank_bytes=p.memory_bytes),
