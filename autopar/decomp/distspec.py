@@ -18,7 +18,9 @@ Legend: a *dim* is a tensor dimension; an *axis* is a mesh axis (``autopar.decom
                     a parameter's placement (not one box, so no ``DistSpec``).
 
 Uneven blocks need no placement of their own: every split follows the ``torch.tensor_split``
-rule (the first ``n % p`` blocks one element longer), as DTensor's ``Shard`` does.
+rule (the first ``n % p`` blocks one element longer). DTensor's ``Shard`` splits by
+``torch.chunk`` instead (5 over 4: 2,1,1,1 here, 2,2,1,0 there), so an uneven ``Shard`` maps onto
+DTensor only where both rules give the same blocks (``runtime.dtensor.to_dtensor`` checks).
 
 Why not ``torch.distributed.tensor``'s own placement classes: autopar's are pure (importable and
 testable without torch or a process group), serialise to JSON for plan files, and include the

@@ -28,8 +28,8 @@ most, and there is one Partial axis at most.
 
 Uneven blocks: a dim of extent n split into p parts gives block i the extent ``n // p + (1 if
 i < n % p else 0)`` starting at ``i * (n // p) + min(i, n % p)`` (the rule of
-``torch.tensor_split``, as DTensor's ``Shard``), so remainders are handled wherever a block is
-at least one element.
+``torch.tensor_split``; DTensor's ``Shard`` uses ``torch.chunk``, see ``distspec``), so
+remainders are handled wherever a block is at least one element.
 
 Parameters: a parameter's ``Sharding`` is stated on its layer's mesh (``ParamShard`` in
 ``autopar.decomp.base``): ``Shard(param dim)`` (or ``SegmentShard`` for a fused q|k|v weight)
