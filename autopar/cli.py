@@ -175,8 +175,6 @@ def cmd_plan(args) -> int:
                           speed_history=args.speed_history, pins=tuple(args.pin or ()),
                           pipeline=_pipeline_arg(args.pipeline), microbatches=args.microbatches,
                           schedule=args.schedule)
-    if options.pipeline not in (None, "off"):
-        from .planner.strategies import stages as _stages  # noqa: F401  (registers the pipeline strategy)
     if args.no_measure:
         warnings.warn("--no-measure is the default now and does nothing (planning starts no process; "
                       "--measure-shapes measures missing shapes as a step before planning)", FutureWarning)
@@ -264,8 +262,8 @@ def _plan_padded(args, options) -> int:
 def _plan_trainers(args, options) -> int:
     """``autopar plan --trainers T|auto``: one trainer of N/T ranks planned by the ILP, the
     trainer level priced (``autopar.tournament.pricing``) and written into plan.json."""
-    from .planner import format_plan_table, parse_bytes
-    from .tournament.pricing import IngestionModel, TournamentOptions, format_table, make_tournament_plan
+    from .planner import format_plan_table, make_tournament_plan, parse_bytes
+    from .tournament.pricing import IngestionModel, TournamentOptions, format_table
     from .artifacts import PlanHooks
     trainers = args.trainers if args.trainers == "auto" else _int_arg("--trainers", args.trainers)
     ing = None

@@ -76,9 +76,6 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("autopar.decomp.transition", "autopar.cost.redistribute"): _COST_OUT_OF_RUNTIME,
     ("autopar.planner.strategies.graphs", "autopar.runtime.graphs"): _PLANNER_RUNTIME,
     ("autopar.planner.trace", "autopar.runtime.model"): _PLANNER_RUNTIME,
-    ("autopar.planner.strategies.stages", "autopar.planner.make"):
-        "the pipeline strategy re-plans each stage's sub-mesh with make_plan (the seam's Offer carries no "
-        "re-planner); at module level it would close make -> choose -> strategies -> stages -> make",
     ("autopar.cli", "*"): ("start-up speed of `autopar --help` and of each subcommand: the modules a "
                            "subcommand runs load torch, pulp and highspy"),
     ("autopar.explain", "*"): _IN_FLIGHT,

@@ -16,7 +16,8 @@ import pytest
 
 from autopar.artifacts import PlanHooks, PlanOptions, TrainerLevel, load_plan
 from autopar.errors import PlanFileError
-from autopar.tournament.pricing import TournamentOptions, TrainersError, make_tournament_plan
+from autopar.planner import make_tournament_plan
+from autopar.tournament.pricing import TournamentOptions, TrainersError
 from autopar.tournament.runtime import decide, pairing
 
 
@@ -221,7 +222,8 @@ def test_tournament_halves_keep_the_data_flow_imports(root, tmp_path, profile):
         "sys.path.insert(0, 'tests')\n"
         "from fakes import synthetic_profile\n"
         "from autopar.artifacts import PlanHooks, PlanOptions\n"
-        "from autopar.tournament.pricing import TournamentOptions, make_tournament_plan\n"
+        "from autopar.planner import make_tournament_plan\n"
+        "from autopar.tournament.pricing import TournamentOptions\n"
         "make_tournament_plan('strategies/examples/ltfb_surrogate.py', PlanOptions(world_size=4, write=False), "
         "TournamentOptions(trainers='auto'), PlanHooks(profile=synthetic_profile()))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('autopar.runtime'))))\n")

@@ -17,7 +17,8 @@ import tempfile
 import pytest
 
 from autopar.artifacts import PlanHooks, PlanOptions
-from autopar.tournament.pricing import TournamentOptions, make_tournament_plan
+from autopar.planner import make_tournament_plan
+from autopar.tournament.pricing import TournamentOptions
 
 BN_CNN = '''
 """A small batch-norm CNN for the tournament tests."""

@@ -47,7 +47,9 @@ Choice (``decide``)::
 ``T_b`` the priced step time at bucket b, ``steps`` the training steps the shapes are used
 for (default one epoch: graphs / B), ``shape_setup_s`` a plan, trace and first-call warm-up of
 one shape (ASSUMED, stated in the plan): every shape of a policy is prepared before training,
-whether or not a step then runs at it. The smallest ``total_s`` wins; ties keep fewer shapes.
+whether or not a step then runs at it. The smallest ``total_s`` wins; ties keep fewer shapes
+(the planner's one chooser, ``planner.strategies``, compares the policies by it: ``decide`` here
+applies the same rule for callers without the planner).
 """
 
 from __future__ import annotations
@@ -272,12 +274,13 @@ def candidate_buckets(sizes: GraphSizes, max_buckets: int) -> dict[int, tuple[Bu
     return out
 
 
-def decide(sizes: GraphSizes, price_shape: Callable[[Bucket], ShapePrice], batch_size: int,
-           world_size: int, max_buckets: int = 4, sampling: str = "random", steps: int | None = None,
-           shape_setup_s: float = DEFAULT_SHAPE_SETUP_S,
-           warmup_steps: int = DEFAULT_WARMUP_STEPS) -> PaddingDecision:
-    """Price the global maximum and k = 2..max_buckets buckets; keep the smallest ``total_s``
-    (ties: fewer shapes). ``price_shape`` is called once per distinct bucket."""
+def price_policies(sizes: GraphSizes, price_shape: Callable[[Bucket], ShapePrice], batch_size: int,
+                   world_size: int, max_buckets: int = 4, sampling: str = "random", steps: int | None = None,
+                   shape_setup_s: float = DEFAULT_SHAPE_SETUP_S,
+                   warmup_steps: int = DEFAULT_WARMUP_STEPS) -> tuple[tuple[PaddingCandidate, ...], int]:
+    """(every policy priced: the global maximum and k = 2..max_buckets buckets, the steps they
+    are priced for). ``price_shape`` is called once per distinct bucket. The choice is the
+    planner's (``planner.strategies.buckets``: the smallest ``total_s``, ties to fewer shapes)."""
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     steps = steps if steps is not None else max(1, math.ceil(sizes.graphs / batch_size))
@@ -289,7 +292,13 @@ def decide(sizes: GraphSizes, price_shape: Callable[[Bucket], ShapePrice], batch
                 prices[b] = price_shape(b)
         cands.append(price_candidate(sizes, buckets, prices, batch_size, world_size, steps, sampling,
                                      shape_setup_s, warmup_steps, k=k))
-    chosen = min(cands, key=lambda c: (round(c.total_s, 12), c.distinct_shapes, len(c.buckets)))
+    return tuple(cands), steps
+
+
+def decision(sizes: GraphSizes, cands: tuple[PaddingCandidate, ...], chosen: PaddingCandidate, steps: int,
+             batch_size: int, sampling: str = "random", shape_setup_s: float = DEFAULT_SHAPE_SETUP_S,
+             warmup_steps: int = DEFAULT_WARMUP_STEPS) -> PaddingDecision:
+    """The ``PaddingDecision`` of ``chosen`` among ``cands``, with its notes."""
     notes = []
     if sampling == "random" and len(chosen.buckets) == 1 and len(cands) > 1:
         notes.append(f"with random mini-batches of {batch_size} graphs, a step is at the top bucket "
@@ -299,6 +308,19 @@ def decide(sizes: GraphSizes, price_shape: Callable[[Bucket], ShapePrice], batch
     return PaddingDecision(chosen=chosen, candidates=tuple(cands), steps=steps, batch_size=batch_size,
                            shape_setup_s=shape_setup_s, warmup_steps=warmup_steps,
                            sizes_source=sizes.source, graphs=sizes.graphs, notes=tuple(notes))
+
+
+def decide(sizes: GraphSizes, price_shape: Callable[[Bucket], ShapePrice], batch_size: int,
+           world_size: int, max_buckets: int = 4, sampling: str = "random", steps: int | None = None,
+           shape_setup_s: float = DEFAULT_SHAPE_SETUP_S,
+           warmup_steps: int = DEFAULT_WARMUP_STEPS) -> PaddingDecision:
+    """``price_policies``, then the smallest ``total_s`` (ties: fewer shapes), the rule the
+    planner's chooser applies (``planner.strategies``: smallest ``cost_s``, then priority = the
+    distinct shapes); for callers without the planner (tests, benchmarks of this module)."""
+    cands, steps = price_policies(sizes, price_shape, batch_size, world_size, max_buckets, sampling, steps,
+                                  shape_setup_s, warmup_steps)
+    chosen = min(cands, key=lambda c: (c.total_s, c.distinct_shapes))
+    return decision(sizes, cands, chosen, steps, batch_size, sampling, shape_setup_s, warmup_steps)
 
 
 def format_decision(d: "PaddingDecision") -> str:

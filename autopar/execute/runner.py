@@ -87,12 +87,33 @@ def _import_generated(path: Path):
     return mod
 
 
+def run_kind(plan: Plan) -> str:
+    """How a plan runs, as the strategy that made it recorded: "tournament" (a trainer level,
+    ``planner.strategies.trainers``), else its runtime record's ``expected`` (the chosen
+    candidate's ``runtime``: "native", "traced", "fsdp", "fsdp+traced", "stages"), "traced"
+    for a plan without one. ``EXECUTORS`` and ``RANK_MAINS`` are keyed by it."""
+    if plan.trainers is not None:
+        return "tournament"
+    return plan.runtime.expected if plan.runtime is not None else "traced"
+
+
 def _rank_main(rank: int, world: int, plan_path: str, module_path: str, opts: ExecuteOptions) -> dict[str, Any]:
-    """One rank of a single plan on the whole world (a sharded plan on torch's FSDP2: ``execute.fsdp``)."""
+    """One rank of a single plan on the whole world: ``RANK_MAINS`` by the plan's ``run_kind``
+    (a sharded plan on torch's FSDP2: ``execute.fsdp``), else ``_mesh_main``."""
     plan = load_plan(plan_path, world)
-    if plan.runtime is not None and plan.runtime.expected == "fsdp":
-        return fsdp_main(plan, plan_path, Comm.from_env(), opts)
-    return _mesh_main(plan, plan_path, module_path, Comm.from_env(), opts)
+    return RANK_MAINS.get(run_kind(plan), _mesh_rank_main)(plan, plan_path, module_path, Comm.from_env(), opts)
+
+
+def _mesh_rank_main(plan: Plan, plan_path: str, module_path: str, comm, opts: ExecuteOptions) -> dict[str, Any]:
+    return _mesh_main(plan, plan_path, module_path, comm, opts)
+
+
+def _fsdp_rank_main(plan: Plan, plan_path: str, module_path: str, comm, opts: ExecuteOptions) -> dict[str, Any]:
+    return fsdp_main(plan, plan_path, comm, opts)
+
+
+#: run kind -> one rank's work, where it is not ``_mesh_main`` (the generated module's model)
+RANK_MAINS = {"fsdp": _fsdp_rank_main}
 
 
 def _runset_rank_main(rank: int, world: int, runset_path: str, module_paths: list[str],
@@ -307,17 +328,32 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)        # checked before any process starts
     check_batch_norm(plan, plan_path, opts.batch_norm)
-    if plan.trainers is not None:      # tournament training (LTFB): T trainers on sub-meshes
-        tour, out = execute_tournament(plan_path, TournamentRunOptions(
-            rounds=opts.rounds, seed=opts.seed, lr=opts.lr, momentum=opts.momentum, dtype=opts.validate_dtype,
-            timeout_s=opts.timeout_s, kill=opts.kill_trainer), out_dir, progress, validate=opts.validate)
-        return TournamentRun.from_json(tour, str(out / "run.json")), out
-    if plan.runtime is not None and plan.runtime.expected == "stages":     # pipeline stages (issue 41)
-        return execute_stages(plan_path, plan, opts, out_dir, progress, _choose_out_dir, write_run_report)
+    return EXECUTORS.get(run_kind(plan), _execute_mesh)(plan_path, plan, opts, out_dir, progress)
+
+
+def _execute_tournament(plan_path: Path, plan: Plan, opts: ExecuteOptions, out_dir, progress):
+    """Tournament training (LTFB): T trainers on sub-meshes (``tournament.run``)."""
+    tour, out = execute_tournament(plan_path, TournamentRunOptions(
+        rounds=opts.rounds, seed=opts.seed, lr=opts.lr, momentum=opts.momentum, dtype=opts.validate_dtype,
+        timeout_s=opts.timeout_s, kill=opts.kill_trainer), out_dir, progress, validate=opts.validate)
+    return TournamentRun.from_json(tour, str(out / "run.json")), out
+
+
+def _execute_stages(plan_path: Path, plan: Plan, opts: ExecuteOptions, out_dir, progress):
+    """Pipeline stages on sub-meshes (issue 41, ``execute.stages``)."""
+    return execute_stages(plan_path, plan, opts, out_dir, progress, _choose_out_dir, write_run_report)
+
+
+def _execute_sharded(plan_path: Path, plan: Plan, opts: ExecuteOptions, out_dir, progress):
+    """A sharded plan (``planner.strategies.sharded``): refused before any process starts when
+    not runnable, run on the whole world, its measured memory against the prediction."""
+    sharded_record(plan)
+    return _execute_mesh(plan_path, plan, opts, out_dir, progress, sharded=True)
+
+
+def _execute_mesh(plan_path: Path, plan: Plan, opts: ExecuteOptions, out_dir, progress, sharded: bool = False):
+    """One plan on the whole world (natively or op by op: the generated module's model)."""
     world = plan.world_size
-    sharded = plan.runtime is not None and plan.runtime.expected.startswith("fsdp")
-    if sharded:
-        sharded_record(plan)           # refused here, before any process starts, when not runnable
     module_path = check_plan_files(plan_path, plan)
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): validation, "
              f"{opts.warmup}+{opts.steps} timed steps, DDP baseline")
@@ -349,6 +385,13 @@ def execute(plan_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | N
             f"(rel {w.rel:.3g} > rtol {v.rtol:g}, {v.dtype}); details in {out / 'run.json'}",
             "the plan does not compute the single-process function: report it with the plan file")
     return run, out
+
+
+#: run kind (``run_kind``) -> how ``execute`` runs the plan, where it is not ``_execute_mesh``
+#: (one plan on the whole world: "native", "traced"); a strategy whose plans run differently
+#: adds its row here (and to ``RANK_MAINS`` for one rank's work)
+EXECUTORS = {"tournament": _execute_tournament, "stages": _execute_stages,
+             "fsdp": _execute_sharded, "fsdp+traced": _execute_sharded}
 
 
 def execute_runset(runset_path: str | Path, opts: ExecuteOptions, out_dir: str | Path | None = None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import os
 from pathlib import Path
 
 from .. import __version__
@@ -20,18 +19,7 @@ from .choose import Chosen
 from .load import Loaded, Request
 from .price import Priced
 from .solve import Solved
-
-
-def rel_path(path: Path, base: Path) -> str:
-    """``path`` relative to ``base`` (absolute when on another drive)."""
-    try:
-        return os.path.relpath(Path(path).resolve(), Path(base).resolve())
-    except ValueError:
-        return str(Path(path).resolve())
-
-
-def default_plan_dir(model_name: str, world: int) -> Path:
-    return Path("strategies") / "plans" / f"{model_name}-w{world}"
+from .write import rel_path
 
 
 def layer_decisions(table, choice, world: int) -> tuple[LayerDecision, ...]:

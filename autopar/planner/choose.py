@@ -1,15 +1,16 @@
 """Stage 5, choose: every registered plan-level strategy (``planner.strategies``) offers its
-candidates for the solved table; one rule picks (memory fit, forced, fastest, priority)."""
+candidates for the solved table; one rule picks (memory fit, forced, fastest, priority). When
+none fits the memory limit, the error names every strategy and why (``strategies.none_fits``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .load import Loaded, Request
 from .solve import Solved
-from .strategies import STRATEGIES, Choice, Offer, choose as choose_rule, memory_fit, offer_all
+from .strategies import STRATEGIES, Choice, Offer, choose as choose_rule, memory_fit, none_fits, offer_all
 from .strategies.native import NAME as NATIVE
 from .strategies.op_by_op import NAME as OP_BY_OP
 
@@ -26,15 +27,22 @@ class Chosen:
     pin_marks: dict[int, str]
 
 
-def choose(loaded: Loaded, solved: Solved, req: Request) -> Chosen:
+def choose(loaded: Loaded, solved: Solved, req: Request, replan: Callable[..., Any] | None = None) -> Chosen:
+    """``replan``: ``make_plan`` itself, for strategies that re-plan the model (``Offer.replan``)."""
     placed = solved.placed
     base = Offer(req, loaded, placed.table.graph, placed.table, placed.solution, placed.prediction,
-                 dp_unpinned=solved.maker.dp_unpinned.get(id(placed.table), False))
+                 dp_unpinned=solved.maker.dp_unpinned.get(id(placed.table), False), replan=replan)
     cands = offer_all(base)
     fallback = next(c for c in cands if c.strategy == OP_BY_OP)
     choice = choose_rule(cands, req.memory_limit_bytes, fallback)
     if solved.infeasible is not None and memory_fit(choice.chosen.prediction, req.memory_limit_bytes) is not None:
-        raise solved.infeasible           # no strategy fits either: the solver's own words
+        # no strategy fits either: the solver's own words for its plan, then every strategy's
+        e = solved.infeasible
+        # (the op-by-op candidate is the plan solved without the limit: the solver's message
+        # names the smallest memory any per-layer plan reaches, so its own figure is dropped)
+        own = [dataclasses.replace(c, illegal="no per-layer plan fits (the solver's words above)", prediction=None)
+               if c.strategy == OP_BY_OP else c for c in choice.candidates]
+        raise none_fits(own, e.message, e.hint, error=type(e))
     own = {name: s.record(base, choice) for name, s in STRATEGIES.items() if hasattr(s, "record")}
     records: dict[str, Any] = {}
     for rec in own.values():                 # registration order: a later record wins

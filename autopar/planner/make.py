@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts import Plan, PlanHooks, PlanOptions
-from .build import build, default_plan_dir
+from .build import build
 from .choose import choose
 from .load import load, request
 from .price import price
 from .shapes import missing_shapes
 from .solve import solve
 from .trace import trace
-from .write import with_timings, write_module, write_plan_file
+from .write import default_plan_dir, with_timings, write_module, write_plan_file
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
     priced = price(loaded, traced, req)
     solved = solve(traced, priced, req)
     timings.update(solved.timings_s)
-    chosen = choose(loaded, solved, req)
+    chosen = choose(loaded, solved, req, replan=make_plan)
     missing = missing_shapes(loaded, solved, hooks, req)
     out_dir = Path(options.out_dir) if options.out_dir is not None else default_plan_dir(loaded.mf.name,
                                                                                          options.world_size)

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from ..artifacts import Plan, write_plan
 from ..codegen.generate import generate_module
 from ..io import atomic_write_text
+
+
+def rel_path(path: Path, base: Path) -> str:
+    """``path`` relative to ``base`` (absolute when on another drive)."""
+    try:
+        return os.path.relpath(Path(path).resolve(), Path(base).resolve())
+    except ValueError:
+        return str(Path(path).resolve())
+
+
+def default_plan_dir(model_name: str, world: int) -> Path:
+    return Path("strategies") / "plans" / f"{model_name}-w{world}"
 
 
 def write_module(plan: Plan, out_dir: Path) -> Path:

@@ -29,9 +29,14 @@ measured; B = the plan's batch, I = the tournament interval in steps)::
     samples/s     T * I * B / round_s                   (the whole job)
 
 Memory per rank: the plan's predicted memory + one received copy of the partner's state (the
-exchange buffer) must fit ``memory_limit_bytes`` (else the T is infeasible: "a trainer too
-small for its plan's memory"); the data store is host memory (``data_store_bytes_per_rank``,
-default: the same limit).
+exchange buffer), ``memory_per_rank_bytes``; the planner's one chooser holds it to the limit
+(``planner.strategies``: else the T is infeasible, "a trainer too small for its plan's
+memory"); the data store is host memory (``data_store_bytes_per_rank``, default: the same
+limit).
+
+Which T: the planner's job-level strategy ``planner.strategies.trainers`` offers each priced T
+as a candidate (``cost_s`` = 1 / samples per second, priority T) to the one chooser;
+``planner.make_tournament_plan`` is the entry point. This module only prices.
 
 What the model leaves out: the one-off filling of the data store, the random pairing's
 partner landing on the same node (priced as inter-node), congestion of the storage system
@@ -45,11 +50,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..artifacts import TOURNAMENT_EXCHANGES, Plan, PlanHooks, PlanOptions, TrainerLevel
+from ..artifacts import TOURNAMENT_EXCHANGES, Plan
 from ..errors import AutoparError
-from ..planner.strategies import memory_fit_bytes
 
 
 class TrainersError(AutoparError):
@@ -286,7 +290,6 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
                          f"tournament_s_{dt}": ex + eval_s, f"round_s_{dt}": rs,
                          f"samples_per_s_{dt}": T * I * B / rs if rs > 0 else math.inf})
     mem = plan.predicted.memory_per_rank_bytes + (state if T > 1 else 0.0)
-    fits = memory_fit_bytes(mem, memory_limit_bytes) is None
     return {**by_dtype,
         "trainers": T, "ranks_per_trainer": n, "world_size": world, "batch_per_trainer": B,
         "interval_steps": I, "step_s": step_s, "plan_step_s": pr.step_time_s, "colocation_slowdown": colocation, "ingest_s": ingest_s, "data_in_memory": in_memory,
@@ -296,7 +299,7 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
         "eval_s": eval_s, "tournament_s": exchange_s + eval_s, "round_s": round_s,
         "tournament_overhead": (exchange_s + eval_s) / round_s if round_s > 0 else 0.0,
         "samples_per_s": T * I * B / round_s if round_s > 0 else math.inf,
-        "memory_per_rank_bytes": mem, "memory_limit_bytes": memory_limit_bytes, "fits_memory": fits,
+        "memory_per_rank_bytes": mem, "memory_limit_bytes": memory_limit_bytes,
     }
 
 
@@ -326,7 +329,7 @@ def format_table(rows: list[dict[str, Any]], chosen: int | None = None) -> str:
             out.append(f"{r['trainers']:>4} {r['ranks_per_trainer']:>7} {'':>9} {'':>9} {'':>8} {'':>8} "
                        f"{'':>8} {'':>8} {'':>8} {'infeasible':>11}  {r['error']}")
             continue
-        note = "<- chosen" if chosen == r["trainers"] else ("" if r["fits_memory"] else "over the memory limit")
+        note = "<- chosen" if chosen == r["trainers"] else ("" if r.get("fits_memory", True) else "over the memory limit")
         out.append(f"{r['trainers']:>4} {r['ranks_per_trainer']:>7} {r['step_s'] * 1e3:9.3f} "
                    f"{r['ingest_s'] * 1e3:9.3f} {r['exchange_s'] * 1e3:8.3f} {r['eval_s'] * 1e3:8.3f} "
                    f"{100 * r['tournament_overhead']:7.1f}% {'memory' if r['data_in_memory'] else 'storage':>8} "
@@ -338,108 +341,11 @@ def format_table(rows: list[dict[str, Any]], chosen: int | None = None) -> str:
 
 @dataclass(frozen=True)
 class TournamentPlanResult:
+    """What ``planner.make_tournament_plan`` returns: the plan with its trainer level, where it
+    was written, every trainer count priced (``rows``, ``fits_memory`` by the chooser's rule) and
+    the T chosen."""
     plan: Plan
     plan_path: Path | None
     module_path: Path | None
     rows: list[dict[str, Any]]
     chosen: int
-
-
-def make_tournament_plan(model_file: str | Path, options: PlanOptions, topts: TournamentOptions,
-                         hooks: PlanHooks | None = None,
-                         say: Callable[[str], None] = lambda s: None) -> TournamentPlanResult:
-    """Plan one trainer of ``world_size / T`` ranks (the ordinary per-layer ILP) for the given
-    T, or for every divisor T of the world (``trainers="auto"``), price each (module
-    docstring), keep the fastest that fits and write its plan with the trainer level."""
-    from ..codegen.generate import generate_module
-    from ..io import atomic_write_text
-    from ..modelfile import load_model_file
-    from ..artifacts import write_plan
-    from ..planner import default_plan_dir, load_calibration, make_plan
-
-    hooks = hooks or PlanHooks()
-    N = options.world_size
-    auto = topts.trainers == "auto"
-    if not auto and N % int(topts.trainers):
-        raise TrainersError(f"--trainers {topts.trainers} does not divide the world size {N}",
-                            f"choose T among the divisors {divisors(N)} (smallest feasible T: 1), or --trainers auto")
-    mf = load_model_file(model_file)
-    profile = hooks.profile
-    if profile is None:
-        _, profile = load_calibration(options.calibration)
-    rpn = int(options.ranks_per_node or profile.topology.get("ranks_per_node", N))
-    candidates = divisors(N) if auto else [int(topts.trainers)]
-    metric = topts.metric or ("model_file" if hasattr(mf.module, "tournament_metric") else "loss")
-    ing = topts.ingestion or IngestionModel.from_profile(profile)
-    topts = dataclasses.replace(topts, ingestion=ing)
-    rows: list[dict[str, Any]] = []
-    plans: dict[int, Plan] = {}
-
-    def plan_for(T: int) -> dict[str, Any]:
-        n = N // T
-        o = dataclasses.replace(options, world_size=n, write=False, nodes=None, ranks_per_node=rpn)
-        try:
-            res = make_plan(model_file, o, dataclasses.replace(hooks, progress=None, profile=profile))
-        except AutoparError as e:
-            return {"trainers": T, "ranks_per_trainer": n, "error": str(e).splitlines()[0][:120]}
-        B = res.plan.model.batch_size
-        row = price_trainers(res.plan, T, profile, topts, rpn, options.memory_limit_bytes,
-                             topts.sample_bytes or sample_bytes_of(mf, B), options.optimizer_state_per_param,
-                             buffers=model_buffers(mf, res.plan))
-        plans[T] = res.plan
-        return row
-
-    for T in candidates:
-        rows.append(plan_for(T))
-        r = rows[-1]
-        say(f"T = {T}: " + (r["error"] if r.get("error") else
-                            f"{r['samples_per_s']:.1f} samples/s predicted ({r['ranks_per_trainer']} ranks per trainer)"))
-    ok = [r for r in rows if not r.get("error") and r["fits_memory"]]
-    if not ok:
-        # name the feasible trainer counts (the smaller ones: more ranks per trainer)
-        feas = []
-        for T in divisors(N):
-            if T in candidates:
-                continue
-            r = plan_for(T)
-            if not r.get("error") and r["fits_memory"]:
-                feas.append(T)
-        r = rows[0]
-        why = r.get("error") or (f"needs {r['memory_per_rank_bytes'] / 2**20:.1f} MiB per rank (plan + the "
-                                 f"partner's model received in the exchange) over the limit "
-                                 f"{options.memory_limit_bytes / 2**20:.1f} MiB")
-        raise TrainersError(
-            f"--trainers {topts.trainers} leaves trainers of {N // int(rows[0]['trainers'])} ranks too small "
-            f"for the plan's memory: {why}",
-            (f"use --trainers {max(feas)} or fewer (smallest feasible T: {min(feas)}; feasible: {feas})"
-             if feas else "no trainer count fits: raise --memory-limit"))
-    best = max(ok, key=lambda r: (r["samples_per_s"], -r["trainers"]))
-    T = best["trainers"]
-    plan = plans[T]
-    B = plan.model.batch_size
-    tour = topts.tournament_samples or 2 * B
-    train = topts.train_samples_per_trainer or 8 * B
-    level = TrainerLevel(
-        trainers=T, ranks_per_trainer=N // T, interval_steps=topts.interval_steps,
-        pairing_seed=topts.pairing_seed, exchange=topts.exchange, metric=metric,
-        train_samples_per_trainer=int(train), tournament_samples=int(tour), data_seed=topts.data_seed,
-        predicted={k: v for k, v in best.items() if not isinstance(v, (list, dict))},
-        candidates=tuple(rows) if auto else (),
-        extra={"world_size": N, "ingestion_model": dataclasses.asdict(ing),
-               "pricing": "autopar.tournament.pricing (formulas in its docstring)"})
-    from ..artifacts import check_trainer_level
-    check_trainer_level(level, plan.world_size, B, "the tournament plan")
-    check_tournament_data(mf, B, T * (level.train_samples_per_trainer + level.tournament_samples))
-    out_dir = Path(options.out_dir) if options.out_dir is not None else Path(
-        str(default_plan_dir(mf.name, N)) + f"-t{T}")
-    plan = dataclasses.replace(plan, trainers=level)
-    plan_path = module_path = None
-    if options.write:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # the model path is relative to the plan's folder
-        from ..planner import rel_path
-        plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, path=rel_path(Path(model_file), out_dir)))
-        module_path = out_dir / plan.generated
-        atomic_write_text(module_path, generate_module(plan))
-        plan_path = write_plan(plan, out_dir / "plan.json")
-    return TournamentPlanResult(plan, plan_path, module_path, rows, T)

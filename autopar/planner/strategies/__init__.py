@@ -2,37 +2,57 @@
 
 A strategy is a module that offers candidates for a whole plan, each with the cost model's
 prediction or the reason it is illegal (``Candidate``). The ILP chooses one decomposition per
-layer; a strategy works a level above: run the plan natively (``native``: the user's own module
-under data parallelism), whole graphs per rank (``graphs``), or anything a new module offers.
-``choose`` applies ONE rule to every candidate:
+layer; a strategy works a level above it. ``choose`` applies ONE rule to every candidate, of
+either level:
 
 1. a candidate whose predicted memory per rank exceeds the limit is illegal (``memory_fit``:
    the only place the memory limit is checked at plan level);
 2. a candidate the request forces (``--kinds graphs``, ``--pin '*=graphs'``) wins when legal;
-3. otherwise the fastest predicted step wins, ties going to the lower ``priority``
-   (native 0 < the ILP's op-by-op plan 1 < graphs 2 < others).
+3. otherwise the smallest ``cost_s`` wins (the candidate's predicted seconds per the unit its
+   strategy's candidates share: a training step for plan-level candidates), ties going to the
+   lower ``priority``.
+
+When no candidate is legal, ``none_fits`` names every strategy registered at that level with
+why each candidate was illegal and the smallest memory per rank its candidates reach
+(``InfeasiblePlan``).
+
+Two levels (``Strategy.level``):
+
+* ``"plan"``: offered for the solver's table by ``planner.choose`` on every ``make_plan``
+  (``Offer``): ``op_by_op`` (the ILP's plan, run op by op), ``native`` (the user's module under
+  data parallelism), ``graphs`` (whole graphs per rank), ``sharded`` (FSDP2), ``stages``
+  (pipeline stages on sub-meshes). Priorities: native 0 < op_by_op 1 < graphs, sharded 2 <
+  stages 3. ``cost_s`` is the predicted step.
+* ``"job"``: offered by ``planner.above.plan_above`` when the request asks for it
+  (``JobOffer``), each candidate several plans made by ``make_plan`` (passed in, never
+  imported: no import circle): ``padding_buckets`` (``--graph-sizes``: one plan per padded
+  bucket; ``cost_s`` = the whole training's seconds, steps x expected step + shape setup;
+  priority = distinct shapes) and ``trainers`` (``--trainers``: one trainer plan per trainer
+  count; ``cost_s`` = 1 / predicted samples per second of the job; priority = trainers).
+  Their ``prediction`` is a ``LevelPrediction``.
 
 plan.json lists every candidate priced (``strategies``: name, label, prediction, why illegal,
-which was chosen).
+which was chosen; job-level ones first, with ``level``, ``cost_s`` and ``per``).
 
-Adding one: a module with a class that has ``name``, ``priority`` and ``offer(base: Offer) ->
+Adding one: a module with a class that has ``name``, ``priority`` and ``offer(base) ->
 Sequence[Candidate]`` (optionally ``record(base, choice) -> dict`` for what plan.json keeps about
-it), decorated with ``register_strategy``, plus one import line. A candidate holds its cost
-table and one choice per layer; ``parts`` is for strategies whose plan is several sub-plans on
-sub-meshes (pipeline stages, later): one ``SubPlan`` per stage with its ranks, table and choice.
-The padding buckets (``planner.padding``) and the tournament (``tournament.pricing``) are
-strategies of the level above: they re-plan the model per bucket / per trainer count through
-``make_plan`` and choose among those plans by their own objective (steps of an epoch, samples
-per second).
+it), decorated with ``register_strategy``, plus one import line (below, or in the caller for a
+strategy kept outside autopar: ``tests/toys/toy_strategy.py``). A candidate holds its cost
+table and one choice per layer; ``runtime`` says how its plan runs (``execute.runner``'s table
+of executors is keyed by it: "native", "traced", "fsdp", "stages", "tournament"); ``parts`` is
+for strategies whose plan is several sub-plans on sub-meshes: one ``SubPlan`` per stage with its
+ranks, table and choice. A job-level strategy sets ``level = "job"``, offers from a
+``JobOffer`` and has ``realize(job, choice)`` (writes the chosen plans, returns the caller's
+result) and optionally ``refuse(job, choice)`` (raises its own named error when none is legal).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from ...errors import AutoparError
+from ...errors import AutoparError, InfeasiblePlan
 
 
 @dataclass(frozen=True)
@@ -41,6 +61,19 @@ class SubPlan:
     ranks: tuple[int, ...]
     table: Any
     choice: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LevelPrediction:
+    """The prediction of a job-level candidate (several plans): ``cost_s``, the seconds the
+    chooser compares, per ``per`` (the unit every candidate of its strategy shares);
+    ``step_time_s`` the step its plans are predicted to take (padding: the expected step over
+    the buckets; trainers: one trainer's step), for reading; ``memory_per_rank_bytes`` the
+    largest of its plans' (what the memory rule holds to the limit)."""
+    cost_s: float
+    per: str
+    step_time_s: float
+    memory_per_rank_bytes: float
 
 
 @dataclass(frozen=True)
@@ -68,13 +101,24 @@ class Candidate:
         return None if self.prediction is None else float(self.prediction.step_time_s)
 
     @property
+    def cost_s(self) -> float | None:
+        """The figure the chooser compares (module docstring): the prediction's ``cost_s``
+        (job-level), else its step."""
+        if self.prediction is None:
+            return None
+        return float(getattr(self.prediction, "cost_s", self.prediction.step_time_s))
+
+    @property
     def memory_per_rank_bytes(self) -> float | None:
         return None if self.prediction is None else float(self.prediction.memory_per_rank_bytes)
 
     def to_json(self, chosen: bool) -> dict[str, Any]:
-        return {"strategy": self.strategy, "label": self.label, "step_time_s": self.step_time_s,
-                "memory_per_rank_bytes": self.memory_per_rank_bytes, "illegal": self.illegal,
-                "chosen": chosen}
+        out = {"strategy": self.strategy, "label": self.label, "step_time_s": self.step_time_s,
+               "memory_per_rank_bytes": self.memory_per_rank_bytes, "illegal": self.illegal,
+               "chosen": chosen}
+        if isinstance(self.prediction, LevelPrediction):
+            out.update({"level": "job", "cost_s": self.cost_s, "per": self.prediction.per})
+        return out
 
 
 @dataclass(frozen=True)
@@ -89,17 +133,43 @@ class Offer:
     solution: Any
     prediction: Any
     dp_unpinned: bool = False     # the table had a native data-parallel plan before its pins
+    # ``make_plan`` itself, for a strategy that re-plans the model (pipeline stages on a
+    # sub-mesh): passed in by ``planner.make``, so that no strategy imports the planner
+    replan: Callable[..., Any] | None = None
 
     @property
     def memory_limit_bytes(self) -> float | None:
         return self.req.memory_limit_bytes
 
 
+@dataclass(frozen=True)
+class JobOffer:
+    """What a job-level strategy is offered (``planner.above.plan_above``): the model file, the
+    request's ``PlanOptions`` and ``PlanHooks``, the strategy's own options (``PaddingOptions``,
+    ``TournamentOptions``), ``make_plan`` (passed in: the planner is above the registry) and
+    where progress lines go."""
+    model_file: Any
+    options: Any
+    hooks: Any
+    level_options: Any
+    make_plan: Callable[..., Any]
+    say: Callable[[str], None] = lambda s: None
+
+    @property
+    def memory_limit_bytes(self) -> float | None:
+        return self.options.memory_limit_bytes
+
+
 class Strategy(Protocol):
     name: str
     priority: int
+    level: str          # "plan" (the default when absent) or "job"
 
     def offer(self, base: Any) -> Sequence[Candidate]: ...
+
+
+def level_of(strategy) -> str:
+    return getattr(strategy, "level", "plan")
 
 
 #: name -> strategy, in registration order
@@ -141,27 +211,36 @@ def _checked(c: Candidate, memory_limit_bytes: float | None) -> Candidate:
     return c if why is None else dataclasses.replace(c, illegal=why)
 
 
+def check(c: Candidate, memory_limit_bytes: float | None) -> Candidate:
+    """``c`` held to the rule's first clause: illegal when unpriced or over the memory limit."""
+    return _checked(c, memory_limit_bytes)
+
+
 def best(cands: Sequence[Candidate]) -> Candidate | None:
-    """The rule's pick among legal candidates: forced first, then fastest, then priority."""
+    """The rule's pick among legal candidates: forced first, then the smallest ``cost_s``, then
+    priority."""
     legal = [c for c in cands if c.illegal is None]
     forced = [c for c in legal if c.forced]
     pool = forced or legal
-    return min(pool, key=lambda c: (0.0 if c.forced else c.step_time_s, c.priority)) if pool else None
+    return min(pool, key=lambda c: (0.0 if c.forced else c.cost_s, c.priority)) if pool else None
 
 
 @dataclass(frozen=True)
 class Choice:
-    """Every candidate offered (memory-checked) and the one chosen."""
-    chosen: Candidate
+    """Every candidate offered (memory-checked) and the one chosen (None: none legal and no
+    fallback given)."""
+    chosen: Candidate | None
     candidates: tuple[Candidate, ...]
 
     def others(self, strategy: str) -> tuple[Candidate, ...]:
         return tuple(c for c in self.candidates if c.strategy != strategy)
 
 
-def choose(cands: Sequence[Candidate], memory_limit_bytes: float | None, fallback: Candidate) -> Choice:
+def choose(cands: Sequence[Candidate], memory_limit_bytes: float | None,
+           fallback: Candidate | None = None) -> Choice:
     """Apply the rule (module docstring). ``fallback`` (the solver's own plan, which the solver
-    held to the memory limit) is kept when no candidate is legal."""
+    held to the memory limit) is kept when no candidate is legal; without one, ``chosen`` is
+    then None (the caller raises ``none_fits``)."""
     checked = tuple(_checked(c, memory_limit_bytes) for c in cands)
     for c in checked:
         if c.forced and c.illegal is not None:
@@ -172,12 +251,46 @@ def choose(cands: Sequence[Candidate], memory_limit_bytes: float | None, fallbac
 
 
 def offer_all(base) -> list[Candidate]:
+    """Every plan-level strategy's candidates for ``base`` (an ``Offer``), in registration order."""
     out: list[Candidate] = []
     for s in STRATEGIES.values():
-        out.extend(s.offer(base))
+        if level_of(s) == "plan":
+            out.extend(s.offer(base))
     return out
+
+
+def why_none_fits(cands: Sequence[Candidate], level: str = "plan") -> list[str]:
+    """One line per strategy registered at ``level`` (and any other that offered): why each of
+    its candidates is illegal and the smallest memory per rank its priced candidates reach; a
+    strategy that offered nothing for this request says so."""
+    by: dict[str, list[Candidate]] = {}
+    for c in cands:
+        by.setdefault(c.strategy, []).append(c)
+    names = [n for n, s in STRATEGIES.items() if level_of(s) == level] + [n for n in by if n not in STRATEGIES]
+    out = []
+    for name in dict.fromkeys(names):
+        cs = by.get(name)
+        if not cs:
+            out.append(f"{name}: offered no candidate for this request")
+            continue
+        mems = [c.memory_per_rank_bytes for c in cs if c.memory_per_rank_bytes is not None]
+        least = f" (smallest memory reached {min(mems) / 2**20:.2f} MiB per rank)" if mems else ""
+        out.append(f"{name}{least}: " + "; ".join(f"{c.label}: {c.illegal or 'legal'}" for c in cs))
+    return out
+
+
+def none_fits(cands: Sequence[Candidate], head: str, hint: str, level: str = "plan",
+              error=InfeasiblePlan) -> AutoparError:
+    """The error when no candidate is legal: ``head``, then every strategy with its reasons
+    (``why_none_fits``); ``error`` (default ``InfeasiblePlan``) keeps them in ``.strategies``."""
+    lines = why_none_fits(cands, level)
+    e = error(head + "; every strategy:\n  " + "\n  ".join(lines), hint)
+    e.strategies = tuple(lines)
+    return e
 
 
 # the built-in strategies (one import line each)
 from . import op_by_op, native, graphs  # noqa: E402,F401
 from . import sharded  # noqa: E402,F401
+from . import stages  # noqa: E402,F401
+from . import buckets, trainers  # noqa: E402,F401  (job level)

@@ -215,7 +215,7 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
     """The model planned on ``tp`` ranks for ``mb`` samples (one microbatch of one dp replica of a
     stage), with the stage runtime's kinds (module docstring), its per-layer costs summed per
     block; the gradient bytes per rank of each block (what the dp all-reduce moves); the kinds."""
-    from ..make import make_plan      # the planner itself, one level down (see tests/test_layering.py)
+    make_plan = base.replan           # the planner itself, passed in by planner.make (Offer.replan)
     o = base.req.options
     pins = tp_pins(tp) if tp > 1 else ()
     sub = dataclasses.replace(o, world_size=tp, batch_size=mb, write=False, out_dir=None, pipeline="off",
