@@ -131,9 +131,11 @@ class PaddedShard:
 class HaloShard:
     """Dim ``dim`` split by the tensor_split rule (the *owned* block, as ``Shard``), each block
     read with ``halo_lo`` elements of its lower neighbour and ``halo_hi`` of its upper one (cut
-    at the tensor's ends): what a spatially split convolution reads (``autopar.decomp.spatial``,
-    whose ``halo_sharding`` states it per op). The owned block is what the rank writes and what
-    redistribution moves; the halo is exchanged by the layer (``runtime.layers.halo``)."""
+    at the tensor's ends): what a spatially split convolution reads. The owned block is what the
+    rank writes and what redistribution moves; the halo is exchanged inside the layer
+    (``runtime.layers.halo``). ``autopar.decomp.spatial`` does not state it on its placements
+    yet: its in/out placements are the owned blocks (``Shard``), its halo widths come from the
+    op (``decomp.spatial.geometry``)."""
 
     dim: int
     halo_lo: int = 0
