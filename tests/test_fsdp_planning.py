@@ -52,3 +52,44 @@ def test_bound_is_tight_enough_to_skip_on_a_gpt_at_1024_ranks(tmp_path, monkeypa
     ilp = solve_ilp(r.table, memory_limit_bytes=limit, solver="ilp", time_limit_s=60)
     assert evaluate(r.table, ilp.choice).memory_per_rank_bytes <= limit
     assert evaluate(r.table, ilp.choice).step_time_s >= chosen.step_time_s * (1 - 1e-9)
+
+
+TIED = '''
+import torch
+from torch import nn
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.blocks[1].weight = self.blocks[0].weight      # tied across two units
+
+    def forward(self, x):
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+
+def build_model():
+    return Tied()
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+def test_tied_weights_across_units_refused_naming_both(tmp_path):
+    """blocks.1.weight is blocks.0.weight: FSDP2 cannot shard one tensor from two units, so the
+    planner does not offer sharding and says why with the run time's error, naming both units;
+    the run-time check raises that named error for the same module."""
+    from autopar.decomp.fsdp import TiedUnitsError
+    from autopar.planner import make_plan
+    from autopar.runtime.fsdp import check_tied
+    f = tmp_path / "tied.py"
+    f.write_text(TIED)
+    r = make_plan(f, PlanOptions(world_size=2, batch_size=8, write=False))
+    sh = next(s for s in r.plan.strategies if s.strategy == "sharded")
+    assert sh.illegal is not None and sh.illegal.startswith("TiedUnitsError")
+    assert "blocks.0.weight (unit blocks.0)" in sh.illegal and "(unit blocks.1)" in sh.illegal
+    assert not sh.chosen
+    ns: dict = {}
+    exec(compile(TIED, str(f), "exec"), ns)
+    with pytest.raises(TiedUnitsError, match=r"blocks\.0\.weight \(unit blocks\.0\).*blocks\.1\.weight \(unit blocks\.1\)"):
+        check_tied(ns["build_model"](), ["blocks.0", "blocks.1"])

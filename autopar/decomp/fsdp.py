@@ -81,6 +81,19 @@ LEVELS = (1, 2, 3)
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
+class TiedUnitsError(AutoparError):
+    """A parameter shared by two planning units (tied weights) that the plan would shard: FSDP2
+    manages a parameter in the one unit that registers it, and the other would use it unmanaged.
+    Raised by the run-time check (``runtime.fsdp.check_tied``); the planner's sharded strategy
+    gives the same words as the reason its candidate is not offered."""
+
+    @classmethod
+    def naming(cls, q0: str, u0: str, q: str, u: str) -> "TiedUnitsError":
+        return cls(f"parameter {q0} (unit {u0 or '<root>'}) is tied to {q} (unit {u or '<root>'}): "
+                   f"two units cannot each shard one tensor",
+                   "make both one unit, or leave the shared parameter to the root (plan them unsharded)")
+
+
 def unit_of(module: str) -> str:
     """The planning unit (block) a module path belongs to: the path up to the first element of a
     ``ModuleList`` / ``Sequential`` (``transformer.h.3.attn`` -> ``transformer.h.3``); "" (the

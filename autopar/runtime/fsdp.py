@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..decomp.fsdp import Sharded
+from ..decomp.fsdp import Sharded, TiedUnitsError
 from ..decomp.mesh import Mesh
 from ..errors import AutoparError, PlanFileError
 from .dtensor import device_mesh
@@ -106,9 +106,7 @@ def check_tied(model: nn.Module, units: Iterable[str]) -> None:
         u = owner(q)
         if id(p) in seen and seen[id(p)][1] != u:
             q0, u0 = seen[id(p)]
-            raise AutoparError(f"parameter {q0} (unit {u0 or '<root>'}) is tied to {q} (unit {u or '<root>'}): "
-                               f"two units cannot each shard one tensor",
-                               "make both one unit, or leave the shared parameter to the root (plan them unsharded)")
+            raise TiedUnitsError.naming(q0, u0, q, u)
         seen.setdefault(id(p), (q, u))
 
 

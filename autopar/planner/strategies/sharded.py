@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
 from ...decomp.ir import BATCH_NORM
-from ...decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, schedule, step_peak_bytes, unit_comm,
-                            unit_of)
+from ...decomp.fsdp import (Sharded, TiedUnitsError, UnitComm, UnitParams, UnitTime, candidates, schedule,
+                            step_peak_bytes, unit_comm, unit_of)
 from ...profile.optimizer import optimizer_step_s
 from . import Candidate, memory_fit, register_strategy
 
@@ -225,7 +225,8 @@ def fitting_step_s(table, choice, req, memory_limit_bytes: float) -> float | Non
     beat this (a lower bound, ``solve.elimination.limited_lower_bound_s``), that ILP is not run.
     A data-parallel plan over the native choice that fits displaces the one over ``choice``
     (``offer``), so its figure is the answer then."""
-    if table.ctx.world < 2 or req.constrained or _batch_norm_problem(table) is not None:
+    if (table.ctx.world < 2 or req.constrained or _batch_norm_problem(table) is not None
+            or tied_across_units(table.graph) is not None):
         return None
     kinds = req.options.kinds
     if kinds and NAME not in kinds:
@@ -240,6 +241,25 @@ def fitting_step_s(table, choice, req, memory_limit_bytes: float) -> float | Non
             return None
     p = _fastest(_Pricer(table, tuple(choice), evaluate(table, list(choice))), memory_limit_bytes)
     return p.step_time_s if p is not None and p.memory_bytes <= memory_limit_bytes else None
+
+
+def tied_across_units(graph) -> TiedUnitsError | None:
+    """The first parameter shared by two units (tied weights, marked by the tracer in the
+    op's ``tied`` roles) as the error the run time would raise (``runtime.fsdp.check_tied``),
+    or None: FSDP2 cannot shard one tensor from two units, so the strategy offers nothing and
+    says why, naming both (a tie inside one unit or the root, GPT's wte / head, is fine)."""
+    for lay in graph.layers:
+        for op in lay.ops:
+            for role in op.attrs.get("tied", ()):
+                q = op.param_names.get(role)
+                if not q:
+                    continue
+                owner = unit_of(q.rsplit(".", 1)[0]) if "." in q else ""
+                mod = op.module or lay.module or ""
+                user = unit_of(mod)
+                if user != owner:
+                    return TiedUnitsError.naming(q, owner, f"{mod}.{role}" if mod else role, user)
+    return None
 
 
 def describe(names, a) -> str:
@@ -268,6 +288,9 @@ class ShardedDataParallel:
         why_bn = _batch_norm_problem(table)
         if why_bn is not None:
             return (Candidate(NAME, label, priority=self.priority, illegal=why_bn),)
+        tied = tied_across_units(table.graph)
+        if tied is not None:
+            return (Candidate(NAME, label, priority=self.priority, illegal=f"{type(tied).__name__}: {tied}"),)
         out = []
         nat = native_choice(table)
         if nat is not None:
