@@ -1,4 +1,14 @@
-"""Artifact I/O: JSON only (plans and profiles are data, never code or pickles), written atomically."""
+"""Artifact I/O: JSON only (plans and profiles are data, never code or pickles), written atomically.
+
+The rule: this is the ONE module that reads or writes a JSON *file*. Elsewhere in ``autopar``
+a file is written with ``atomic_write_json`` and read with ``read_json`` (a named error saying
+what to do) or ``load_json_file`` (for a cache or a history that recovers on its own: it lets
+``OSError`` / ``ValueError`` through). ``json.dumps`` / ``json.loads`` on strings held in memory
+stay where they are used: a canonical text hashed as a cache key (``profile.keys``,
+``cost.table``, ``trace.cache``), a message printed or put in a store (``runtime.entry``,
+``tournament.runtime``), a checkpoint's opaque entry (``train.checkpoint``).
+``tests/test_json_io.py`` holds every other module to it (AST: no ``json.load``/``json.dump``,
+no ``json.loads`` of what a file read returned)."""
 
 from __future__ import annotations
 
@@ -53,6 +63,13 @@ def read_json(path: str | os.PathLike, error_cls: type[Exception], what: str) ->
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error_cls(f"{what} {path} is corrupt or truncated ({e.__class__.__name__}: {e})",
                         "regenerate it") from None
+
+
+def load_json_file(path: str | os.PathLike) -> Any:
+    """The JSON of ``path``, for a reader with its own recovery (a cache, a history): a missing
+    or unreadable file is ``OSError``, a corrupt one ``ValueError`` (``JSONDecodeError`` and
+    ``UnicodeDecodeError`` are both). Artifacts a user gave read with ``read_json`` instead."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import json
 import math
 import os
 import socket
@@ -60,7 +59,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..io import atomic_write_json
+from ..io import atomic_write_json, load_json_file
 from .shapes import can_measure
 from .speed import profile_nominal_s
 
@@ -109,7 +108,7 @@ def _load(path: Path) -> list[dict]:
     if not path.exists():
         return []
     try:
-        obj = json.loads(path.read_text())
+        obj = load_json_file(path)
         events = obj["events"] if obj.get("schema") == SCHEMA else None
         if not isinstance(events, list) or not all(_valid(e) for e in events):
             raise ValueError("not an autopar speed history")

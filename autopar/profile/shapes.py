@@ -6,11 +6,10 @@ machine (the shape cache and the speed history both ask it)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_write_json
+from ..io import atomic_write_json, load_json_file
 from .profile import _CHECKED_FIELDS, current_fingerprint
 from .schema import PHASES
 
@@ -53,7 +52,7 @@ def load_cache(path: Path, fingerprint: dict) -> tuple[dict[str, dict], str | No
     if not path.exists():
         return {}, None
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = load_json_file(path)
     except (OSError, ValueError) as e:
         return {}, f"unreadable ({e.__class__.__name__})"
     if not isinstance(obj, dict) or obj.get("schema") != CACHE_SCHEMA:

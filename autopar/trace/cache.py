@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..decomp.ir import LayerGraphData
 from .. import __version__
-from ..io import atomic_write_json
+from ..io import atomic_write_json, load_json_file
 from ..ops import FAMILIES
 from .tracer import trace_model
 from .units import merge_units
@@ -80,7 +80,7 @@ def trace_key(model_path: Path, batch_size: int) -> str:
 def load(key: str) -> LayerGraphData | None:
     path = cache_dir() / f"{key}.json"
     try:
-        return LayerGraphData.from_json(json.loads(path.read_text(encoding="utf-8")))
+        return LayerGraphData.from_json(load_json_file(path))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
