@@ -83,6 +83,12 @@ def tp_pins(tp: int) -> tuple[str, ...]:
             f"blocks.*.out=row_parallel(1,{tp})")
 
 
+def sub_plan_kinds(tp: int) -> tuple[str, ...]:
+    """The kinds a stage's sub-plan on ``tp`` ranks may use: what the stage runtime runs (the
+    whole block on one rank; Megatron's split, with ``tp_pins``, over a tp group)."""
+    return ("sample", "replicate") if tp == 1 else ("replicate", "head", "filter", "row_parallel")
+
+
 def _requested(o) -> tuple[str, int | None]:
     p = getattr(o, "pipeline", None)
     if p in (None, "off", 0, 1, "1"):
@@ -219,8 +225,7 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
     o = base.req.options
     pins = tp_pins(tp) if tp > 1 else ()
     sub = dataclasses.replace(o, world_size=tp, batch_size=mb, write=False, out_dir=None, pipeline="off",
-                              kinds=("sample", "replicate") if tp == 1 else ("replicate", "head", "filter",
-                                                                            "row_parallel"),
+                              kinds=sub_plan_kinds(tp),
                               placement="block", memory_limit_bytes=None, pins=pins, nodes=None)
     try:
         res = make_plan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
