@@ -264,3 +264,52 @@ def test_a_rank_that_dies_mid_schedule_is_named_and_nobody_hangs():
     with pytest.raises(RankFailure, match=r"^rank 1 failed"):
         run_ranks(_dying, 2, timeout_s=60)
     assert time.monotonic() - t0 < 30
+
+
+def _killed(rank, world, victim):
+    """Rank ``victim`` exits on the spot (os._exit: no report, no error) when its stage starts
+    its second microbatch's forward; the others are then mid-schedule."""
+    import os
+
+    import torch
+
+    from autopar.decomp.stages import Schedule, even_layout
+    from autopar.runtime.stages import build_runner
+    torch.manual_seed(0)
+    gpt = _load_gpt(layers=4)
+    model = gpt.GPT().double()
+    x, y = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    runner = build_runner(model, even_layout(4, world, 4, Schedule("1f1b", 4)), rank, gpt.loss_fn,
+                          example_microbatch=x[:2])
+    if rank == victim:
+        calls = {"n": 0}
+
+        def die(mod, args):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                os._exit(3)
+        runner.modules[0][1].register_forward_pre_hook(die)
+    runner.step(x, y)
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_rank_killed_mid_schedule_is_named_by_every_other_rank_world_4(victim):
+    """Four stages at world 4; one rank exits without a word after its first microbatch. Every
+    rank stops within the time-out, and each survivor's own error (as the launcher collects it)
+    is a PeerFailure naming the dead rank, not a bare closed connection."""
+    import time
+
+    from autopar.errors import RankFailure
+    from autopar.runtime.launch import run_ranks
+    timeout_s = 60
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=rf"^rank {victim} failed: died") as info:
+        run_ranks(_killed, 4, args=(victim,), timeout_s=timeout_s)
+    assert time.monotonic() - t0 < timeout_s
+    errs = info.value.rank_errors
+    assert sorted(errs) == [0, 1, 2, 3], errs
+    assert "without reporting" in errs[victim]
+    for r in sorted(set(errs) - {victim}):
+        first = errs[r].splitlines()[0]
+        assert first.startswith("PeerFailure: ") and f"rank {victim} died without reporting" in first, (r, errs[r])
+        assert f"rank {r})" in first                    # and says where this rank was

@@ -14,6 +14,12 @@ initialised in this process); ``AUTOPAR_START_METHOD=fork|spawn|forkserver`` ove
 choice for gloo runs. Generated code run under ``torchrun`` does not use
 this module: it reads RANK/WORLD_SIZE from the environment (see ``init_from_env``).
 
+A rank's peers learn who failed from the parent: it records every rank it sees end badly (an
+error reported, a death without a report, a hang) in an array shared with the children, and
+``peer_failures()`` -- called by a surviving rank whose communication broke (the stage runtime's
+step) -- reads it, waiting briefly for the parent to notice, so the survivor's own error can name
+the dead rank (:class:`PeerFailure`) instead of a bare "connection closed".
+
 Rank placement (``autopar.decomp.rankmap``) is applied by relabeling at process-group init:
 the process in physical slot ``p`` (launcher slot ``p``, or torchrun's RANK) joins the group as
 logical rank ``placement.logical(p)``, so every torch.distributed rank the runtime sees is the
@@ -63,11 +69,84 @@ def start_method_for(backend: str, requested: str | None = None) -> str:
     return method
 
 
-def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=None):  # pragma: no cover - in child
-    """Logical rank ``rank`` in physical slot ``slot`` (default: the same number)."""
+class PeerFailure(RankFailure):
+    """This rank's communication broke because another rank failed; names that rank."""
+
+
+#: in a child of run_ranks: (the parent's record of how each rank ended (``_END_*``), this
+#: rank), else None
+_ENDS = None
+_END_RUNNING, _END_ERROR, _END_DIED, _END_HUNG, _END_VICTIM = 0, 1, 2, 3, 4
+_END_WORDS = {_END_ERROR: "failed (it reported an error)", _END_DIED: "died without reporting",
+              _END_HUNG: "hung", _END_VICTIM: "stopped on a communication error"}
+
+
+def _mark_ends(ends, errors: dict[int, str]) -> None:
+    """Publish to the children how each failed rank ended (the parent's verdicts in ``errors``)."""
+    if ends is None:
+        return
+    for r, msg in errors.items():
+        m = msg.lower()
+        first = m.splitlines()[0] if m else ""
+        ends[r] = (_END_DIED if m.startswith("died with exit code") else
+                   _END_HUNG if m.startswith("hung") or "did not finish" in m else
+                   _END_VICTIM if any(k in first for k in _COMM_ERROR) else _END_ERROR)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """A communication failure (a peer gone, a time-out), by the words the backends use."""
+    first = (str(exc).splitlines() or [""])[0].lower()
+    return any(k in first for k in _COMM_ERROR)
+
+
+def peer_failures(wait_s: float = 10.0, poll_s: float = 0.02) -> dict[int, str]:
+    """Inside a rank that ``run_ranks`` started: {rank: how it ended} for the other ranks the
+    launcher has seen fail, waiting up to ``wait_s`` for a first one (the parent polls its
+    children every 0.2 s). The causes only: ranks that died or hung, else those that raised
+    something other than a communication error, else every failed rank (the launcher's
+    ``_root_cause`` order). Empty outside ``run_ranks`` (torchrun: its agent names the rank) or
+    if none is known within ``wait_s``."""
+    if _ENDS is None:
+        return {}
+    ends, me = _ENDS
+    deadline = time.monotonic() + wait_s
+    while True:
+        seen = {r: int(ends[r]) for r in range(len(ends)) if r != me and int(ends[r]) != _END_RUNNING}
+        if seen:
+            time.sleep(poll_s * 5)            # a death and its first victims land together: read once more
+            seen = {r: int(ends[r]) for r in range(len(ends)) if r != me and int(ends[r]) != _END_RUNNING}
+            cause = ({r: e for r, e in seen.items() if e in (_END_DIED, _END_HUNG)} or
+                     {r: e for r, e in seen.items() if e == _END_ERROR} or seen)
+            return {r: _END_WORDS[e] for r, e in sorted(cause.items())}
+        if time.monotonic() > deadline:
+            return {}
+        time.sleep(poll_s)
+
+
+def raise_peer_failure(exc: BaseException, where: str, wait_s: float = 10.0) -> None:
+    """If ``exc`` is a communication error and the launcher knows which rank failed, raise
+    :class:`PeerFailure` naming it (``where``: what this rank was doing), from ``exc``; else
+    return (the caller re-raises ``exc``)."""
+    if not is_comm_error(exc):
+        return
+    failed = peer_failures(wait_s)
+    if not failed:
+        return
+    names = "; ".join(f"rank {r} {how}" for r, how in failed.items())
+    first = (str(exc).splitlines() or [""])[0]
+    raise PeerFailure(f"{names}: this rank stopped {where} ({type(exc).__name__}: {first[:200]})",
+                      f"the failed rank's own error is the cause; {', '.join(f'rank {r}' for r in failed)} "
+                      "is named in the launcher's report") from exc
+
+
+def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=None, ends=None):  # pragma: no cover
+    """Logical rank ``rank`` in physical slot ``slot`` (default: the same number); ``ends``: the
+    parent's shared record of failed ranks (``peer_failures``)."""
     import torch
     import torch.distributed as dist
 
+    global _ENDS
+    _ENDS = None if ends is None else (ends, rank)
     slot = rank if slot is None else slot
     torch.set_num_threads(threads)
     from .memory import keep_freed_memory
@@ -96,11 +175,30 @@ def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=Non
     os._exit(0)
 
 
+#: after a first failure, how long the others get to report (survivors name the dead rank:
+#: ``peer_failures``, after the parent's 0.2 s poll and 0.5 s drain) before all are killed
+_GRACE_S = 5.0
+
 _COMM_ERROR = ("connection closed", "connection reset", "gloo", "nccl", "timed out", "timeout",
                "broken pipe", "peer", "socket")
 
 
-def _collect_more(procs, q, results, errors, grace_s: float) -> None:
+def _note_deaths(procs, q, results, errors) -> None:
+    """Ranks that exited with an error code and no report: drain a late report first (a rank
+    puts its error on the queue just before it exits), then declare the rest silent deaths."""
+    for r, p in enumerate(procs):
+        if r not in results and r not in errors and p.exitcode not in (None, 0):
+            try:
+                while True:
+                    rank, status, payload = q.get(timeout=0.5)
+                    (results if status == "ok" else errors)[rank] = payload
+            except queue_mod.Empty:
+                pass
+            if r not in results and r not in errors:
+                errors[r] = f"died with exit code {p.exitcode} without reporting"
+
+
+def _collect_more(procs, q, results, errors, grace_s: float, ends=None) -> None:
     """After a first failure, wait briefly for the other ranks' reports or deaths, so that the
     root cause (often a rank that died silently) is not hidden by its peers' comm errors."""
     deadline = time.monotonic() + grace_s
@@ -110,9 +208,8 @@ def _collect_more(procs, q, results, errors, grace_s: float) -> None:
             (results if status == "ok" else errors)[rank] = payload
         except queue_mod.Empty:
             pass
-        for r, p in enumerate(procs):
-            if r not in results and r not in errors and p.exitcode not in (None, 0):
-                errors[r] = f"died with exit code {p.exitcode} without reporting"
+        _note_deaths(procs, q, results, errors)
+        _mark_ends(ends, errors)
         if all(r in results or r in errors for r in range(len(procs))):
             break
     for r, p in enumerate(procs):
@@ -126,7 +223,7 @@ def _root_cause(errors: dict[int, str]) -> int:
     victims), else one that raised something other than a communication error; else the lowest."""
     def score(r: int) -> tuple[int, int]:
         msg = errors[r].lower()
-        if "without reporting" in msg:
+        if msg.startswith("died with exit code"):     # the launcher's own verdict (a peer's may quote it)
             return (0, r)
         if msg.startswith("hung"):
             return (1, r)
@@ -146,7 +243,8 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
     ``rank``, the results' order and the ranks named in errors are logical (module docstring).
     ``start_method``: see ``start_method_for`` (spawn whenever CUDA is involved; with spawn,
     ``fn`` and ``args`` must pickle). Raises RankFailure (naming the ranks) if any rank fails, dies, or the run outlasts
-    ``timeout_s``; all ranks are killed before it is raised.
+    ``timeout_s``; all ranks are killed before it is raised. Its ``rank_errors`` holds every
+    failed rank's own report ({rank: text}).
     """
     import multiprocessing as mp
 
@@ -157,11 +255,12 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
                              "pass the plan's placement with its world size")
     ctx = mp.get_context(start_method_for(backend, start_method))
     q = ctx.Queue()
+    ends = ctx.Array("i", world)        # how each rank ended, as seen here; read by peer_failures
     port = free_port()
     # procs[r] runs logical rank r (in slot placement.physical(r)): the bookkeeping below is
     # per logical rank; processes start in slot order
     procs = [ctx.Process(target=_child, args=(fn, r, world, args, backend, port, threads, timeout_s, q,
-                                              placement.physical(r)),
+                                              placement.physical(r), ends),
                          daemon=True) for r in range(world)]
     for slot in range(world):
         procs[placement.logical(slot)].start()
@@ -179,32 +278,26 @@ def run_ranks(fn: Callable[..., Any], world: int, args: tuple = (), backend: str
                 continue
             except queue_mod.Empty:
                 pass
-            for r, p in enumerate(procs):
-                if r not in results and p.exitcode not in (None, 0):
-                    # Drain a late error message before declaring a silent death.
-                    try:
-                        while True:
-                            rank, status, payload = q.get(timeout=0.5)
-                            (results if status == "ok" else errors)[rank] = payload
-                    except queue_mod.Empty:
-                        pass
-                    if r not in results and r not in errors:
-                        errors[r] = f"died with exit code {p.exitcode} without reporting"
+            _note_deaths(procs, q, results, errors)
+            _mark_ends(ends, errors)
             if time.monotonic() > deadline:
                 missing = [r for r in range(world) if r not in results]
                 for r in missing:
                     errors.setdefault(r, f"did not finish within {timeout_s:.0f} s (hung or too slow)")
                 break
         if errors:
-            _collect_more(procs, q, results, errors, grace_s=2.0)
+            _mark_ends(ends, errors)
+            _collect_more(procs, q, results, errors, grace_s=_GRACE_S, ends=ends)
             first = _root_cause(errors)
             detail = errors[first].strip().splitlines()
             where = ("" if placement.is_identity else
                      f" (slot {placement.physical(first)}, placement {placement})")
-            raise RankFailure(
+            failure = RankFailure(
                 f"rank {first}{where} failed: {detail[0] if detail else '?'}; ranks that stopped: {sorted(errors)}",
                 "all ranks were stopped; rerun with --debug for the traceback" if len(detail) > 1 else
                 "all ranks were stopped")
+            failure.rank_errors = dict(errors)     # every failed rank's own report, by rank
+            raise failure
         return [results[r] for r in range(world)]
     finally:
         for p in procs:

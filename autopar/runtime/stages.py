@@ -35,6 +35,7 @@ from torch import nn
 
 from ..decomp.stages import StageLayout
 from ..errors import PipelineError
+from .launch import raise_peer_failure
 
 # ------------------------------------------------------------------------------------------
 # Cutting a model into stage modules
@@ -348,6 +349,17 @@ class StageRunner:
                     yield p
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The watchdog: a communication error inside the step (a peer died: its sockets closed;
+        or the process group's time-out) becomes :class:`~autopar.runtime.launch.PeerFailure`
+        naming the failed rank when the launcher knows it (``launch.peer_failures``), so every
+        surviving rank's error names it; other errors pass unchanged."""
+        try:
+            return self._step(inputs, targets)
+        except Exception as e:
+            raise_peer_failure(e, f"in stage {self.stage.index}'s schedule step (rank {self.rank})")
+            raise
+
+    def _step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         st, (d, _) = self.stage, self.groups.coords
         rows = inputs.shape[0] // st.dp
         x = inputs[d * rows:(d + 1) * rows]
