@@ -17,8 +17,11 @@ Schemas
                  logical rank (``autopar.decomp.rankmap``); ranks: the global ranks the plan
                  runs on, in logical order (a plan file alone: 0..W-1; a run set places a plan on
                  other ranks of a larger world, see ``RunSet``)
-    placement_search  every placement priced (``autopar.solve.placement``), or absent
-    calibration  {path, fingerprint, provenance}
+    placement_search  {mode, chosen, chosen_name, min_gain, max_solved, tried: [{placement, name,
+                 solved, step_time_s, gain_bound_s, step_time_at_least_s, note}]}: every placement
+                 priced (``autopar.solve.placement``), or absent      PlacementSearchRecord
+    calibration  {path, fingerprint, provenance, speed_probe_nominal_s, machine_speed, shapes}
+                                                                           CalibrationRef
     solver       {solver, status, sol_status, time_s, gap, objective_s, variables, constraints,
                   notes, memory_limit_bytes, candidates, max_candidates_per_layer}  SolverInfo
     predicted    {step_time_s, fwd_s, bwd_s, grad_sync_s, exposed_comm_s, optimizer_s,
@@ -31,8 +34,8 @@ Schemas
     generated    file name of the generated module beside plan.json
     timings_s    seconds per planning stage
     batch_norm   {mode: "local" | "global", group: G | null}: the batch-norm statistics every
-                 layer computes (``autopar.decomp.bn``); a plan without it is "global" (what
-                 plans made before the choice computed)
+                 layer computes (``autopar.decomp.bn.BatchNormStats``); a plan without it is
+                 "global" (what plans made before the choice computed)
     trainers     (tournament training only) the trainer level: T trainers of ``world_size``
                  ranks each, interval, pairing seed, what is exchanged, the metric, the data
                  split and the predicted figures (``TrainerLevel``); absent: one trainer
@@ -54,6 +57,24 @@ field. Any other schema is refused with ``PlanFileError`` saying to re-plan.
 
 ``autopar.run/1`` (``RunResult``): run.json of ``autopar execute``, unchanged in content.
 
+Typed values
+------------
+Every field is a typed value; what stays JSON is a ``JsonObject`` (read-only, string keys, JSON
+values, written back as read), in two uses only: (1) every record's ``extra``, the keys this
+version does not know, kept so that a re-write loses nothing (a key added by a newer autopar or
+another stage survives load -> write); (2) a sub-record whose owner is another module that reads
+it itself: ``calibration.fingerprint`` / ``provenance`` (``autopar.profile``), ``machine_speed``
+(``profile.history``), ``shapes`` (``profile.shapes``), a placement's ``{kind, local_stride}``,
+a run's ``options``. ``Plan.graph_json`` stays the graph's JSON as read (``Plan.graph()`` builds
+``LayerGraphData``; see the field). The records a plan holds from other stages
+(``CalibrationRef``, ``PlacementSearchRecord``, ``RuntimeRecord``, ``TrainerPrediction``) are
+written back with the keys they were read with, so plan.json and run.json are unchanged in
+content by a load -> write (``tests/test_typed_artifacts.py``). A ``dict`` given for one of them
+in code is read into the typed value, and ``CalibrationRef``, ``PlacementSearchRecord`` and
+``TrainerPrediction`` still answer reads by key (``rec["key"]``, ``rec.get``) for the callers
+written when they were dicts (the runtime's speed note, the tournament's per-dtype figures, the
+CLI's tournament summary); new code reads the fields.
+
 ``autopar.runset/1`` (``RunSet``): several plans run at once on disjoint sub-meshes of one world::
 
     {"schema": "autopar.runset/1", "world_size": W,
@@ -70,6 +91,7 @@ decomposition kind.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -80,7 +102,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .errors import AutoparError, PlanFileError, RunFileError  # noqa: F401  (RunFileError re-exported)
 from .io import atomic_write_json, read_json
 from .decomp import REGISTRY, decomposition_from_json
-from .decomp.bn import BatchNormStats, MODES
+from .decomp.bn import LEGACY, BatchNormStats, MODES
 from .decomp.ir import Layer, LayerGraphData
 from .decomp.sharding import PaddedShard, Partial, Replicate, Sharding, from_splits
 from .decomp.rankmap import RankMap
@@ -116,9 +138,13 @@ class _Record:
             if f.name == "extra":
                 continue
             v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-        out.update(getattr(self, "extra", {}) or {})
+            out[f.name] = list(v) if isinstance(v, tuple) else _plain(v)
+        out.update(_extra_json(self))
         return out
+
+    def __post_init__(self) -> None:
+        if "extra" in {f.name for f in fields(self)}:  # type: ignore[arg-type]
+            object.__setattr__(self, "extra", _json_object(getattr(self, "extra")))
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]):
@@ -126,7 +152,7 @@ class _Record:
         kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in obj.items() if k in names}
         extra = {k: v for k, v in obj.items() if k not in names}
         if "extra" in {f.name for f in fields(cls)}:  # type: ignore[arg-type]
-            kw["extra"] = extra
+            kw["extra"] = JsonObject(extra)
         return cls(**kw)
 
 
@@ -143,7 +169,7 @@ class _Sparse(_Record):
             v = getattr(self, f.name)
             if (f.name in present) if present else v is not None:
                 out[f.name] = _plain(v)
-        out.update(getattr(self, "extra", {}) or {})
+        out.update(_extra_json(self))
         return out
 
     @classmethod
@@ -152,7 +178,7 @@ class _Sparse(_Record):
         names = {f.name for f in fields(cls)} - {"extra", "present"}  # type: ignore[arg-type]
         kw = {k: (nested[k](v) if nested and k in nested and v is not None else _frozen(v))
               for k, v in obj.items() if k in names}
-        return cls(**kw, extra={k: v for k, v in obj.items() if k not in names},
+        return cls(**kw, extra=JsonObject({k: v for k, v in obj.items() if k not in names}),
                    present=tuple(k for k in obj if k in names))
 
 
@@ -160,10 +186,79 @@ def _frozen(v):
     return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
 
 
+class JsonObject(Mapping[str, Any]):
+    """A read-only JSON object, kept as read: a ``Mapping`` with string keys whose values are
+    JSON (numbers, strings, None, lists, objects) and are not to be changed.
+
+    Two uses only (the module docstring says which fields): a record's ``extra``, the keys this
+    version does not know, kept so that a re-write loses nothing; and a sub-record whose owner
+    is another module that reads it itself (a profile's fingerprint, a shape file's record).
+    ``to_json()``: a plain ``dict`` (a deep copy)."""
+    __slots__ = ("_d",)
+
+    def __init__(self, obj: Mapping[str, Any] | None = None) -> None:
+        d = dict(obj.to_json() if isinstance(obj, JsonObject) else (obj or {}))
+        bad = [k for k in d if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"JSON object keys must be strings, got {bad[:3]!r}")
+        self._d = d
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"JsonObject({self._d!r})"
+
+    def to_json(self) -> dict[str, Any]:
+        return copy.deepcopy(self._d)
+
+
+def _json_object(v: Any) -> JsonObject:
+    return v if isinstance(v, JsonObject) else JsonObject(v)
+
+
+class _JsonView:
+    """Read access by key to a typed record's JSON (``rec["key"]``, ``rec.get("key")``, ``"key"
+    in rec``), for callers written when the record was a ``dict``; new code reads the fields."""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_json()[key]  # type: ignore[attr-defined]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_json().get(key, default)  # type: ignore[attr-defined]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_json()  # type: ignore[attr-defined]
+
+    def keys(self):
+        return self.to_json().keys()  # type: ignore[attr-defined]
+
+    def items(self):
+        return self.to_json().items()  # type: ignore[attr-defined]
+
+    def __iter__(self):
+        return iter(self.to_json())  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.to_json())  # type: ignore[attr-defined]
+
+
 def _plain(v):
     if isinstance(v, tuple):
         return [_plain(x) for x in v]
     return v.to_json() if hasattr(v, "to_json") else v
+
+
+def _extra_json(rec: Any) -> dict[str, Any]:
+    """A record's unknown keys (``extra``) as plain JSON, to be written after its own."""
+    extra = getattr(rec, "extra", None)
+    return extra.to_json() if isinstance(extra, JsonObject) else dict(extra or {})
 
 
 @dataclass(frozen=True)
@@ -174,7 +269,7 @@ class ModelRef(_Record):
     name: str
     batch_size: int
     tracer: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -188,7 +283,7 @@ class Prediction(_Record):
     optimizer_s: float = 0.0
     memory_per_rank_bytes: float = 0.0
     grad_sync_bytes: float = 0.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -206,7 +301,7 @@ class SolverInfo(_Record):
     memory_limit_bytes: float | None = None
     candidates: Mapping[str, int] = field(default_factory=dict)
     max_candidates_per_layer: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -219,7 +314,7 @@ class TransitionDecision(_Record):
     dst_layout: str
     fwd_s: float
     bwd_s: float
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -243,7 +338,7 @@ class LayerPrice(_Record):
     optim_step_s: float = 0.0
     grad_sync_latency: tuple = ()
     memory_bytes: float = 0.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
     @property
     def compute_s(self) -> float:
@@ -272,7 +367,7 @@ class LayerAlternative(_Record):
     choice: str
     time_s: float = 0.0
     memory_bytes: float = 0.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -290,7 +385,7 @@ class RuntimeRecord(_Sparse):
     grad_reducer_s: float | None = None
     ops: int | None = None
     reason: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
@@ -358,11 +453,16 @@ class LayerDecision:
     source: str = ""
     exact_keys: tuple[str, ...] = ()
     alternatives: tuple[LayerAlternative, ...] = ()
-    illegal: Mapping[str, Any] = field(default_factory=dict)
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    # candidates the layer could not take: str(decomposition) -> why (``cost.table``)
+    illegal: Mapping[str, str] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     # the pin that fixed this layer's choice (``autopar.pins``, ``--pin``: "PATTERN=WANT"), or
     # "" when the solver chose it; in the file only when set
     pinned: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "illegal", JsonObject({str(k): str(v) for k, v in dict(self.illegal or {}).items()}))
+        object.__setattr__(self, "extra", _json_object(self.extra))
 
     _KEYS = ("layer", "name", "module", "kinds", "out_shape", "decomposition", "choice",
              "in_placements", "out_placement", "predicted", "source", "exact_keys", "alternatives",
@@ -402,10 +502,10 @@ class LayerDecision:
                "out_placement": self.out_placement.to_json(world),
                "predicted": self.predicted.to_json(), "source": self.source,
                "exact_keys": list(self.exact_keys), "alternatives": [a.to_json() for a in self.alternatives],
-               "illegal": dict(self.illegal)}
+               "illegal": self.illegal.to_json()}
         if self.pinned:
             out["pinned"] = self.pinned
-        out.update(self.extra)
+        out.update(_extra_json(self))
         return out
 
     @staticmethod
@@ -421,7 +521,7 @@ class LayerDecision:
             exact_keys=tuple(obj.get("exact_keys") or ()),
             alternatives=tuple(LayerAlternative.from_json(a) for a in obj.get("alternatives") or ()),
             illegal=dict(obj.get("illegal") or {}),
-            extra={k: v for k, v in obj.items() if k not in LayerDecision._KEYS},
+            extra=JsonObject({k: v for k, v in obj.items() if k not in LayerDecision._KEYS}),
             pinned=str(obj.get("pinned") or ""))
 
 
@@ -435,7 +535,7 @@ class MeshInfo:
     nodes: int
     local_stride: int = 1
     ranks: tuple[int, ...] | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "world_size", int(self.world_size))
@@ -443,6 +543,7 @@ class MeshInfo:
             object.__setattr__(self, "ranks", tuple(range(self.world_size)))
         else:
             object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "extra", _json_object(self.extra))
 
     def placement(self):
         """The ``RankMap`` (``autopar.decomp.rankmap``) the runtime applies at init."""
@@ -455,7 +556,7 @@ class MeshInfo:
     def to_json(self) -> dict[str, Any]:
         out = {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node, "nodes": self.nodes,
                "placement": self.placement_json, "ranks": list(self.ranks or ())}
-        out.update(self.extra)
+        out.update(_extra_json(self))
         return out
 
     @staticmethod
@@ -473,11 +574,51 @@ class MeshInfo:
             return MeshInfo(world_size=int(obj["world_size"]), ranks_per_node=int(obj["ranks_per_node"]),
                             nodes=int(obj["nodes"]), local_stride=stride,
                             ranks=None if obj.get("ranks") is None else tuple(obj["ranks"]),
-                            extra={k: v for k, v in obj.items() if k not in known})
+                            extra=JsonObject({k: v for k, v in obj.items() if k not in known}))
         except KeyError as e:
             raise _bad(src, "mesh", f"mesh.{e.args[0]}", "missing") from None
         except (TypeError, ValueError) as e:
             raise _bad(src, "mesh", "mesh", f"not integers ({e})") from None
+
+
+@dataclass(frozen=True)
+class TrainerPrediction(_Sparse, _JsonView):
+    """The cost model's figures of a trainer level (``autopar.tournament.pricing``; plan.json
+    ``trainers.predicted``, and in a tournament's run.json ``predicted`` with ``priced_dtype``,
+    the dtype the exchange figures were taken in). Seconds, bytes, samples per second; the
+    per-dtype figures (``exchange_s_float64``, ...) are in ``extra``, read by name. Written back
+    with the keys it was read with."""
+    trainers: int | None = None
+    ranks_per_trainer: int | None = None
+    world_size: int | None = None
+    batch_per_trainer: int | None = None
+    interval_steps: int | None = None
+    step_s: float | None = None
+    plan_step_s: float | None = None
+    colocation_slowdown: float | None = None
+    ingest_s: float | None = None
+    data_in_memory: bool | None = None
+    shard_bytes: float | None = None
+    data_store_bytes_per_rank: float | None = None
+    storage_read_bytes_per_s: float | None = None
+    ingestion_source: str | None = None
+    exchange_s: float | None = None
+    exchange_bytes_per_rank: float | None = None
+    exchange_link: str | None = None
+    eval_s: float | None = None
+    tournament_s: float | None = None
+    round_s: float | None = None
+    tournament_overhead: float | None = None
+    samples_per_s: float | None = None
+    memory_per_rank_bytes: float | None = None
+    memory_limit_bytes: float | None = None
+    priced_dtype: str | None = None
+    extra: JsonObject = field(default_factory=JsonObject)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | None) -> "TrainerPrediction":
+        return obj if isinstance(obj, TrainerPrediction) else cls.read(obj or {})
 
 
 TOURNAMENT_EXCHANGES = ("weights", "weights+optimizer")
@@ -504,9 +645,13 @@ class TrainerLevel(_Record):
     train_samples_per_trainer: int = 0
     tournament_samples: int = 0
     data_seed: int = 0
-    predicted: Mapping[str, Any] = field(default_factory=dict)
+    predicted: TrainerPrediction = field(default_factory=TrainerPrediction)
     candidates: tuple = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "predicted", TrainerPrediction.from_json(self.predicted))
 
     @property
     def world_size(self) -> int:
@@ -553,7 +698,7 @@ class PaddingInfo(_Record):
     padded_work_fraction: float = 0.0
     rank_imbalance: float = 0.0
     distinct_shapes: int = 1
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -566,7 +711,79 @@ class StrategyAlternative(_Record):
     memory_per_rank_bytes: float | None = None
     illegal: str | None = None
     chosen: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
+
+
+@dataclass(frozen=True)
+class CalibrationRef(_Sparse, _JsonView):
+    """Where a plan's prices came from (plan.json ``calibration``, ``planner.build``): the
+    profile's ``path`` (as given when planning; ``explain`` re-prices with it), its
+    ``fingerprint`` and ``provenance`` (``autopar.profile``'s, kept as read), its nominal
+    speed-probe reading (``speed_probe_nominal_s``; ``execute`` compares the machine's reading
+    with it), the machine speed the local compute was priced at (``machine_speed``,
+    ``profile.history.MachineSpeed``) and the shape file read (``shapes``,
+    ``profile.shapes``), if any. Written back with the keys it was read with."""
+    path: str | None = None
+    fingerprint: JsonObject | None = None
+    provenance: JsonObject | None = None
+    speed_probe_nominal_s: float | None = None
+    machine_speed: JsonObject | None = None
+    shapes: JsonObject | None = None
+    shapes_on_demand: JsonObject | None = None
+    extra: JsonObject = field(default_factory=JsonObject)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+    _OBJECTS = ("fingerprint", "provenance", "machine_speed", "shapes", "shapes_on_demand")
+
+    @property
+    def speed_factor(self) -> float:
+        """The factor the local compute was priced with (1.0 without the speed history)."""
+        return float((self.machine_speed or {}).get("speed_factor", 1.0))
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | None) -> "CalibrationRef":
+        if isinstance(obj, CalibrationRef):
+            return obj
+        return cls.read(obj or {}, {k: _json_object for k in cls._OBJECTS})
+
+
+@dataclass(frozen=True)
+class PlacementTrialRecord(_Sparse, _JsonView):
+    """One rank placement the search priced (``autopar.solve.placement.PlacementTrial``): the
+    placement (``{kind: "stride", local_stride}``) and its name, whether the ILP was solved
+    for it, its step, and for one not solved the bound on its gain that ruled it out."""
+    placement: JsonObject | None = None
+    name: str | None = None
+    solved: bool | None = None
+    step_time_s: float | None = None
+    gain_bound_s: float | None = None
+    step_time_at_least_s: float | None = None
+    note: str | None = None
+    extra: JsonObject = field(default_factory=JsonObject)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class PlacementSearchRecord(_Sparse, _JsonView):
+    """Every rank placement priced (plan.json ``placement_search``,
+    ``autopar.solve.placement.PlacementResult``): the ``mode`` ("search", "block", a stride),
+    the placement chosen and its name, the search's limits and each placement ``tried``."""
+    mode: str | int | None = None
+    chosen: JsonObject | None = None
+    chosen_name: str | None = None
+    min_gain: float | None = None
+    max_solved: int | None = None
+    tried: tuple[PlacementTrialRecord, ...] = ()
+    extra: JsonObject = field(default_factory=JsonObject)
+    present: tuple[str, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "PlacementSearchRecord":
+        if isinstance(obj, PlacementSearchRecord):
+            return obj
+        return cls.read(obj, {"chosen": _json_object,
+                              "tried": lambda ts: tuple(PlacementTrialRecord.read(t, {"placement": _json_object})
+                                                        for t in ts)})
 
 
 @dataclass(frozen=True)
@@ -575,21 +792,25 @@ class Plan:
     cost model predicts, and where it came from. Loadable without a process group."""
     model: ModelRef
     mesh: MeshInfo
-    calibration: Mapping[str, Any]
+    calibration: CalibrationRef           # a dict is read into one
     solver: SolverInfo
     predicted: Prediction
     layers: tuple[LayerDecision, ...]
     transitions: tuple[TransitionDecision, ...]
-    graph_json: Mapping[str, Any]        # ``LayerGraphData`` JSON, kept as is
+    # the layer graph's JSON, kept as read: ``graph()`` builds the typed ``LayerGraphData`` on
+    # each call; parsing it on load (the 96-layer GPT: ~10^4 op records) would cost every reader
+    # of a plan and gain nothing the plan check does not already read from it
+    graph_json: Mapping[str, Any]
     generated: str
     created: str = ""
     autopar_version: str = ""
     plan_file: str = "plan.json"
-    placement_search: Mapping[str, Any] | None = None
+    placement_search: PlacementSearchRecord | None = None   # a dict is read into one
     timings_s: Mapping[str, float] = field(default_factory=dict)
     schema: str = PLAN_SCHEMA
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    batch_norm: Mapping[str, Any] = field(default_factory=lambda: {"mode": "global", "group": None})
+    extra: JsonObject = field(default_factory=JsonObject)
+    # a dict ({mode, group}) is read into one; absent from a file: global (``decomp.bn.LEGACY``)
+    batch_norm: BatchNormStats = field(default_factory=BatchNormStats)
     trainers: TrainerLevel | None = None   # tournament training (LTFB); None: one trainer
     padding: PaddingInfo | None = None     # padded GNN (--graph-sizes); None: the model's own shape
     options: "PlanOptions | None" = None   # the planning options it was made with (pins included)
@@ -603,6 +824,14 @@ class Plan:
              "placement_search", "calibration", "solver", "predicted", "layers", "transitions",
              "graph", "generated", "timings_s", "batch_norm", "trainers", "padding", "options",
              "strategies", "runtime")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calibration", CalibrationRef.from_json(self.calibration))
+        if self.placement_search is not None:
+            object.__setattr__(self, "placement_search", PlacementSearchRecord.from_json(self.placement_search))
+        if not isinstance(self.batch_norm, BatchNormStats):
+            object.__setattr__(self, "batch_norm", BatchNormStats.from_json(self.batch_norm))
+        object.__setattr__(self, "extra", _json_object(self.extra))
 
     @property
     def world_size(self) -> int:
@@ -630,7 +859,7 @@ class Plan:
 
     def bn_stats(self):
         """The batch-norm statistics (``autopar.decomp.bn.BatchNormStats``) the plan computes."""
-        return BatchNormStats.from_json(self.batch_norm)
+        return self.batch_norm
 
     def layer(self, index: int) -> LayerDecision:
         for d in self.layers:
@@ -652,13 +881,13 @@ class Plan:
             "plan_file": self.plan_file, "model": self.model.to_json(), "world_size": self.world_size,
             "mesh": self.mesh.to_json()}
         if self.placement_search is not None:
-            out["placement_search"] = dict(self.placement_search)
+            out["placement_search"] = self.placement_search.to_json()
         out.update({
-            "calibration": dict(self.calibration), "solver": self.solver.to_json(),
+            "calibration": self.calibration.to_json(), "solver": self.solver.to_json(),
             "predicted": self.predicted.to_json(), "layers": [d.to_json(self.world_size) for d in self.layers],
             "transitions": [t.to_json() for t in self.transitions], "graph": dict(self.graph_json),
             "generated": self.generated, "timings_s": dict(self.timings_s),
-            "batch_norm": dict(self.batch_norm)})
+            "batch_norm": self.batch_norm.to_json()})
         if self.trainers is not None:
             out["trainers"] = self.trainers.to_json()
         if self.padding is not None:
@@ -669,7 +898,7 @@ class Plan:
             out["strategies"] = [a.to_json() for a in self.strategies]
         if self.runtime is not None:
             out["runtime"] = self.runtime.to_json()
-        out.update(self.extra)
+        out.update(_extra_json(self))
         return out
 
     @staticmethod
@@ -712,14 +941,25 @@ class Plan:
                 trans.append(TransitionDecision.from_json(t))
             except TypeError as e:
                 raise _bad(src, f"transitions[{i}]", f"transitions[{i}]", f"malformed ({e})") from None
-        plan = Plan(model=model, mesh=mesh, calibration=dict(obj["calibration"] or {}), solver=solver,
+        bn = obj.get("batch_norm") or LEGACY
+        if not isinstance(bn, Mapping) or bn.get("mode") not in MODES:
+            raise _bad(src, "plan", "batch_norm.mode", f"{bn!r}: the mode must be one of {MODES}")
+        grp = bn.get("group")
+        if bn["mode"] == "local" and (not isinstance(grp, int) or isinstance(grp, bool) or grp < 1):
+            raise _bad(src, "plan", "batch_norm.group", f"{grp!r} is not a positive number of samples")
+        try:
+            calibration = CalibrationRef.from_json(obj["calibration"])
+            search = None if obj.get("placement_search") is None else PlacementSearchRecord.from_json(obj["placement_search"])
+        except (TypeError, AttributeError) as e:
+            raise _bad(src, "plan", "calibration/placement_search", f"malformed ({e})") from None
+        plan = Plan(model=model, mesh=mesh, calibration=calibration, solver=solver,
                     predicted=predicted, layers=tuple(layers), transitions=tuple(trans),
                     graph_json=obj["graph"], generated=str(obj["generated"]),
                     created=str(obj.get("created", "")), autopar_version=str(obj.get("autopar_version", "")),
                     plan_file=str(obj.get("plan_file", "plan.json")),
-                    placement_search=obj.get("placement_search"), timings_s=dict(obj.get("timings_s") or {}),
-                    schema=PLAN_SCHEMA, extra={k: v for k, v in obj.items() if k not in Plan._KEYS},
-                    batch_norm=dict(obj.get("batch_norm") or {"mode": "global", "group": None}))
+                    placement_search=search, timings_s=dict(obj.get("timings_s") or {}),
+                    schema=PLAN_SCHEMA, extra=JsonObject({k: v for k, v in obj.items() if k not in Plan._KEYS}),
+                    batch_norm=BatchNormStats.from_json(bn))
         if int(obj["world_size"]) != mesh.world_size:
             raise _bad(src, "mesh", "world_size", f"{obj['world_size']} but mesh.world_size is {mesh.world_size}")
         if obj.get("trainers") is not None:
@@ -918,10 +1158,8 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
         raise _bad(src, "mesh", "mesh.ranks", f"{len(mesh.ranks)} ranks for a world of {world}")
     check_ranks(mesh.ranks, world, src, "mesh", "mesh.ranks")
     bn = plan.batch_norm
-    if not isinstance(bn, Mapping) or bn.get("mode") not in MODES:
-        raise _bad(src, "plan", "batch_norm.mode", f"{bn!r}: the mode must be one of {MODES}")
-    if bn["mode"] == "local":
-        grp, batch = bn.get("group"), plan.model.batch_size
+    if bn.local:
+        grp, batch = bn.group, plan.model.batch_size
         if not isinstance(grp, int) or grp < 1 or (batch and batch % grp):
             raise _bad(src, "plan", "batch_norm.group", f"{grp!r} does not divide the batch of {batch} samples")
 
@@ -1008,7 +1246,7 @@ class Check(_Record):
     max_abs_ref: float
     rel: float
     note: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()
@@ -1054,7 +1292,7 @@ class LayerTiming(_Record):
     measured_bwd_s: float
     predicted_s: float
     source: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 @dataclass(frozen=True)
@@ -1086,7 +1324,7 @@ class Baseline(_Record):
     ddp_allreduce_bytes_per_step: float
     equivalent: bool
     note: str
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
 
 class ExecutedRun:
@@ -1109,9 +1347,9 @@ class RunResult(ExecutedRun):
     model: str
     world_size: int
     backend: str
-    placement: Mapping[str, Any]
+    placement: JsonObject          # the rank placement run ({kind: "stride", local_stride}), as read
     batch_size: int
-    options: Mapping[str, Any]
+    options: JsonObject            # ``ExecuteOptions`` as given, as read
     decompositions: tuple[str, ...]
     validation: Validation
     measured: Measured
@@ -1123,12 +1361,16 @@ class RunResult(ExecutedRun):
     created: str = ""
     notes: tuple[str, ...] = ()
     schema: str = RUN_SCHEMA
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
 
     _KEYS = ("schema", "created", "plan", "plan_sha256", "model", "world_size", "backend", "placement",
              "batch_size", "options", "decompositions", "validation", "measured", "predicted",
              "prediction_error", "baseline", "ratio_to_ddp", "wall_s", "notes")
     kind = "plan"
+
+    def __post_init__(self) -> None:
+        for name in ("placement", "options", "extra"):
+            object.__setattr__(self, name, _json_object(getattr(self, name)))
 
     @property
     def passed(self) -> bool | None:
@@ -1137,7 +1379,7 @@ class RunResult(ExecutedRun):
     def to_json(self) -> dict[str, Any]:
         out = {"schema": self.schema, "created": self.created, "plan": self.plan, "plan_sha256": self.plan_sha256,
                "model": self.model, "world_size": self.world_size, "backend": self.backend,
-               "placement": dict(self.placement), "batch_size": self.batch_size, "options": dict(self.options),
+               "placement": self.placement.to_json(), "batch_size": self.batch_size, "options": self.options.to_json(),
                "decompositions": list(self.decompositions), "validation": self.validation.to_json(),
                "measured": self.measured.to_json(), "predicted": self.predicted.to_json(),
                "prediction_error": self.prediction_error,
@@ -1145,7 +1387,7 @@ class RunResult(ExecutedRun):
                "ratio_to_ddp": self.ratio_to_ddp, "wall_s": self.wall_s}
         if self.notes:
             out["notes"] = list(self.notes)
-        out.update(self.extra)
+        out.update(_extra_json(self))
         return out
 
     @staticmethod
@@ -1165,7 +1407,7 @@ class RunResult(ExecutedRun):
                 baseline=Baseline.from_json(obj["baseline"]) if obj.get("baseline") else None,
                 ratio_to_ddp=obj.get("ratio_to_ddp"), wall_s=float(obj.get("wall_s", 0.0)),
                 created=str(obj.get("created", "")), notes=tuple(obj.get("notes", ())), schema=RUN_SCHEMA,
-                extra={k: v for k, v in obj.items() if k not in RunResult._KEYS})
+                extra=JsonObject({k: v for k, v in obj.items() if k not in RunResult._KEYS}))
         except (KeyError, TypeError, ValueError) as e:
             raise RunFileError(f"{src} is incomplete or malformed ({e.__class__.__name__}: {e})",
                                "execute the plan again (autopar execute)") from None
@@ -1191,7 +1433,7 @@ class TournamentRoundResult(_Sparse):
     wait_s: float | None = None
     exchange_bytes: float | None = None
     exchange_error: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -1203,7 +1445,7 @@ class TournamentRound(_Sparse):
     alive: tuple[int, ...] = ()
     pairs: tuple[tuple[int, int], ...] = ()
     results: tuple[TournamentRoundResult, ...] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -1216,7 +1458,7 @@ class TrainerStop(_Sparse):
     seen_by: str | None = None
     after_s: float | None = None
     launcher_saw: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -1229,7 +1471,7 @@ class TrainerDetail(_Sparse):
     stopped: TrainerStop | None = None
     metric_over_time: tuple[tuple[int, float], ...] = ()
     step_s: float | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -1246,7 +1488,7 @@ class TournamentMeasured(_Sparse):
     samples: int | None = None
     span_s: float | None = None
     note: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -1262,7 +1504,7 @@ class TournamentValidation(_Sparse):
     rule: str | None = None
     worst: str | None = None
     skipped: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -1285,15 +1527,15 @@ class TournamentRun(_Sparse, ExecutedRun):
     metric: str | None = None
     dtype: str | None = None
     batch_per_trainer: int | None = None
-    options: Mapping[str, Any] | None = None
+    options: JsonObject | None = None        # ``TournamentRunOptions`` as given, as read
     wall_s: float | None = None
     rounds_log: tuple[TournamentRound, ...] = ()
     trainers_detail: tuple[TrainerDetail, ...] = ()
     stopped: tuple[int, ...] = ()
     measured: TournamentMeasured | None = None
-    predicted: Mapping[str, Any] | None = None
+    predicted: TrainerPrediction | None = None
     validation: TournamentValidation | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=JsonObject)
     present: tuple[str, ...] = field(default=(), compare=False)
     kind = "tournament"
 
@@ -1318,7 +1560,7 @@ class TournamentRun(_Sparse, ExecutedRun):
                 "rounds_log": lambda xs: tuple(rnd(x) for x in xs),
                 "trainers_detail": lambda xs: tuple(trainer(x) for x in xs),
                 "measured": TournamentMeasured.read, "validation": TournamentValidation.read,
-                "options": dict, "predicted": dict})
+                "options": _json_object, "predicted": TrainerPrediction.from_json})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise RunFileError(f"{src} is incomplete or malformed ({e.__class__.__name__}: {e})",
                                "execute the plan again (autopar execute)") from None

@@ -117,7 +117,7 @@ def find_layer(plan, text: str) -> int:
 def _profile_path(plan, plan_path: Path) -> Path | None:
     """The plan's profile: its recorded path as given (the folder ``autopar plan`` ran in), else
     relative to the plan's folder or one of its parents (a repository's root)."""
-    rec = (plan.calibration or {}).get("path")
+    rec = plan.calibration.path
     if not rec:
         return None
     p = Path(rec)
@@ -158,21 +158,20 @@ def _kinds(plan) -> list[str] | None:
 def reprice(plan, plan_path: str | Path):
     """(the cost table ``make_plan`` solved, re-built from the plan's record, or None, and where
     its prices come from or why they could not be re-computed). Starts no process."""
-    from .profile.history import plan_speed_factor
     from .profile import load_profile
     from .cost.table import build_cost_table, pricing_profile
     from .decomp.base import CostContext
     path = _profile_path(plan, Path(plan_path))
     if path is None:
-        return None, (f"the plan's profile {plan.calibration.get('path')!r} is not here: the recorded "
+        return None, (f"the plan's profile {plan.calibration.path!r} is not here: the recorded "
                       "totals only (no forward / backward / communication split, no transitions)")
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         profile = load_profile(path, check_machine=False)
     src = f"re-priced with {path}"
-    shapes = (plan.calibration or {}).get("shapes") or {}
-    sod = (plan.calibration or {}).get("shapes_on_demand") or {}
+    shapes = plan.calibration.shapes or {}
+    sod = plan.calibration.shapes_on_demand or {}
     if shapes.get("path"):                    # the shape file the plan was made with (--shapes)
         from .planner.load import with_shapes
         try:
@@ -200,7 +199,7 @@ def reprice(plan, plan_path: str | Path):
     ctx = CostContext(profile=pricing_profile(profile), world=m.world_size, ranks_per_node=m.ranks_per_node,
                       batch_size=plan.model.batch_size, max_candidates=cap, optimizer_state_per_param=state,
                       placement=plan.placement(), batch_norm=plan.bn_stats(),
-                      speed_factor=plan_speed_factor(plan.calibration), loss_output=_loss_output(plan))
+                      speed_factor=plan.calibration.speed_factor, loss_output=_loss_output(plan))
     graph = plan.graph()
     table = build_cost_table(graph, ctx, kinds=kinds, edges=False)
     # a pinned layer (``autopar.pins``) may hold a candidate pruned for price: add it back

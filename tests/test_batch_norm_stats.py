@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from autopar.artifacts import PlanHooks, PlanOptions, load_plan
+from autopar.decomp.bn import BatchNormStats
 from autopar.errors import AutoparError, PlanFileError, ValidationFailed
 from autopar.execute.runner import ExecuteOptions, execute
 from autopar.planner import make_plan
@@ -145,12 +146,12 @@ def test_bn_group_that_does_not_divide_the_batch_is_named_at_plan_time(net, tmp_
                   PlanHooks(profile=profile, progress=lines.append))
     assert r.plan.bn_stats().mode == "global" and any("does not split evenly" in s for s in lines)
     r = _plan(net, 4, tmp_path, profile, name="b6g3", batch_size=6, bn_group=3)
-    assert r.plan.batch_norm == {"mode": "local", "group": 3}
+    assert r.plan.batch_norm == BatchNormStats("local", 3)
 
 
 def test_plan_and_execute_must_agree_on_the_statistics(net, tmp_path, profile):
     r = _plan(net, 2, tmp_path, profile, batch_size=8, batch_norm="local")
-    assert load_plan(r.plan_path).batch_norm == {"mode": "local", "group": 4}
+    assert load_plan(r.plan_path).batch_norm == BatchNormStats("local", 4)
     opts = ExecuteOptions(steps=1, warmup=0, ddp=False, batch_norm="global")
     with pytest.raises(PlanFileError, match="planned with --batch-norm local"):
         execute(r.plan_path, opts, out_dir=tmp_path / "run", progress=lambda s: None)

@@ -201,8 +201,8 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
                                     write=False, placement="search", trace_cache=False),
                   PlanHooks(profile=prof, force=force))
     assert str(r.table.ctx.placement) == "block"
-    tried = r.plan.placement_search["tried"]
-    assert {t["name"] for t in tried} >= {"block", "stride(2)"}
+    tried = r.plan.placement_search.tried
+    assert {t.name for t in tried} >= {"block", "stride(2)"}
     # priced: the branch-contiguous placement puts the join's all-reduce group across nodes
     dec = Branch(8, 2, 1)
     inter = CostContext(profile=prof, world=16, ranks_per_node=8, placement=branch_contiguous(16, 2))

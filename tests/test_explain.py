@@ -142,7 +142,7 @@ def test_older_schema_is_migrated_and_an_unknown_one_refused(tmp_path, monkeypat
     obj["schema"] = "autopar.plan/0"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(obj))
-    with pytest.raises(PlanFileError, match=r"has schema 'autopar.plan/0'; this autopar reads 'autopar.plan/2'"):
+    with pytest.raises(PlanFileError, match=r"has schema 'autopar.plan/0'; this autopar reads 'autopar.plan/3'"):
         explain(bad, "0")
 
 

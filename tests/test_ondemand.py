@@ -69,7 +69,7 @@ def test_planning_names_missing_shapes_and_starts_nothing(here_profile, tmp_path
     r, lines = _plan(model, here_profile, tmp_path)
     assert r.missing_shapes and not cache.exists()
     assert any("--measure-shapes" in l and str(len(r.missing_shapes)) in l for l in lines), lines
-    assert "shapes" not in r.plan.calibration
+    assert r.plan.calibration.shapes is None
     with pytest.raises(AutoparError, match="starts no process"):
         _plan(model, here_profile, tmp_path, measure_shapes=True)
 
@@ -88,7 +88,7 @@ def test_measure_step_then_plan_records_the_shape_file(here_profile, tmp_path):
     exact, why = load_cache(cache, json.loads(here_profile.read_text())["fingerprint"])
     assert why is None and len(exact) == m.measured
     r, _ = _plan(model, here_profile, tmp_path, shapes=str(cache))
-    rec = r.plan.calibration["shapes"]
+    rec = r.plan.calibration.shapes
     assert rec["path"] == str(cache) and rec["sha256"] == sha256_file(cache) and rec["entries"] == m.measured
     # what the first plan lacked is measured now (a measured shape may move the plan to other
     # candidates whose shapes the step's rounds left: timing-dependent, so not asserted)
@@ -101,7 +101,7 @@ def test_measure_step_then_plan_records_the_shape_file(here_profile, tmp_path):
     assert r2.plan.predicted.step_time_s == pytest.approx(r.plan.predicted.step_time_s, rel=1e-9)
     # the default plan reads the profile alone, whatever lies beside it
     r3, _ = _plan(model, here_profile, tmp_path)
-    assert "shapes" not in r3.plan.calibration and r3.missing_shapes
+    assert r3.plan.calibration.shapes is None and r3.missing_shapes
 
 
 def test_time_bound_names_shapes_left_generic(here_profile, tmp_path):
@@ -154,10 +154,10 @@ def test_cli_measures_shapes_first_only_when_asked(here_profile, tmp_path, capsy
     assert main(argv + ["-o", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "nothing was measured" in out and "--measure-shapes" in out and not cache.exists()
-    assert "shapes" not in load_plan(tmp_path / "a/plan.json").calibration
+    assert load_plan(tmp_path / "a/plan.json").calibration.shapes is None
     assert main(argv + ["-o", str(tmp_path / "b"), "--measure-shapes"]) == 0
     out = capsys.readouterr().out
     assert out.index("measuring missing shapes first (--measure-shapes)") < out.index("plan written to")
-    rec = load_plan(tmp_path / "b/plan.json").calibration["shapes"]
+    rec = load_plan(tmp_path / "b/plan.json").calibration.shapes
     assert rec["path"] == str(cache) and rec["sha256"] == sha256_file(cache)
     assert "nothing was measured" not in out

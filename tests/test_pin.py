@@ -136,8 +136,8 @@ def test_pins_hold_in_every_solver(root, profile, solver):
 
 def test_pins_hold_under_the_placement_search(root, profile):
     r = _plan(root, profile, pins=("layer3.*=channel",), ranks_per_node=2, nodes=2)
-    tried = r.plan.placement_search["tried"]
-    assert len(tried) > 1 and sum(t["solved"] for t in tried) >= 1
+    tried = r.plan.placement_search.tried
+    assert len(tried) > 1 and sum(t.solved for t in tried) >= 1
     pinned = [d for d in r.plan.layers if d.pinned]
     assert pinned and all(d.kind == "channel" for d in pinned)
     assert {d.layer for d in pinned} == {d.layer for d in r.plan.layers

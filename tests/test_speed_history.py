@@ -158,7 +158,7 @@ def test_default_plan_ignores_the_history(tmp_path, monkeypatch, capsys):
             monkeypatch.setenv(H.HISTORY_ENV, env)
             r = make_plan(model, PlanOptions(world_size=1, batch_size=4, calibration=str(prof_path),
                                              out_dir=str(tmp_path / f"api-{len(steps)}")))
-            assert r.plan.calibration["machine_speed"]["speed_factor"] == 1.0
+            assert r.plan.calibration.speed_factor == 1.0
             assert main(["plan", str(model), "--world-size", "1", "--batch-size", "4",
                          "--calibration", str(prof_path), "-o", str(tmp_path / f"cli-{len(steps)}")]) == 0
             cli = json.loads((tmp_path / f"cli-{len(steps)}" / "plan.json").read_text())

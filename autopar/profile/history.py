@@ -185,12 +185,6 @@ class MachineSpeed:
                 "events": self.events, "speed_factor": round(self.factor, 4), "history": self.path}
 
 
-def plan_speed_factor(calibration) -> float:
-    """The factor a plan's local compute was priced with (its ``calibration.machine_speed``;
-    1.0 for a plan made before the history, or with it off)."""
-    return float(((calibration or {}).get("machine_speed") or {}).get("speed_factor", 1.0))
-
-
 def usual_speed(profile, path: Path | None = None) -> tuple[MachineSpeed | None, str]:
     """(the machine's usual speed against ``profile``'s, or None, and why not). None when the
     history is off or has fewer than ``MIN_EVENTS`` events of this machine, when the profile

@@ -150,7 +150,8 @@ def _data_parallel(plan) -> str:
 def summary_lines(plan) -> list[str]:
     """The summary printed above the table (module docstring)."""
     m, pr, s = plan.mesh, plan.predicted, plan.solver
-    place = (plan.placement_search or {}).get("chosen_name") or str(m.placement_json().get("kind", "block"))
+    search = plan.placement_search
+    place = (search.chosen_name if search is not None else None) or str(m.placement_json.get("kind", "block"))
     shape = (f"{m.nodes} node{'s' if m.nodes > 1 else ''} x {m.ranks_per_node} ranks"
              if m.nodes * m.ranks_per_node == plan.world_size else
              f"{m.ranks_per_node} ranks per node of a {m.nodes}-node cluster")
@@ -169,11 +170,11 @@ def summary_lines(plan) -> list[str]:
         lines.append(f"  graph parallelism (graphs({gp.get('parts')}), whole graphs per rank): "
                      f"{gp.get('chosen')} chosen ({gp.get('why')})")
     cand = s.candidates or {}
-    tried = (plan.placement_search or {}).get("tried") or []
-    solved = sum(1 for t in tried if t.get("solved"))
+    tried = search.tried if search is not None else ()
+    solved = sum(1 for t in tried if t.solved)
     lines.append(f"  priced: {cand.get('choices', '?')} layer choices, {cand.get('pairs', '?')} transition pairs"
                  f"; placement: {place}" + (f" ({len(tried)} priced, {solved} solved)" if len(tried) > 1 else
-                                           f" ({tried[0].get('note')})" if tried and tried[0].get("note") else ""))
+                                           f" ({tried[0].note})" if tried and tried[0].note else ""))
     if plan.trainers is not None:
         tl = plan.trainers
         lines.append(f"  trainers: {tl.trainers} of {tl.ranks_per_trainer} ranks each (tournament training, "
@@ -182,8 +183,8 @@ def summary_lines(plan) -> list[str]:
         pad = plan.padding
         lines.append(f"  padding: {pad.policy}, {len(pad.buckets)} bucket(s), sampling {pad.sampling}, "
                      f"expected step {_ms(pad.expected_step_time_s)}")
-    ms = plan.calibration.get("machine_speed") or {}
-    if float(ms.get("speed_factor", 1.0)) != 1.0:
+    ms = plan.calibration.machine_speed or {}
+    if plan.calibration.speed_factor != 1.0:
         lines.append(f"  local compute priced at this machine's usual speed, x{ms['speed_factor']} "
                      f"(--speed-history, {ms.get('history')})")
     pinned = [d for d in plan.layers if is_pinned(d)]

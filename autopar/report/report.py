@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Mapping
 
 from ..artifacts import Plan, RunFileError, RunResult, TournamentRun, write_run
 from ..io import atomic_write_text, read_json
@@ -162,10 +163,10 @@ def summarize(paths: list[str | Path]) -> str:
                         f"{_ms(pl.predicted.step_time_s)} | n/a | n/a | not run | n/a |")
         elif schema.startswith("autopar.tournament-run/"):   # tournament training (autopar.tournament)
             t = TournamentRun.from_json(d, str(f))
-            m, pr = t.measured, t.predicted or {}
-            err = ((pr.get("step_s") - m.step_s) / m.step_s) if (m and m.step_s and pr.get("step_s")) else None
+            m, step_s = t.measured, (t.predicted.step_s if t.predicted is not None else None)
+            err = ((step_s - m.step_s) / m.step_s) if (m and m.step_s and step_s) else None
             rows.append(f"| {f} | {t.model} | {t.world_size} | {t.trainers} trainers | tournament | "
-                        f"{_ms(pr.get('step_s'))} | {_ms(m.step_s if m else None)} | {_pct(err)} | "
+                        f"{_ms(step_s)} | {_ms(m.step_s if m else None)} | {_pct(err)} | "
                         f"{'skipped' if t.passed is None else ('passed' if t.passed else 'FAILED')} | n/a |")
         else:
             raise RunFileError(f"{f} is neither an autopar run nor a plan", "give run.json or plan.json files")
@@ -174,6 +175,6 @@ def summarize(paths: list[str | Path]) -> str:
 
 def _placement(obj) -> str:
     """"block" or "stride(s)" (``decomp.rankmap``); runs without one are block."""
-    if not isinstance(obj, dict) or int(obj.get("local_stride", 1)) == 1:
+    if not isinstance(obj, Mapping) or int(obj.get("local_stride", 1)) == 1:
         return "block"
     return f"stride({int(obj['local_stride'])})"
