@@ -182,7 +182,6 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
     a plan is the median over its rounds of each run's median step. Candidates that plan to the
     same program (``_plan_key``) are executed once and share the measurement (``same_as``)."""
     from autopar.decomp import REGISTRY
-    from autopar.profile.history import plan_speed_factor
     from autopar.errors import AutoparError
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
@@ -217,7 +216,7 @@ def run_all(calibration: str, steps: int, tmp: Path, tag: str, only: set[int] | 
             continue
         key = _plan_key(r.plan_path, model, env)
         planned.append({"i": i, "label": label, "model": model, "world": world, "env": env, "plan_path": r.plan_path,
-                        "speed_factor": plan_speed_factor(r.plan.calibration),
+                        "speed_factor": r.plan.calibration.speed_factor,
                         "same_as": first_of.get(key), "runs": [],
                         "steps": steps_for(steps, r.plan.predicted.step_time_s)})
         first_of.setdefault(key, len(planned) - 1)
@@ -278,7 +277,6 @@ def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]
     same with the natively measured per-op overhead in place of the traced one
     (``plan_runtime_overhead_s``): what the planner predicts once it prices native plans so."""
     from autopar.artifacts import load_plan
-    from autopar.profile.history import plan_speed_factor
     from autopar.profile import load_profile
     from autopar.cost.primitives import plan_runtime_overhead_s, runtime_overhead_applies
     from autopar.decomp.base import CostContext
@@ -295,7 +293,7 @@ def native_aware_prediction_s(plan_path, calibration: str) -> tuple[float, bool]
         warnings.simplefilter("ignore")
         prof = load_profile(calibration, check_machine=False)
     ctx = CostContext(profile=prof, world=plan.world_size, ranks_per_node=plan.mesh.ranks_per_node,
-                      speed_factor=plan_speed_factor(plan.calibration))
+                      speed_factor=plan.calibration.speed_factor)
     return p - plan_runtime_overhead_s(graph, ctx) + plan_runtime_overhead_s(graph, ctx, native=True), True
 
 
