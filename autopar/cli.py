@@ -325,7 +325,7 @@ def cmd_execute(args) -> int:
     opts = ExecuteOptions(steps=args.steps, warmup=args.warmup, seed=args.seed,
                           timeout_s=args.timeout, ddp=not args.no_ddp, backend=args.backend,
                           rtol=args.rtol, validate_dtype=args.validate_dtype,
-                          batch_norm=args.batch_norm, rounds=args.rounds,
+                          batch_norm=args.batch_norm, rounds=args.rounds, engine=args.engine,
                           validate=not args.no_validate, kill_trainer=_kill_arg(args.kill_trainer))
     head = read_json(args.plan, AutoparError, "plan or run set file")
     if isinstance(head, dict) and str(head.get("schema", "")).startswith("autopar.runset/"):
@@ -574,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
     e.add_argument("--batch-norm", choices=["local", "global"], default=None,
                    help="refuse to run unless the plan was made with these batch-norm statistics")
+    e.add_argument("--engine", choices=["auto", "torch-ddp", "autopar"], default="auto",
+                   help="engine of a pure data-parallel plan (default: the faster measured, "
+                        "reports/benchmarks/engines.md)")
     e.add_argument("--refine", metavar="PROFILE", help="refine this profile from the run's measurements")
     e.add_argument("--rounds", type=int, default=3, help="tournament plans: rounds to run")
     e.add_argument("--no-validate", action="store_true",

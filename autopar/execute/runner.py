@@ -48,6 +48,7 @@ from .fsdp import fsdp_main, sharded_record
 from ..runtime.entry import build_user_model, synthetic_batch
 from ..runtime import launch as rank_launch  # looked up at each call: tests replace run_ranks
 from ..runtime.model import plan_groups
+from ..runtime.native import AUTOPAR_NATIVE, TORCH_DDP, use_engine
 from ..tournament.run import execute_tournament
 from ..tournament.runtime import TournamentRunOptions
 from .baseline import ddp_runner, graph_split_roles
@@ -74,6 +75,9 @@ class ExecuteOptions:
     rounds: int = 3
     validate: bool = True
     kill_trainer: tuple[int, int] | None = None
+    # a pure data-parallel plan's engine: "auto" (``runtime.native.DEFAULT_ENGINE``, the faster
+    # measured), "torch-ddp" or "autopar" (``runtime.native``, "Engines")
+    engine: str = "auto"
 
     def tolerances(self) -> tuple[float, float]:
         rt, at = DEFAULT_TOL[self.validate_dtype]
@@ -148,7 +152,8 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     def make(dtype):
         mf_, model_ = build_user_model(plan, plan_path, opts.seed)
         model_.to(device=device, dtype=dtype)
-        dm_ = gen.PlannedModel(plan, model_, comm)
+        with use_engine(opts.engine):
+            dm_ = gen.PlannedModel(plan, model_, comm)
         dm_.train()
         return mf_, dm_
 
@@ -178,6 +183,9 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     local = dm.shard_inputs(xs)
     plan_loss = lambda o: dm.local_loss(o, ys_t, loss_fn)  # noqa: E731
     plan_args = (dm, opt, local, plan_loss, dm.finish_grads)
+    nat = getattr(dm, "_native", None)
+    if nat is not None and nat.engine == TORCH_DDP:   # the plan's step is torch's DDP object's
+        plan_args = nat.step_args(opt, local, ys_t, loss_fn)
 
     # 3. the DDP baseline, in the same processes
     # DDP splits every input along dim 0: only for a batch of samples, unless the model file
@@ -246,9 +254,13 @@ def _runtime_note(dm) -> dict[str, Any]:
         how = getattr(nat, "reducer", None) or ("torch DDP's reducer (SUM hook)" if nat.ddp is not None
                                                 else "autopar's GradSync")
         what = "whole graphs (graph parallelism)" if getattr(dm, "_graph_roles", None) is not None else "samples"
-        return {"native": True, "note": f"runtime: native (the user's module on each rank's {what}, "
-                                        f"gradients summed by {how})"}
-    return {"native": False, "note": f"runtime: traced program op by op ({getattr(dm, 'native_off_reason', None)})"}
+        engine = getattr(nat, "engine", AUTOPAR_NATIVE)
+        verb = "averaged" if engine == TORCH_DDP else "summed"
+        return {"native": True, "engine": engine, "engine_reason": getattr(nat, "engine_reason", ""),
+                "note": f"runtime: native on engine {engine} ({getattr(nat, 'engine_reason', '')}; the user's "
+                        f"module on each rank's {what}, gradients {verb} by {how})"}
+    return {"native": False, "engine": "autopar-traced", "engine_reason": getattr(dm, "native_off_reason", None),
+            "note": f"runtime: traced program op by op ({getattr(dm, 'native_off_reason', None)})"}
 
 
 def check_batch_norm(plan: Plan, plan_path, want: str | None) -> None:
@@ -296,6 +308,8 @@ def run_result(plan: Plan, plan_path: Path, opts: ExecuteOptions, r0: dict[str, 
         baseline=base, ratio_to_ddp=(measured / base.ddp_step_time_s) if base else None, wall_s=wall_s,
         notes=((r0["runtime"]["note"],) if "runtime" in r0 else ()) + ((prec["note"],) if "note" in prec else ()),
         extra={**({"native_runtime": r0["runtime"]["native"]} if "runtime" in r0 else {}),
+               **({"engine": {"engine": r0["runtime"]["engine"], "reason": r0["runtime"].get("engine_reason")}}
+                  if "engine" in r0.get("runtime", {}) else {}),
                **({"validation_float32_inside": prec["float32_inside"]} if "float32_inside" in prec else {}),
                **speed_note(plan, r0.get("speed_probe_s"))})
 

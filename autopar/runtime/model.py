@@ -398,7 +398,9 @@ class DistModel(nn.Module):
         t = target_full[rows] if target_full is not None else None
         with self.loss_context() if vocab else contextlib.nullcontext():
             loss = loss_fn(out_local, t) if t is not None else loss_fn(out_local)
-        return loss * (n_local / n_global / replicas)
+        f = n_local / n_global / replicas
+        nat = self.__dict__.get("_native")      # torch's averaging DDP: its gradient P times
+        return nat.loss_share(loss, f) if nat is not None else loss * f
 
     def finish_grads(self) -> None:
         """Wait for the gradient all-reduces and write the sums back. Running statistics of

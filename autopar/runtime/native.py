@@ -47,6 +47,35 @@ runs here too, and only here: each rank's sub-batch of whole graphs comes from
 ``runtime.graphs.split_graph_batch`` (``DistModel.shard_inputs``), the module's output is cut to
 the rank's B / P graph rows (``runtime.graphs.graph_rows``), gradients as above.
 
+Engines. Such a plan runs on one of two engines (``NativeDataParallel.engine``, recorded in
+``autopar execute``'s run.json ``extra.engine`` and on ``autopar.parallelize``'s module):
+
+* ``"torch-ddp"``: torch's ``DistributedDataParallel`` itself, as a user would write it: DDP's
+  own C++ reducer, which AVERAGES the gradients over the P ranks, no comm hook, no buffer
+  broadcast. The plan's function is kept by the loss convention: the runtime's share of rank r
+  is ``L_r = loss_r n_r / N`` and the plan SUMS the gradients of the shares; DDP averages the
+  gradients of what each rank back-propagates, so each rank back-propagates ``P L_r`` (= its
+  block's mean loss ``loss_r`` when the blocks are equal, ``n_r = N / P``: the factor is then
+  exactly 1 and no multiplication happens). ``local_loss`` and ``reduce_loss`` keep the VALUE
+  of the share (their sum over the ranks is the single-process loss) and scale only its
+  gradient by P (``loss_share``); for P a power of two ``x / P * P`` is exact in floating point,
+  so the gradients equal the SUM convention's bit for bit; otherwise to rounding. A gradient
+  DDP does not average, that of an input which requires one, gets the factor 1 / P back on
+  the way in (``forward``), so it too is the single process's. ``autopar
+  execute`` times the DDP object itself on the rank's block with the model file's loss.
+  Chosen only where DDP's reducer runs (every parameter gets a gradient), the blocks of samples
+  are equal, the loss is not replicated, and the rows of the output are the module's own (not
+  graph parallelism); elsewhere the plan runs on the next engine, ``engine_reason`` says why.
+* ``"autopar-native"``: autopar's wrapper (above): DDP's reducer with the SUM hook, or
+  ``GradSync``, each rank back-propagating its share.
+
+``DEFAULT_ENGINE`` is the faster of the two measured side by side (interleaved rounds of both
+on the shipped GPT and HF GPT-2 at world 2 and 4, ``benchmarks/bench_engines.py``, its verdict
+in ``reports/benchmarks/engines.json``; ``tests/test_engines.py`` holds the constant to it).
+``AUTOPAR_ENGINE`` (or ``use_engine``, which ``autopar execute --engine`` and
+``autopar.parallelize(engine=...)`` use) forces one: "torch-ddp", "autopar" (= "autopar-native")
+or "auto" (the default).
+
 ``AUTOPAR_NATIVE=0`` turns the fast path off (the benchmarks compare both). Per-layer times
 (``LayerTimer``) come from hooks on the leaf modules that name a layer: an op outside a module
 (a functional relu, an add) counts for the layer measured before it.
@@ -56,6 +85,8 @@ Part of the runtime: imports neither the solver nor the tracer.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from typing import Any, Sequence
 
@@ -63,7 +94,63 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import AutoparError
 from .structure import _safe, map_output_tensor, output_tensor
+
+#: the engines of a pure data-parallel plan (module docstring, "Engines")
+TORCH_DDP, AUTOPAR_NATIVE = "torch-ddp", "autopar-native"
+ENGINES = (TORCH_DDP, AUTOPAR_NATIVE)
+#: the engine where both can run: the faster measured side by side (module docstring;
+#: ``reports/benchmarks/engines.json`` "verdict", held to it by ``tests/test_engines.py``)
+DEFAULT_ENGINE = TORCH_DDP
+_ALIASES = {"auto": "auto", "torch-ddp": TORCH_DDP, "ddp": TORCH_DDP, "autopar": AUTOPAR_NATIVE,
+            "autopar-native": AUTOPAR_NATIVE, "native": AUTOPAR_NATIVE}
+_ENGINE: contextvars.ContextVar[str | None] = contextvars.ContextVar("autopar_engine", default=None)
+
+
+class EngineError(AutoparError):
+    """An engine name that is none of ``ENGINES`` (or "auto")."""
+
+
+def engine_name(name: str, where: str = "engine") -> str:
+    """``name`` as "auto" or one of ``ENGINES`` (aliases: "ddp", "autopar", "native")."""
+    key = str(name).strip().lower()
+    if key not in _ALIASES:
+        raise EngineError(f"{where} {name!r} is not an engine of a data-parallel plan",
+                          "use auto, torch-ddp or autopar")
+    return _ALIASES[key]
+
+
+@contextlib.contextmanager
+def use_engine(name: str | None):
+    """Within this block a native plan built here runs on engine ``name`` (None: as
+    ``AUTOPAR_ENGINE`` says). ``autopar execute --engine`` and ``parallelize(engine=)``."""
+    tok = _ENGINE.set(engine_name(name) if name is not None else None)
+    try:
+        yield
+    finally:
+        _ENGINE.reset(tok)
+
+
+def engine_request() -> str:
+    """The engine asked for: ``use_engine``'s, else ``AUTOPAR_ENGINE``'s, else "auto"."""
+    got = _ENGINE.get()
+    if got is not None:
+        return got
+    return engine_name(os.environ.get("AUTOPAR_ENGINE", "auto"), "AUTOPAR_ENGINE")
+
+
+class _Share(torch.autograd.Function):
+    """value ``loss * value_factor``, gradient ``g * grad_factor`` (``loss_share``)."""
+
+    @staticmethod
+    def forward(ctx, loss, value_factor: float, grad_factor: float):
+        ctx.grad_factor = grad_factor
+        return loss * value_factor
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.grad_factor, None, None
 
 
 def reducer_choice() -> str:
@@ -219,6 +306,7 @@ class NativeDataParallel:
         for qual, _ in model.named_buffers(remove_duplicate=False):
             mod, leaf = _owner(model, qual)
             self._buf_slots.append((mod, leaf, canonical.get(qual, qual)))
+        self._bufs_seen = None         # the ``dm.bufs`` dict the slots were last bound to
         self._rebind_buffers()
         self._bns = [m for m in model.modules()
                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
@@ -228,17 +316,36 @@ class NativeDataParallel:
         self.ddp = None
         comm = dm.comm
         self._ddp_sig: tuple = ()
+        # the engine (module docstring, "Engines"): torch's DDP as is (gradients averaged, each
+        # rank back-propagating P times its share: ``grad_scale``), or autopar's wrapper
+        want = engine_request()
+        self.engine, self.grad_scale, self._sum_hook = AUTOPAR_NATIVE, 1, True
+        self.engine_reason = "asked for (autopar)" if want == AUTOPAR_NATIVE else ""
         if comm.world <= 1:
             self.reducer = "none (one rank)"
+            self.engine_reason = self.engine_reason or "one rank: nothing to reduce"
         elif reducer_choice() == "gradsync":
             self.reducer = "autopar's GradSync (AUTOPAR_NATIVE_REDUCER=gradsync)"
+            self.engine_reason = self.engine_reason or "AUTOPAR_NATIVE_REDUCER=gradsync"
         elif not all_params_get_grads(model, dm.graph, comm.world):
             self.reducer = ("autopar's GradSync (a parameter gets no gradient in a meta forward + "
                             "backward: DDP's reducer would wait for it)")
+            self.engine_reason = self.engine_reason or "a parameter gets no gradient: DDP would wait for it"
         else:
+            if want == TORCH_DDP or (want == "auto" and DEFAULT_ENGINE == TORCH_DDP):
+                why = self._why_not_torch_ddp()
+                if why is None:
+                    self.engine, self.grad_scale, self._sum_hook = TORCH_DDP, comm.world, False
+                    self.engine_reason = ("asked for" if want == TORCH_DDP else
+                                          "the default (the faster engine measured, reports/benchmarks/engines.md)")
+                else:
+                    self.engine_reason = why
+            elif not self.engine_reason:
+                self.engine_reason = "the default (the faster engine measured, reports/benchmarks/engines.md)"
             self._make_ddp()
             dm.gradsync.hand_over()
-            self.reducer = "torch DDP's reducer (SUM hook)"
+            self.reducer = ("torch DDP's reducer (its own average)" if self.engine == TORCH_DDP
+                            else "torch DDP's reducer (SUM hook)")
         self._timer_modules: list[tuple[nn.Module, int]] = []
         leaves = {n: m for n, m in model.named_modules() if not any(True for _ in m.children())}
         seen = set()
@@ -248,17 +355,37 @@ class NativeDataParallel:
                 seen.add(lay.module)
                 self._timer_modules.append((m, lay.index))
 
+    def _why_not_torch_ddp(self) -> str | None:
+        """None when torch's DDP, averaging, computes the plan's function with each rank
+        back-propagating its block's mean loss (module docstring), else why not."""
+        dm, world = self.dm, self.dm.comm.world
+        if self.out_rows is not None:
+            return "graph parallelism: the rank's rows of the output are cut from the module's"
+        try:
+            n = int(dm.graph.value_shape(dm.graph.output)[0])
+            replicas = dm.loss_replicas()
+        except Exception as e:  # noqa: BLE001 - unknown layout: the wrapper that scales shares
+            return f"the loss layout is unknown ({type(e).__name__}: {e})"
+        if n % world:
+            return f"the output's {n} rows do not split into {world} equal blocks"
+        if replicas != 1:
+            return f"the loss is computed by {replicas} replicas of each block"
+        return None
+
     def _make_ddp(self) -> None:
-        """torch DDP's reducer over the mesh: SUM hook, no buffer broadcast, no init sync (the
-        parameters are equal on every rank by construction). Rebuilt when the parameters change
-        dtype or device (``.to()`` after construction: DDP's buckets have the old ones)."""
+        """torch DDP's reducer over the mesh: no buffer broadcast (every buffer is read-only or
+        batch norm's, averaged when read: ``flush``), no init sync (the parameters are equal on
+        every rank by construction); autopar's engine adds the SUM hook, torch's averages
+        (``engine``). Rebuilt when the parameters change dtype or device (``.to()`` after
+        construction: DDP's buckets have the old ones)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
         comm = self.dm.comm
         dev = comm.device
         self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                       process_group=comm.mesh_group, forward_sync_buffers=False, init_sync=False)
-        group = comm.mesh_group if comm.mesh_group is not None else dist.group.WORLD
-        self.ddp.register_comm_hook(group, _sum_hook)
+                       process_group=comm.mesh_group, broadcast_buffers=False, init_sync=False)
+        if self._sum_hook:
+            group = comm.mesh_group if comm.mesh_group is not None else dist.group.WORLD
+            self.ddp.register_comm_hook(group, _sum_hook)
         self.ddp.train(self.model.training)
         self._ddp_sig = self._param_sig()
 
@@ -272,8 +399,13 @@ class NativeDataParallel:
         return tuple((p.dtype, p.device) for p in ps)
 
     def _rebind_buffers(self) -> None:
-        """Buffers may be replaced (``.to()``); the DistModel's ``bufs`` are the truth."""
+        """Buffers may be replaced (``.to()``); the DistModel's ``bufs`` are the truth. Its dict
+        is replaced whenever a buffer is (``train.api.ParallelModule._apply``; nothing assigns
+        into it): the slots are rebound only when the dict is another (checked every forward)."""
         bufs = self.dm.bufs
+        if bufs is self._bufs_seen:
+            return
+        self._bufs_seen = bufs
         for mod, leaf, qual in self._buf_slots:
             t = bufs.get(qual)
             if t is not None and mod._buffers.get(leaf) is not t:
@@ -282,17 +414,45 @@ class NativeDataParallel:
     def train(self, mode: bool) -> None:
         (self.ddp if self.ddp is not None else self.model).train(mode)
 
+    def loss_share(self, loss: torch.Tensor, factor: float) -> torch.Tensor:
+        """This rank's loss share ``loss * factor`` (``factor = n_r / N / replicas``,
+        ``DistModel.local_loss``): its value as under every runtime, its gradient ``grad_scale``
+        times larger under torch's averaging DDP (module docstring, "Engines")."""
+        if self.grad_scale == 1:
+            return loss * factor
+        return _Share.apply(loss, factor, factor * self.grad_scale)
+
+    def step_args(self, optim, local_inputs, target_full, loss_fn) -> tuple:
+        """What ``execute.timing.timed_steps`` takes before ``n`` for the torch-ddp engine: the
+        DDP object itself on the rank's block, the model file's loss on the rank's target rows
+        (``runtime.model.target_rows``: a slice, so a view), nothing to finish (DDP's reducer
+        writes the averaged gradients in backward). Each rank back-propagates its block's mean
+        loss: the share times ``grad_scale`` with equal blocks (module docstring, "Engines")."""
+        dm = self.dm
+        shape = tuple(int(n) for n in dm.graph.value_shape(dm.graph.output))
+        s, e = dm.loss_layout().local_bounds(shape, dm.comm.rank, dm.comm.world)[0]
+        t = target_full[s:s + e] if target_full is not None else None
+        loss_of = (lambda o: loss_fn(o, t)) if t is not None else loss_fn
+        return self.ddp, optim, list(local_inputs), loss_of, _nothing
+
     def forward(self, *inputs: torch.Tensor):
-        self._rebind_buffers()
+        if self.dm.bufs is not self._bufs_seen:
+            self._rebind_buffers()
         timer = self.dm.timer
-        handles = self._timer_hooks(timer) if timer is not None else []
+        handles = self._timer_hooks(timer) if timer is not None else ()
         try:
-            if self.ddp is not None:
+            ddp = self.ddp
+            if ddp is not None:
                 if self._param_sig() != self._ddp_sig:
                     self._make_ddp()
+                    ddp = self.ddp
                 # gradient accumulation (``train.api``: set_requires_gradient_sync) as DDP's no_sync
-                self.ddp.require_backward_grad_sync = bool(getattr(self.dm, "_sync_grads", True))
-                out = self.ddp(*inputs)
+                ddp.require_backward_grad_sync = self.dm.__dict__.get("_sync_grads", True)
+                if self.grad_scale != 1 and torch.is_grad_enabled():
+                    # an input's gradient is not averaged: undo the shares' factor on it
+                    inputs = tuple(_Share.apply(x, 1.0, 1.0 / self.grad_scale)
+                                   if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs)
+                out = ddp(*inputs)
             else:
                 out = self.model(*inputs)
         finally:
@@ -337,6 +497,10 @@ class NativeDataParallel:
                 n = b.numel()
                 b.copy_(flat[off:off + n].view_as(b))
                 off += n
+
+
+def _nothing() -> None:
+    return None
 
 
 def _owner(model: nn.Module, qual: str) -> tuple[nn.Module, str]:
@@ -384,4 +548,5 @@ def build_native(dm, model: nn.Module, batch: int, allowed: bool | None = None
     return NativeDataParallel(dm, model, names, out_rows=rows), None
 
 
-__all__: Sequence[Any] = ("NativeDataParallel", "build_native", "why_not_native", "native_enabled")
+__all__: Sequence[Any] = ("NativeDataParallel", "build_native", "why_not_native", "native_enabled",
+                          "ENGINES", "DEFAULT_ENGINE", "EngineError", "use_engine", "engine_request")

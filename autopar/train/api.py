@@ -52,23 +52,26 @@ from torch import nn
 from ..artifacts import Plan, load_plan
 from ..decomp.base import ParamShard
 from ..errors import AutoparError, PlanFileError
+from ..runtime.native import use_engine
 from .mismatch import ModelMismatch, first_of, mismatches  # noqa: F401  (ModelMismatch re-exported)
 from .stages import PipelineModule
 
 class _GlobalLoss(torch.autograd.Function):
     """forward: the sum of every rank's share over the mesh (the single-process loss);
-    backward: the incoming gradient unchanged, so that each rank back-propagates its own share
-    (the sum convention of ``autopar.decomp.base``)."""
+    backward: the incoming gradient times ``grad_scale``: 1, so that each rank back-propagates
+    its own share (the sum convention of ``autopar.decomp.base``), or P on torch's averaging
+    DDP engine (``runtime.native``, "Engines"), exact for P a power of two."""
 
     @staticmethod
-    def forward(ctx, share, comm):
+    def forward(ctx, share, comm, grad_scale=1):
+        ctx.grad_scale = grad_scale
         total = share.detach().clone()
         comm.all_reduce_(total)
         return total
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return (g if ctx.grad_scale == 1 else g * ctx.grad_scale), None, None
 
 
 class ParallelModule:
@@ -112,6 +115,9 @@ class ParallelModule:
         under every runtime (the traced program rebuilds the structure, ``DistModel.structured``;
         a native plan runs the module itself)."""
         out = super().forward(*inputs)
+        nat = self.__dict__.get("_native")
+        if nat is not None and nat.ddp is not None:
+            return out       # DDP's reducer writes the gradients in backward: nothing to queue
         leaves = [t for t in _tensor_leaves(out) if t.requires_grad]
         if torch.is_grad_enabled() and leaves and self.comm.world > 1:
             # whichever tensor the loss reads, backward through it queues the gradient sums
@@ -149,13 +155,17 @@ class ParallelModule:
     def reduce_loss(self, loss_local: torch.Tensor) -> torch.Tensor:
         """The single-process loss from this rank's per-sample mean loss over its output block:
         value summed over the mesh, gradient this rank's share (module docstring)."""
-        lay = self.loss_layout()
-        shape = self.graph.value_shape(self.graph.output)
-        n_local = lay.local_shape(shape, self.comm.rank, self.comm.world)[0]
-        share = loss_local * (n_local / shape[0] / self.loss_replicas())
+        f = self.__dict__.get("_share_factor")
+        if f is None:       # once: the layouts are fixed, and finding them scans the graph
+            lay = self.loss_layout()
+            shape = self.graph.value_shape(self.graph.output)
+            n_local = lay.local_shape(shape, self.comm.rank, self.comm.world)[0]
+            f = self.__dict__["_share_factor"] = n_local / shape[0] / self.loss_replicas()
+        share = loss_local * f
         if self.comm.world == 1:
             return share
-        return _GlobalLoss.apply(share, self.comm)
+        nat = self.__dict__.get("_native")
+        return _GlobalLoss.apply(share, self.comm, nat.grad_scale if nat is not None else 1)
 
     def loss(self, inputs: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor | None = None,
              loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
@@ -191,6 +201,13 @@ class ParallelModule:
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
     # ---- what checkpoints and clipping use ----------------------------------------------------
+    @property
+    def engine(self) -> str:
+        """What runs this rank's steps: "torch-ddp" or "autopar-native" (a pure data-parallel
+        plan, ``runtime.native``: "Engines"), else "autopar-traced" (the program op by op)."""
+        nat = self.__dict__.get("_native")
+        return nat.engine if nat is not None else "autopar-traced"
+
     @property
     def batch_size(self) -> int:
         """The global batch the plan was made for (every step must use it)."""
@@ -308,7 +325,8 @@ def check_model_file(plan: Plan, plan_path: Path) -> None:
 
 def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_states: bool = True,
                 loss_fn: Callable[..., torch.Tensor] | None = None,
-                bucket_cap_bytes: int | None = None, module_class: type | None = None) -> nn.Module:
+                bucket_cap_bytes: int | None = None, module_class: type | None = None,
+                engine: str | None = None) -> nn.Module:
     """This rank's part of ``model`` under the plan in ``plan`` (a plan.json path).
 
     Collective: every rank of the process group calls it. ``model`` is the single-process
@@ -319,7 +337,9 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
     for another world size, a model file changed since planning, or a model whose parameter
     names or shapes are not the plan's. ``module_class``: the plan's generated class when the
     caller has it (the generated module's own ``main``); else it is imported from the file
-    beside the plan.
+    beside the plan. ``engine``: a pure data-parallel plan's engine ("torch-ddp", "autopar" or
+    "auto", ``runtime.native``'s "Engines"; None: as ``AUTOPAR_ENGINE`` says, default "auto");
+    the module's ``engine`` says which runs.
     """
     import torch.distributed as dist
 
@@ -356,7 +376,8 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
     cls = module_class or _load_generated_class(p, plan_path)
     train_cls = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {"__module__": __name__})
     kw = {} if bucket_cap_bytes is None else {"bucket_cap_bytes": bucket_cap_bytes}
-    dm = train_cls(p, model, comm, **kw)
+    with use_engine(engine):
+        dm = train_cls(p, model, comm, **kw)
     file_loss, target_shape = _model_file_loss(p, plan_path)
     # a loss of the caller's own may read targets of another shape than the model file's
     dm._setup_train(p, loss_fn or file_loss, target_shape if loss_fn is None else None)
