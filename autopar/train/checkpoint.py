@@ -278,10 +278,8 @@ def save(path: str | Path, dmodel, optimizer=None, extra: dict[str, Any] | None 
     """Save the model (and optimizer, and ``extra``) to the checkpoint directory ``path``,
     atomically (module docstring). Collective: every rank calls it. Returns the data directory."""
     if isinstance(dmodel, PipelineModule):          # pipeline stages: whole tensors per stage
-        if optimizer is not None:
-            raise CheckpointError("optimizer state of a pipeline plan is not checkpointed yet",
-                                  "save the model alone (autopar.train.save(path, dmodel))")
-        return stages_save(path, dmodel, {"extra": _blob(dict(extra or {})),
+        return stages_save(path, dmodel, {**_pipeline_optimizer_entries(dmodel, optimizer),
+                                          "extra": _blob(dict(extra or {})),
                                           "autopar": _blob({"format": FORMAT, "model": dmodel.plan.model.name,
                                                             "world_size": dist.get_world_size(),
                                                             "stages": dmodel.layout.to_json()})})
@@ -307,6 +305,76 @@ def save(path: str | Path, dmodel, optimizer=None, extra: dict[str, Any] | None 
         _commit(path, data.name)
     comm.barrier()
     return data
+
+
+def _pipeline_optimizer_entries(dmodel: PipelineModule, optimizer) -> dict[str, Any]:
+    """The optimizer's entries under a pipeline plan, in the format above: each rank's state for
+    the whole parameters of its stage (dp replicas write equal copies; DCP keeps one), and the
+    groups' parameter names gathered from every stage (hyper-parameters must agree)."""
+    if optimizer is None:
+        return {}
+    from .optim import check_optimizer
+    check_optimizer(optimizer)
+    dmodel.state_dict_local()                 # refuses tp > 1 inside stages, by name
+    quals = {id(p): q for q, p in dmodel.named_parameters()}
+    groups = []
+    for g in optimizer.param_groups:
+        if any(id(p) not in quals for p in g["params"]):
+            raise AutoparError("the optimizer holds a tensor that is not a parameter of this stage",
+                               "build the optimizer over dmodel.parameters()")
+        groups.append(({k: v for k, v in g.items() if k != "params"}, [quals[id(p)] for p in g["params"]]))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [(_unblob(_blob(h)), names) for h, names in groups])
+    merged = []
+    for i, (hyper, _) in enumerate(groups):
+        if any(len(o) != len(groups) or o[i][0] != _unblob(_blob(hyper)) for o in every):
+            raise CheckpointError("the stages' optimizers differ in their parameter groups or hyper-parameters",
+                                  "build the same optimizer (same groups and settings) on every rank")
+        merged.append({**hyper, "params": sorted({q for o in every for q in o[i][1]})})
+    sd: dict[str, Any] = {"optim.param_groups": _blob(merged)}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                sd[f"optim.state.{quals[id(p)]}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else _blob(v)
+    return sd
+
+
+def _load_pipeline_optimizer(path: str | Path, dmodel: PipelineModule, optimizer) -> None:
+    """Fill ``optimizer`` (over this stage's parameters) from any checkpoint with optimizer state:
+    whole tensors of this stage's parameters (DCP reads them from whatever shards were saved)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    d = _data_dir(Path(path))
+    md = FileSystemReader(str(d)).read_metadata().state_dict_metadata
+    if "optim.param_groups" not in md:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state", "load without the optimizer")
+    params = dict(dmodel.named_parameters())
+    quals = {id(p): q for q, p in params.items()}
+    dest: dict[str, Any] = {"optim.param_groups": b""}
+    mine: dict[str, tuple[str, str]] = {}
+    for key, m in md.items():
+        if key.startswith("optim.state."):
+            qual, _, k = key[len("optim.state."):].rpartition(".")
+            if qual in params:
+                mine[key] = (qual, k)
+                dest[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype) \
+                    if isinstance(m, TensorStorageMetadata) else b""
+    with _quiet():
+        dcp.load(dest, checkpoint_id=str(d))
+    saved_groups = _unblob(dest["optim.param_groups"])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {path} has {len(saved_groups)} optimizer parameter group(s), the "
+                              f"optimizer {len(optimizer.param_groups)}", "build the optimizer with the same parameter groups")
+    for g, sg in zip(optimizer.param_groups, saved_groups):
+        if not {quals.get(id(p)) for p in g["params"]} <= set(sg["params"]):
+            raise CheckpointError(f"checkpoint {path}: an optimizer group holds other parameters than the saved one",
+                                  "build the optimizer's groups as when saving")
+        g.update({k: v for k, v in sg.items() if k != "params"})
+    optimizer.state.clear()
+    for key, (qual, k) in mine.items():
+        v = dest[key]
+        optimizer.state[params[qual]][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
 
 
 def _commit(path: Path, name: str) -> None:
@@ -349,10 +417,9 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
     ``optimizer``, built over ``dmodel.parameters()``); returns the saved ``extra``.
     Collective: every rank calls it."""
     if isinstance(dmodel, PipelineModule):
-        if optimizer is not None:
-            raise CheckpointError("optimizer state of a pipeline plan is not checkpointed yet",
-                                  "load the model alone (autopar.train.load(path, dmodel))")
         stages_load(path, dmodel)
+        if optimizer is not None:
+            _load_pipeline_optimizer(path, dmodel, optimizer)
         return {}
     _need_default_group(dmodel)
     import torch.distributed.checkpoint as dcp

@@ -13,7 +13,8 @@ Checkpoints (``save`` / ``load``) use torch.distributed.checkpoint with single-p
 whole tensors: each rank writes the parameters and buffers of its stage (replicas deduplicated
 by DCP), so a checkpoint covers the whole model and loads into any plan that reads
 single-process names (``autopar.train.checkpoint.load`` of a plan without stages, at any world
-size), and back. Optimizer state is not saved for pipeline plans (a stated limit).
+size), and back. The optimizer's entries (``train.checkpoint``: each stage's parameters' state,
+groups gathered from every stage) are passed in as ``entries``. Stages with tp > 1 are refused.
 """
 
 from __future__ import annotations
