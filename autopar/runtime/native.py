@@ -382,7 +382,7 @@ class NativeDataParallel:
         comm = self.dm.comm
         dev = comm.device
         self.ddp = DDP(self.model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                       process_group=comm.mesh_group, broadcast_buffers=False, init_sync=False)
+                       process_group=comm.mesh_group, forward_sync_buffers=False, init_sync=False)
         if self._sum_hook:
             group = comm.mesh_group if comm.mesh_group is not None else dist.group.WORLD
             self.ddp.register_comm_hook(group, _sum_hook)
