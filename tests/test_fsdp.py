@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.decomp.fsdp import (Sharded, UnitComm, UnitParams, UnitTime, candidates, plan_memory_bytes, schedule,
-                                 shard_rows, unit_comm, unit_memory)
+from autopar.decomp.fsdp import (DDP_ZERO, Sharded, UnitComm, UnitParams, UnitTime, candidates, check_plan,
+                                 plan_memory_bytes, schedule, shard_rows, unit_comm, unit_memory, zero1_memory_bytes,
+                                 zero1_partition, zero1_step_s)
 from autopar.errors import AutoparError
 
 TOL = 1e-12
@@ -43,8 +44,14 @@ def test_uneven_shard_bytes():
 
 
 def test_levels_fall_out_as_choices():
-    assert [str(s) for s in candidates(4)] == ["zero2(dp4)", "zero3(dp4,reshard)"]
-    assert [s.level for s in candidates(4, microbatches=2)] == [1, 2, 3]
+    assert [str(s) for s in candidates(4)] == ["zero1(dp4,ddp+zero)", "zero2(dp4)", "zero3(dp4,reshard)"]
+    assert [(s.level, s.engine) for s in candidates(4, microbatches=2)] == [(1, DDP_ZERO), (1, "fsdp2"), (2, "fsdp2"),
+                                                                            (3, "fsdp2")]
+    assert [str(s) for s in candidates(4, tp=2)] == ["zero2(dp4,tp2)", "zero3(dp4,tp2,reshard)"]   # no ZeRO-1 with TP
+    z1 = Sharded(1, False, 4, engine=DDP_ZERO)
+    assert Sharded.from_json(z1.to_json()) == z1 and z1.check() is None
+    assert "level 1" in Sharded(2, False, 4, engine=DDP_ZERO).check()
+    assert "plan-wide" in check_plan([z1, Sharded(2, False, 4)]) and check_plan([z1, z1]) is None
     assert "level 2" in Sharded(3, False, 4).check()
     assert "accumulation" in Sharded(1, False, 4).check()
     assert "shards nothing" in Sharded(3, True, 1).check()
@@ -67,8 +74,50 @@ def test_unit_memory_against_data_parallel():
     assert mem.resident_bytes == 3 * F and mem.transient_bytes == 3 * F and mem.activation_bytes == 100.0
 
 
+def test_zero1_partition_is_zero_redundancy_optimizers():
+    """The greedy partition priced is the one torch's ZeroRedundancyOptimizer makes (its own
+    ``_partition_parameters``, read without a process group), uneven sizes and ties included."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    shapes = ((10, 6), (10,), (5, 3), (7, 7), (3,), (15,), (2, 2), (1,))
+    u = UnitParams("blk", shapes, itemsize=8)
+    for n in (2, 3, 4):
+        ps = [torch.zeros(s) for s in shapes]
+        z = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+        z.param_groups, z.world_size, z._partition_parameters_cache = [{"params": ps}], n, []
+        z._partition_param_group = lambda g, per_rank: z._partition_parameters_cache.__setitem__(
+            slice(None), [[{"params": r}] for r in per_rank])
+        want = [sum(p.numel() for p in r[0]["params"]) for r in ZeroRedundancyOptimizer._partition_parameters(z)]
+        got = zero1_partition([u], n)
+        assert [p.param_bytes for p in got] == [8.0 * w for w in want], n
+        assert sum(p.n_tensors for p in got) == len(shapes)
+        assert zero1_memory_bytes([u], n, 2.0) == 2 * 8.0 * max(want)
+    # memory of the plan: params and grads whole, the largest partition's state (not F / N)
+    big = UnitParams("emb", ((1000, 4),), itemsize=4)
+    small = UnitParams("b", ((10, 4),) * 4, itemsize=4)
+    z1 = Sharded(1, False, 4, engine=DDP_ZERO)
+    m = plan_memory_bytes([big, small], [z1, z1], 2.0, 0.0)
+    F = big.whole_bytes() + small.whole_bytes()
+    assert m.resident_bytes == 2 * F + 2 * big.whole_bytes() and m.transient_bytes == 0
+    dp = plan_memory_bytes([big, small], [None, None], 2.0, 0.0)
+    assert dp.resident_bytes - m.resident_bytes == 2 * small.whole_bytes()
+
+
+def test_zero1_time_is_ddp_allreduce_then_partition_step_and_broadcasts():
+    u = UnitParams("blk", ((1000, 100), (1000,)), itemsize=4)
+    opt = lambda n, by: n * 1e-5 + by * 1e-10  # noqa: E731
+    z1 = Sharded(1, False, 4, engine=DDP_ZERO)
+    c = unit_comm(u, z1, _fake_collective, opt)
+    dp = unit_comm(u, None, _fake_collective, opt, world_dp=4)
+    assert c.reduce_s == dp.reduce_s and c.gathers == 0 and c.optim_s == 0.0
+    # 2 tensors on 4 ranks: rank 0 the matrix, rank 1 the bias; the step is rank 0's
+    t = zero1_step_s([u], 4, _fake_collective, opt)
+    bc = _fake_collective("broadcast", 4, 400000) + _fake_collective("broadcast", 4, 4000)
+    assert t == pytest.approx(opt(1, 400000) + bc)
+
+
 def _fake_collective(kind, p, nbytes):
-    a, b = {"allgather": (1, (p - 1) / p), "reduce_scatter": (1, (p - 1) / p), "allreduce": (2, 2 * (p - 1) / p)}[kind]
+    a, b = {"allgather": (1, (p - 1) / p), "reduce_scatter": (1, (p - 1) / p), "allreduce": (2, 2 * (p - 1) / p),
+            "broadcast": (1, 1.0)}[kind]
     return a * math.ceil(math.log2(p)) * 1e-4 + b * nbytes * 1e-9
 
 
@@ -157,7 +206,22 @@ CONFIGS = {
     "mixed-dp": ({"blocks.0": None, "blocks.1": (3, True)}, 1, 1),
     "zero3+tp": ({"blocks.0": (3, True), "blocks.1": (3, True)}, 2, 1),
     "zero2+tp": ({"blocks.0": (2, False), "blocks.1": (1, False)}, 2, 2),
+    "zero1-ddp": ({"blocks.0": (1, False, DDP_ZERO), "blocks.1": (1, False, DDP_ZERO), "": (1, False, DDP_ZERO)}, 1, 1),
+    "zero1-ddp-accum": ({"blocks.0": (1, False, DDP_ZERO), "blocks.1": (1, False, DDP_ZERO),
+                         "": (1, False, DDP_ZERO)}, 1, 2),
 }
+
+
+def _units(spec, dp, tp):
+    """CONFIGS' unit decisions, and the root's ("" in the spec; default ZeRO-3)."""
+    units = {k: (None if v is None else Sharded(v[0], v[1], dp, tp, engine=(v[2] if len(v) > 2 else "fsdp2")))
+             for k, v in spec.items()}
+    root = units.pop("", "zero3")
+    return units, root
+
+
+def _full_t(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _check_configs(rank, world, names):
@@ -175,15 +239,21 @@ def _check_configs(rank, world, names):
         model = Tiny()
         model.load_state_dict(ref.state_dict())
         mesh = rf.make_mesh(world, tp)
-        units = {k: (None if v is None else Sharded(v[0], v[1], dp, tp)) for k, v in spec.items()}
+        units, root = _units(spec, dp, tp)
         styles = {}
         if tp > 1:
             for i in range(2):
                 styles[f"blocks.{i}.up"] = "colwise"
                 styles[f"blocks.{i}.down"] = "rowwise"
-        rf.parallelize(model, mesh, units, styles)
+        rf.parallelize(model, mesh, units, styles, root=root)
         dp_rank = mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = rf.make_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        if root != "zero3" and root.engine == DDP_ZERO:   # ZeRO-1: this rank holds part of the state
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            assert isinstance(opt, ZeroRedundancyOptimizer)
+            assert 0 < len(opt.optim.param_groups[0]["params"]) < len(list(model.parameters()))
+            with pytest.raises(rf.Zero1OptimizerError, match="make_optimizer"):
+                rf.check_zero1_optimizer(torch.optim.AdamW(model.parameters()))
         rf.check_optimizer(opt)
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         g = torch.Generator().manual_seed(1)
@@ -205,7 +275,7 @@ def _check_configs(rank, world, names):
                 dist.all_reduce(lt)
                 errs.append(abs(lt.item() / world - rloss.item()))
             for (q, p), rp in zip(model.named_parameters(), ref.parameters()):
-                errs.append((p.grad.full_tensor() - rp.grad).abs().max().item())
+                errs.append((_full_t(p.grad) - rp.grad).abs().max().item())
             norm = rf.clip_grad_norm_(model.parameters(), 0.05)        # clips: the norm is ~1
             rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
             assert rnorm > 0.05
@@ -215,7 +285,7 @@ def _check_configs(rank, world, names):
             opt.zero_grad()
             ropt.zero_grad()
             for p, rp in zip(model.parameters(), ref.parameters()):
-                errs.append((p.full_tensor() - rp).abs().max().item())
+                errs.append((_full_t(p) - rp).abs().max().item())
         out[name] = max(errs)
     return out
 
@@ -240,10 +310,15 @@ def _build(world, name):
     torch.manual_seed(0)
     model = Tiny()
     mesh = rf.make_mesh(world, tp)
-    units = {k: (None if v is None else Sharded(v[0], v[1], world // tp, tp)) for k, v in spec.items()}
+    units, root = _units(spec, world // tp, tp)
     styles = {f"blocks.{i}.{n}": s for i in range(2) for n, s in (("up", "colwise"), ("down", "rowwise"))} if tp > 1 else {}
-    rf.parallelize(model, mesh, units, styles)
+    rf.parallelize(model, mesh, units, styles, root=root)
     return model, (mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()), world // tp
+
+
+def _opt(model):
+    from autopar.runtime import fsdp as rf
+    return rf.make_optimizer(model, torch.optim.AdamW, lr=1e-2)
 
 
 def _step(model, opt, dp_rank, dp, seed):
@@ -258,10 +333,21 @@ def _step(model, opt, dp_rank, dp, seed):
 
 
 def _full(model, opt):
-    out = {q: p.detach().full_tensor().clone() for q, p in model.named_parameters()}
-    for q, p in model.named_parameters():
-        for k, v in opt.state[p].items():
-            out[f"{q}.{k}"] = v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    out = {q: _full_t(p.detach()).clone() for q, p in model.named_parameters()}
+    if isinstance(opt, ZeroRedundancyOptimizer):     # ZeRO-1: each rank's partition, gathered whole
+        mine = {id(p) for g in opt.optim.param_groups for p in g["params"]}
+        part = {f"{q}.{k}": v.clone() for q, p in model.named_parameters() if id(p) in mine
+                for k, v in opt.optim.state[p].items()}
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, part)
+        for d in parts:
+            out.update(d)
+    else:
+        for q, p in model.named_parameters():
+            for k, v in opt.state[p].items():
+                out[f"{q}.{k}"] = _full_t(v).clone()
     return {k: v.numpy().copy() for k, v in out.items()}      # arrays: tensors would cross by fd
 
 
@@ -273,7 +359,7 @@ def _save_then_continue(rank, world, ck, name):
     import autopar
     torch.set_default_dtype(torch.float64)
     model, r, dp = _build(world, name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = _opt(model)
     for s in range(2):
         _step(model, opt, r, dp, s)
     autopar.save(ck, model, opt, extra={"step": 2})
@@ -299,7 +385,7 @@ def _load_and_step(rank, world, ck, name):
     import autopar
     torch.set_default_dtype(torch.float64)
     model, r, dp = _build(world, name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = _opt(model)
     extra = autopar.load(ck, model, opt)
     loaded = _full(model, opt)
     _step(model, opt, r, dp, 2)
@@ -344,6 +430,32 @@ def test_checkpoint_round_trip_between_sharded_tp_and_dp_at_other_world(tmp_path
             for k, v in ref_after.items():
                 assert abs(got[0]["after"][k] - v).max() < TOL, (name, k)
     # and the one-process model reads the same weights
+    m = _one_process(ck)
+    for q, p in m.named_parameters():
+        assert (p.detach().numpy() == want[q]).all(), q
+
+
+@pytest.mark.dist
+def test_zero1_checkpoint_round_trip_to_zero1_and_zero3_at_another_world(tmp_path):
+    """ZeRO-1 on DDP saved at world 2 (each rank writes its partition's optimizer state), two
+    crashed saves after it; loaded as ZeRO-1 at world 4 (another partition) and as ZeRO-3 at world
+    4: every parameter and optimizer state exactly as saved, and the next AdamW step the same."""
+    from autopar.runtime.launch import run_ranks
+    ck = tmp_path / "ck"
+    saved = run_ranks(_save_then_continue, 2, args=(str(ck), "zero1-ddp"), start_method="fork", timeout_s=240)
+    assert saved[0]["outcomes"] == ["simulated crash", "simulated crash"]
+    want = saved[0]["saved"]
+    assert any(k.endswith(".exp_avg") for k in want)
+    afters = []
+    for world, name in ((4, "zero1-ddp"), (4, "zero3")):
+        got = run_ranks(_load_and_step, world, args=(str(ck), name), start_method="fork", timeout_s=240)
+        assert got[0]["extra"] == {"step": 2}
+        assert set(got[0]["loaded"]) == set(want), name
+        for k, v in want.items():
+            assert (got[0]["loaded"][k] == v).all(), (name, k)
+        afters.append(got[0]["after"])
+    for k, v in afters[0].items():
+        assert abs(afters[1][k] - v).max() < TOL, k
     m = _one_process(ck)
     for q, p in m.named_parameters():
         assert (p.detach().numpy() == want[q]).all(), q
@@ -406,6 +518,35 @@ def test_sharded_listed_with_its_prediction_when_not_chosen_and_off_by_kinds(gpt
     else:
         assert off.plan.runtime.expected != "fsdp"
         assert any("leaves out sharded" in (s.illegal or "") for s in off.plan.strategies)
+
+
+def test_zero1_offered_plan_wide_with_its_price(gpt_plans):
+    """ZeRO-1 (DDP + ZeroRedundancyOptimizer) is listed beside the per-unit assignment, priced
+    against the native data-parallel plan: memory less k (F - max_r P_r) exactly (the partition
+    of the whole model's tensors), step plus the partition's step and broadcasts less the whole
+    optimizer step (recomputed here from the formulas)."""
+    from autopar.cost.native import choose_runtime, native_choice
+    from autopar.cost.table import evaluate
+    from autopar.planner.strategies.sharded import _Pricer
+    from autopar.profile.optimizer import optimizer_step_s
+    r = gpt_plans["free"]
+    z = [s for s in r.plan.strategies if s.strategy == "sharded" and "ZeRO-1" in s.label]
+    assert len(z) == 1 and z[0].illegal is None and "all" in z[0].label and "dp4" in z[0].label
+    nat = next(s for s in r.plan.strategies if s.strategy == "native")
+    table = r.table
+    choice = native_choice(table)
+    _, pred = choose_runtime(table, choice, evaluate, None)
+    pr = _Pricer(table, tuple(choice), pred)
+    params = pr.units.params
+    k = table.ctx.optimizer_state_per_param
+    F = sum(u.whole_bytes() for u in params)
+    assert z[0].memory_per_rank_bytes == pytest.approx(nat.memory_per_rank_bytes - k * F
+                                                       + zero1_memory_bytes(params, 4, k), rel=1e-12)
+    assert z[0].memory_per_rank_bytes < nat.memory_per_rank_bytes
+    prof = table.ctx.profile
+    dp_opt = sum(optimizer_step_s(prof, u.n_tensors, u.whole_bytes()) or 0.0 for u in params)
+    extra = zero1_step_s(params, 4, pr.coll, pr.opt)
+    assert z[0].step_time_s == pytest.approx(nat.step_time_s + extra - dp_opt, rel=1e-9)
 
 
 def test_sharded_plan_at_another_world_size_refused_naming_both(gpt_plans):

@@ -38,6 +38,19 @@ ZeRO-1/2/3 are its levels:
   micro-batches of an accumulation (FSDP2: ``set_requires_gradient_sync(False)`` on all but the
   last micro-batch keeps the unsharded gradient, F bytes, and reduce-scatters once). With one
   micro-batch a step it is level 2 with more memory and is refused (``check``).
+* level 1 on torch's ZeRO-1 engine (``engine="ddp_zero"``): parameters and gradients whole on
+  every rank, gradients all-reduced by DDP (``torch.distributed._composable.replicate``, names
+  kept), the optimizer a ``torch.distributed.optim.ZeroRedundancyOptimizer``: each rank keeps the
+  state of and updates only its partition of the parameter tensors, then every updated tensor is
+  broadcast from its owner. Plan-wide: DDP wraps the whole module and one optimizer partitions
+  every parameter, so either every unit and the root take it or none does (``check_plan``); no
+  tensor axis (DDP over DTensor parameters is not run here).
+
+ZeRO-1's partition (``zero1_partition``), as ZeroRedundancyOptimizer makes it: whole tensors, never
+cut; the tensors sorted by element count (largest first, ties in model order), each given to the
+rank holding the fewest elements so far (the lowest such rank). ``P_r``: the bytes of rank r's
+tensors; ``n_r``: how many. Not an even split: the largest rank's ``max_r P_r`` is at least the
+largest tensor (an embedding table of a small model can exceed F / N).
 
 Memory per rank of a unit (``unit_memory``), resident through the step::
 
@@ -49,6 +62,10 @@ Memory per rank of a unit (``unit_memory``), resident through the step::
                     = F + F_next    (levels 1, 2: the whole gradient before the reduce-scatter and
                                     the next unit's prefetch)
 
+ZeRO-1 (``zero1_memory_bytes``, plan-wide): params F, grads F (DDP with
+``gradient_as_bucket_view``: the buckets are the gradients, no copy), optimizer k max_r P_r over
+the whole model, no transient (no gather: the broadcast writes into the parameters in place).
+
 Across a plan, resident bytes add up and transient bytes do not (one unit runs at a time):
 ``plan_memory_bytes`` = sum of resident + activations + max over units of transient. Against
 data parallelism (F + F + k F per unit) level 3 stores (2 + k) S ~ (2 + k) F / N.
@@ -59,6 +76,18 @@ the data axis' link (intra or inter node: the caller asks ``CostContext.level`` 
     AG = T_allgather(N, G, link)           per gather; 2 a step at level 3 with reshard, else 1
     RS = T_reduce_scatter(N, G, link)      once a step per micro-batch (level 1: once a step)
     opt_s = optimizer_step_s(n_tensors, k-independent shard bytes S)   the step on the shard
+
+ZeRO-1's time (``unit_comm`` and ``zero1_step_s``): each unit's gradient all-reduced as data
+parallelism (AR = T_allreduce(N, F), overlapped with backward as DDP's buckets are), then after
+backward, not overlapped::
+
+    opt_s   = max_r optimizer_step_s(n_r, P_r)     the ranks update their partitions at once
+    bcast_s = sum_p T_broadcast(N, b_p)            one broadcast per tensor from its owner
+                                                   (ZeroRedundancyOptimizer._sync_params)
+
+Against data parallelism (AR + optimizer_step_s(all)) it trades the optimizer on (N-1)/N of the
+tensors for the broadcasts: it saves memory (k F (N-1)/N at best), time only where the optimizer
+is slow beside the links.
 
 Overlap (``schedule``): compute and communication are two streams. Forward: the all-gather of
 unit u+1 is issued when unit u's forward starts (FSDP2's prefetch of one unit), so only what
@@ -78,6 +107,10 @@ from typing import Any, Callable, ClassVar, Sequence
 from ..errors import AutoparError
 
 LEVELS = (1, 2, 3)
+#: the engines a decision runs on: FSDP2 ``fully_shard`` (every level), or DDP with torch's
+#: ZeroRedundancyOptimizer (level 1 only, plan-wide)
+FSDP2, DDP_ZERO = "fsdp2", "ddp_zero"
+ENGINES = (FSDP2, DDP_ZERO)
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
@@ -150,7 +183,8 @@ class Sharded:
     """One unit's sharded-data-parallel decision (module docstring): ``level`` 1, 2 or 3,
     ``reshard_after_forward`` (level 3 only), the data axis (``data_axis`` of ``dp`` ranks) its
     state is sharded over, and the tensor axis (``tensor_axis`` of ``tp`` ranks, 1 = none) its
-    layers are tensor-parallel on (DTensor's colwise/rowwise styles, applied first)."""
+    layers are tensor-parallel on (DTensor's colwise/rowwise styles, applied first), and the
+    ``engine`` (``FSDP2``, or ``DDP_ZERO``: torch's ZeRO-1, level 1 only, plan-wide)."""
 
     kind: ClassVar[str] = "sharded"
     level: int = 3
@@ -159,11 +193,13 @@ class Sharded:
     tp: int = 1
     data_axis: str = "dp"
     tensor_axis: str = "tp"
+    engine: str = FSDP2
 
     def __str__(self) -> str:
         raf = "" if self.level != 3 else (",reshard" if self.reshard_after_forward else ",keep")
         tp = f",tp{self.tp}" if self.tp > 1 else ""
-        return f"zero{self.level}(dp{self.dp}{tp}{raf})"
+        eng = ",ddp+zero" if self.engine == DDP_ZERO else ""
+        return f"zero{self.level}(dp{self.dp}{tp}{raf}{eng})"
 
     def check(self, microbatches: int = 1) -> str | None:
         """None when legal, else why not (module docstring)."""
@@ -173,6 +209,14 @@ class Sharded:
             return f"axis sizes dp={self.dp}, tp={self.tp} must be >= 1"
         if self.dp == 1:
             return "a data axis of 1 rank shards nothing"
+        if self.engine not in ENGINES:
+            return f"engine {self.engine!r} is not one of {ENGINES}"
+        if self.engine == DDP_ZERO:
+            if self.level != 1 or self.reshard_after_forward:
+                return "torch's ZeroRedundancyOptimizer shards the optimizer state only: level 1, no reshard"
+            if self.tp > 1:
+                return "ZeRO-1 on DDP runs without a tensor axis here: use FSDP2 levels 2 or 3 with tensor parallelism"
+            return None
         if self.level != 3 and self.reshard_after_forward:
             return f"level {self.level} keeps parameters whole: reshard_after_forward applies to level 3 only"
         if self.level == 3 and not self.reshard_after_forward:
@@ -183,19 +227,32 @@ class Sharded:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "level": self.level, "reshard_after_forward": self.reshard_after_forward,
-                "dp": self.dp, "tp": self.tp, "data_axis": self.data_axis, "tensor_axis": self.tensor_axis}
+                "dp": self.dp, "tp": self.tp, "data_axis": self.data_axis, "tensor_axis": self.tensor_axis,
+                "engine": self.engine}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Sharded":
         if d.get("kind", cls.kind) != cls.kind:
             raise AutoparError(f"not a sharded decision: kind {d.get('kind')!r}", "a plan written by autopar")
         return cls(int(d["level"]), bool(d["reshard_after_forward"]), int(d["dp"]), int(d.get("tp", 1)),
-                   str(d.get("data_axis", "dp")), str(d.get("tensor_axis", "tp")))
+                   str(d.get("data_axis", "dp")), str(d.get("tensor_axis", "tp")), str(d.get("engine", FSDP2)))
+
+
+def check_plan(decisions: Sequence["Sharded | None"]) -> str | None:
+    """None when the decisions of a plan's units (the root's included) can run together, else
+    why not: ZeRO-1 on DDP is plan-wide (module docstring), every unit or none."""
+    z = [s is not None and s.engine == DDP_ZERO for s in decisions]
+    if any(z) and not all(z):
+        return ("ZeRO-1 on DDP + ZeroRedundancyOptimizer is plan-wide (DDP wraps the whole module, one "
+                "optimizer partitions every parameter): every unit and the root take it, or none")
+    return None
 
 
 def candidates(dp: int, tp: int = 1, microbatches: int = 1) -> list[Sharded]:
-    """Every legal decision on a (dp, tp) mesh: the levels fall out as choices."""
-    out = [Sharded(level, raf, dp, tp) for level in LEVELS for raf in (True, False)]
+    """Every legal decision on a (dp, tp) mesh: the levels fall out as choices (ZeRO-1 on DDP
+    first, plan-wide: ``check_plan``)."""
+    out = [Sharded(1, False, dp, tp, engine=DDP_ZERO)]
+    out += [Sharded(level, raf, dp, tp) for level in LEVELS for raf in (True, False)]
     return [s for s in out if s.check(microbatches) is None]
 
 
@@ -219,11 +276,55 @@ def unit_memory(u: UnitParams, s: Sharded | None, optim_copies: float,
     F = u.whole_bytes()
     if s is None:
         return UnitMemory(F, F, optim_copies * F, 0.0)
+    if s.engine == DDP_ZERO:      # the optimizer state is the plan's partition: zero1_memory_bytes
+        return UnitMemory(F, F, 0.0, 0.0)
     S = u.shard_bytes(s.dp)
     if s.level == 3 and s.reshard_after_forward:
         return UnitMemory(S, S, optim_copies * S, 2 * F + next_whole_bytes)
     grads = F if s.level == 1 else S
     return UnitMemory(S + F, grads, optim_copies * S, F + next_whole_bytes)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One rank's share of ZeRO-1's partition: ``n_tensors`` whole tensors of ``param_bytes``."""
+    n_tensors: int
+    param_bytes: float
+
+
+def zero1_partition(units: Sequence[UnitParams], n: int) -> tuple[Partition, ...]:
+    """ZeroRedundancyOptimizer's partition of the units' tensors over ``n`` ranks (module
+    docstring), per rank: largest first (a stable sort: ties in the order given), each to the
+    first rank of fewest elements so far."""
+    if n < 1:
+        raise ValueError(f"{n} ranks")
+    tensors = [(math.prod(s), u.itemsize) for u in units for s in u.shapes]
+    elems, count, nbytes = [0] * n, [0] * n, [0.0] * n
+    for numel, itemsize in sorted(tensors, key=lambda t: -t[0]):
+        r = min(range(n), key=elems.__getitem__)
+        elems[r] += numel
+        count[r] += 1
+        nbytes[r] += float(numel * itemsize)
+    return tuple(Partition(c, b) for c, b in zip(count, nbytes))
+
+
+def zero1_memory_bytes(units: Sequence[UnitParams], n: int, optim_copies: float) -> float:
+    """ZeRO-1's optimizer state on the rank holding the most: k max_r P_r (module docstring)."""
+    return optim_copies * max(p.param_bytes for p in zero1_partition(units, n))
+
+
+def zero1_step_s(units: Sequence[UnitParams], n: int, collective_s: Callable[[str, int, float], float],
+                 optim_step_s: Callable[[int, float], float]) -> float:
+    """ZeRO-1's step after backward (module docstring): the slowest rank's optimizer on its
+    partition, then one broadcast per tensor from its owner."""
+    opt = max(optim_step_s(p.n_tensors, p.param_bytes) for p in zero1_partition(units, n))
+    bcast = sum(collective_s("broadcast", n, float(u.itemsize * math.prod(s))) for u in units for s in u.shapes)
+    return opt + bcast
+
+
+def _zero1_optim(params: Sequence[UnitParams], decisions: Sequence["Sharded | None"], optim_copies: float) -> float:
+    z = [(u, s) for u, s in zip(params, decisions) if s is not None and s.engine == DDP_ZERO]
+    return zero1_memory_bytes([u for u, _ in z], z[0][1].dp, optim_copies) if z else 0.0
 
 
 @dataclass(frozen=True)
@@ -246,6 +347,8 @@ def unit_comm(u: UnitParams, s: Sharded | None, collective_s: Callable[[str, int
     if s is None:
         ar = collective_s("allreduce", world_dp, F) * microbatches if world_dp > 1 else 0.0
         return UnitComm(0.0, 0, ar, optim_step_s(u.n_tensors, F))
+    if s.engine == DDP_ZERO:      # DDP's all-reduce; the step and broadcasts: zero1_step_s
+        return UnitComm(0.0, 0, collective_s("allreduce", s.dp, F) * microbatches, 0.0)
     G = u.gathered_bytes(s.dp)
     ag = collective_s("allgather", s.dp, G)
     per_step = 1 if s.level == 1 else microbatches
@@ -346,6 +449,7 @@ def plan_memory_bytes(units: Sequence[UnitParams], decisions: Sequence[Sharded |
         m = unit_memory(u, s, optim_copies, nxt)
         res += m.resident_bytes
         trans = max(trans, m.transient_bytes)
+    res += _zero1_optim(units, decisions, optim_copies)
     return PlanMemory(res, trans, float(activation_bytes))
 
 
@@ -358,8 +462,10 @@ def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | 
 
         resident  = sum_u resident_u        (unit_memory; levels 1, 2 hold F from forward on: counted
                                              throughout, an upper bound before their forward)
+                    + zero1_memory_bytes    (the ZeRO-1 units' optimizer partition)
         gathered_u = F_u at level 3 with reshard (in use), else 0 (held already, or whole)
-        grad_u     = F_u for a sharded unit (its whole gradient before the reduce-scatter), else 0
+        grad_u     = F_u for a unit sharded on FSDP2 (its whole gradient before the reduce-scatter),
+                     else 0 (ZeRO-1 and data parallel: the gradient is resident already)
         forward, end of stretch i (unit u, next unit n):
             resident + acts(0..i) + F_root (level 3: gathered for the whole forward) + gathered_u
                      + gathered_n (prefetched)
@@ -370,13 +476,15 @@ def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | 
     Activations are freed in backward as it passes each stretch; the whole gradient of a unit
     exists only during its backward, while the activations of the later stretches are gone."""
     res = sum(unit_memory(u, s, optim_copies).resident_bytes for u, s in zip(params, decisions))
+    res += _zero1_optim(params, decisions, optim_copies)
 
     def gathered(u: int) -> float:
         s = decisions[u]
         return params[u].whole_bytes() if s is not None and s.level == 3 and s.reshard_after_forward else 0.0
 
-    def grad(u: int) -> float:
-        return params[u].whole_bytes() if decisions[u] is not None else 0.0
+    def grad(u: int) -> float:       # a sharded unit's whole gradient before its reduce-scatter
+        s = decisions[u]
+        return params[u].whole_bytes() if s is not None and s.engine != DDP_ZERO else 0.0
     root_fwd = gathered(root)
     n = len(segments)
     acts, peak = 0.0, res

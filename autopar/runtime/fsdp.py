@@ -14,6 +14,12 @@
 3. the root: ``fully_shard(model)`` on the data axis for every parameter no unit holds
    (embeddings, final norm, head; a tied weight lands here once, shared by both users).
 
+A plan of ZeRO-1 on DDP (every unit ``engine == DDP_ZERO``: plan-wide, ``decomp.fsdp.check_plan``)
+instead gets torch's ZeRO-1: ``replicate(model)`` (composable DDP: parameter names kept, gradients
+all-reduced and averaged, ``gradient_as_bucket_view``), and the optimizer must be
+``make_optimizer(model, cls, **defaults)``, a ``ZeroRedundancyOptimizer`` over the data axis
+(each rank holds the state of its partition of the tensors and broadcasts what it updated).
+
 ``set_microbatch(model, last)`` is gradient accumulation as the levels mean it: level-1 units
 skip the reduce-scatter until the last micro-batch (they keep the whole gradient, ZeRO-1),
 others reduce-scatter every micro-batch. ``check_optimizer`` refuses an optimizer that is not
@@ -36,7 +42,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..decomp.fsdp import Sharded, TiedUnitsError
+from ..decomp.fsdp import DDP_ZERO, Sharded, TiedUnitsError, check_plan
 from ..decomp.mesh import Mesh
 from ..errors import AutoparError, PlanFileError
 from .dtensor import device_mesh
@@ -49,7 +55,10 @@ TP_STYLES = ("colwise", "rowwise", "sequence")
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuse, naming it, an optimizer that is not elementwise (module docstring)."""
-    name = type(optimizer).__name__
+    _check_elementwise(type(getattr(optimizer, "optim", optimizer)).__name__)   # ZeRO-1: its local one
+
+
+def _check_elementwise(name: str) -> None:
     if name in NON_ELEMENTWISE:
         raise AutoparError(f"{name} is not elementwise: on sharded parameters and optimizer state it "
                            f"computes another update than one process",
@@ -127,6 +136,12 @@ def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
         from torch.distributed.tensor.parallel import parallelize_module
         parallelize_module(model, mesh["tp"], {k: _style(v) for k, v in tp_styles.items()})
     dp_mesh = mesh["dp"] if "tp" in names else mesh
+    root_dec = (Sharded(3, True, dp_mesh.size()) if root == ZERO3 else root)
+    why = check_plan([*units.values(), root_dec])
+    if why is not None:
+        raise AutoparError(why, "re-plan; a plan file was edited by hand?")
+    if root_dec is not None and root_dec.engine == DDP_ZERO:
+        return _zero1(model, dp_mesh, dict(units), root_dec, tp_styles)
     mods = dict(model.named_modules())
     from torch.distributed.fsdp import fully_shard
     replicate_mesh = None
@@ -155,6 +170,62 @@ def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
     return model
 
 
+def _zero1(model: nn.Module, dp_mesh, units, root: Sharded, tp_styles) -> nn.Module:
+    """torch's ZeRO-1 (module docstring): DDP in place; ``make_optimizer`` builds the optimizer."""
+    if tp_styles:
+        raise AutoparError("ZeRO-1 on DDP with tensor-parallel styles", "use FSDP2 levels 2 or 3 with tensor parallelism")
+    for path, s in [*units.items(), ("", root)]:
+        why = s.check()
+        if why is not None:
+            raise AutoparError(f"unit {path or '<root>'}: {s}: {why}", "re-plan; a plan file was edited by hand?")
+        if s.dp != dp_mesh.size():
+            raise AutoparError(f"unit {path or '<root>'} is sharded over {s.dp} ranks, the mesh's data axis has "
+                               f"{dp_mesh.size()}", "execute the plan at the world size it was made for")
+    from torch.distributed._composable import replicate
+    replicate(model, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
+    for p in model.parameters():
+        p._autopar_zero1 = True              # noqa: SLF001 - read by the optimizer pre-hook
+    model._autopar_units = {**units, "": root}   # noqa: SLF001
+    model._autopar_zero1_group = dp_mesh.get_group()  # noqa: SLF001
+    return model
+
+
+class Zero1OptimizerError(AutoparError):
+    """An optimizer over a ZeRO-1 model that is not its ``ZeroRedundancyOptimizer``: it would keep
+    the whole optimizer state on every rank (the function is the same, the plan's memory is not)."""
+
+
+def is_zero1(model: nn.Module) -> bool:
+    """Whether ``model`` was parallelized as ZeRO-1 on DDP (module docstring)."""
+    return getattr(model, "_autopar_zero1_group", None) is not None
+
+
+def make_optimizer(model: nn.Module, optimizer_class, **defaults):
+    """The optimizer the plan asks for over ``model.parameters()``: on a ZeRO-1 model torch's
+    ``ZeroRedundancyOptimizer`` (its state partitioned over the data axis), else
+    ``optimizer_class`` itself. Non-elementwise optimizers are refused (``check_optimizer``)."""
+    _check_elementwise(optimizer_class.__name__)
+    if not is_zero1(model):
+        return optimizer_class(model.parameters(), **defaults)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class,
+                                  process_group=model._autopar_zero1_group, **defaults)  # noqa: SLF001
+    opt.optim._autopar_zero1_local = True       # noqa: SLF001 - its own partition: allowed by the hook
+    return opt
+
+
+def check_zero1_optimizer(optimizer) -> None:
+    """Refuse (``Zero1OptimizerError``) a plain optimizer over a ZeRO-1 model's parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer) or getattr(optimizer, "_autopar_zero1_local", False):
+        return
+    if any(getattr(p, "_autopar_zero1", False) for g in optimizer.param_groups for p in g["params"]):
+        raise Zero1OptimizerError(f"{type(optimizer).__name__} over a ZeRO-1 model keeps the whole optimizer state "
+                                  "on every rank: the plan shards it", "build the optimizer with "
+                                  "autopar.runtime.fsdp.make_optimizer(model, torch.optim.AdamW, lr=...) "
+                                  "(or model.make_optimizer(...) after autopar.parallelize)")
+
+
 def _replicate_mesh(dp_mesh):
     """The HSDP mesh (dp, 1): FSDP2 replicates over the first axis and shards over a single rank,
     i.e. data parallelism (gradients all-reduced) inside a sharded plan."""
@@ -167,7 +238,7 @@ def set_microbatch(model: nn.Module, last: bool) -> None:
     ``last`` True for the final one of the step."""
     mods = dict(model.named_modules())
     for path, s in getattr(model, "_autopar_units", {}).items():
-        if s is not None and s.level == 1:
+        if s is not None and s.level == 1 and s.engine != DDP_ZERO:
             mods[path].set_requires_gradient_sync(last, recurse=False)
             mods[path].set_reshard_after_backward(last, recurse=False)
 

@@ -9,6 +9,11 @@ DCP stores chunks by offset whatever wrote them, so a checkpoint saved here load
 autopar plan (``ShardedTensor`` blocks) at another world size, and the reverse: DCP reads the
 overlap of every saved chunk with every wanted one.
 
+ZeRO-1 on DDP (``runtime.fsdp.make_optimizer``: a ``ZeroRedundancyOptimizer``): parameters whole
+on every rank (DCP writes each once), and each rank writes the optimizer state of the tensors its
+partition holds, whole, under the same keys: the union over the ranks is every key once. On load
+each rank reads the state of the tensors its own partition holds (at any world size, any plan).
+
 Atomic as ``train.checkpoint.save``: a new data directory, then ``LATEST`` replaced by rank 0;
 a rank dying during the save leaves ``LATEST`` naming the previous complete checkpoint.
 
@@ -24,16 +29,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..runtime.fsdp import is_zero1
 from .checkpoint import FORMAT, CheckpointError, _blob, _commit, _data_dir, _quiet, _unblob
 from .mismatch import ModelMismatch, first_of, mismatches
 
 
 def is_torch_sharded(model: Any) -> bool:
-    """Whether ``model`` holds DTensor parameters (FSDP2 / DTensor), not an autopar plan's."""
+    """Whether ``model`` holds DTensor parameters (FSDP2 / DTensor) or runs ZeRO-1 on DDP
+    (``runtime.fsdp.is_zero1``), not an autopar plan's."""
     from torch.distributed.tensor import DTensor
     if not isinstance(model, torch.nn.Module) or hasattr(model, "comm"):
         return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return is_zero1(model) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _local_state(optimizer):
+    """The optimizer's state and the parameters it holds state for on this rank: all of them,
+    or a ZeroRedundancyOptimizer's partition (its local optimizer's)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.optim.state, {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
+    return optimizer.state, {id(p) for g in optimizer.param_groups for p in g["params"]}
 
 
 def _quals(model, optimizer) -> dict[int, str]:
@@ -59,9 +75,10 @@ def state_dict(model, optimizer=None, extra: dict | None = None) -> dict[str, An
         sd["optim.param_groups"] = _blob([{**{k: v for k, v in g.items() if k != "params"},
                                            "params": [quals[id(p)] for p in g["params"]]}
                                           for g in optimizer.param_groups])
+        state, mine = _local_state(optimizer)
         for g in optimizer.param_groups:
             for p in g["params"]:
-                for k, v in optimizer.state.get(p, {}).items():
+                for k, v in (state.get(p, {}) if id(p) in mine else {}).items():
                     key = f"optim.state.{quals[id(p)]}.{k}"
                     sd[key] = v.detach() if isinstance(v, torch.Tensor) else _blob(v)
     sd["extra"] = _blob(dict(extra or {}))
@@ -115,6 +132,7 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
     dest: dict[str, Any] = {f"model.{q}": torch.empty_like(p.detach()) for q, p in params.items()}
     dest.update({f"model.{q}": torch.empty_like(b) for q, b in model.named_buffers()})
     opt_keys: dict[str, tuple[str, str]] = {}
+    state, mine = _local_state(optimizer) if optimizer is not None else ({}, set())
     if optimizer is not None:
         if "optim.param_groups" not in md:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state", "load without the optimizer")
@@ -126,6 +144,8 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
             if qual not in params:
                 raise ModelMismatch(f"checkpoint {path} has optimizer state for {qual}, which the model lacks",
                                     "load a checkpoint of this model")
+            if id(params[qual]) not in mine:        # ZeRO-1: another rank's partition
+                continue
             opt_keys[key] = (qual, k)
             if isinstance(m, TensorStorageMetadata):
                 p = params[qual].detach()
@@ -151,10 +171,14 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
                                   f"optimizer {len(optimizer.param_groups)}", "build the optimizer with the same groups")
         for g, sg in zip(optimizer.param_groups, groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
-        optimizer.state.clear()
+        local = getattr(optimizer, "optim", None)
+        if local is not None and state is local.state:       # ZeRO-1: its local groups alike
+            for g, sg in zip(local.param_groups, groups):
+                g.update({k: v for k, v in sg.items() if k != "params"})
+        state.clear()
         for key, (qual, k) in opt_keys.items():
             v = dest[key]
-            optimizer.state[params[qual]][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
+            state[params[qual]][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
     return _unblob(dest["extra"]) if dest["extra"] else {}
 
 
@@ -175,15 +199,18 @@ def _refuse_non_elementwise(optimizer, args, kwargs):
     not elementwise is refused at its first step, named (``runtime.fsdp.check_optimizer``)."""
     from torch.distributed.tensor import DTensor
 
-    from ..runtime.fsdp import check_optimizer
+    from ..runtime.fsdp import check_optimizer, check_zero1_optimizer
     if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
         check_optimizer(optimizer)
+    check_zero1_optimizer(optimizer)
 
 
 def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
     """``autopar.parallelize`` of a sharded plan: the user's module itself on FSDP2, units as
     plan.json says (``runtime.fsdp.parallelize``), trainable in the user's loop (any elementwise
-    optimizer, ``autopar.train.clip_grad_norm_``, schedulers, ``set_requires_gradient_sync`` for
+    optimizer (a ZeRO-1 plan: ``model.make_optimizer(torch.optim.AdamW, lr=...)``, torch's
+    ``ZeroRedundancyOptimizer``; a plain one is refused at its first step, named),
+    ``autopar.train.clip_grad_norm_``, schedulers, ``set_requires_gradient_sync`` for
     gradient accumulation, ``autopar.save``/``load``). Each rank feeds its block of the batch
     (dim 0, ``batch.chunk(world)[rank]``) and back-propagates its block's mean loss (FSDP2 averages
     over the ranks). Refused, naming both sizes, under a process group of another world size."""
@@ -274,8 +301,12 @@ def _attach_loop_api(model, loss_fn, target_shape) -> None:
                 out[q] = b.detach().clone()
         return out
 
+    def make_optimizer(self, optimizer_class, **defaults):
+        from ..runtime.fsdp import make_optimizer as make
+        return make(self, optimizer_class, **defaults)
+
     model.loss_fn_default = loss_fn
     model.target_shape = target_shape
     model.bufs = dict(model.named_buffers())      # what ``full_state_dict`` lists (as DistModel's)
-    for fn in (reduce_loss, loss, reduce_sum, full_params, full_grads, full_buffers):
+    for fn in (reduce_loss, loss, reduce_sum, full_params, full_grads, full_buffers, make_optimizer):
         setattr(model, fn.__name__, types.MethodType(fn, model))

@@ -18,6 +18,12 @@ units' data-parallel resident bytes plus the assignment's (so the all-data-paral
 prices exactly as the native plan). The fastest assignment that fits the memory limit is offered
 (without a limit: the fastest, which the chooser sets against every other candidate).
 
+ZeRO-1 (torch's ``ZeroRedundancyOptimizer`` over DDP, ``decomp.fsdp``) is plan-wide: every unit
+and the root, over the native plan whose every unit's gradient group is the world. It is its own
+candidate (``zero1``), listed with its price beside the per-unit assignment, so that the
+chooser sets it against the others; its step is priced as above with ``zero1_step_s`` (the
+optimizer on the largest partition, one broadcast per tensor) after backward.
+
 plan.json: when chosen, ``runtime`` is ``{"expected": "fsdp", ..., "sharded": {"axis": "dp",
 "mesh": {"dp": P}, "units": {path: decision or null}, "root": decision}}`` (which units are sharded
 on which axis), and the candidate is listed among every alternative.
@@ -30,8 +36,8 @@ from dataclasses import dataclass
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
 from ...decomp.ir import BATCH_NORM
-from ...decomp.fsdp import (Sharded, TiedUnitsError, UnitComm, UnitParams, UnitTime, candidates, schedule,
-                            step_peak_bytes, unit_comm, unit_of)
+from ...decomp.fsdp import (DDP_ZERO, Sharded, TiedUnitsError, UnitComm, UnitParams, UnitTime, candidates,
+                            schedule, step_peak_bytes, unit_comm, unit_of, zero1_step_s)
 from ...profile.optimizer import optimizer_step_s
 from . import Candidate, memory_fit, register_strategy
 
@@ -146,6 +152,10 @@ class _Pricer:
         return self.comm_cache[key]
 
     def _schedule(self, a) -> float:
+        fixed = 0.0
+        z1 = [s for s in a if s is not None and s.engine == DDP_ZERO]
+        if z1:
+            fixed = zero1_step_s(self.units.params, z1[0].dp, self.coll, self.opt)
         comms, seen = [], set()
         for k, _ in self.units.segments:
             c = self._comm(k, a[k])
@@ -156,7 +166,7 @@ class _Pricer:
                 seen.add(k)
         # a unit's gradient is complete when backward reaches its first segment: move the first
         # segment's collectives there (it is the one issued last in backward) -- already so
-        return schedule(self.times, comms).step_time_s
+        return schedule(self.times, comms, fixed).step_time_s
 
     def _memory(self, a) -> float:
         """Parameters, gradients, optimizer state and activations at the step's peak
@@ -168,6 +178,13 @@ class _Pricer:
         t = float(self.native.step_time_s) + self._schedule(a) - self.dp_sched
         m = float(self.native.memory_per_rank_bytes) - self.dp_mem + self._memory(a)
         return Priced(tuple(a), t, m)
+
+    def zero1(self):
+        """The plan-wide ZeRO-1 assignment, or None when a unit's gradient group is not the world
+        (a plan that shards a parameter already: DDP runs the user's module replicated)."""
+        if any(g != self.world for g in self.units.groups) or self.world < 2:
+            return None
+        return (Sharded(1, False, self.world, engine=DDP_ZERO),) * len(self.units.names)
 
     def assignments(self):
         n = len(self.units.names)
@@ -263,6 +280,8 @@ def tied_across_units(graph) -> TiedUnitsError | None:
 
 
 def describe(names, a) -> str:
+    if a and all(s is not None and s.engine == DDP_ZERO for s in a):
+        return f"all {len(a)} units ZeRO-1 (DDP + ZeroRedundancyOptimizer over dp{a[0].dp})"
     n3 = sum(1 for s in a if s is not None and s.level == 3)
     n2 = sum(1 for s in a if s is not None and s.level == 2)
     return f"{n3} unit(s) ZeRO-3, {n2} ZeRO-2, {len(a) - n3 - n2} data parallel of {len(a)}"
@@ -296,6 +315,7 @@ class ShardedDataParallel:
         if nat is not None:
             _, nat_pred = choose_runtime(table, nat, evaluate, None)
             out.append(self._best(base, tuple(nat), nat_pred, "fsdp", f"{label} over the native data-parallel plan"))
+            out.append(self._zero1(base, tuple(nat), nat_pred))
         sol = tuple(base.solution.choice)
         if nat is None or sol != tuple(nat):
             # sharding the state the ILP's plan replicates (each parameter over its gradient group);
@@ -311,18 +331,30 @@ class ShardedDataParallel:
             out.append(c)
         return tuple(c for c in out if c is not None)
 
-    def _best(self, base, choice, pred, runtime: str, label: str):
+    def _zero1(self, base, choice, pred):
+        label = "ZeRO-1 (DDP + ZeroRedundancyOptimizer) over the native data-parallel plan"
         pricer = _Pricer(base.table, choice, pred)
-        p = _fastest(pricer, base.memory_limit_bytes)
-        if p is None:
-            return Candidate(NAME, label, illegal="no unit has parameters on more than one rank",
-                             priority=self.priority)
+        a = pricer.zero1()
+        if a is None:
+            return Candidate(NAME, label, priority=self.priority,
+                             illegal="a unit's parameters are sharded already (ZeRO-1 runs the module replicated)")
+        return self._candidate(base, choice, pred, "fsdp", label, pricer, pricer.price(a))
+
+    def _candidate(self, base, choice, pred, runtime, label, pricer, p):
         what = describe(pricer.units.names, p.assignment)
         return Candidate(NAME, f"{label}: {what}",
                          dataclasses.replace(pred, step_time_s=p.step_time_s, memory_per_rank_bytes=p.memory_bytes),
                          table=base.table, choice=tuple(choice), runtime=runtime,
                          priority=self.priority + (0 if runtime == "fsdp" else 1), detail=(pricer.units, p),
                          note=f"sharded data parallelism chosen: {what}")
+
+    def _best(self, base, choice, pred, runtime: str, label: str):
+        pricer = _Pricer(base.table, choice, pred)
+        p = _fastest(pricer, base.memory_limit_bytes)
+        if p is None:
+            return Candidate(NAME, label, illegal="no unit has parameters on more than one rank",
+                             priority=self.priority)
+        return self._candidate(base, choice, pred, runtime, label, pricer, p)
 
     def record(self, base, choice) -> dict:
         c = choice.chosen
@@ -331,7 +363,9 @@ class ShardedDataParallel:
         units, p = c.detail
         world = base.table.ctx.world
         root = p.assignment[0]
+        engines = {s.engine for s in p.assignment if s is not None}
         sharded = {"axis": "dp", "mesh": {"dp": world}, "base": "native" if c.runtime == "fsdp" else "ilp",
+                   "engine": DDP_ZERO if engines == {DDP_ZERO} else "fsdp2",
                    "units": {n: (s.to_json() if s is not None else None)
                              for n, s in zip(units.names[1:], p.assignment[1:])},
                    "root": root.to_json() if root is not None else None}
