@@ -53,7 +53,11 @@ lossless, announced by a ``PlanMigrated`` warning naming the file, never written
 world (``autopar.decomp.sharding``): ``{"mesh": {"shape": [4, 2], "names": ["N", "replica"]},
 "placements": ["Shard(0)", "Replicate()"]}`` (``placements`` may also map axis names to
 placements); migrated on load the same way, a layout that cannot be read refused naming the
-field. Any other schema is refused with ``PlanFileError`` saying to re-plan.
+field. A plan (of any schema) that states a spatially split window op's input as its owned
+block (``Shard``) where the decomposition reads it with a halo (``HaloShard``, stated since
+plans carry halos) is completed on load the same way (the halo follows from the op). The
+warning says only what was migrated. Any other schema is refused with ``PlanFileError`` saying
+to re-plan.
 
 ``autopar.run/1`` (``RunResult``): run.json of ``autopar execute``, unchanged in content.
 
@@ -83,7 +87,8 @@ CLI's tournament summary); new code reads the fields.
 Checks on load (``PlanFileError`` naming the unit and the field, before any process starts):
 mesh ranks out of the world or repeated; sub-meshes of a run set that overlap (both plans and
 the shared ranks named); a layer whose ``in_placements`` miss an input value, name a dim the
-tensor lacks, split a dim more ways than its extent (a padded shard: pad it short), name a mesh
+tensor lacks, split a dim more ways than its extent (a padded shard: pad it short), read a
+halo wider than the smallest neighbour block (``HaloShard``), name a mesh
 axis the mesh lacks, or whose mesh is not the world or names ranks outside it (likewise
 ``out_placement``); placements that disagree with the layer's decomposition; an unknown
 decomposition kind.
@@ -104,7 +109,8 @@ from .io import atomic_write_json, read_json
 from .decomp import REGISTRY, decomposition_from_json
 from .decomp.bn import LEGACY, BatchNormStats, MODES
 from .decomp.ir import Layer, LayerGraphData
-from .decomp.sharding import PaddedShard, Partial, Replicate, Sharding, from_splits
+from .decomp.sharding import (HaloShard, PaddedShard, Partial, Replicate, Sharding, block_extent,
+                               from_splits)
 from .decomp.rankmap import RankMap
 from .pins import parse_pins
 
@@ -907,7 +913,7 @@ class Plan:
         ``PlanMigrated`` warning naming ``src``). ``PlanFileError`` names the unit and field."""
         if not isinstance(obj, Mapping) or "schema" not in obj:
             raise PlanFileError(f"{src} is not an autopar plan (no schema field)", "run `autopar plan` to make one")
-        obj = _migrate(dict(obj), src)
+        obj, migrated = _migrate(dict(obj), src)
         missing = [k for k in ("model", "world_size", "mesh", "calibration", "solver", "predicted",
                                "layers", "graph", "generated") if k not in obj]
         if missing:
@@ -992,7 +998,17 @@ class Plan:
                 plan = dataclasses.replace(plan, runtime=RuntimeRecord.from_json(obj["runtime"]))
             except (TypeError, AttributeError) as e:
                 raise _bad(src, "runtime", "runtime", f"malformed ({e})") from None
+        plan, halos = _state_halos(plan)
+        if halos:
+            migrated = (migrated or [PLAN_SCHEMA]) + [
+                f"the halo of {len(halos)} spatially split input(s) stated on its placement (HaloShard, "
+                f"from the op's window: {', '.join(halos[:4])}{', ...' if len(halos) > 4 else ''})"]
         check_plan(plan, src)
+        if migrated:
+            frm, notes = migrated[0], migrated[1:]
+            what = f"plan of schema {frm} migrated to {PLAN_SCHEMA}" if frm != PLAN_SCHEMA else "plan completed"
+            warnings.warn(f"{src}: {what} on load (lossless: {'; '.join(notes) or 'the schema name'}); "
+                          f"re-plan to write it in full", PlanMigrated, stacklevel=2)
         if world_size is not None and plan.world_size != int(world_size):
             raise PlanFileError(f"{src} was made for world size {plan.world_size}, not {world_size}",
                                 f"re-plan with --world-size {world_size}")
@@ -1030,25 +1046,29 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
     return plan
 
 
-def _migrate(obj: dict[str, Any], src: str) -> dict[str, Any]:
+def _migrate(obj: dict[str, Any], src: str) -> tuple[dict[str, Any], list[str]]:
+    """``obj`` in the current schema, and what was migrated: ``[]`` when nothing, else the old
+    schema followed by one note per change actually made (``Plan.from_json`` warns with them)."""
     schema = obj.get("schema")
     if schema == PLAN_SCHEMA:
-        return obj
+        return obj, []
     if schema in MIGRATED_PLAN_SCHEMAS:
+        notes = [str(schema)]
         mesh = dict(obj.get("mesh") or {})
         world = mesh.get("world_size", obj.get("world_size"))
         if mesh.get("placement") is None:
             mesh["placement"] = {"kind": "stride", "local_stride": 1}   # older plans: block
+            notes.append("mesh.placement = block (local stride 1) added")
         if world is not None and "ranks" not in mesh:
             mesh["ranks"] = list(range(int(world)))
+            notes.append(f"mesh.ranks = 0..{int(world) - 1} added")
         obj["mesh"] = mesh
-        obj["layers"] = [_migrate_layer(d, i, int(world or 1), src) for i, d in enumerate(obj.get("layers") or ())]
+        layers = obj.get("layers") or ()
+        if any(isinstance(d, Mapping) and ("in_layouts" in d or "out_layout" in d) for d in layers):
+            notes.append("layouts [[dim, parts], ...] written as placements on named mesh axes")
+        obj["layers"] = [_migrate_layer(d, i, int(world or 1), src) for i, d in enumerate(layers)]
         obj["schema"] = PLAN_SCHEMA
-        warnings.warn(f"{src}: plan of schema {schema} migrated to {PLAN_SCHEMA} on load (lossless: "
-                      f"mesh.ranks = 0..{int(world) - 1 if world is not None else 'W-1'} added, layouts "
-                      f"[[dim, parts], ...] written as placements on named mesh axes); re-plan to "
-                      f"write the new schema", PlanMigrated, stacklevel=3)
-        return obj
+        return obj, notes
     raise PlanFileError(f"{src} has schema {schema!r}; this autopar reads {PLAN_SCHEMA!r} "
                         f"(and migrates {', '.join(MIGRATED_PLAN_SCHEMAS)})",
                         "re-plan with this version of autopar")
@@ -1079,6 +1099,35 @@ def _migrate_layer(d: Any, i: int, world: int, src: str) -> Any:
     if "out_layout" in d:
         d["out_placement"] = one(d.pop("out_layout") or [], "out_layout")
     return d
+
+
+def _state_halos(plan: Plan) -> tuple[Plan, list[str]]:
+    """``plan`` with every input placement that states the owned block (``Shard``) where the
+    layer's decomposition reads a halo (``HaloShard``, same owned blocks) replaced by the
+    decomposition's: plans made before halos were stated. Returns the inputs completed as
+    ``"layer i value v"``; anything else is left for ``check_plan`` to judge (and name)."""
+    done, layers = [], []
+    try:
+        glayers = {int(g["index"]): g for g in plan.graph_json["layers"]}
+    except (KeyError, TypeError, ValueError):
+        return plan, done          # check_plan names a malformed graph
+    for d in plan.layers:
+        ins = dict(d.in_placements)
+        if d.kind in REGISTRY and d.layer in glayers:
+            try:
+                dec = d.decomposition()
+                layer = Layer.from_json(glayers[d.layer])
+                for v, sh in d.in_placements.items():
+                    if v not in layer.inputs:
+                        continue
+                    want = dec.in_layout(layer, v)
+                    if sh != want and want.owned() == sh:
+                        ins[v] = want
+                        done.append(f"layer {d.layer} value {v}")
+            except Exception:   # noqa: BLE001 -- an unbuildable record is check_plan's to name
+                pass
+        layers.append(dataclasses.replace(d, in_placements=ins) if ins != dict(d.in_placements) else d)
+    return (dataclasses.replace(plan, layers=tuple(layers)) if done else plan), done
 
 
 # ---- checks on load -------------------------------------------------------------------------
@@ -1136,6 +1185,16 @@ def check_placements(sh: Any, shape: Sequence[int], world: int, src: str,
         elif n > shape[d]:
             raise _bad(src, unit, fld, f"{p} splits dim {d} of extent {shape[d]} into {n} parts "
                        f"(more parts than elements: some ranks would hold nothing)")
+        if isinstance(p, HaloShard):
+            # a halo comes from the immediate neighbour: block c reads halo_lo of block c-1
+            # (blocks 0..n-2) and halo_hi of block c+1 (blocks 1..n-1)
+            below = min(block_extent(int(shape[d]), n, c) for c in range(n - 1))
+            above = min(block_extent(int(shape[d]), n, c) for c in range(1, n))
+            if p.halo_lo > below or p.halo_hi > above:
+                raise _bad(src, unit, fld, f"{p} on mesh axis {sh.names[a]!r} reads a halo of {p.halo_lo} "
+                           f"below / {p.halo_hi} above, but dim {d} of extent {shape[d]} over {n} parts "
+                           f"leaves a neighbour block of {below} below / {above} above (a halo reaches "
+                           f"only the immediate neighbour)")
     q = math.prod(sh.sizes)
     if world % q:
         raise _bad(src, unit, fld, f"{sh} holds {q} ranks per replica, which does not divide the world of {world} ranks")

@@ -12,7 +12,7 @@ import autopar.decomp.spatial  # noqa: F401  (registration)
 from autopar.decomp.base import CostContext
 from autopar.decomp.ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, FLATTEN, MEAN,
                                POOL, UNARY, Layer, OpSpec)
-from autopar.decomp.sharding import Sharding, Shard
+from autopar.decomp.sharding import HaloShard, Sharding, Shard
 from autopar.decomp.replicate import Replicate
 from autopar.decomp.sample import Sample
 from autopar.decomp.spatial import Spatial
@@ -96,7 +96,9 @@ def test_layouts_and_out_layout_after_global_pooling():
     d = Spatial(2, (2, 1))
     assert d.layout() == Sharding.of((Shard(0), 2), (Shard(2), 2))
     assert Spatial(1, (1, 4)).layout() == Sharding.of((Shard(3), 4))
-    assert d.in_layout(layer(c), "x") == d.layout()
+    # the conv reads its input with a halo of 1 row each side of its H block (3x3, padding 1)
+    assert d.in_layout(layer(c), "x") == Sharding.of((Shard(0), 2), (HaloShard(2, 1, 1), 2))
+    assert d.in_layout(layer(c), "x").owned() == d.layout()
     assert d.out_layout(layer(c)) == d.layout()
     assert d.out_layout(layer(c, gap)) == Sharding.of((Shard(0), 2))
     assert d.out_layout(layer(c, mean)) == Sharding.of((Shard(0), 2))
@@ -113,7 +115,8 @@ def test_residual_binary_keeps_both_inputs_in_the_spatial_layout():
     d = Spatial(1, (2, 2))
     lay = layer(c, add)
     assert d.check(lay, ctx(4)) is None
-    assert d.in_layout(lay, "x") == d.layout() and d.out_layout(lay) == d.layout()
+    assert d.in_layout(lay, "x") == Sharding.of((HaloShard(2, 1, 1), 2), (HaloShard(3, 1, 1), 2))
+    assert d.in_layout(lay, "x").owned() == d.layout() and d.out_layout(lay) == d.layout()
 
 
 # ---- legality --------------------------------------------------------------------------------
@@ -235,7 +238,7 @@ def test_simulated_exchange_builds_the_padded_window_with_corners(split, shape, 
     dec = Spatial(1, split)
     c = conv_op("c", shape, 1, k, s=s, d=d)
     geoms = dec.window_geoms(c)
-    full, plans, windows = _simulate_windows(shape, dec.layout(), geoms, world)
+    full, plans, windows = _simulate_windows(shape, dec.window_layout(c), geoms, world)
     pads = [(d * (k - 1)) // 2] * len(split)
     padded = torch.nn.functional.pad(full, [p for p in reversed(pads) for _ in (0, 1)], value=-1.0)
     axis_of = {dd: i for i, dd in enumerate(dec.layout().shard_dims)}

@@ -142,7 +142,7 @@ def generate_module(plan: Plan) -> str:
     def layout_of_input(name: str) -> Sharding:
         for lay in graph.layers:
             if name in lay.inputs:
-                return decs[lay.index].in_layout(lay, name)
+                return decs[lay.index].in_layout(lay, name).owned()
         return Sharding()
 
     lines: list[str] = []
@@ -161,7 +161,7 @@ def generate_module(plan: Plan) -> str:
         for v in lay.inputs:
             src = decs[prod[v]].out_layout(graph.layers[prod[v]], v) if v in prod else layout_of_input(v)
             dst = dec.in_layout(lay, v)
-            if src == dst:
+            if src.owned() == dst.owned():    # a halo (HaloShard) is the layer's own exchange
                 local[v] = _var(v)
                 continue
             key = (v, dst)

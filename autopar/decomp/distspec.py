@@ -131,15 +131,23 @@ class PaddedShard:
 class HaloShard:
     """Dim ``dim`` split by the tensor_split rule (the *owned* block, as ``Shard``), each block
     read with ``halo_lo`` elements of its lower neighbour and ``halo_hi`` of its upper one (cut
-    at the tensor's ends): what a spatially split convolution reads. The owned block is what the
-    rank writes and what redistribution moves; the halo is exchanged inside the layer
-    (``runtime.layers.halo``). ``autopar.decomp.spatial`` does not state it on its placements
-    yet: its in/out placements are the owned blocks (``Shard``), its halo widths come from the
-    op (``decomp.spatial.geometry``)."""
+    at the tensor's ends): what a spatially split convolution or pooling reads. The owned block
+    is what the rank holds and what redistribution moves (``owned()``: a transition into a
+    HaloShard is one into its Shard, priced and planned as such); the halo is exchanged inside
+    the layer (``runtime.layers.halo``) and priced in the layer's own forward communication.
+    ``autopar.decomp.spatial`` states it on the input of each split window op: per split dim
+    the widest halo any block reads on each side (``geometry.halo_widths``); a block may read
+    less (uneven blocks, strides), so the exact per-block window stays the geometry's, which
+    checks it against these widths (``geometry.plan_halo``). ``HaloShard(d, 0, 0)`` is
+    ``Shard(d)`` (``Sharding``'s normal form)."""
 
     dim: int
     halo_lo: int = 0
     halo_hi: int = 0
+
+    def __post_init__(self) -> None:
+        if self.halo_lo < 0 or self.halo_hi < 0:
+            raise ValueError(f"HaloShard halo widths must be >= 0: {self.halo_lo}, {self.halo_hi}")
 
     def __str__(self) -> str:
         return f"HaloShard({self.dim}, {self.halo_lo}, {self.halo_hi})"
@@ -147,6 +155,10 @@ class HaloShard:
     def block(self, n: int, parts: int, index: int) -> tuple[int, int]:
         """The owned block: as ``Shard.block``."""
         return block_start(n, parts, index), block_extent(n, parts, index)
+
+    def owned(self) -> Shard:
+        """The owned block's placement: ``Shard(dim)``."""
+        return Shard(self.dim)
 
     def read_block(self, n: int, parts: int, index: int) -> tuple[int, int]:
         """(start, extent) read with the halo: [s - lo, s + e + hi) cut to [0, n)."""
@@ -204,6 +216,11 @@ _PARSE = [(re.compile(r"Shard\((\d+)\)$"), lambda m: Shard(int(m[1]))),
            lambda m: HaloShard(int(m[1]), int(m[2]), int(m[3]))),
           (re.compile(r"SegmentShard\((\d+),\s*(\d+(?:\|\d+)*)\)$"),
            lambda m: SegmentShard(int(m[1]), tuple(int(n) for n in m[2].split("|"))))]
+
+
+def owned_placement(p: Placement) -> Placement:
+    """What a rank holds under ``p``: a ``HaloShard``'s owned block (``Shard``), else ``p``."""
+    return p.owned() if isinstance(p, HaloShard) else p
 
 
 def parse_placement(text: str) -> Placement:
@@ -283,6 +300,13 @@ class DistSpec:
     @property
     def padded_axes(self) -> tuple[int, ...]:
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, PaddedShard))
+
+    def owned(self) -> "DistSpec":
+        """The blocks the ranks hold: every ``HaloShard`` as its ``Shard`` (what redistribution
+        moves; the halo is the consuming layer's own exchange)."""
+        if not any(isinstance(p, HaloShard) for p in self.placements):
+            return self
+        return DistSpec(self.mesh, tuple(owned_placement(p) for p in self.placements), self.shape)
 
     def with_placement(self, axis: int, placement: Placement) -> "DistSpec":
         ps = list(self.placements)

@@ -499,7 +499,9 @@ def _pad_steps(spec: DistSpec) -> list[Step]:
 
 
 def plan_redistribution(src: DistSpec, dst: DistSpec) -> tuple[Step, ...]:
-    """The steps that move a tensor from ``src`` to ``dst`` (module docstring)."""
+    """The steps that move a tensor from ``src`` to ``dst`` (module docstring): their owned
+    blocks (``DistSpec.owned``; the halo of a ``HaloShard`` is its consumer's own exchange)."""
+    src, dst = src.owned(), dst.owned()
     if src.shape != dst.shape:
         raise ValueError(f"redistribution changes the shape: {src.shape} -> {dst.shape}")
     if src == dst:

@@ -21,7 +21,8 @@ These are *logical* ranks; which node each runs on is the plan's rank map
 (``autopar.decomp.rankmap``).
 
 Normal form (so equal distributions compare equal): axes of size 1 and trailing ``Replicate()``
-axes (they merge into the replica axis, in the same rank order) are dropped; axis names are
+axes (they merge into the replica axis, in the same rank order) are dropped, ``HaloShard(d, 0,
+0)`` is ``Shard(d)``; axis names are
 labels and do not take part in equality (by default a Shard axis is named after its dim, N, C,
 D/H/W, a Partial axis ``partial``, a Replicate axis ``rep<i>``). A dim is split by one axis at
 most, and there is one Partial axis at most.
@@ -44,8 +45,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from .distspec import (DIM_PLACEMENTS, DistSpec, PaddedShard, Partial, Placement, Replicate,  # noqa: F401
-                       SegmentShard, Shard, block_extent, block_start, parse_placement)
+from .distspec import (DIM_PLACEMENTS, DistSpec, HaloShard, PaddedShard, Partial, Placement,  # noqa: F401
+                       Replicate, SegmentShard, Shard, block_extent, block_start, owned_placement,
+                       parse_placement)
 from .mesh import Mesh
 
 #: name of the implicit innermost axis (Replicate(), the rest of the world)
@@ -63,7 +65,7 @@ class Sharding:
     names: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        ps, ss = tuple(self.placements), tuple(int(s) for s in self.sizes)
+        ps, ss = tuple(_halo_free(p) for p in self.placements), tuple(int(s) for s in self.sizes)
         names = tuple(str(n) for n in self.names) or tuple(_default_name(p, i, _ndim_guess(ps)) for i, p in enumerate(ps))
         if not (len(ps) == len(ss) == len(names)):
             raise ValueError(f"Sharding needs one size and one name per placement: {ps}, {ss}, {names}")
@@ -101,6 +103,20 @@ class Sharding:
         """The same mesh axes (sizes, names) with other placements (a parameter's on its layer's
         mesh)."""
         return Sharding(tuple(placements), self.sizes, self.names)
+
+    def owned(self) -> "Sharding":
+        """The blocks the ranks hold: every ``HaloShard`` as its ``Shard`` (same axes). What a
+        transition compares and moves: into a HaloShard input it is a transition into its owned
+        block, the halo being the consuming layer's own exchange (priced in its fwd_comm_s)."""
+        if not any(isinstance(p, HaloShard) for p in self.placements):
+            return self
+        return Sharding(tuple(owned_placement(p) for p in self.placements), self.sizes, self.names)
+
+    def halo(self, dim: int) -> tuple[int, int]:
+        """(lo, hi) halo widths read along ``dim`` (0, 0 unless a ``HaloShard`` splits it)."""
+        a = self.axis_of_dim(dim)
+        p = self.placements[a] if a is not None else None
+        return (p.halo_lo, p.halo_hi) if isinstance(p, HaloShard) else (0, 0)
 
     def without_partial(self) -> "Sharding":
         """The Partial axis resolved (summed): its ranks then hold equal copies, so the axis
@@ -376,6 +392,11 @@ class Sharding:
             if int(shape[d]) < p:
                 return f"dim {d} has extent {shape[d]} < {p} parts"
         return None
+
+
+def _halo_free(p):
+    """``HaloShard(d, 0, 0)`` reads nothing beyond its block: it is ``Shard(d)``."""
+    return Shard(p.dim) if isinstance(p, HaloShard) and not (p.halo_lo or p.halo_hi) else p
 
 
 def _ndim_guess(ps) -> int | None:

@@ -3,8 +3,12 @@
 The runtime moves a tensor from the producer's ``out_layout`` to the consumer's ``in_layout``
 with ``autopar.runtime.redistribute.redistribute``, which runs the steps
 ``autopar.decomp.redistribute.plan_redistribution`` plans between the layouts' ``DistSpec``s
-(``Sharding.to_spec``); ``autopar.cost.redistribute.redistribution_s`` prices them. For two
-partial-free layouts the plan is one exchange, so the price is, as before::
+(``Sharding.to_spec``); ``autopar.cost.redistribute.redistribution_s`` prices them. Layouts
+are compared, planned and priced by their owned blocks (``Sharding.owned``): a consumer that
+reads a halo (``HaloShard``, a spatially split convolution's input) takes the producer's
+``Shard`` on the same axis as it is, and exchanges the halo itself inside the layer (priced
+in the layer's fwd_comm_s), so the transition adds nothing for it. For two partial-free
+layouts the plan is one exchange, so the price is, as before::
 
     0                                              if the layouts are equal, or every rank
                                                    already holds what it needs (a slice)
@@ -36,6 +40,7 @@ EXACT_WORLD = 16
 def recv_bytes(src: Sharding, dst: Sharding, shape: Sequence[int], world: int, itemsize: int) -> float:
     """Bytes the busiest rank receives (or sends) in the transition; with a partial axis, summed
     over the planned steps."""
+    src, dst = src.owned(), dst.owned()
     if src == dst:
         return 0.0
     return _recv_bytes(src, dst, tuple(int(n) for n in shape), int(world), int(itemsize))
@@ -57,14 +62,21 @@ def _recv_bytes(src: Sharding, dst: Sharding, shape: tuple[int, ...], world: int
     return float((math.prod(e for _, e in d0) - have) * itemsize)
 
 
-@functools.lru_cache(maxsize=16384)
 def plan_layouts(src: Sharding, dst: Sharding, shape: tuple[int, ...], world: int) -> tuple:
-    """The redistribution steps between two layouts on ranks 0..world-1 (cached)."""
+    """The redistribution steps between two layouts' owned blocks on ranks 0..world-1 (cached;
+    none into a ``HaloShard`` over the same blocks: the layer exchanges its halo)."""
+    return _plan_layouts(src.owned(), dst.owned(), tuple(shape), world)
+
+
+@functools.lru_cache(maxsize=16384)
+def _plan_layouts(src: Sharding, dst: Sharding, shape: tuple[int, ...], world: int) -> tuple:
     return plan_redistribution(src.to_spec(shape, world), dst.to_spec(shape, world))
 
 
 def transition_s(src: Sharding, dst: Sharding, shape: Sequence[int], itemsize: int, ctx) -> tuple[float, float]:
-    """(forward s, backward s) to move a tensor of ``shape`` from ``src`` to ``dst``."""
+    """(forward s, backward s) to move a tensor of ``shape`` from ``src`` to ``dst`` (their
+    owned blocks: a halo is the consuming layer's)."""
+    src, dst = src.owned(), dst.owned()
     if src == dst:
         return 0.0, 0.0
     shape = tuple(int(n) for n in shape)

@@ -52,7 +52,7 @@ def transitions(table, choice, world: int) -> tuple[TransitionDecision, ...]:
         i, j = choice[e.src], choice[e.dst]
         src = table.layers[e.src].choices[i].out_layout(graph.layers[e.src], e.value)
         dst = table.layers[e.dst].choices[j].in_layout(graph.layers[e.dst], e.value)
-        if src != dst:
+        if src.owned() != dst.owned():     # into a HaloShard: the layer exchanges its halo
             steps = plan_layouts(src, dst, tuple(int(n) for n in graph.value_shape(e.value)), world)
             out.append(TransitionDecision(
                 src=e.src, dst=e.dst, value=e.value, src_layout=str(src), dst_layout=str(dst),

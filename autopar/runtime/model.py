@@ -108,7 +108,7 @@ def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
         shape = graph.value_shape(graph.output)
         moves.append((out, loss_sharding_for(out, shape[0], world), shape))
     for src, dst, shape in moves:
-        if src != dst:
+        if src.owned() != dst.owned():      # a halo is the consuming layer's own exchange
             for st in plan_layouts(src, dst, tuple(int(n) for n in shape), world):
                 if isinstance(st, COLLECTIVES) and hasattr(st, "groups"):
                     parts.append([list(g) for g in st.groups])
@@ -318,9 +318,12 @@ class DistModel(nn.Module):
 
     # ---- layouts of the model's inputs and output ---------------------------------------------
     def input_layout(self, name: str) -> Sharding:
+        """The blocks model input ``name`` is fed in: its first consumer's ``in_layout``, owned
+        blocks only (``Sharding.owned``: a halo'd input is fed its Shard, the layer exchanges
+        the halo)."""
         for lay in self.graph.layers:
             if name in lay.inputs:
-                return self.decisions[lay.index].in_layout(lay, name)
+                return self.decisions[lay.index].in_layout(lay, name).owned()
         return Sharding()
 
     def output_layout(self) -> Sharding:

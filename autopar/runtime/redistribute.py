@@ -220,8 +220,9 @@ def redistribute_spec(x: torch.Tensor, src: DistSpec, dst: DistSpec, comm) -> to
 def redistribute(x: torch.Tensor, src: Sharding, dst: Sharding, shape: Sequence[int],
                  comm) -> torch.Tensor:
     """Move local block ``x`` of a tensor of global ``shape`` from sharding ``src`` to ``dst``
-    (the planned steps of ``autopar.decomp.transition.plan_layouts``)."""
-    if src == dst:
+    (the planned steps of ``autopar.decomp.transition.plan_layouts``: between the owned
+    blocks, none into a ``HaloShard`` over the same blocks)."""
+    if src.owned() == dst.owned():
         return x
     from ..decomp.transition import plan_layouts
     return run_steps(x, plan_layouts(src, dst, tuple(int(s) for s in shape), comm.world), comm)

@@ -14,6 +14,15 @@ with layout ``((0, sample),)``, replicated over the ``prod(spatial)`` ranks of a
 ``out_layout`` is the full layout for a layer ending on a spatial tensor and ``N<sample>`` for a
 layer ending after global pooling.
 
+Halos on the placements: a conv or pool reads its input as ``HaloShard(d, lo, hi)`` on each
+split spatial dim d (``window_layout``; lo/hi the widest halo any block reads on each side,
+``geometry.halo_widths``), so ``in_layout`` of a layer input that a window op reads (the plan
+file's ``in_placements``) states it, e.g. ``[Shard(0), HaloShard(2, 1, 1), Replicate()]`` for a
+3x3 convolution split in H. The owned blocks are the layout's: a transition into such an input
+compares owned blocks (``Sharding.owned``) and moves nothing more; the exchange is the layer's
+own (priced below as fwd_comm_s, run by ``runtime.layers.halo``), its per-block windows the
+geometry's, checked against the stated widths (``geometry.plan_halo``).
+
 How each op runs on local blocks (``run``):
 
 =============  =================================================================================
@@ -47,8 +56,9 @@ from ..base import CostContext, Decomposition, LayerCost, divisors, register
 from ..common import price_replicated_weights
 from ..ir import (ADAPTIVE_POOL, BATCH_NORM, BINARY, CONV, DROPOUT, MEAN, POOL, UNARY, Layer,
                  OpSpec, takes_input_grad)
-from .geometry import WindowGeom, axis_pieces, axis_problem, dim_name, plan_halo, window_bounds
-from ..sharding import Sharding, Shard
+from .geometry import (WindowGeom, axis_pieces, axis_problem, dim_name, halo_widths, plan_halo,
+                       window_bounds)
+from ..sharding import HaloShard, Sharding, Shard
 
 WINDOW_OPS = (CONV, POOL)
 
@@ -145,8 +155,28 @@ class Spatial(Decomposition):
                     len(op.out_shape) == 2 + self.k
         return {v: (full if sp else red) for v, sp in spatial.items()}
 
+    def window_layout(self, op: OpSpec) -> Sharding:
+        """The sharding window op ``op`` (conv, pool) reads its input in: the layout with
+        ``HaloShard(d, lo, hi)`` on each split spatial dim (``geometry.halo_widths``; a dim no
+        window reaches across stays ``Shard(d)``)."""
+        full = self.layout()
+        halos = {d: halo_widths(g, full.parts_of(d)) for d, g in self.window_geoms(op)}
+        return full.with_placements([HaloShard(p.dim, *halos[p.dim]) if p.dim in halos else p
+                                     for p in full.placements])
+
     def in_layout(self, layer: Layer, value: str) -> Sharding:
-        return self.value_layouts(layer).get(value, self.layout())
+        """A layer input's sharding as the layer reads it: ``window_layout`` of the window ops
+        reading it (the widest halo of each side), else its ``value_layouts`` entry."""
+        lay = self.value_layouts(layer).get(value, self.layout())
+        if lay != self.layout():
+            return lay
+        reads = [self.window_layout(op) for op in layer.ops
+                 if op.kind in WINDOW_OPS and op.inputs and op.inputs[0] == value]
+        if not reads:
+            return lay
+        return lay.with_placements([HaloShard(p.dim, max(r.halo(p.dim)[0] for r in reads),
+                                              max(r.halo(p.dim)[1] for r in reads))
+                                    for p in lay.placements])
 
     def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.value_layouts(layer)[value or layer.output]
@@ -346,7 +376,9 @@ class Spatial(Decomposition):
                 for i, (lo, _, _, _) in enumerate(window_params(op, self.k))]
 
     def plan(self, op: OpSpec, rank: int, world: int):
-        return plan_halo(tuple(int(s) for s in op.in_shapes[0]), self.layout(),
+        """``rank``'s halo exchange for window op ``op``: the geometry's, checked against the
+        halo ``window_layout`` states (``geometry.plan_halo``)."""
+        return plan_halo(tuple(int(s) for s in op.in_shapes[0]), self.window_layout(op),
                          self.window_geoms(op), rank, world)
 
     # ---- cost ------------------------------------------------------------------------------

@@ -1,8 +1,14 @@
 """Spatial decomposition, geometry: halo windows of sliding-window ops on spatially split
 tensors. Pure arithmetic, no torch.
 
-Plan-time legality (``axis_problem``, asked by ``autopar.decomp.spatial``) and the per-rank
-exchange plan (``plan_halo``) that the run-time half (``.exchange``) executes. The rules, the
+Plan-time legality (``axis_problem``, asked by ``autopar.decomp.spatial``), the halo widths a
+split window op states on its input placement (``halo_widths``: ``HaloShard(d, lo, hi)``) and
+the per-rank exchange plan (``plan_halo``) that the run-time half (``.exchange``) executes.
+
+The geometry is the single source of each block's window: a ``HaloShard`` states the widest
+halo of any block on each side, not every block's (uneven blocks and strides make them differ,
+and a window may trim its own block), so the exchange cannot be read from the placement
+exactly; ``plan_halo`` instead checks that no block reads more than the placement states. The rules, the
 window arithmetic and the corner scheme are written out in ``.exchange``'s docstring; ranks in
 a ``HaloPlan`` are ranks of the layer's mesh (mesh-local), which the runtime maps to
 process-group ranks.
@@ -157,6 +163,20 @@ def axis_pieces(g: WindowGeom, parts: int, c: int):
     return z_lo, lo_len, (own_lo - i0) if own_len else 0, own_len, hi_len, z_hi, tuple(sends)
 
 
+@lru_cache(maxsize=4096)
+def halo_widths(g: WindowGeom, parts: int) -> tuple[int, int]:
+    """(lo, hi): the most elements any block's window takes from its lower / upper neighbour
+    along a dim split in ``parts`` (``axis_pieces``: max over blocks c of lo_len(c), hi_len(c));
+    (0, 0) when the dim is not split. What ``HaloShard(d, lo, hi)`` states."""
+    if parts <= 1:
+        return 0, 0
+    lo = hi = 0
+    for c in range(parts):
+        _, lo_len, _, _, hi_len, _, _ = axis_pieces(g, parts, c)
+        lo, hi = max(lo, lo_len), max(hi, hi_len)
+    return lo, hi
+
+
 class HaloIllegal(ValueError):
     """The split cannot serve this window op with nearest-neighbour halos (message says why)."""
 
@@ -165,8 +185,10 @@ class HaloIllegal(ValueError):
 def plan_halo(in_shape: tuple[int, ...], layout: Sharding, geoms: tuple[tuple[int, WindowGeom], ...],
               rank: int, world: int) -> HaloPlan:
     """The exchange that turns ``rank``'s block of a tensor of global ``in_shape`` (layout
-    ``layout``) into the input window of its output block (the output tensor has the same
-    layout; its extents are in the geometries).
+    ``layout``: the sharding the op reads its input in, ``HaloShard`` on the split dims whose
+    windows reach a neighbour, ``Spatial.window_layout``) into the input window of its output
+    block (the output tensor has the same owned blocks; its extents are in the geometries).
+    Raises HaloIllegal if a block reads more of a neighbour than ``layout``'s halo states.
 
     ``geoms``: (tensor dim, geometry) for every dim handled explicitly (split dims, and any dim
     whose padding the op cannot apply itself); other dims are left to the op. Pure arithmetic:
@@ -190,6 +212,11 @@ def plan_halo(in_shape: tuple[int, ...], layout: Sharding, geoms: tuple[tuple[in
             return layout.rank_of(coords, rep, world)
 
         z_lo, lo_len, own_start, own_len, hi_len, z_hi, sends1 = axis_pieces(g, parts, c)
+        h_lo, h_hi = layout.halo(dim)
+        if lo_len > h_lo or hi_len > h_hi:
+            raise HaloIllegal(f"block {c} of {parts} along {dim_name(dim, len(in_shape))} reads "
+                              f"{lo_len} below / {hi_len} above its block, but its placement "
+                              f"{layout} states a halo of {h_lo} / {h_hi}")
         sends = tuple((peer(q), s, ln) for q, s, ln in sends1)
         step = HaloStep(dim=dim, z_lo=z_lo, lo_peer=peer(c - 1) if lo_len else -1, lo_len=lo_len,
                         own_start=own_start, own_len=own_len,

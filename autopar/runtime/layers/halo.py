@@ -39,6 +39,14 @@ explicit window too). The fill value is 0 for convolution and average pooling (z
 -inf for max pooling (torch's implicit padding never wins a max; torch guarantees every window
 holds a real element); fill positions get no gradient.
 
+Halo widths and the placement
+-----------------------------
+The layer's input placement states the halo (``HaloShard(d, lo, hi)``, ``Spatial.window_layout``):
+the widest halo any block reads on each side. The exchange does not read its widths from it:
+with uneven blocks or a stride, blocks read different widths (and may trim their own block), so
+the geometry (``decomp.spatial.geometry.plan_halo``) stays the single source of every block's
+window and checks that no block reads more than the placement states (``HaloIllegal``).
+
 Corners and edges
 -----------------
 Split dims are exchanged one after the other (``plan_halo`` orders them by dim); a later step
