@@ -1031,8 +1031,8 @@ def plan_from_decisions(obj: Mapping[str, Any], src: str = "in-memory plan") -> 
                 layer=lay.index, name=lay.name, module=lay.module, kinds=tuple(op.kind for op in lay.ops),
                 out_shape=tuple(lay.out_shape), decomposition_ref=DecompositionRef.from_json(dec.to_json()),
                 choice=str(dec),
-                in_placements={v: dec.in_layout(lay, v) for v in lay.inputs},
-                out_placement=dec.out_layout(lay), predicted=LayerPrice()))
+                in_placements={v: dec.in_placement(lay, v) for v in lay.inputs},
+                out_placement=dec.out_placement(lay), predicted=LayerPrice()))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanFileError(f"{src} needs world_size, graph and layers [{{layer, decomposition}}] "
                             f"({e.__class__.__name__}: {e})", "make the plan with `autopar plan`") from None
@@ -1120,7 +1120,7 @@ def _state_halos(plan: Plan) -> tuple[Plan, list[str]]:
                 for v, sh in d.in_placements.items():
                     if v not in layer.inputs:
                         continue
-                    want = dec.in_layout(layer, v)
+                    want = dec.in_placement(layer, v)
                     if sh != want and want.owned() == sh:
                         ins[v] = want
                         done.append(f"layer {d.layer} value {v}")
@@ -1261,8 +1261,8 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
         try:
             dec = d.decomposition()
             layer = Layer.from_json(gl)
-            want_in = {v: dec.in_layout(layer, v) for v in gl.get("inputs", [])}
-            want_out = dec.out_layout(layer)
+            want_in = {v: dec.in_placement(layer, v) for v in gl.get("inputs", [])}
+            want_out = dec.out_placement(layer)
         except Exception as e:  # a hand-edited decomposition the registry cannot build
             raise _bad(src, unit, f"layers[{i}].decomposition",
                        f"{d.decomposition_ref.to_json()} cannot be built for this layer ({e.__class__.__name__}: {e})") from None

@@ -81,7 +81,7 @@ def _rank(rank, world, configs, steps):
         sync = GradSync(comm, [(p, tuple(shards[q].grad_group(rank, world))) for q, p in params.items()])
         opt = torch.optim.SGD(list(params.values()), lr=1e-3, momentum=0.9)
         x = torch.randn(x_shape, generator=g)
-        in_lay = decs[0].in_layout(layers[0], "x")
+        in_lay = decs[0].in_placement(layers[0], "x")
         xl = local_slice(x, in_lay, comm)
         w_loss = torch.randn(layers[-1].out_shape, generator=g)
         step_s, sync_s = [], []
@@ -90,12 +90,12 @@ def _rank(rank, world, configs, steps):
             t0 = time.perf_counter()
             v, src = xl, in_lay
             for lay, dec in zip(layers, decs):
-                v = redistribute(v, src, dec.in_layout(lay, lay.inputs[0]),
+                v = redistribute(v, src, dec.in_placement(lay, lay.inputs[0]),
                                  lay.in_shape(lay.inputs[0]), comm)
                 for op in lay.ops:
                     v = dec.run(comm, lay, op, [v], {q: params[q] for q in op.param_names.values()},
                                 {q: bufs[q] for q in op.buffers.values()})
-                src = dec.out_layout(lay)
+                src = dec.out_placement(lay)
             loss = (v * local_slice(w_loss, src, comm)).sum() / src.replicas(world)
             loss.backward()
             t1 = time.perf_counter()

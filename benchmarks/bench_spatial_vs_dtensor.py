@@ -119,7 +119,7 @@ def _autopar(comm, shape, x, wt, bs, r, ref, warmup, steps):
     n, c, h, w, f = shape
     layer = _conv_layer(*shape)
     dec = Spatial(1, (1, 2))
-    lay = dec.layout()
+    lay = dec.sharding()
     xl = local_slice(x, lay, comm).clone().requires_grad_()
     rl = local_slice(r, lay, comm)
     wa, ba = wt.clone().requires_grad_(), bs.clone().requires_grad_()

@@ -45,8 +45,8 @@ def test_parallel_block_has_attention_and_mlp_branches():
     last = units[0].output
     assert a.role[last] == "join" and a.join_mode[last] == "local" and a.state[last] == PARTIAL
     # the unit leaves as a partial sum over the branch axis: the transition after it all-reduces
-    assert Branch(2, 2).out_layout(units[0]).partial_parts == 2
-    assert Branch(2, 2).in_layout(units[0], units[0].inputs[0]).partial_parts == 1
+    assert Branch(2, 2).out_placement(units[0]).partial_parts == 2
+    assert Branch(2, 2).in_placement(units[0], units[0].inputs[0]).partial_parts == 1
 
 
 @pytest.mark.parametrize("join", ["sum", "cat"])
@@ -63,7 +63,7 @@ def test_towers_branches_and_join(join, monkeypatch):
         cat = next(op.name for op in u.ops if op.kind == "cat")     # split along the features
         assert a.join_mode[cat] == "gather" and a.join_mode[relu] == "split"
         assert a.state[relu] == SPLIT and a.split_dim[relu] == 1
-        assert Branch(2, 2).out_layout(u) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+        assert Branch(2, 2).out_placement(u) == Sharding.of((Shard(0), 2), (Shard(1), 2))
     from fakes import synthetic_profile
     from autopar.decomp.base import CostContext
     ctx = CostContext(profile=synthetic_profile(), world=4, ranks_per_node=4)

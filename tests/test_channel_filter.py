@@ -192,18 +192,18 @@ def _rank_main(rank, world, cases):
         PL = {q: shard_of(full_p[q], shards[q]).clone().requires_grad_() for q in order}
         BL = {q: t.clone() for q, t in full_b.items()}
         sync = GradSync(comm, [(PL[q], tuple(shards[q].grad_group(rank, world))) for q in order])
-        in_lay = decs[0].in_layout(layers[0], "x")
+        in_lay = decs[0].in_placement(layers[0], "x")
         xl = local_slice(x, in_lay, comm).clone().requires_grad_()
 
         def forward():
             v, src = xl, in_lay
             for lay, dec in zip(layers, decs):
-                dst = dec.in_layout(lay, lay.inputs[0])
+                dst = dec.in_placement(lay, lay.inputs[0])
                 v = redistribute(v, src, dst, lay.in_shape(lay.inputs[0]), comm)
                 for op in lay.ops:
                     v = dec.run(comm, lay, op, [v], {q: PL[q] for q in op.param_names.values()},
                                 {q: BL[q] for q in op.buffers.values()})
-                src = dec.out_layout(lay)
+                src = dec.out_placement(lay)
             return v, src
 
         opt = torch.optim.SGD(list(PL.values()), lr=LR, momentum=MOMENTUM)

@@ -117,30 +117,30 @@ def step_s(c) -> float:
 # ---- layouts ----------------------------------------------------------------------------------
 def test_layouts_and_free_edges():
     lay = make_layer(0, "conv", "x", [8, 16, 8, 8], 32)
-    assert Channel(2, 2).in_layout(lay, "x") == Sharding.of((Shard(0), 2), (Shard(1), 2))
-    assert Channel(2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
-    assert Filter(2, 2).in_layout(lay, "x") == Sharding.of((Shard(0), 2))
-    assert Filter(2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
-    assert ChannelFilter(1, 2, 2).in_layout(lay, "x") == Sharding.of((Shard(1), 2))
-    assert ChannelFilter(1, 2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Channel(2, 2).in_placement(lay, "x") == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Channel(2, 2).out_placement(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Filter(2, 2).in_placement(lay, "x") == Sharding.of((Shard(0), 2))
+    assert Filter(2, 2).out_placement(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert ChannelFilter(1, 2, 2).in_placement(lay, "x") == Sharding.of((Shard(1), 2))
+    assert ChannelFilter(1, 2, 2).out_placement(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
     nxt = make_layer(1, "conv", lay.output, lay.out_shape, 32)
     shape = lay.out_shape
     # filter -> channel, channel -> channel, channel+filter -> channel(s*pc, pf): free edges
     for a, b in ((Filter(2, 2), Channel(2, 2)), (Channel(1, 4), Channel(1, 4)),
                  (ChannelFilter(1, 2, 2), Channel(2, 2)), (Filter(1, 4), Channel(1, 4))):
-        assert a.out_layout(lay) == b.in_layout(nxt, lay.output), (a, b)
-        assert recv_bytes(a.out_layout(lay), b.in_layout(nxt, lay.output), shape, 4, 4) == 0
+        assert a.out_placement(lay) == b.in_placement(nxt, lay.output), (a, b)
+        assert recv_bytes(a.out_placement(lay), b.in_placement(nxt, lay.output), shape, 4, 4) == 0
     # sample -> filter with the same sample split: replicated within the filter group, free
-    assert Sample(2).out_layout(lay) == Filter(2, 2).in_layout(nxt, lay.output)
+    assert Sample(2).out_placement(lay) == Filter(2, 2).in_placement(nxt, lay.output)
     # channel -> filter needs the allgather (the transition prices it)
-    assert recv_bytes(Channel(1, 4).out_layout(lay), Filter(1, 4).in_layout(nxt, lay.output),
+    assert recv_bytes(Channel(1, 4).out_placement(lay), Filter(1, 4).in_placement(nxt, lay.output),
                       shape, 4, 4) > 0
 
 
 def test_linear_feature_dim_and_json():
     lay = make_layer(0, "linear", "x", [8, 64], 32)
-    assert Channel(1, 2).in_layout(lay, "x") == Sharding.of((Shard(1), 2))
-    assert ChannelFilter(1, 2, 2).out_layout(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Channel(1, 2).in_placement(lay, "x") == Sharding.of((Shard(1), 2))
+    assert ChannelFilter(1, 2, 2).out_placement(lay) == Sharding.of((Shard(0), 2), (Shard(1), 2))
     for d in (Channel(2, 2), Filter(1, 4), ChannelFilter(2, 2, 2)):
         assert decomposition_from_json(d.to_json()) == d
     assert str(ChannelFilter(2, 2, 2)) == "channel_filter(2,2,2)"
@@ -226,7 +226,7 @@ def test_wide_layer_small_batch_is_cheaper_under_channel_and_filter():
         if not isinstance(d, Channel):
             # the input allgather of filter-style layers is the incoming edge's transition
             from autopar.decomp.transition import transition_s
-            f, b = transition_s(Channel(1, 4).out_layout(lay), d.in_layout(lay, "x"),
+            f, b = transition_s(Channel(1, 4).out_placement(lay), d.in_placement(lay, "x"),
                                 lay.in_shape("x"), 4, ctx)
             t += f + b
         assert t < sample, (d, t, sample)

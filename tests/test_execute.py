@@ -94,7 +94,7 @@ class _LocalStatsSample(Sample):
     def run(self, comm, layer, op, inputs, params, buffers):
         from autopar.runtime.ops import call_local
         return call_local(op, inputs, params, buffers,
-                          local_out_shape=self.layout().local_shape(op.out_shape, comm.rank, comm.world))
+                          local_out_shape=self.sharding().local_shape(op.out_shape, comm.rank, comm.world))
 
 
 @pytest.fixture

@@ -61,10 +61,10 @@ def test_edges_leave_a_partial_sum_and_nodes_pool_into_one(root, profile):
     pool = next(lay for lay in g.layers if lay.anchor.kind == "sum")
     e = Edges(2, 2)
     assert e.check(scatter, ctx) is None and e.check(gather, ctx) is None
-    assert e.out_layout(scatter) == Sharding.of((Shard(0), 2), (Partial(), 2))
-    assert e.in_layout(gather, "pad") == Sharding.of((Shard(0), 2))          # whole nodes per graph group
-    assert e.out_layout(gather) == Sharding.of((Shard(0), 2), (Shard(1), 2))
-    assert Nodes(1, 4).out_layout(pool) == Sharding.of((Partial(), 4))
+    assert e.out_placement(scatter) == Sharding.of((Shard(0), 2), (Partial(), 2))
+    assert e.in_placement(gather, "pad") == Sharding.of((Shard(0), 2))          # whole nodes per graph group
+    assert e.out_placement(gather) == Sharding.of((Shard(0), 2), (Shard(1), 2))
+    assert Nodes(1, 4).out_placement(pool) == Sharding.of((Partial(), 4))
     assert "does not run unchanged" in Nodes(1, 4).check(next(l for l in g.layers if l.anchor.kind == "pad"), ctx)
     # only a sum splits into addends: a max aggregation of messages is not an edge split
     import copy

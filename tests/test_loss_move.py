@@ -35,7 +35,7 @@ def test_head_choices_pay_the_move_of_their_logits_into_the_loss_layout(root, pr
         tab._price_loss_move = orig
     kinds = set()
     for d, c, c0 in zip(priced.layers[li].choices, priced.layers[li].costs, bare.layers[li].costs):
-        src = d.out_layout(lay, g.output)
+        src = d.out_placement(lay, g.output)
         dst = loss_sharding_for(src, shape[0], world)
         if getattr(d, "loss_in_place", False) or src == dst:
             assert c == c0, d

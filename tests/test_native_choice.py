@@ -94,7 +94,7 @@ def test_broadcast_operands_are_read_whole_by_every_block_of_samples(tiny_gpt, t
     # the add of the position embedding: the token embeddings split, the position embedding whole
     add = next(l for l in g.layers if any(op.kind == "binary" and [6, 8] in op.in_shapes for op in l.ops))
     pos_value = next(v for op in add.ops for v, s in zip(op.inputs, op.in_shapes) if list(s) == [6, 8])
-    assert Sample(2).in_layout(add, pos_value) == Sharding()
+    assert Sample(2).in_placement(add, pos_value) == Sharding()
     assert r.plan.runtime.expected == "native"
     # --kinds sample alone: the batch-free layers keep replicate (computed whole under any plan)
     r2 = _plan(tiny_gpt, 2, tmp_path, profile, name="only-sample", batch_size=4, kinds=["sample"])

@@ -265,7 +265,7 @@ def _run_case(c, comm):
     (y_ref * r).sum().backward()
 
     # distributed
-    in_lay, out_lay = dec.in_layout(layer, "x"), dec.out_layout(layer)
+    in_lay, out_lay = dec.in_placement(layer, "x"), dec.out_placement(layer)
     xl = local_slice(x, in_lay, comm).clone().requires_grad_(True)
     pd = {q: t.clone().requires_grad_(True) for q, t in params.items()}
     bd = {q: t.clone() for q, t in buffers.items()}

@@ -94,15 +94,15 @@ def test_layouts_and_out_layout_after_global_pooling():
     mean = follow(c, MEAN, "mean", out_shape=[4, 16], attrs={"dims": [2, 3], "keepdim": False},
                   target="aten.mean.dim")
     d = Spatial(2, (2, 1))
-    assert d.layout() == Sharding.of((Shard(0), 2), (Shard(2), 2))
-    assert Spatial(1, (1, 4)).layout() == Sharding.of((Shard(3), 4))
+    assert d.sharding() == Sharding.of((Shard(0), 2), (Shard(2), 2))
+    assert Spatial(1, (1, 4)).sharding() == Sharding.of((Shard(3), 4))
     # the conv reads its input with a halo of 1 row each side of its H block (3x3, padding 1)
-    assert d.in_layout(layer(c), "x") == Sharding.of((Shard(0), 2), (HaloShard(2, 1, 1), 2))
-    assert d.in_layout(layer(c), "x").owned() == d.layout()
-    assert d.out_layout(layer(c)) == d.layout()
-    assert d.out_layout(layer(c, gap)) == Sharding.of((Shard(0), 2))
-    assert d.out_layout(layer(c, mean)) == Sharding.of((Shard(0), 2))
-    assert Spatial(1, (2, 2)).out_layout(layer(c, gap)) == Sharding()
+    assert d.in_placement(layer(c), "x") == Sharding.of((Shard(0), 2), (HaloShard(2, 1, 1), 2))
+    assert d.in_placement(layer(c), "x").owned() == d.sharding()
+    assert d.out_placement(layer(c)) == d.sharding()
+    assert d.out_placement(layer(c, gap)) == Sharding.of((Shard(0), 2))
+    assert d.out_placement(layer(c, mean)) == Sharding.of((Shard(0), 2))
+    assert Spatial(1, (2, 2)).out_placement(layer(c, gap)) == Sharding()
     assert d.to_json() == {"kind": "spatial", "sample": 2, "spatial": [2, 1]}
     parts = Spatial(1, (2, 2)).partitions(layer(c, gap), 4)
     assert [[0, 1, 2, 3]] in parts
@@ -115,8 +115,8 @@ def test_residual_binary_keeps_both_inputs_in_the_spatial_layout():
     d = Spatial(1, (2, 2))
     lay = layer(c, add)
     assert d.check(lay, ctx(4)) is None
-    assert d.in_layout(lay, "x") == Sharding.of((HaloShard(2, 1, 1), 2), (HaloShard(3, 1, 1), 2))
-    assert d.in_layout(lay, "x").owned() == d.layout() and d.out_layout(lay) == d.layout()
+    assert d.in_placement(lay, "x") == Sharding.of((HaloShard(2, 1, 1), 2), (HaloShard(3, 1, 1), 2))
+    assert d.in_placement(lay, "x").owned() == d.sharding() and d.out_placement(lay) == d.sharding()
 
 
 # ---- legality --------------------------------------------------------------------------------
@@ -238,13 +238,13 @@ def test_simulated_exchange_builds_the_padded_window_with_corners(split, shape, 
     dec = Spatial(1, split)
     c = conv_op("c", shape, 1, k, s=s, d=d)
     geoms = dec.window_geoms(c)
-    full, plans, windows = _simulate_windows(shape, dec.window_layout(c), geoms, world)
+    full, plans, windows = _simulate_windows(shape, dec.window_placement(c), geoms, world)
     pads = [(d * (k - 1)) // 2] * len(split)
     padded = torch.nn.functional.pad(full, [p for p in reversed(pads) for _ in (0, 1)], value=-1.0)
-    axis_of = {dd: i for i, dd in enumerate(dec.layout().shard_dims)}
+    axis_of = {dd: i for i, dd in enumerate(dec.sharding().shard_dims)}
     geo = dict(geoms)
     for r in range(world):
-        cs, _ = dec.layout().coords(r, world)
+        cs, _ = dec.sharding().coords(r, world)
         idx = [slice(None), slice(None)]
         for dim in range(2, len(shape)):
             pad = pads[dim - 2]

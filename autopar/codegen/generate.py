@@ -142,7 +142,7 @@ def generate_module(plan: Plan) -> str:
     def layout_of_input(name: str) -> Sharding:
         for lay in graph.layers:
             if name in lay.inputs:
-                return decs[lay.index].in_layout(lay, name).owned()
+                return decs[lay.index].in_placement(lay, name).owned()
         return Sharding()
 
     lines: list[str] = []
@@ -156,11 +156,11 @@ def generate_module(plan: Plan) -> str:
         dec = decs[lay.index]
         kinds = "+".join(op.kind for op in lay.ops)
         lines.append(f"        # -- layer {lay.index}: {lay.module or '(root)'}  {kinds}  "
-                     f"{tuple(lay.out_shape)}  -> {dec}  [{dec.out_layout(lay)}]")
+                     f"{tuple(lay.out_shape)}  -> {dec}  [{dec.out_placement(lay)}]")
         local: dict[str, str] = {}
         for v in lay.inputs:
-            src = decs[prod[v]].out_layout(graph.layers[prod[v]], v) if v in prod else layout_of_input(v)
-            dst = dec.in_layout(lay, v)
+            src = decs[prod[v]].out_placement(graph.layers[prod[v]], v) if v in prod else layout_of_input(v)
+            dst = dec.in_placement(lay, v)
             if src.owned() == dst.owned():    # a halo (HaloShard) is the layer's own exchange
                 local[v] = _var(v)
                 continue
@@ -177,12 +177,12 @@ def generate_module(plan: Plan) -> str:
             lines.append(f"        {_var(op.name)} = self.op({args}){where}")
     out = graph.output
     li = prod[out]
-    out_layout = decs[li].out_layout(graph.layers[li], out)
-    loss_layout = (out_layout if getattr(decs[li], "loss_in_place", False)   # vocabulary-parallel loss
-                   else loss_sharding_for(out_layout, graph.value_shape(out)[0], world))
-    if loss_layout != out_layout:
-        lines.append(f"        # the loss is computed with samples split: {out_layout} -> {loss_layout}")
-        lines.append(f"        {_var(out)} = self.move({_var(out)}, {out!r}, {out_layout.to_json(world)}, {loss_layout.to_json(world)})")
+    out_placement = decs[li].out_placement(graph.layers[li], out)
+    loss_layout = (out_placement if getattr(decs[li], "loss_in_place", False)   # vocabulary-parallel loss
+                   else loss_sharding_for(out_placement, graph.value_shape(out)[0], world))
+    if loss_layout != out_placement:
+        lines.append(f"        # the loss is computed with samples split: {out_placement} -> {loss_layout}")
+        lines.append(f"        {_var(out)} = self.move({_var(out)}, {out!r}, {out_placement.to_json(world)}, {loss_layout.to_json(world)})")
     # the structure the user's model returns (a tensor, or e.g. a ModelOutput holding it)
     lines.append(f"        return self.structured({_var(out)})")
 

@@ -430,7 +430,7 @@ def _price_loss_move(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOp
         if getattr(d, "loss_in_place", False):
             costs.append(c)
             continue
-        src = d.out_layout(lay, graph.output)
+        src = d.out_placement(lay, graph.output)
         dst = loss_sharding_for(src, shape[0], ctx.world)
         if src == dst:
             costs.append(c)
@@ -633,14 +633,14 @@ def _build_edges(graph: LayerGraphData, ctx: CostContext, opts: list[LayerOption
         k = ("out", id(lay), value, tuple(opts[u].choices))
         r = layouts.get(k)
         if r is None:
-            r = layouts[k] = tuple(d.out_layout(lay, value) for d in opts[u].choices)
+            r = layouts[k] = tuple(d.out_placement(lay, value) for d in opts[u].choices)
         return r
 
     def in_layouts(v, lay, value):
         k = ("in", id(lay), value, tuple(opts[v].choices))
         r = layouts.get(k)
         if r is None:
-            r = layouts[k] = tuple(d.in_layout(lay, value) for d in opts[v].choices)
+            r = layouts[k] = tuple(d.in_placement(lay, value) for d in opts[v].choices)
         return r
 
     for u, v, value in graph.edges():

@@ -5,7 +5,7 @@ Its class owns, in one module:
 
 * legality: ``candidates(layer, ctx)`` lists the legal instances for a layer, ``check`` says why
   an instance is illegal (plan-time, with the layer and the reason);
-* layouts: ``in_layout(layer, value)`` and ``out_layout(layer)`` say how activations enter and
+* layouts: ``in_placement(layer, value)`` and ``out_placement(layer)`` say how activations enter and
   leave the layer, ``param_shard(op, role)`` how each parameter is split; transitions between
   neighbours follow from the layouts (``autopar.decomp.transition``);
 * cost: ``cost(layer, ctx) -> LayerCost``, each formula in the docstring next to its code;
@@ -287,10 +287,10 @@ class Decomposition:
         return True
 
     # ---- layouts -------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         raise NotImplementedError
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         """Sharding of ``value`` (one of ``layer.outputs``; default the main ``layer.output``) as
         the layer leaves it."""
         raise NotImplementedError
@@ -322,11 +322,11 @@ class Decomposition:
                     f"on every rank (replicate)")
         return None
 
-    def bn_layout(self, layer: Layer, op: OpSpec) -> Sharding:
+    def bn_placement(self, layer: Layer, op: OpSpec) -> Sharding:
         """Sharding of the input of batch norm ``op`` (whose samples a rank holds); a layer input's
-        ``in_layout``, otherwise ``out_layout`` (transparent ops after an anchor)."""
+        ``in_placement``, otherwise ``out_placement`` (transparent ops after an anchor)."""
         v = op.inputs[0]
-        return self.in_layout(layer, v) if v in layer.inputs else self.out_layout(layer)
+        return self.in_placement(layer, v) if v in layer.inputs else self.out_placement(layer)
 
     # ---- cost ----------------------------------------------------------------------------
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
@@ -412,7 +412,7 @@ def _with_bn_check(fn):
     def check(obj, layer, ctx):
         why = fn(obj, layer, ctx)
         if why is None:
-            why = layer_problem(layer, lambda op: obj.bn_layout(layer, op), getattr(ctx, "batch_norm", None))
+            why = layer_problem(layer, lambda op: obj.bn_placement(layer, op), getattr(ctx, "batch_norm", None))
         return why
     check._bn_checked = True
     return check

@@ -138,7 +138,7 @@ def batch_dim_ok(layer: Layer, merged_parts: int | None = None) -> str | None:
     the two forms is local. Not with batch norm (its statistics are per sample group).
 
     Operands a broadcasting op reads whole on every block (``batch_free_operand``: a position
-    embedding, a ``[1, 1, S, S]`` mask) have no batch dim to check; ``Sample.in_layout``
+    embedding, a ``[1, 1, S, S]`` mask) have no batch dim to check; ``Sample.in_placement``
     keeps them whole."""
     n = None
     dims0 = []

@@ -21,10 +21,10 @@ class Replicate(Decomposition):
     kind = "replicate"
     always_kept = True
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         return Sharding()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return Sharding()
 
     @classmethod

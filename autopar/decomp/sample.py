@@ -31,25 +31,25 @@ class Sample(Decomposition):
     # (``check`` -> ``batch_dim_ok``: dim 0 in ``independent_dims`` or ``synced_dims``)
     supported_ops = REGISTERED
 
-    def layout(self) -> Sharding:
+    def sharding(self) -> Sharding:
         return Sharding.of((Shard(0), self.parts))
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         try:
             shape = layer.in_shape(value)
         except KeyError:
-            return self.layout()
+            return self.sharding()
         if not shape or any(int(n) == 0 for n in shape):
             return Sharding()      # an empty operand (an empty cache): whole, there is nothing to split
         if value in batch_free_inputs(layer):
             return Sharding()      # read whole by a broadcasting op on every block (a position embedding)
-        return self.layout()
+        return self.sharding()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
-        return self.layout()
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
+        return self.sharding()
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
-        lay = self.layout()
+        lay = self.sharding()
         groups = {tuple(lay.data_group(r, world)) for r in range(world)}
         return [sorted(list(g) for g in groups)]
 
@@ -78,7 +78,7 @@ class Sample(Decomposition):
     def cost(self, layer: Layer, ctx: CostContext) -> LayerCost:
         """``price_replicated_weights`` with layout N<parts>; batch-norm statistics over the
         ``parts`` ranks that hold different samples."""
-        return price_replicated_weights(layer, self.layout(), ctx, bn_group_size=self.parts)
+        return price_replicated_weights(layer, self.sharding(), ctx, bn_group_size=self.parts)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 """Transitions between the layouts of neighbouring layers, and their price.
 
-The runtime moves a tensor from the producer's ``out_layout`` to the consumer's ``in_layout``
+The runtime moves a tensor from the producer's ``out_placement`` to the consumer's ``in_placement``
 with ``autopar.runtime.redistribute.redistribute``, which runs the steps
 ``autopar.decomp.redistribute.plan_redistribution`` plans between the layouts' ``DistSpec``s
 (``Sharding.to_spec``); ``autopar.cost.redistribute.redistribution_s`` prices them. Layouts

@@ -32,10 +32,10 @@ def layer_decisions(table, choice, world: int) -> tuple[LayerDecision, ...]:
             "layer": lay.index, "name": lay.name, "module": lay.module,
             "kinds": [op.kind for op in lay.ops], "out_shape": lay.out_shape,
             "decomposition": dec.to_json(), "choice": str(dec),
-            "in_placements": {v: dec.in_layout(lay, v).to_json(world) for v in lay.inputs},
-            "out_placement": dec.out_layout(lay).to_json(world),
-            "placements": {"in": {v: dec.in_layout(lay, v).placements_str(world) for v in lay.inputs},
-                           "out": {v: dec.out_layout(lay, v).placements_str(world) for v in lay.outputs}},
+            "in_placements": {v: dec.in_placement(lay, v).to_json(world) for v in lay.inputs},
+            "out_placement": dec.out_placement(lay).to_json(world),
+            "placements": {"in": {v: dec.in_placement(lay, v).placements_str(world) for v in lay.inputs},
+                           "out": {v: dec.out_placement(lay, v).placements_str(world) for v in lay.outputs}},
             "predicted": c.to_json(), "source": c.source,
             "exact_keys": o.exact_keys[ci] if o.exact_keys else [],
             "alternatives": [{"choice": str(d), "time_s": k.fwd_s + k.bwd_s + k.grad_sync_s,
@@ -50,8 +50,8 @@ def transitions(table, choice, world: int) -> tuple[TransitionDecision, ...]:
     graph, out = table.graph, []
     for e in table.edges:
         i, j = choice[e.src], choice[e.dst]
-        src = table.layers[e.src].choices[i].out_layout(graph.layers[e.src], e.value)
-        dst = table.layers[e.dst].choices[j].in_layout(graph.layers[e.dst], e.value)
+        src = table.layers[e.src].choices[i].out_placement(graph.layers[e.src], e.value)
+        dst = table.layers[e.dst].choices[j].in_placement(graph.layers[e.dst], e.value)
         if src.owned() != dst.owned():     # into a HaloShard: the layer exchanges its halo
             steps = plan_layouts(src, dst, tuple(int(n) for n in graph.value_shape(e.value)), world)
             out.append(TransitionDecision(

@@ -99,12 +99,12 @@ def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
         parts.extend(decisions[lay.index].partitions(lay, world))
     moves = []
     for u, v, value in graph.edges():
-        moves.append((decisions[u].out_layout(graph.layers[u], value),
-                      decisions[v].in_layout(graph.layers[v], value), graph.value_shape(value)))
+        moves.append((decisions[u].out_placement(graph.layers[u], value),
+                      decisions[v].in_placement(graph.layers[v], value), graph.value_shape(value)))
     prod = graph.producer()
     if graph.output in prod:
         li = prod[graph.output]
-        out = decisions[li].out_layout(graph.layers[li], graph.output)
+        out = decisions[li].out_placement(graph.layers[li], graph.output)
         shape = graph.value_shape(graph.output)
         moves.append((out, loss_sharding_for(out, shape[0], world), shape))
     for src, dst, shape in moves:
@@ -318,18 +318,18 @@ class DistModel(nn.Module):
 
     # ---- layouts of the model's inputs and output ---------------------------------------------
     def input_layout(self, name: str) -> Sharding:
-        """The blocks model input ``name`` is fed in: its first consumer's ``in_layout``, owned
+        """The blocks model input ``name`` is fed in: its first consumer's ``in_placement``, owned
         blocks only (``Sharding.owned``: a halo'd input is fed its Shard, the layer exchanges
         the halo)."""
         for lay in self.graph.layers:
             if name in lay.inputs:
-                return self.decisions[lay.index].in_layout(lay, name).owned()
+                return self.decisions[lay.index].in_placement(lay, name).owned()
         return Sharding()
 
     def output_layout(self) -> Sharding:
         prod = self.graph.producer()
         li = prod[self.graph.output]
-        return self.decisions[li].out_layout(self.graph.layers[li], self.graph.output)
+        return self.decisions[li].out_placement(self.graph.layers[li], self.graph.output)
 
     def loss_layout(self) -> Sharding:
         """Where the generated forward leaves the output (``loss_sharding_for``; the output's own

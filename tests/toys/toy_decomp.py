@@ -30,10 +30,10 @@ class InFeatures(Decomposition):
     kind = "toy_in_features"
     supported_ops = frozenset({LINEAR})
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         return Sharding.of((Shard(len(layer.anchor.in_shapes[0]) - 1), self.parts))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return Sharding.of((Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
@@ -78,5 +78,5 @@ class InFeatures(Decomposition):
         import torch.nn.functional as F
         w = params[op.param_names["weight"]]
         b = params[op.param_names["bias"]] if "bias" in op.param_names else None
-        first = self.out_layout(layer).partial_index(comm.rank, comm.world) == 0
+        first = self.out_placement(layer).partial_index(comm.rank, comm.world) == 0
         return F.linear(inputs[0], w, b if first else None)

@@ -15,7 +15,7 @@ SUPER's interleaved placement (``autopar.decomp.rankmap``).
 Grid translation at the unit's boundaries (LBANN's layers; the runtime ops with their exact
 adjoints are ``branch.boundary``):
 
-* split (fork): the unit's input enters replicated over the branch axis (``in_layout`` N<data>),
+* split (fork): the unit's input enters replicated over the branch axis (``in_placement`` N<data>),
   so every group already holds the parent's value: the broadcast is the transition into the
   unit (an all-gather from a sample-parallel producer), and its adjoint, the all-reduce of the
   branches' input gradients, is the transition's adjoint (autopar's gradient convention sums
@@ -99,10 +99,10 @@ class Branch(Decomposition):
     def _layout(self) -> Sharding:
         return _layout(self.data)
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         return self._layout()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         v = layer.output if value is None else value
         an = analysis(layer)
         if an.state.get(v) == PARTIAL:     # rank = (d * groups + k) * R + x

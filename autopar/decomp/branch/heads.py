@@ -222,10 +222,10 @@ class HeadGroups(Decomposition):
         return [r for r in range(world) if self.group_of_rank(r) == g]
 
     # ---- layouts -------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         return _layout(self.data)
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         v = layer.output if value is None else value
         if self._plan(layer).state.get(v) == P:
             return Sharding.of((Shard(0), self.data), (Partial(), self.groups))

@@ -130,11 +130,11 @@ class _WeightGrid(Decomposition):
         return "f" if self.grid()[2] > 1 else "c"
 
     # ---- layouts --------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         s, pc, _ = self.grid()
         return Sharding.of((Shard(0), s), (Shard(_feature_dim(layer.anchor)), pc))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         s, pc, pf = self.grid()
         fo = _feature_dim(layer.anchor)
         if self.rs_along_batch:
@@ -221,7 +221,7 @@ class _WeightGrid(Decomposition):
         w[0], w[1] = block_extent(w[0], pf, 0), block_extent(w[1], pc, 0)
         y_part = list(a.out_shape)
         y_part[0], y_part[fi] = x[0], w[0]
-        y = self.out_layout(layer).max_local_shape(a.out_shape)
+        y = self.out_placement(layer).max_local_shape(a.out_shape)
         return {"x": tuple(x), "w": tuple(w), "y_part": tuple(y_part), "y": tuple(y)}
 
     # ---- cost -----------------------------------------------------------------------------
@@ -231,7 +231,7 @@ class _WeightGrid(Decomposition):
         compute  = op_compute_s(anchor, x_loc -> y_part, w_shape=w_loc)
                    + sum over transparent ops of op_compute_s(y_loc -> y_loc)
                    x_loc = (N/s, C/pc, *), w_loc = (F/pf, C/pc, *k), y_part = (N/s, F/pf, *),
-                   y_loc = out_layout block 0 (see local_shapes)
+                   y_loc = out_placement block 0 (see local_shapes)
         fwd comm = T_reduce_scatter(pc, |y_part| bytes) on the channel group   (0 when pc == 1)
         bwd comm = T_allgather(pc, |y_part| bytes)                             (its adjoint)
                    The allgather of x that Filter / ChannelFilter need (and its backward
@@ -437,7 +437,7 @@ class RowParallel(Channel):
 
     kind = "row_parallel"
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return Sharding.of((Shard(0), self.sample), (Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:

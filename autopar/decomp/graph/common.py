@@ -88,10 +88,10 @@ class ItemSplit(Decomposition):
                     out.setdefault(v, whole)
         return out
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         return self.value_layouts(layer).get(value, Sharding.of(*self._graphs()))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.value_layouts(layer)[value or layer.output]
 
     def reduces(self, op: OpSpec, items: dict) -> bool:

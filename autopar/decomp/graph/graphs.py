@@ -134,14 +134,14 @@ class Graphs(Decomposition):
             return Sharding.of((Shard(0), self.parts))
         return Sharding()
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         try:
             shape = layer.in_shape(value)
         except KeyError:
             shape = ()
         return self.value_layout(layer, value, shape)
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         v = value or layer.output
         return self.value_layout(layer, v, layer.value_shape(v))
 

@@ -11,12 +11,12 @@ spatial extent > 1 is *spatial* and carries the full layout; a global reduction 
 dims (adaptive average pooling to size 1, mean over every spatial dim) yields a *reduced* value
 with layout ``((0, sample),)``, replicated over the ``prod(spatial)`` ranks of a spatial group
 (its loss share must then be scaled by 1/replicas, as ``DistModel.local_loss`` does). So
-``out_layout`` is the full layout for a layer ending on a spatial tensor and ``N<sample>`` for a
+``out_placement`` is the full layout for a layer ending on a spatial tensor and ``N<sample>`` for a
 layer ending after global pooling.
 
 Halos on the placements: a conv or pool reads its input as ``HaloShard(d, lo, hi)`` on each
-split spatial dim d (``window_layout``; lo/hi the widest halo any block reads on each side,
-``geometry.halo_widths``), so ``in_layout`` of a layer input that a window op reads (the plan
+split spatial dim d (``window_placement``; lo/hi the widest halo any block reads on each side,
+``geometry.halo_widths``), so ``in_placement`` of a layer input that a window op reads (the plan
 file's ``in_placements``) states it, e.g. ``[Shard(0), HaloShard(2, 1, 1), Replicate()]`` for a
 3x3 convolution split in H. The owned blocks are the layout's: a transition into such an input
 compares owned blocks (``Sharding.owned``) and moves nothing more; the exchange is the layer's
@@ -128,7 +128,7 @@ class Spatial(Decomposition):
     def spatial_dims(self) -> list[int]:
         return [2 + i for i in range(self.k)]
 
-    def layout(self) -> Sharding:
+    def sharding(self) -> Sharding:
         """Sharding of a spatial value: N<sample> x D/H/W<spatial[i]>."""
         return Sharding.of((Shard(0), self.sample), *((Shard(2 + i), p) for i, p in enumerate(self.spatial)))
 
@@ -142,7 +142,7 @@ class Spatial(Decomposition):
     def value_layouts(self, layer: Layer) -> dict[str, Sharding]:
         """Sharding of every value of the layer: its inputs by shape, then op by op (a global
         spatial reduction, or any op on reduced inputs only, yields the reduced layout)."""
-        full, red = self.layout(), self.reduced_layout()
+        full, red = self.sharding(), self.reduced_layout()
         spatial: dict[str, bool] = {}
         for op in layer.ops:
             for v, s in zip(op.inputs, op.in_shapes):
@@ -155,22 +155,22 @@ class Spatial(Decomposition):
                     len(op.out_shape) == 2 + self.k
         return {v: (full if sp else red) for v, sp in spatial.items()}
 
-    def window_layout(self, op: OpSpec) -> Sharding:
+    def window_placement(self, op: OpSpec) -> Sharding:
         """The sharding window op ``op`` (conv, pool) reads its input in: the layout with
         ``HaloShard(d, lo, hi)`` on each split spatial dim (``geometry.halo_widths``; a dim no
         window reaches across stays ``Shard(d)``)."""
-        full = self.layout()
+        full = self.sharding()
         halos = {d: halo_widths(g, full.parts_of(d)) for d, g in self.window_geoms(op)}
         return full.with_placements([HaloShard(p.dim, *halos[p.dim]) if p.dim in halos else p
                                      for p in full.placements])
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
-        """A layer input's sharding as the layer reads it: ``window_layout`` of the window ops
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
+        """A layer input's sharding as the layer reads it: ``window_placement`` of the window ops
         reading it (the widest halo of each side), else its ``value_layouts`` entry."""
-        lay = self.value_layouts(layer).get(value, self.layout())
-        if lay != self.layout():
+        lay = self.value_layouts(layer).get(value, self.sharding())
+        if lay != self.sharding():
             return lay
-        reads = [self.window_layout(op) for op in layer.ops
+        reads = [self.window_placement(op) for op in layer.ops
                  if op.kind in WINDOW_OPS and op.inputs and op.inputs[0] == value]
         if not reads:
             return lay
@@ -178,7 +178,7 @@ class Spatial(Decomposition):
                                               max(r.halo(p.dim)[1] for r in reads))
                                     for p in lay.placements])
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return self.value_layouts(layer)[value or layer.output]
 
     def partitions(self, layer: Layer, world: int) -> list[list[list[int]]]:
@@ -199,12 +199,12 @@ class Spatial(Decomposition):
                 spatial = [d for d in lay.shard_dims if d >= 2]
                 if spatial:
                     out.append(part(lambda r, lay=lay, sp=tuple(spatial): lay.split_group(list(sp), r, world)))
-            elif op.kind in (ADAPTIVE_POOL, MEAN) and lays[op.inputs[0]] == self.layout():
-                full = self.layout()
+            elif op.kind in (ADAPTIVE_POOL, MEAN) and lays[op.inputs[0]] == self.sharding():
+                full = self.sharding()
                 out.append(part(lambda r: full.split_group(self.spatial_dims, r, world)))
         return out
 
-    def bn_layout(self, layer: Layer, op: OpSpec) -> Sharding:
+    def bn_placement(self, layer: Layer, op: OpSpec) -> Sharding:
         return self.value_layouts(layer)[op.inputs[0]]
 
     # ---- legality --------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class Spatial(Decomposition):
             nsp = len(layer.anchor.in_shapes[0]) - 2 if layer.anchor.in_shapes else 0
             return f"{where}: the layer's input has {nsp} spatial dims, the decomposition splits {self.k}"
         lays = self.value_layouts(layer)
-        full = self.layout()
+        full = self.sharding()
         for op in layer.ops:
             name = op.module or where
             why = self._check_op(op, lays, full, ctx.world)
@@ -359,7 +359,7 @@ class Spatial(Decomposition):
         """(tensor dim, WindowGeom) of the dims whose window is built explicitly: conv: split
         dims and dims with asymmetric padding; pool: every spatial dim. ``all_dims``: every
         spatial dim (for legality)."""
-        full = self.layout()
+        full = self.sharding()
         x, y = op.in_shapes[0], op.out_shape
         out = []
         for i, (lo, hi, s, k_eff) in enumerate(window_params(op, self.k)):
@@ -377,8 +377,8 @@ class Spatial(Decomposition):
 
     def plan(self, op: OpSpec, rank: int, world: int):
         """``rank``'s halo exchange for window op ``op``: the geometry's, checked against the
-        halo ``window_layout`` states (``geometry.plan_halo``)."""
-        return plan_halo(tuple(int(s) for s in op.in_shapes[0]), self.window_layout(op),
+        halo ``window_placement`` states (``geometry.plan_halo``)."""
+        return plan_halo(tuple(int(s) for s in op.in_shapes[0]), self.window_placement(op),
                          self.window_geoms(op), rank, world)
 
     # ---- cost ------------------------------------------------------------------------------
@@ -401,7 +401,7 @@ class Spatial(Decomposition):
         """
         from ...cost import primitives as prim  # plan-time half: the runtime never loads cost
         geoms = self.window_geoms(op)
-        full = self.layout()
+        full = self.sharding()
         x = [int(s) for s in op.in_shapes[0]]
         ext = list(full.max_local_shape(x))
         total_t = total_b = 0.0
@@ -446,7 +446,7 @@ class Spatial(Decomposition):
         ins = [list(lays[v].max_local_shape(s)) for v, s in zip(op.inputs, op.in_shapes)]
         out = list(lays[op.name].max_local_shape(op.out_shape))
         if op.kind in WINDOW_OPS and ins:
-            full = self.layout()
+            full = self.sharding()
             for d, g in self.window_geoms(op):
                 p = full.parts_of(d)
                 ins[0][d] = max(b - a for a, b in (window_bounds(g, p, c) for c in range(p)))
@@ -492,9 +492,9 @@ class Spatial(Decomposition):
                 a = dict(op.attrs)
                 a["padding"] = self.native_padding(op)
                 op = replace(op, attrs=a)
-            if op.kind in (ADAPTIVE_POOL, MEAN) and lays[op.inputs[0]] == self.layout():
+            if op.kind in (ADAPTIVE_POOL, MEAN) and lays[op.inputs[0]] == self.sharding():
                 x = shapes[op.name][0][0]
-                grp = self.layout().split_group(self.spatial_dims, 0, ctx.world)
+                grp = self.sharding().split_group(self.spatial_dims, 0, ctx.world)
                 gap_t += prim.allreduce_s(ctx, x[0] * x[1] * item, grp)
             if op.kind == BATCH_NORM:
                 # statistics over the data group of the BN's input layout, priced by the shared

@@ -186,7 +186,7 @@ def plan_halo(in_shape: tuple[int, ...], layout: Sharding, geoms: tuple[tuple[in
               rank: int, world: int) -> HaloPlan:
     """The exchange that turns ``rank``'s block of a tensor of global ``in_shape`` (layout
     ``layout``: the sharding the op reads its input in, ``HaloShard`` on the split dims whose
-    windows reach a neighbour, ``Spatial.window_layout``) into the input window of its output
+    windows reach a neighbour, ``Spatial.window_placement``) into the input window of its output
     block (the output tensor has the same owned blocks; its extents are in the geometries).
     Raises HaloIllegal if a block reads more of a neighbour than ``layout``'s halo states.
 

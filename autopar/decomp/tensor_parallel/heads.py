@@ -338,7 +338,7 @@ class HeadParallel(Decomposition):
         return f"{self.kind}({self.sample},{self.parts})"
 
     # ---- layouts ----------------------------------------------------------------------------
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         try:
             shape = layer.in_shape(value)
         except KeyError:
@@ -347,7 +347,7 @@ class HeadParallel(Decomposition):
             return Sharding()      # an empty operand (a legacy empty cache): whole, nothing to split
         return Sharding.of((Shard(0), self.sample))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return Sharding.of((Shard(0), self.sample), (Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:

@@ -43,18 +43,18 @@ class SequenceParallel(Decomposition):
     kind = "sequence"
     supported_ops = SUPPORTED
 
-    def layout(self) -> Sharding:
+    def sharding(self) -> Sharding:
         return Sharding.of((Shard(0), self.sample), (Shard(1), self.parts))
 
     def _full_rank(self, layer: Layer, shape) -> bool:
         out = layer.out_shape
         return len(shape) == len(out) and int(shape[0]) == int(out[0]) and int(shape[1]) == int(out[1])
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
-        return self.layout() if self._full_rank(layer, layer.in_shape(value)) else Sharding()
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
+        return self.sharding() if self._full_rank(layer, layer.in_shape(value)) else Sharding()
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
-        return self.layout()
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
+        return self.sharding()
 
     @classmethod
     def candidates(cls, layer: Layer, ctx: CostContext) -> list[Decomposition]:
@@ -90,5 +90,5 @@ class SequenceParallel(Decomposition):
         local shape (1/P of the replicated layer's when s*p = P). No communication inside the
         layer: entering from a partial sum is a reduce-scatter, leaving for a replicated input
         an all-gather, both on the edges."""
-        return price_replicated_weights(layer, self.layout(), ctx)
+        return price_replicated_weights(layer, self.sharding(), ctx)
 

@@ -32,10 +32,10 @@ class VocabParallel(Decomposition):
     kind = "vocab"
     supported_ops = frozenset({EMBEDDING})
 
-    def in_layout(self, layer: Layer, value: str) -> Sharding:
+    def in_placement(self, layer: Layer, value: str) -> Sharding:
         return Sharding.of((Shard(0), self.sample))
 
-    def out_layout(self, layer: Layer, value: str | None = None) -> Sharding:
+    def out_placement(self, layer: Layer, value: str | None = None) -> Sharding:
         return Sharding.of((Shard(0), self.sample), (Partial(), self.parts))
 
     def param_shard(self, op: OpSpec, role: str) -> ParamShard:
@@ -163,7 +163,7 @@ class VocabHead(Filter):
         from dataclasses import replace
         from ...cost import primitives as prim
         c = super().cost(layer, ctx)
-        out = self.out_layout(layer).max_local_shape(layer.out_shape)
+        out = self.out_placement(layer).max_local_shape(layer.out_shape)
         m = math.prod(out[:-1])
         groups = self.partition("f")
         level = ctx.worst_level(groups)

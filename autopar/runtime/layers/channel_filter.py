@@ -18,7 +18,7 @@ from ..ops import call_local, resolve_target, run_batch_norm, substitute_cached
 @runs(_WeightGrid)
 def run_weightgrid(dec, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
         buffers: dict[str, Any]):
-    out_lay = dec.out_layout(layer)
+    out_lay = dec.out_placement(layer)
     if op.name == layer.anchor.name:
         return _run_anchor(dec, comm, layer, op, inputs, params, buffers)
     if op.kind == BATCH_NORM:
@@ -39,7 +39,7 @@ def _run_anchor(dec, comm, layer, op, inputs, params, buffers):
     y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
     ranks = dec.group(comm.rank, "c")
     if dec.rs_along_batch:
-        out_lay = dec.out_layout(layer)
+        out_lay = dec.out_placement(layer)
         dim = 0
         extents = [out_lay.local_bounds(op.out_shape, q, comm.world)[0][1] for q in ranks]
     else:
@@ -52,7 +52,7 @@ def _run_anchor(dec, comm, layer, op, inputs, params, buffers):
 def run_rowparallel(dec, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: dict[str, Any],
         buffers: dict[str, Any]):
     y, bias = _anchor(op, inputs, params, buffers, keep_bias=False)
-    first = dec.out_layout(layer).partial_index(comm.rank, comm.world) == 0
+    first = dec.out_placement(layer).partial_index(comm.rank, comm.world) == 0
     return _add_bias(y, bias if first else None, op)
 
 

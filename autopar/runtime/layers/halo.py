@@ -41,7 +41,7 @@ holds a real element); fill positions get no gradient.
 
 Halo widths and the placement
 -----------------------------
-The layer's input placement states the halo (``HaloShard(d, lo, hi)``, ``Spatial.window_layout``):
+The layer's input placement states the halo (``HaloShard(d, lo, hi)``, ``Spatial.window_placement``):
 the widest halo any block reads on each side. The exchange does not read its widths from it:
 with uneven blocks or a stride, blocks read different widths (and may trim their own block), so
 the geometry (``decomp.spatial.geometry.plan_halo``) stays the single source of every block's

@@ -25,7 +25,7 @@ def run_spatial(dec, comm, layer: Layer, op: OpSpec, inputs: list[Any], params: 
         buffers: dict[str, Any]):
 
     lays = dec.value_layouts(layer)
-    full = dec.layout()
+    full = dec.sharding()
     x_sp = bool(op.inputs) and lays[op.inputs[0]] == full
     if op.kind == CONV:
         x = halo_exchange(inputs[0], dec.plan(op, comm.rank, comm.world), 0.0, comm)
@@ -78,7 +78,7 @@ def _run_pool(dec, op: OpSpec, x, comm):
 
 def _pool_counts(dec: Spatial, op: OpSpec, rank: int, world: int):
     """Tensor (1, 1, *local out) of the divisors of an average pool for ``rank``'s block."""
-    full = dec.layout()
+    full = dec.sharding()
     cs, _ = full.coords(rank, world)
     axis_of = {d: i for i, d in enumerate(full.shard_dims)}
     include = bool(op.attrs.get("count_include_pad", True))

@@ -76,4 +76,4 @@ def run_sequenceparallel(dec, comm, layer, op, inputs, params, buffers):
                 x = x.narrow(a, s0, ns)
         local.append(x)
     return call_local(op, local, params, buffers,
-                      local_out_shape=dec.layout().local_shape(op.out_shape, comm.rank, comm.world))
+                      local_out_shape=dec.sharding().local_shape(op.out_shape, comm.rank, comm.world))
