@@ -65,9 +65,13 @@ def _rank(rank, world, plan_path, model_file, rounds):
         torch.manual_seed(0)
         return mf.build_model()
     runs = {}
-    pm = autopar.parallelize(build(), plan_path)
+    pm = autopar.parallelize(build(), plan_path)       # the default engine (runtime.native)
+    engine = getattr(pm, "engine", "torch-fsdp2")
     if getattr(pm, "autopar_plan", None) is not None:          # sharded: the module on FSDP2
         runs["plan"] = (pm, lambda: loss_fn(pm(xb), yb))
+    elif engine == "torch-ddp":      # as ``autopar execute`` times it: the DDP object on the block
+        ddp_e, _, local, loss_of, _ = pm._native.step_args(None, pm.shard_inputs([x]), y, loss_fn)
+        runs["plan"] = (pm, lambda: loss_of(ddp_e(*local)))
     else:     # as ``autopar execute`` times a plan: this rank's inputs, its local loss, no loss all-reduce
         local = pm.shard_inputs([x])
         runs["plan"] = (pm, lambda: pm.local_loss(pm(*local), y, loss_fn))
@@ -99,7 +103,7 @@ def _rank(rank, world, plan_path, model_file, rounds):
     for r in range(rounds):
         for k in names[r % 3:] + names[:r % 3]:
             times[k].append(timed(k))
-    return times
+    return {"times": times, "engine": engine}
 
 
 def side_by_side(model: str, world: int, rounds: int, work: Path) -> dict:
@@ -108,13 +112,15 @@ def side_by_side(model: str, world: int, rounds: int, work: Path) -> dict:
     from autopar.runtime.launch import run_ranks
     r = make_plan(MODELS[model], PlanOptions(world_size=world, out_dir=str(work / f"{model}-w{world}")))
     chosen = next(s for s in r.plan.strategies if s.chosen)
-    times = run_ranks(_rank, world, args=(str(r.plan_path), str(MODELS[model]), rounds), timeout_s=900)[0]
+    got = run_ranks(_rank, world, args=(str(r.plan_path), str(MODELS[model]), rounds), timeout_s=900)[0]
+    times = got["times"]
     per = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
     d = times["ddp"]
     noise = statistics.median(abs(d[i] / d[i - 1] - 1) for i in range(1, len(d)))
     med = {k: statistics.median(v) for k, v in times.items()}
     plan_vs_best = statistics.median(p / min(a, b) for p, a, b in zip(times["plan"], times["ddp"], times["fsdp2"]))
     return {"model": model, "world": world, "chosen": chosen.label, "runtime": r.plan.runtime.expected,
+            "engine": got["engine"],
             "predicted_s": r.plan.predicted.step_time_s, "median_s": med,
             "plan_over_ddp": per("plan", "ddp"), "plan_over_fsdp2": per("plan", "fsdp2"),
             "plan_over_faster": plan_vs_best, "noise": noise,
@@ -220,11 +226,13 @@ def main(argv=None) -> int:
                   "- units by decision: " + "; ".join(f"{k}: {n} (e.g. {', '.join(g['examples'][k])})"
                                                        for k, n in g["units_by_decision"].items()), ""]
     lines += ["## Chosen plan vs torch DDP vs torch FSDP2 (every block), no memory limit", "",
-              "| model | world | chosen | plan ms | DDP ms | FSDP2 ms | plan/DDP | plan/FSDP2 | plan/faster | noise |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "The plan runs on its default engine (`runtime.native`: `reports/benchmarks/engines.md`), timed "
+              "as `autopar execute` times it.", "",
+              "| model | world | chosen | engine | plan ms | DDP ms | FSDP2 ms | plan/DDP | plan/FSDP2 | plan/faster | noise |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["side_by_side"]:
         m = r["median_s"]
-        lines.append(f"| {r['model']} | {r['world']} | {r['chosen']} | {m['plan'] * 1e3:.2f} | {m['ddp'] * 1e3:.2f} | "
+        lines.append(f"| {r['model']} | {r['world']} | {r['chosen']} | {r.get('engine', '')} | {m['plan'] * 1e3:.2f} | {m['ddp'] * 1e3:.2f} | "
                      f"{m['fsdp2'] * 1e3:.2f} | {r['plan_over_ddp']:.3f} | {r['plan_over_fsdp2']:.3f} | "
                      f"{r['plan_over_faster']:.3f} | {r['noise'] * 100:.1f} % |")
     atomic_write_text(out, "\n".join(lines) + "\n")
