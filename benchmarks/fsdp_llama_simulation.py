@@ -16,11 +16,17 @@ Profiles (both derived, neither measured):
 MFU = tokens/s per GPU x (6 N + 12 L h s) / peak, N the parameters without the embedding table
 (torchtitan's count), peak 312 (A100) or 989 (H100) TFLOP/s bf16.
 
-Published (pytorch/torchtitan docs/performance.md, read through the search tool in this session):
+Published (pytorch/torchtitan, read from its git history with ``fetch``; HEAD b5bcd76c):
 * Llama 3 8B, FSDP2, 64 A100 80 GB, local batch 1, selective op activation checkpointing:
-  2,973 tokens/s per GPU, 58.2 % MFU (selective layer AC: 2,904, 56.8 %);
-* Llama 3.1 8B, FSDP, 8 H100 (96 GB HBM2e, 500 W), local batch 2, selective AC: 5,762 tokens/s
-  per GPU; "33 % to 39 % MFU" on 8 or 128 H100 without Float8.
+  2,973 tokens/s per GPU, 58.2 % MFU (selective layer AC: 2,904, 56.8 %): docs/performance.md
+  "Llama 3 performance numbers" as of commit 4d88a8a4 (2024-12-03); the table was replaced by
+  the H100 results in d4c86e37 (2025-01-30) and is no longer in the repository's HEAD;
+* Llama 3.1 8B, FSDP, H100 (96 GB HBM2e, 2.4 TB/s, 500 W power limit, 400 Gb/s per GPU between
+  hosts), local batch 2, selective AC, no torch.compile, no Float8: 5,762 tokens/s per GPU on 8
+  GPUs (Table 1), 5,605 on 128 GPUs (Table 3); "33% to 39% MFU" for 1D 8B on 8 or 128 H100
+  without Float8: benchmarks/llama3_h100_202412_torchtitan.md (docs/performance.md until
+  820504e2, 2025-06-13). Those H100s are not the SXM parts the H100 profile here assumes (3.35
+  TB/s, 700 W): the published figures are on slower memory and a lower power limit.
 Where the configurations differ: autopar prices no activation checkpointing (so its memory is far
 above 80 GB and its step has no recomputation: its FLOP count is 3 passes where torchtitan's
 selective AC recomputes some), no torch.compile, no mixed-precision master weights (bf16 state),
@@ -49,10 +55,13 @@ EFF = 0.8
 PUBLISHED = [
     {"gpu": "A100", "world": 64, "tokens_per_s_per_gpu": 2973, "mfu": 0.582,
      "config": "Llama 3 8B, FSDP2, A100 80 GB, local batch 1, selective op AC",
-     "source": "pytorch/torchtitan docs/performance.md (Llama 3 performance numbers)"},
+     "source": "pytorch/torchtitan docs/performance.md at 4d88a8a4 (2024-12-03), 'Llama 3 performance numbers'"},
     {"gpu": "H100", "world": 8, "tokens_per_s_per_gpu": 5762, "mfu": None,
      "config": "Llama 3.1 8B, FSDP, H100 96 GB HBM2e at 500 W, local batch 2, selective AC (MFU 33-39 % stated for 8 or 128 GPUs)",
-     "source": "pytorch/torchtitan docs/performance.md (Table 1)"},
+     "source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1"},
+    {"gpu": "H100", "world": 128, "tokens_per_s_per_gpu": 5605, "mfu": None,
+     "config": "Llama 3.1 8B, FSDP, H100 96 GB HBM2e at 500 W, local batch 2, selective AC",
+     "source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3"},
 ]
 
 
