@@ -74,10 +74,8 @@ a run's ``options``. ``Plan.graph_json`` stays the graph's JSON as read (``Plan.
 (``CalibrationRef``, ``PlacementSearchRecord``, ``RuntimeRecord``, ``TrainerPrediction``) are
 written back with the keys they were read with, so plan.json and run.json are unchanged in
 content by a load -> write (``tests/test_typed_artifacts.py``). A ``dict`` given for one of them
-in code is read into the typed value, and ``CalibrationRef``, ``PlacementSearchRecord`` and
-``TrainerPrediction`` still answer reads by key (``rec["key"]``, ``rec.get``) for the callers
-written when they were dicts (the runtime's speed note, the tournament's per-dtype figures, the
-CLI's tournament summary); new code reads the fields.
+in code is read into the typed value; callers read the fields (a trainer level's per-dtype
+figures, ``exchange_s_float64``..., are in ``TrainerPrediction.extra``).
 
 ``autopar.runset/1`` (``RunSet``): several plans run at once on disjoint sub-meshes of one world::
 
@@ -227,32 +225,6 @@ class JsonObject(Mapping[str, Any]):
 
 def _json_object(v: Any) -> JsonObject:
     return v if isinstance(v, JsonObject) else JsonObject(v)
-
-
-class _JsonView:
-    """Read access by key to a typed record's JSON (``rec["key"]``, ``rec.get("key")``, ``"key"
-    in rec``), for callers written when the record was a ``dict``; new code reads the fields."""
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_json()[key]  # type: ignore[attr-defined]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.to_json().get(key, default)  # type: ignore[attr-defined]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.to_json()  # type: ignore[attr-defined]
-
-    def keys(self):
-        return self.to_json().keys()  # type: ignore[attr-defined]
-
-    def items(self):
-        return self.to_json().items()  # type: ignore[attr-defined]
-
-    def __iter__(self):
-        return iter(self.to_json())  # type: ignore[attr-defined]
-
-    def __len__(self) -> int:
-        return len(self.to_json())  # type: ignore[attr-defined]
 
 
 def _plain(v):
@@ -588,7 +560,7 @@ class MeshInfo:
 
 
 @dataclass(frozen=True)
-class TrainerPrediction(_Sparse, _JsonView):
+class TrainerPrediction(_Sparse):
     """The cost model's figures of a trainer level (``autopar.tournament.pricing``; plan.json
     ``trainers.predicted``, and in a tournament's run.json ``predicted`` with ``priced_dtype``,
     the dtype the exchange figures were taken in). Seconds, bytes, samples per second; the
@@ -721,7 +693,7 @@ class StrategyAlternative(_Record):
 
 
 @dataclass(frozen=True)
-class CalibrationRef(_Sparse, _JsonView):
+class CalibrationRef(_Sparse):
     """Where a plan's prices came from (plan.json ``calibration``, ``planner.build``): the
     profile's ``path`` (as given when planning; ``explain`` re-prices with it), its
     ``fingerprint`` and ``provenance`` (``autopar.profile``'s, kept as read), its nominal
@@ -754,7 +726,7 @@ class CalibrationRef(_Sparse, _JsonView):
 
 
 @dataclass(frozen=True)
-class PlacementTrialRecord(_Sparse, _JsonView):
+class PlacementTrialRecord(_Sparse):
     """One rank placement the search priced (``autopar.solve.placement.PlacementTrial``): the
     placement (``{kind: "stride", local_stride}``) and its name, whether the ILP was solved
     for it, its step, and for one not solved the bound on its gain that ruled it out."""
@@ -770,7 +742,7 @@ class PlacementTrialRecord(_Sparse, _JsonView):
 
 
 @dataclass(frozen=True)
-class PlacementSearchRecord(_Sparse, _JsonView):
+class PlacementSearchRecord(_Sparse):
     """Every rank placement priced (plan.json ``placement_search``,
     ``autopar.solve.placement.PlacementResult``): the ``mode`` ("search", "block", a stride),
     the placement chosen and its name, the search's limits and each placement ``tried``."""

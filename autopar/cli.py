@@ -369,6 +369,7 @@ def _kill_arg(text):
 
 def _print_tournament(run, out) -> int:
     """A tournament run (``artifacts.TournamentRun``) in a few lines."""
+    from .artifacts import TrainerPrediction
     v = run.validation
     _p("validation: " + (f"skipped ({v.skipped})" if v.skipped else
        f"{'PASSED' if v.passed else 'FAILED'} ({v.checked} tensors (parameters and buffers) and every "
@@ -381,15 +382,15 @@ def _print_tournament(run, out) -> int:
         if tr.stopped:
             s = tr.stopped
             _p(f"trainer {tr.trainer} STOPPED at round {s.round} (step {s.step}): {s.reason}")
-    m, p = run.measured, run.predicted or {}
+    m, p = run.measured, run.predicted or TrainerPrediction()
     fmt = lambda x, f=1e3: "n/a" if x is None else f"{x * f:.3f}"  # noqa: E731
     if m.exchange_bytes is not None:
-        pb = p.get("exchange_bytes_per_rank")
+        pb = p.exchange_bytes_per_rank
         _p(f"exchange: {m.exchange_bytes} bytes sent in all, {m.exchange_bytes_per_rank} per rank per exchange "
-           f"(predicted {'n/a' if pb is None else f'{pb:.0f}'}, priced in {p.get('priced_dtype', 'the plan' + chr(39) + 's')} dtype)")
+           f"(predicted {'n/a' if pb is None else f'{pb:.0f}'}, priced in {p.priced_dtype or 'the plan' + chr(39) + 's'} dtype)")
     _p(f"measured: step {fmt(m.step_s)} ms, exchange {fmt(m.exchange_s)} ms, evaluation "
        f"{fmt(m.eval_s)} ms, {fmt(m.samples_per_s, 1)} samples/s; predicted: step "
-       f"{fmt(p.get('step_s'))} ms, exchange {fmt(p.get('exchange_s'))} ms, evaluation {fmt(p.get('eval_s'))} ms")
+       f"{fmt(p.step_s)} ms, exchange {fmt(p.exchange_s)} ms, evaluation {fmt(p.eval_s)} ms")
     _p(f"report written to {out / 'report.md'}")
     return 0
 

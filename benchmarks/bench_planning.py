@@ -103,7 +103,7 @@ print("RESULT " + json.dumps({"autopar": autopar.__file__,
     "traced_s": traced_s, "replan_min_s": min(times), "replan_cpu_min_s": min(cpu), "replan_median_s": statistics.median(times),
     "timings": {k: round(v, 3) for k, v in last.timings_s.items()},
     "step_s": p.predicted.step_time_s, "choices": [l.choice for l in p.layers],
-    "placement": p.placement_search.get("chosen_name") if p.placement_search else None,
+    "placement": p.placement_search.chosen_name if p.placement_search else None,
     "gap": p.solver.gap, "status": p.solver.status}))
 """
 

@@ -94,26 +94,27 @@ def test_a_real_reading_is_a_positive_time():
 
 
 def test_execute_reports_the_probe_against_the_profile_nominal():
+    from autopar.artifacts import CalibrationRef
     from autopar.execute.runner import speed_note
 
     class Plan:
-        calibration = {"speed_probe_nominal_s": 0.004}
+        calibration = CalibrationRef.from_json({"speed_probe_nominal_s": 0.004})
     note = speed_note(Plan(), 0.005)["speed_probe"]
     assert note == {"execute_s": 0.005, "profile_nominal_s": 0.004,
                     "slowdown_vs_calibration": pytest.approx(1.25),
                     "priced_at_s": 0.004, "slowdown_vs_pricing": pytest.approx(1.25)}
     # a plan priced at the machine's usual speed (its speed history): the ratio to that too
-    Plan.calibration = {"speed_probe_nominal_s": 0.004, "machine_speed": {"usual_probe_s": 0.005}}
+    Plan.calibration = CalibrationRef.from_json({"speed_probe_nominal_s": 0.004, "machine_speed": {"usual_probe_s": 0.005}})
     note = speed_note(Plan(), 0.005)["speed_probe"]
     assert note["slowdown_vs_calibration"] == pytest.approx(1.25) and note["slowdown_vs_pricing"] == pytest.approx(1.0)
     # a plan priced between the two readings (USUAL_WEIGHT): the ratio to the reading it records
-    Plan.calibration = {"speed_probe_nominal_s": 0.004,
-                        "machine_speed": {"usual_probe_s": 0.005, "priced_at_s": 0.0045}}
+    Plan.calibration = CalibrationRef.from_json({"speed_probe_nominal_s": 0.004,
+                                                 "machine_speed": {"usual_probe_s": 0.005, "priced_at_s": 0.0045}})
     note = speed_note(Plan(), 0.005)["speed_probe"]
     assert note["priced_at_s"] == 0.0045 and note["slowdown_vs_pricing"] == pytest.approx(0.005 / 0.0045)
-    Plan.calibration = {"speed_probe_nominal_s": 0.004}
+    Plan.calibration = CalibrationRef.from_json({"speed_probe_nominal_s": 0.004})
     assert speed_note(Plan(), None) == {}
-    Plan.calibration = {}                  # a profile made before the probe: nothing to compare
+    Plan.calibration = CalibrationRef.from_json({})   # a profile made before the probe: nothing to compare
     assert speed_note(Plan(), 0.005) == {}
 
 

@@ -169,7 +169,7 @@ def test_exchange_bytes_count_every_tensor_sent_and_match_the_price_in_the_run_d
     assert m["exchange_bytes"] == sum(x["exchange_bytes"] for lg in rounds for x in lg["results"]) == 2 * 4 * per_rank
     p = run["predicted"]
     assert p["priced_dtype"] == "float64" and p["exchange_bytes_per_rank"] == per_rank
-    pred = res.plan.trainers.predicted
+    pred = res.plan.trainers.predicted.extra    # the per-dtype figures (artifacts.TrainerPrediction)
     assert pred["exchange_bytes_per_rank_float32"] == 4 * (PARAM_NUMEL + BUFFER_FLOAT_NUMEL) + 8 * BUFFER_INT_NUMEL
     assert pred["exchange_s_float64"] > pred["exchange_s_float32"] > 0
     assert f"| exchange per rank (bytes) | {per_rank} | {per_rank} |" in (out / "report.md").read_text()

@@ -129,7 +129,8 @@ def test_dicts_given_in_code_are_read_into_the_typed_values(root, tmp_path):
     assert p2.calibration.speed_factor == 1.25 and p2.calibration.fingerprint == {"host": "h"}
     assert p2.calibration.to_json() == {"path": None, "fingerprint": {"host": "h"},
                                         "machine_speed": {"speed_factor": 1.25}}
-    assert p2.calibration.get("machine_speed") == {"speed_factor": 1.25} and "shapes" not in p2.calibration
+    assert p2.calibration.machine_speed == {"speed_factor": 1.25} and p2.calibration.shapes is None
+    assert "shapes" not in p2.calibration.to_json()
     assert p2.placement_search.tried[0].note == "n" and p2.batch_norm == BatchNormStats("local", 2)
     assert isinstance(p2.extra, JsonObject) and Plan.from_json(p2.to_json()) == p2
 
@@ -142,7 +143,7 @@ def test_trainer_prediction_is_typed_in_the_plan_and_the_run():
     assert tl.predicted.extra == {"exchange_s_float32": 0.001}          # per-dtype figures by name
     assert tl.to_json()["predicted"] == pred and TrainerLevel.from_json(tl.to_json()) == tl
     # the dict reads of callers not yet moved
-    assert dict(tl.predicted) == pred and tl.predicted["exchange_s_float32"] == 0.001
+    assert tl.predicted.to_json() == pred and tl.predicted.extra["exchange_s_float32"] == 0.001
     run = {"schema": "autopar.tournament-run/1", "plan": "p.json", "model": "m", "trainers": 2,
            "ranks_per_trainer": 1, "world_size": 2, "options": {"rounds": 2},
            "predicted": {**pred, "priced_dtype": "float32"}, "future": 1}

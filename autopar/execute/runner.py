@@ -214,7 +214,7 @@ def _mesh_main(plan: Plan, plan_path: str, module_path: str, comm, opts: Execute
     # the machine's speed now, by the probe the profile's kernel times are stated against
     # (``calibrate.speed``): rank 0 alone, the others waiting at the barrier
     probe_s = None
-    if rank == 0 and device.type == "cpu" and plan.calibration.get("speed_probe_nominal_s"):
+    if rank == 0 and device.type == "cpu" and plan.calibration.speed_probe_nominal_s:
         probe_s = probe_reading_s("cpu")
     barrier()
     return {"rank": rank, "checks": checks, "plan_step_times_s": plan_times, "per_layer": per_layer,
@@ -321,10 +321,10 @@ def speed_note(plan: Plan, probe_s: float | None) -> dict[str, Any]:
     plan's compute was priced at (the nominal, or where the plan used the speed history the
     reading between it and the machine's usual one, ``profile.history``) with the ratio to it;
     {} without both."""
-    nominal = plan.calibration.get("speed_probe_nominal_s")
+    nominal = plan.calibration.speed_probe_nominal_s
     if not probe_s or not nominal:
         return {}
-    ms = plan.calibration.get("machine_speed") or {}
+    ms = plan.calibration.machine_speed or {}
     # plans of the first speed-history code priced at the usual reading itself (no priced_at_s)
     priced_at = float(ms.get("priced_at_s") or ms.get("usual_probe_s") or nominal)
     return {"speed_probe": {"execute_s": float(probe_s), "profile_nominal_s": float(nominal),

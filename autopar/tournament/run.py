@@ -30,9 +30,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from ..artifacts import load_plan
+from ..artifacts import TrainerPrediction, load_plan
 from ..errors import AutoparError, ValidationFailed
 from ..io import atomic_write_json, atomic_write_text
 from .runtime import Board, TournamentRunOptions, trainer_rank_main
@@ -187,14 +187,15 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
 _BY_DTYPE = ("exchange_bytes_per_rank", "exchange_s", "tournament_s", "round_s", "samples_per_s")
 
 
-def predicted_for_dtype(predicted: dict[str, Any], dtype: str) -> dict[str, Any]:
+def predicted_for_dtype(predicted: "TrainerPrediction | Mapping[str, Any]", dtype: str) -> dict[str, Any]:
     """The plan's trainer-level prediction with the exchange and the figures after it taken in
     the run's ``dtype`` (``priced_dtype`` says which; a plan priced before per-dtype figures
     existed keeps its own, said as "the plan's")."""
-    out = dict(predicted)
-    if all(f"{k}_{dtype}" in predicted for k in _BY_DTYPE):
+    figures = predicted.to_json() if isinstance(predicted, TrainerPrediction) else dict(predicted)
+    out = dict(figures)
+    if all(f"{k}_{dtype}" in figures for k in _BY_DTYPE):
         for k in _BY_DTYPE:
-            out[k] = predicted[f"{k}_{dtype}"]
+            out[k] = figures[f"{k}_{dtype}"]
         out["priced_dtype"] = dtype
     else:
         out["priced_dtype"] = "the plan's"
