@@ -209,9 +209,9 @@ def test_interleaved_placement_is_priced_and_chosen_when_inter_node_is_slow(monk
     intra = CostContext(profile=prof, world=16, ranks_per_node=8)
     assert inter.level(dec.branch_group(0)) == "inter" and intra.level(dec.branch_group(0)) == "intra"
     assert intra.level(dec.owner_group(0, 16)) == "inter"
-    t = {x["name"]: x for x in tried}
-    if t["stride(2)"]["solved"]:
-        assert t["stride(2)"]["step_time_s"] > t["block"]["step_time_s"]
+    t = {x.name: x for x in tried}
+    if t["stride(2)"].solved:
+        assert t["stride(2)"].step_time_s > t["block"].step_time_s
 
 
 # ---- memory: a limit that data parallelism does not fit -----------------------------------------

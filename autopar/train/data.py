@@ -43,7 +43,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..decomp.sharding import Sharding
+from ..decomp.sharding import Shard, Sharding
 from ..errors import AutoparError
 
 
@@ -100,7 +100,7 @@ class BatchSharding:
         g = plan.graph()
         world = torch.distributed.get_world_size()
         shapes = tuple(tuple(int(n) for n in gi.shape) for gi in g.inputs)
-        by_samples = Sharding.of((0, world))
+        by_samples = Sharding.of((Shard(0), world))
         return BatchSharding(
             batch_size=int(g.batch_size or (shapes[0][0] if shapes else 0)), input_shapes=shapes,
             input_layouts=tuple(by_samples for _ in shapes), target_layout=by_samples,
