@@ -154,10 +154,10 @@ def cmd_plan(args) -> int:
     kinds = args.kinds.split(",") if args.kinds else None
     if args.kinds:
         from .decomp import REGISTRY
-        bad = [k for k in kinds if k not in REGISTRY and k != "sharded"]   # sharded: plan-level (FSDP)
+        bad = [k for k in kinds if k not in REGISTRY and k not in ("sharded", "zero1")]   # plan-level (FSDP, ZeRO-1)
         if bad:
             from .errors import AutoparError
-            raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY) + ['sharded']}")
+            raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY) + ['sharded', 'zero1']}")
     if args.cluster:
         _read_cluster(args)
     if args.exact:

@@ -84,18 +84,21 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
 
     rec = sharded_record(plan)
     units, _ = units_of(rec)
+    tp, styles = rf.mesh_of(rec)
     rank, world = comm.rank, comm.world
     device = comm.device
     vdt = getattr(torch, opts.validate_dtype)
     rtol, atol = opts.tolerances()
-    mesh = rf.make_mesh(world, 1, device.type)
+    mesh = rf.make_mesh(world, tp, device.type)
+    mesh_1d = mesh if tp == 1 else rf.make_mesh(world, 1, device.type)   # the FSDP2-every-block baseline
+    dp, dp_rank = world // tp, rank // tp       # the data axis: each tensor group feeds one block
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def build(dtype, how):
         mf_, m = build_user_model(plan, plan_path, opts.seed)
         m.to(device=device, dtype=dtype).train()
         if how is not None:
-            rf.parallelize(m, mesh, {k: v for k, v in how.items() if k}, root=how.get(""))
+            rf.parallelize(m, mesh, {k: v for k, v in how.items() if k}, styles, root=how.get(""))
         return mf_, m
 
     mf, ref = build(vdt, None)
@@ -106,6 +109,9 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
         return [x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device) for x in ts]
 
     def block(t):
+        return t.chunk(dp)[dp_rank] if t is not None and t.dim() else t
+
+    def block_w(t):
         return t.chunk(world)[rank] if t is not None and t.dim() else t
 
     ys = ys32.to(device) if ys32 is not None else None
@@ -164,14 +170,16 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
 
     # 3. timing: plan, DDP, FSDP2 on every block, interleaved
     _, f2 = build(torch.float32, None)
-    rf.parallelize(f2, mesh, {k: v for k, v in every_block(f2).items() if k}, root=every_block(f2)[""])
+    rf.parallelize(f2, mesh_1d, {k: v for k, v in every_block(f2).items() if k}, root=every_block(f2)[""])
+    xs_w = [block_w(x.to(device)) for x in xs32]
+    ys_w = block_w(ys.to(torch.float32) if ys is not None and ys.is_floating_point() else ys)
     f2opt = torch.optim.SGD(f2.parameters(), lr=opts.lr, momentum=opts.momentum)
     ddp = ddp_runner(mf, [x.to(device) for x in xs32], ys.to(torch.float32) if ys is not None and
                      ys.is_floating_point() else ys, loss_fn, comm, opts.seed, opts.lr, opts.momentum,
                      bn_stats=bn) \
         if opts.ddp and world > 1 else None
     runs = {"plan": (model, opt, xs_l, plan_loss, lambda: None),
-            "fsdp2": (f2, f2opt, xs_l, plan_loss, lambda: None)}
+            "fsdp2": (f2, f2opt, xs_w, lambda o: loss_of(o, ys_w), lambda: None)}
     if ddp is not None:
         runs["ddp"] = ddp.step_args()
     barrier = comm.barrier
@@ -192,7 +200,8 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
             "phases": phases, "baseline": ddp.result(times["ddp"]) if ddp is not None else None,
             "grad_sync_bytes_per_step": rs_bytes,
             "runtime": {"native": True,
-                        "note": "runtime: torch FSDP2 (fully_shard per unit as plan.json says) on the user's module"},
+                        "note": "runtime: torch FSDP2 (fully_shard per unit as plan.json says) on the user's module"
+                                + (f", DTensor tensor parallelism over {tp} ranks first" if tp > 1 else "")},
             "speed_probe_s": None,
             "sharded": {"units": {k or "<root>": (str(v) if v is not None else "data parallel")
                                   for k, v in units.items()},

@@ -76,8 +76,9 @@ def request(options: PlanOptions, hooks: PlanHooks) -> Request:
     if layer_pins and plan_level(layer_pins, o.world_size):   # ``*=graphs``
         force_graphs, layer_pins = True, ()
     # graphs(P) is plan-level (no layer choice of the ILP): ``--kinds graphs`` alone asks for it
-    # "sharded" is plan-level too (``planner.strategies.sharded``): listed, it keeps the strategy on
-    table_kinds = tuple(k for k in o.kinds if k not in ("graphs", "sharded")) if o.kinds else None
+    # "sharded" is plan-level too (``planner.strategies.sharded``): listed, it keeps the strategy on;
+    # "zero1" asks that strategy for ZeRO-1 alone
+    table_kinds = tuple(k for k in o.kinds if k not in ("graphs", "sharded", "zero1")) if o.kinds else None
     if o.kinds and not table_kinds:
         force_graphs, table_kinds = "graphs" in o.kinds, None
     return Request(o, force, force_graphs, layer_pins, table_kinds, hooks.choice_filter,

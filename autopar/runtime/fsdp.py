@@ -256,11 +256,16 @@ def sharded_record(plan) -> dict[str, Any]:
         raise PlanFileError("this plan shards the state of an op-by-op plan: priced, but not executable yet "
                             "(FSDP2 runs the user's module under data parallelism only)",
                             "raise --memory-limit so that a sharded plan over data parallelism fits, or add ranks")
-    world = int(rec["mesh"]["dp"])
+    world = int(rec["mesh"]["dp"]) * int(rec["mesh"].get("tp", 1))
     if world != plan.world_size:
         raise PlanFileError(f"runtime.sharded is for {world} ranks, the plan for {plan.world_size}",
                             "re-plan: the file was edited by hand?")
     return rec
+
+
+def mesh_of(rec: dict[str, Any]) -> tuple[int, dict[str, str]]:
+    """The tensor axis (1: none) and the DTensor style per module of a ``runtime.sharded`` record."""
+    return int(rec["mesh"].get("tp", 1)), dict(rec.get("tp_styles") or {})
 
 
 def units_of(rec: dict[str, Any]) -> tuple[dict[str, Sharded | None], Sharded | None]:
@@ -307,11 +312,11 @@ class LiveBytes:
             if t is None:
                 dead.append(k)
                 continue
-            try:
+            try:       # a storage freed under a live wrapper (DTensor's redistribute on CPU) counts nothing
                 st = t.untyped_storage()
+                seen[st.data_ptr() or id(st)] = st.nbytes()
             except (RuntimeError, NotImplementedError):
                 continue
-            seen[st.data_ptr() or id(st)] = st.nbytes()
         for k in dead:
             del self._refs[k]
         return sum(seen.values())

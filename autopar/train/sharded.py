@@ -212,8 +212,9 @@ def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
     ``ZeroRedundancyOptimizer``; a plain one is refused at its first step, named),
     ``autopar.train.clip_grad_norm_``, schedulers, ``set_requires_gradient_sync`` for
     gradient accumulation, ``autopar.save``/``load``). Each rank feeds its block of the batch
-    (dim 0, ``batch.chunk(world)[rank]``) and back-propagates its block's mean loss (FSDP2 averages
-    over the ranks). Refused, naming both sizes, under a process group of another world size."""
+    (dim 0, ``batch.chunk(model.data_parts)[model.data_rank]``: ``chunk(world)[rank]`` without a
+    tensor axis; on a (dp, tp) mesh the tp ranks of a group feed the same block) and
+    back-propagates its block's mean loss (FSDP2 averages over the data axis). Refused, naming both sizes, under a process group of another world size."""
     global _HOOKED
     from ..artifacts import load_plan
     from ..errors import AutoparError, PlanFileError
@@ -233,12 +234,14 @@ def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
     check_model(model, p)
     rec = rf.sharded_record(p)
     units, root = rf.units_of(rec)
+    tp, styles = rf.mesh_of(rec)
     if sync_module_states and world > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
     dev = next((t.device.type for t in model.parameters()), "cpu")
-    rf.parallelize(model, rf.make_mesh(world, 1, dev), {k: v for k, v in units.items() if k}, root=root)
+    rf.parallelize(model, rf.make_mesh(world, tp, dev), {k: v for k, v in units.items() if k}, styles, root=root)
+    model.data_parts, model.data_rank = world // tp, dist.get_rank() // tp     # the block this rank feeds
     if not _HOOKED:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         register_optimizer_step_pre_hook(_refuse_non_elementwise)

@@ -24,20 +24,43 @@ candidate (``zero1``), listed with its price beside the per-unit assignment, so 
 chooser sets it against the others; its step is priced as above with ``zero1_step_s`` (the
 optimizer on the largest partition, one broadcast per tensor) after backward.
 
+Tensor parallelism + sharding (torchtitan's 2-D, ``tensor_layout``): on a (data, tensor) mesh of
+``world / tp`` x ``tp`` ranks (the tensor axis innermost: inside a node), for every ``tp`` > 1
+dividing the world and the ranks of a node, the layers DTensor's styles run on the user's untouched
+module are pinned to Megatron's split and the rest to ``sample(world / tp)`` (each tensor group
+computes them whole on its block of samples): an MLP pair -- a linear (+ elementwise) layer of
+weight (F, E) whose output only a linear layer of weight (E, F) reads -- as ``filter(s, tp)`` then
+``row_parallel(s, tp)`` (DTensor ``ColwiseParallel`` then ``RowwiseParallel``), and an attention
+layer with four separate projections (q, k, v, out) as ``head(s, tp)`` (colwise q / k / v,
+rowwise out). A fused q/k/v projection (one ``nn.Linear`` of 3E outputs, the shipped GPT's) is not
+head-parallel on DTensor's styles (its contiguous shard is not a head block) and stays whole on the
+tensor group; so do embeddings, norms and the head. The model is re-planned (``Offer.replan``)
+with those pins, then priced by the same per-unit assignments as above with every unit's data axis
+the mesh's ``dp = world / tp``: its parameters as one tensor rank holds them (``find_units``:
+memory params / (tp dp)), sharding collectives on the data axis' link (ranks ``c_t, c_t + tp, ..``),
+the tensor-parallel collectives inside the layers' own prices (intra-node). Offered when the
+kinds allow a tensor kind (``head``, ``filter`` or ``row_parallel``; None: all).
+
+Forcing ZeRO-1: ``kinds`` naming ``zero1`` (plan-level, like ``sharded``) offers the ZeRO-1
+candidate alone, forced (the chooser takes it whatever it costs).
+
 plan.json: when chosen, ``runtime`` is ``{"expected": "fsdp", ..., "sharded": {"axis": "dp",
-"mesh": {"dp": P}, "units": {path: decision or null}, "root": decision}}`` (which units are sharded
-on which axis), and the candidate is listed among every alternative.
+"mesh": {"dp": P} or {"dp": P / tp, "tp": tp}, "tp_styles": {module: "colwise" | "rowwise"}, "units":
+{path: decision or null}, "root": decision}}`` (which units are sharded on which axis, and the
+DTensor style of each tensor-parallel module), and the candidate is listed among every alternative.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from ...artifacts import PlanHooks
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
 from ...decomp.ir import BATCH_NORM
 from ...decomp.fsdp import (DDP_ZERO, Sharded, TiedUnitsError, UnitComm, UnitParams, UnitTime, candidates,
                             schedule, step_peak_bytes, unit_comm, unit_of, zero1_step_s)
+from ...errors import AutoparError
 from ...profile.optimizer import optimizer_step_s
 from . import Candidate, memory_fit, register_strategy
 
@@ -123,10 +146,14 @@ class Priced:
 class _Pricer:
     """Prices assignments for one table (module docstring)."""
 
-    def __init__(self, table, choice, native_pred):
+    def __init__(self, table, choice, native_pred, tp: int = 1):
         ctx = table.ctx
         self.units = find_units(table, choice)
         self.world = ctx.world
+        self.tp = tp
+        # the data axis each unit's decisions shard over: its gradient group (tp = 1), else the
+        # mesh's dp = world / tp for every unit (FSDP2 on the (dp, tp) mesh's data axis)
+        self.axis = self.units.groups if tp == 1 else (ctx.world // tp,) * len(self.units.names)
         self.times = _segment_times(table, choice, self.units)
         self.seg_acts = [sum(table.layers[l].costs[choice[l]].activation_bytes for l in ls)
                          for _, ls in self.units.segments]
@@ -134,7 +161,8 @@ class _Pricer:
         self.k = float(ctx.optimizer_state_per_param)
         # a unit's data axis: its gradient group, of g ranks; rank 0's group is ranks 0, w/g, ...
         # (the sample axis is outermost) unless g is the world; its link from CostContext.level
-        self.levels = {g: ctx.level(range(0, ctx.world, ctx.world // g)) for g in set(self.units.groups) if g > 1}
+        self.levels = {g: ctx.level(range(0, ctx.world, ctx.world // g))
+                       for g in set(self.units.groups) | set(self.axis) if g > 1}
         self.coll = lambda kind, p, n: prof.collective_time_s(kind, p, n, self.levels.get(p, "inter"))  # noqa: E731
         opt = lambda n, by: optimizer_step_s(prof, n, by) or 0.0  # noqa: E731
         self.opt = opt
@@ -182,13 +210,13 @@ class _Pricer:
     def zero1(self):
         """The plan-wide ZeRO-1 assignment, or None when a unit's gradient group is not the world
         (a plan that shards a parameter already: DDP runs the user's module replicated)."""
-        if any(g != self.world for g in self.units.groups) or self.world < 2:
+        if self.tp > 1 or any(g != self.world for g in self.units.groups) or self.world < 2:
             return None
         return (Sharded(1, False, self.world, engine=DDP_ZERO),) * len(self.units.names)
 
     def assignments(self):
         n = len(self.units.names)
-        zs = [{s.level: s for s in candidates(g)} if g > 1 else {} for g in self.units.groups]
+        zs = [{s.level: s for s in candidates(g, self.tp)} if g > 1 else {} for g in self.axis]
         rank = sorted(range(n), key=lambda u: -self.units.params[u].whole_bytes())
         step = max(1, int((n + 1) ** 2 / MAX_TRIES) + 1) if (n + 1) ** 2 > MAX_TRIES else 1
         js = sorted(set(list(range(0, n + 1, step)) + [n]))
@@ -246,7 +274,7 @@ def fitting_step_s(table, choice, req, memory_limit_bytes: float) -> float | Non
             or tied_across_units(table.graph) is not None):
         return None
     kinds = req.options.kinds
-    if kinds and NAME not in kinds:
+    if kinds and (NAME not in kinds or ZERO1 in kinds):
         return None
     nat = native_choice(table)
     if nat is not None:
@@ -279,12 +307,83 @@ def tied_across_units(graph) -> TiedUnitsError | None:
     return None
 
 
+TENSOR_KINDS = ("head", "filter", "row_parallel")
+ZERO1 = "zero1"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """The tensor-parallel half of a TP + sharding plan (module docstring): ``pins`` (CLI form,
+    the last winning) that pin Megatron's split where DTensor's styles run it and
+    ``sample(world / tp)`` elsewhere, and ``styles``: module path -> DTensor style."""
+    tp: int
+    pins: tuple[str, ...]
+    styles: tuple[tuple[str, str], ...]
+
+
+def tensor_layout(graph, world: int, tp: int) -> TensorLayout | str:
+    """The layout of ``graph`` on a (world / tp, tp) mesh, or why there is none (module
+    docstring): MLP pairs (weights (F, E) then (E, F), the first layer's output read by the
+    second alone) and attention layers of four separate projections."""
+    s = world // tp
+    prod = graph.producer()
+    readers: dict[int, set[int]] = {}
+    for lay in graph.layers:
+        for v in lay.inputs:
+            if v in prod:
+                readers.setdefault(prod[v], set()).add(lay.index)
+    out_v = graph.output
+
+    def linear(lay, kinds):
+        lin = [op for op in lay.ops if op.kind == "linear"]
+        if len(lin) != 1 or not {op.kind for op in lay.ops} <= kinds or not lin[0].module:
+            return None
+        w = lin[0].params.get("weight")
+        return (lin[0], tuple(int(x) for x in w)) if w is not None and len(w) == 2 else None
+    pins, styles, fused = [f"*=sample({s})"], [], []
+    for lay in graph.layers:
+        mods = [op.module for op in lay.ops if op.module]
+        if not mods or not unit_of(mods[0]):
+            continue                               # the root's layers: whole on the tensor group
+        if any(op.kind == "attention" for op in lay.ops):
+            lin = [op for op in lay.ops if op.kind == "linear"]
+            if len(lin) == 4 and len({op.module for op in lin}) == 4:
+                pins.append(f"{lay.name}=head({s},{tp})")
+                styles += [(op.module, "colwise") for op in lin[:3]] + [(lin[3].module, "rowwise")]
+            else:
+                fused.append(lay.module or lay.name)
+            continue
+        a = linear(lay, {"linear", "unary"})
+        if a is None or out_v in (op.name for op in lay.ops):
+            continue
+        rd = readers.get(lay.index, set())
+        if len(rd) != 1:
+            continue
+        nxt = graph.layers[next(iter(rd))]
+        b = linear(nxt, {"linear"})
+        if b is None:
+            continue
+        (op_a, (f_out, e_in)), (op_b, (e_out, f_in)) = a, b
+        if f_out != f_in or e_in != e_out or f_out % tp:
+            continue
+        pins += [f"{lay.name}=filter({s},{tp})", f"{nxt.name}=row_parallel({s},{tp})"]
+        styles += [(op_a.module, "colwise"), (op_b.module, "rowwise")]
+    if not styles:
+        why = "no layer DTensor's styles run tensor-parallel on the user's module"
+        if fused:
+            why += f" (attention {fused[0]} projects q/k/v fused: its contiguous shard is not a head block)"
+        return why
+    return TensorLayout(tp, tuple(pins), tuple(styles))
+
+
 def describe(names, a) -> str:
     if a and all(s is not None and s.engine == DDP_ZERO for s in a):
         return f"all {len(a)} units ZeRO-1 (DDP + ZeroRedundancyOptimizer over dp{a[0].dp})"
     n3 = sum(1 for s in a if s is not None and s.level == 3)
     n2 = sum(1 for s in a if s is not None and s.level == 2)
-    return f"{n3} unit(s) ZeRO-3, {n2} ZeRO-2, {len(a) - n3 - n2} data parallel of {len(a)}"
+    tp = max((s.tp for s in a if s is not None), default=1)
+    mesh = f" on (dp {a[0].dp if a[0] else '?'} x tp {tp})" if tp > 1 else ""
+    return f"{n3} unit(s) ZeRO-3, {n2} ZeRO-2, {len(a) - n3 - n2} data parallel of {len(a)}{mesh}"
 
 
 @register_strategy
@@ -298,7 +397,7 @@ class ShardedDataParallel:
         if table.ctx.world < 2:
             return (Candidate(NAME, label, illegal="one rank: nothing to shard", priority=self.priority),)
         kinds = base.req.options.kinds
-        if kinds and NAME not in kinds:
+        if kinds and NAME not in kinds and ZERO1 not in kinds:
             return (Candidate(NAME, label, priority=self.priority,
                               illegal=f"--kinds {','.join(kinds)} leaves out {NAME}"),)
         if base.req.constrained:
@@ -312,10 +411,17 @@ class ShardedDataParallel:
             return (Candidate(NAME, label, priority=self.priority, illegal=f"{type(tied).__name__}: {tied}"),)
         out = []
         nat = native_choice(table)
+        if kinds and ZERO1 in kinds:          # ZeRO-1 asked for: offered alone, forced
+            if nat is None:
+                return (Candidate(NAME, "ZeRO-1", priority=self.priority, forced=True,
+                                  illegal="--kinds zero1: no native data-parallel plan to run ZeRO-1 over"),)
+            _, nat_pred = choose_runtime(table, nat, evaluate, None)
+            return (dataclasses.replace(self._zero1(base, tuple(nat), nat_pred), forced=True),)
         if nat is not None:
             _, nat_pred = choose_runtime(table, nat, evaluate, None)
             out.append(self._best(base, tuple(nat), nat_pred, "fsdp", f"{label} over the native data-parallel plan"))
             out.append(self._zero1(base, tuple(nat), nat_pred))
+        out.extend(self._tensor(base))
         sol = tuple(base.solution.choice)
         if nat is None or sol != tuple(nat):
             # sharding the state the ILP's plan replicates (each parameter over its gradient group);
@@ -330,6 +436,44 @@ class ShardedDataParallel:
                                                    "the memory limit")
             out.append(c)
         return tuple(c for c in out if c is not None)
+
+    def _tensor(self, base) -> list:
+        """TP + sharding candidates, one per tensor axis (module docstring)."""
+        o = base.req.options
+        table = base.table
+        world, rpn = table.ctx.world, int(base.loaded.ranks_per_node)
+        if base.replan is None or (o.kinds and not set(TENSOR_KINDS) & set(o.kinds)):
+            return []
+        out = []
+        for tp in [t for t in range(2, min(world, rpn) + 1) if world % t == 0 and world // t > 1]:
+            label = f"tensor parallel x sharded (DTensor tp {tp} + FSDP2 dp {world // tp})"
+            lay = tensor_layout(base.graph, world, tp)
+            if isinstance(lay, str):
+                out.append(Candidate(NAME, label, illegal=lay, priority=self.priority))
+                continue
+            sub = dataclasses.replace(o, kinds=("sample", "replicate") + TENSOR_KINDS, pins=lay.pins, write=False,
+                                      out_dir=None, pipeline="off", memory_limit_bytes=None)
+            try:
+                res = base.replan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=base.graph))
+            except AutoparError as e:
+                out.append(Candidate(NAME, label, illegal=f"{type(e).__name__}: {e}", priority=self.priority))
+                continue
+            choice = tuple(res.solution.choice)
+            names = {lay_.name: lay_.index for lay_ in res.table.graph.layers}
+            off = [pin for pin in lay.pins[1:] if str(res.table.layers[names[pin.split("=")[0]]].choices[
+                choice[names[pin.split("=")[0]]]]) != pin.split("=", 1)[1]]
+            if off:
+                out.append(Candidate(NAME, label, illegal=f"the re-plan did not keep pin {off[0]}", priority=self.priority))
+                continue
+            pred = evaluate(res.table, list(choice))
+            pricer = _Pricer(res.table, choice, pred, tp=tp)
+            p = _fastest(pricer, base.memory_limit_bytes)
+            if p is None:
+                out.append(Candidate(NAME, label, illegal="no unit has parameters to shard", priority=self.priority))
+                continue
+            c = self._candidate(dataclasses.replace(base, table=res.table), choice, pred, "fsdp", label, pricer, p)
+            out.append(dataclasses.replace(c, detail=(pricer.units, p, lay)))
+        return out
 
     def _zero1(self, base, choice, pred):
         label = "ZeRO-1 (DDP + ZeroRedundancyOptimizer) over the native data-parallel plan"
@@ -360,11 +504,14 @@ class ShardedDataParallel:
         c = choice.chosen
         if c.strategy != NAME:
             return {}
-        units, p = c.detail
+        units, p = c.detail[:2]
+        lay = c.detail[2] if len(c.detail) > 2 else None
         world = base.table.ctx.world
         root = p.assignment[0]
         engines = {s.engine for s in p.assignment if s is not None}
-        sharded = {"axis": "dp", "mesh": {"dp": world}, "base": "native" if c.runtime == "fsdp" else "ilp",
+        mesh = {"dp": world} if lay is None else {"dp": world // lay.tp, "tp": lay.tp}
+        sharded = {"axis": "dp", "mesh": mesh, "base": "native" if c.runtime == "fsdp" else "ilp",
+                   "tp_styles": dict(lay.styles) if lay is not None else {},
                    "engine": DDP_ZERO if engines == {DDP_ZERO} else "fsdp2",
                    "units": {n: (s.to_json() if s is not None else None)
                              for n, s in zip(units.names[1:], p.assignment[1:])},
