@@ -106,6 +106,7 @@ def test_a_pipeline_plan_executes_and_validates_at_world_2(monkeypatch, tmp_path
     st = run.extra["stages"]
     assert st["measured_step_s"] > 0 and st["predicted_step_s"] == pytest.approx(res.plan.predicted.step_time_s)
     assert 0.0 <= st["measured_bubble_fraction"] <= 1.0 and st["predicted_bubble_fraction"] > 0
+    assert st["cut_messages_checked"] == 4      # stage 0 sent its 4 microbatches as plan.json's cut steps say
     assert (out / "run.json").is_file() and (out / "report.md").is_file()
 
 
@@ -144,5 +145,6 @@ def test_a_plan_with_tensor_parallelism_inside_its_stages_is_chosen_and_validate
     run, _ = execute(res.plan_path, ExecuteOptions(steps=1, warmup=0, ddp=False, timeout_s=120),
                      out_dir=tmp_path / "run", progress=lambda *_: None)
     assert run.validation.passed and run.validation.dtype == "float64"
+    assert run.extra["stages"]["cut_messages_checked"] == 2 * rt["stages"]["schedule"]["microbatches"]
     names = [c.tensor for c in run.validation.checks]
     assert any("grad blocks.0.attn.qkv.weight" in n for n in names) and len(names) > 20

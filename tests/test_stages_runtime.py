@@ -1,5 +1,7 @@
 """Pipeline stages run with torch's schedules on gloo against one process, in float64: outputs
-(the loss), every gradient and the parameters after an AdamW step (issue 41 item 5).
+(the loss), every gradient and the parameters after an AdamW step (issue 41 item 5); and what
+torch's PipelineStage sends over each cut, per rank pair and microbatch, is what the plan's cut
+steps (``decomp.stages.plan_cuts``) say: shapes and bytes (``runtime.stages.check_cut_messages``).
 
 Each rank builds the model from the same seed, computes the one-process reference
 (``reference_step``: the same microbatches, the mean of their losses) on a copy, runs its part of
@@ -119,8 +121,8 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
     import torch
     import torch.nn.functional as F
 
-    from autopar.decomp.stages import Schedule, even_layout
-    from autopar.runtime.stages import build_runner, reference_step, shard_of
+    from autopar.decomp.stages import CutValue, Schedule, even_layout, plan_cuts
+    from autopar.runtime.stages import build_runner, check_cut_messages, record_sends, reference_step, shard_of
 
     torch.manual_seed(0)
     heads = None
@@ -158,12 +160,19 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
 
     runner = build_runner(model, layout, rank, loss_fn, heads=heads,
                           example_microbatch=x[:batch // st.dp // microbatches])
+    # the plan's cut steps for these values (float64): what torch must send per rank pair
+    mb_rows = st.dp * (batch // st.dp // microbatches)
+    shapes = {"gpt": [(mb_rows, 8, 16)], "hf_gpt2": [(mb_rows, 8, 16)], "two_values": [(mb_rows, 8), (mb_rows, 8)],
+              "bn": [(mb_rows, 6)]}[kind]
+    cuts = plan_cuts(layout, [[CutValue(f"v{i}", sh, 8) for i, sh in enumerate(shapes)]] * (stages - 1))
+    sends = record_sends(runner)
     sharded = {}
     if st.tp > 1:
         sharded = {f"blocks.{i}.{n}": (d, b, runner.groups.coords[1]) for i in range(4)
                    for n, (d, b) in {"attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3), "attn.proj.weight": (1, 1),
                                      "fc.weight": (0, 1), "fc.bias": (0, 1), "out.weight": (1, 1)}.items()}
     loss = runner.step(x, y)
+    checked = check_cut_messages(runner, sends, cuts, itemsize=8)
     mine = {id(p) for p in runner.parameters()}
     held = {n.replace(".b.", ".", 1): p for n, p in model.named_parameters() if id(p) in mine}
     opt = torch.optim.AdamW(list(runner.parameters()), lr=1e-2)
@@ -184,7 +193,8 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
             if any(b is q for _, m in runner.modules for q in m.buffers()) \
                     and not torch.allclose(b.double(), rb[n].double(), **TOL):
                 bad.append(f"buffer {n}: {b.double().sum().item()} vs {rb[n].double().sum().item()}")
-    return {"rank": rank, "stage": st.index, "params": len(held), "bad": bad, "loss": float(loss)}
+    return {"rank": rank, "stage": st.index, "params": len(held), "bad": bad, "loss": float(loss),
+            "cut_messages_checked": checked, "values": len(shapes)}
 
 
 def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8):
@@ -194,6 +204,8 @@ def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8):
         assert r["bad"] == [], r
         assert r["params"] > 0, r
     assert len({r["loss"] for r in res}) == 1, res       # the global loss on every rank
+    for r in res:   # every rank but the last stage's sent M microbatches of every value, as planned
+        assert r["cut_messages_checked"] == (0 if r["stage"] == stages - 1 else microbatches * r["values"]), r
     return res
 
 
@@ -202,13 +214,15 @@ def test_gpt_two_stages_world_2(schedule):
     _run(2, "gpt", schedule, 2)
 
 
-def test_gpt_two_stages_with_data_parallelism_inside_world_4():
-    res = _run(4, "gpt", "1f1b", 2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt_two_stages_with_data_parallelism_inside_world_4(schedule):
+    res = _run(4, "gpt", schedule, 2)
     assert [r["stage"] for r in res] == [0, 0, 1, 1]
 
 
-def test_gpt_two_stages_with_tensor_parallelism_inside_world_4():
-    _run(4, "gpt", "gpipe", 2, tp=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt_two_stages_with_tensor_parallelism_inside_world_4(schedule):
+    _run(4, "gpt", schedule, 2, tp=2)
 
 
 def test_gpt_four_stages_world_4():
@@ -219,8 +233,10 @@ def test_hf_gpt2_with_its_tied_embedding_on_two_stages():
     _run(2, "hf_gpt2", "1f1b", 2)
 
 
-def test_cut_crossed_by_two_values():
-    _run(2, "two_values", "1f1b", 2)
+@pytest.mark.parametrize("world,schedule", [(2, "1f1b"), (4, "gpipe")])
+def test_cut_crossed_by_two_values(world, schedule):
+    """Two values cross the cut (world 4: two stages of dp 2), each sent as the plan's cut steps say."""
+    _run(world, "two_values", schedule, 2)
 
 
 def test_batch_norm_statistics_per_microbatch():

@@ -37,9 +37,10 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..decomp.stages import (PipelinePrice, Schedule, StageCost, feasible_stage_counts, in_flight_microbatches,
-                             price_pipeline)
+from ..decomp.stages import (CutPlan, PipelinePrice, Schedule, StageCost, feasible_stage_counts,
+                             in_flight_microbatches, price_pipeline)
 from ..errors import PipelineError
+from .redistribute import redistribution_s
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,26 @@ class StageSearch:
         return {"chosen": None if self.best is None else self.best.to_json(),
                 "per_stage_count": [per[s].to_json() for s in sorted(per)],
                 "options_tried": len(self.options)}
+
+
+def planned_cut_s(plan: CutPlan, ctx) -> float:
+    """One microbatch's values over one cut, one way (``c_k`` of ``decomp.stages.price_pipeline``),
+    from the cut's planned steps (``decomp.stages.plan_cut``)::
+
+        c_k = sum over values v of  t_fwd(steps_v)        (cost.redistribute.redistribution_s)
+
+    Each value is a ``MeshSend`` (plus, were the placements to differ, its collectives on either
+    mesh), priced at the link level its (sender, receiver) pairs cross (``ctx.worst_level``:
+    'inter' when a pair spans nodes) as one p2p of the busiest rank's bytes plus a latency per
+    extra message. The values are summed because torch sends each as its own message (a value's
+    gradient goes back the same way: ``price_pipeline`` doubles c_k). With equal sub-meshes on
+    both sides each rank sends its block to its peer: one p2p of ``bytes per rank`` per value,
+    which for one value is ``decomp.stages.cut_send_time_s`` when the profile measured no
+    in-situ latency (``cost.primitives.blocking_s`` raises the latency to it otherwise)."""
+    total = 0.0
+    for v, steps in zip(plan.values, plan.steps):
+        total += redistribution_s(steps, ctx, v.itemsize)[0]
+    return total
 
 
 UnitCost = Callable[[int, int, int, int], StageCost]
@@ -294,5 +315,5 @@ def memory_reach(options: Sequence[StageOption]) -> str:
     return f"feasible stage counts: {fits or 'none'}; the least peak per rank each stage count reaches: {reach or 'none'}"
 
 
-__all__ = ["StageOption", "StageSearch", "memory_reach", "microbatch_counts", "min_peak_bytes", "require_fit",
-           "search_stages"]
+__all__ = ["StageOption", "StageSearch", "memory_reach", "microbatch_counts", "min_peak_bytes", "planned_cut_s",
+           "require_fit", "search_stages"]

@@ -6,7 +6,9 @@ Vocabulary: a *stage* is a contiguous range of layers ``[first_layer, stop_layer
 ``ranks`` (its sub-mesh, laid ``dp x tp``); a *cut* sits between stage k and k+1 and is crossed
 by one or more values (residual stream, masks...), sent point to point from each rank of stage
 k to its peer (same mesh coordinates) in stage k+1 in the forward, and their gradients back in
-the backward. A *schedule* orders, on every rank, the forward (F) and backward (B; or input-grad
+the backward: each value's move is planned as a redistribution between the two sub-meshes
+(``plan_cut``: ``decomp.redistribute.plan_redistribution``, a ``MeshSend``), which
+``cost.stages.planned_cut_s`` prices and torch's ``PipelineStage`` carries. A *schedule* orders, on every rank, the forward (F) and backward (B; or input-grad
 I and weight-grad W for the zero-bubble schedules) of each microbatch on each stage it holds;
 the orders are torch's (``torch.distributed.pipelining.Schedule*``), autopar writes none of its
 own. With V *virtual* stages per rank (interleaved schedules) the model is cut into S*V chunks
@@ -66,6 +68,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import PipelineError
+from .distspec import DistSpec, Replicate, Shard
+from .mesh import Mesh
+from .redistribute import MeshSend, Step, plan_redistribution, step_from_json, steps_str
 
 #: schedule name -> (torch class in torch.distributed.pipelining, chunks per rank: 1, "V" any V>=2, or 2)
 SCHEDULES: dict[str, tuple[str, object]] = {
@@ -352,6 +357,105 @@ def cut_send_time_s(profile, nbytes: float, src_ranks: Sequence[int], dst_ranks:
     return profile.collective_time_s("p2p", 2, float(nbytes), level=level)
 
 
+# ------------------------------------------------------------------------------------------
+# Values crossing a cut, planned as redistributions between the two stages' meshes
+# ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CutValue:
+    """One value crossing a cut for one microbatch: its global ``shape`` -- dim 0 the
+    microbatch's samples of every dp replica together (``dp x samples``) when ``batched``, else a
+    value without a batch dim (a mask, a position table) that every rank holds whole -- and
+    ``itemsize`` bytes per element."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    batched: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "itemsize": self.itemsize, "batched": self.batched}
+
+    @staticmethod
+    def from_json(obj: dict) -> "CutValue":
+        return CutValue(str(obj["name"]), tuple(obj["shape"]), int(obj["itemsize"]), bool(obj.get("batched", True)))
+
+
+def stage_mesh(stage: Stage) -> Mesh:
+    """The stage's sub-mesh: its global ranks laid row-major over ``(dp, tp)``."""
+    return Mesh(stage.ranks, (stage.dp, stage.tp), ("dp", "tp"))
+
+
+def cut_value_spec(stage: Stage, value: CutValue) -> DistSpec:
+    """Where a cut value lives on ``stage``: a batched value's samples split over the stage's dp
+    axis (replica d holds rows ``[d B/D, (d+1) B/D)``, what ``runtime.stages`` feeds it) and
+    replicated over its tp axis (every tp rank of a Megatron block ends with the whole residual
+    stream); a value without a batch dim replicated on both axes."""
+    first = Shard(0) if value.batched and value.shape else Replicate()
+    return DistSpec(stage_mesh(stage), (first, Replicate()), value.shape)
+
+
+@dataclass(frozen=True)
+class CutPlan:
+    """Cut ``index`` (stage ``index`` -> ``index + 1``): every value crossing it with its planned
+    redistribution from the producing stage's sub-mesh to the consuming stage's
+    (``decomp.redistribute.plan_redistribution``; a ``MeshSend`` of point-to-point boxes)."""
+
+    index: int
+    values: tuple[CutValue, ...]
+    steps: tuple[tuple[Step, ...], ...]        # per value, in the order of ``values``
+
+    def messages(self) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
+        """{(sender, receiver) global ranks: the shape of every box it sends, value by value}: what
+        the plan says each rank pair exchanges for one microbatch (local copies left out)."""
+        out: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+        for steps in self.steps:
+            for st in steps:
+                if isinstance(st, MeshSend):
+                    for t in st.transfers:
+                        if t.src_rank != t.dst_rank:
+                            out.setdefault((t.src_rank, t.dst_rank), []).append(tuple(e for _, e in t.box))
+        return {k: tuple(v) for k, v in sorted(out.items())}
+
+    def to_json(self) -> dict:
+        return {"cut": self.index, "from_stage": self.index, "to_stage": self.index + 1,
+                "values": [{**v.to_json(), "steps_str": steps_str(st), "steps": [s.to_json() for s in st]}
+                           for v, st in zip(self.values, self.steps)]}
+
+    @staticmethod
+    def from_json(obj: dict) -> "CutPlan":
+        vals = obj["values"]
+        return CutPlan(int(obj["cut"]), tuple(CutValue.from_json(v) for v in vals),
+                       tuple(tuple(step_from_json(s) for s in v["steps"]) for v in vals))
+
+
+def plan_cut(index: int, src: Stage, dst: Stage, values: Sequence[CutValue]) -> CutPlan:
+    """The planned steps of every value crossing from stage ``src`` to stage ``dst``
+    (``cut_value_spec`` on each side). With equal sub-mesh shapes each rank sends its block to
+    its peer (same coordinates): one message per value and rank pair, what torch's
+    ``PipelineStage`` sends; other shapes (a dp change) give the boxes the planner computes."""
+    steps = tuple(plan_redistribution(cut_value_spec(src, v), cut_value_spec(dst, v)) for v in values)
+    return CutPlan(int(index), tuple(values), steps)
+
+
+def plan_cuts(layout: StageLayout, values: Sequence[Sequence[CutValue]]) -> tuple[CutPlan, ...]:
+    """``plan_cut`` of every cut of ``layout`` (``values[k]``: the values crossing cut k)."""
+    if len(values) != layout.num_stages - 1:
+        raise ValueError(f"{layout.num_stages} stages have {layout.num_stages - 1} cuts, got values for {len(values)}")
+    st = layout.stages
+    return tuple(plan_cut(k, st[k], st[k + 1], values[k]) for k in range(len(values)))
+
+
 def stage_counts_priced(prices: dict[int, PipelinePrice | str]) -> list[dict]:
     """plan.json's record of every stage count tried: its prediction or why it was refused."""
     out = []
@@ -369,6 +473,7 @@ def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
     return (s - 1) / v / (m + (s - 1) / v)
 
 
-__all__ = ["PRICED", "SCHEDULES", "PipelinePrice", "Schedule", "Stage", "StageCost", "StageLayout",
-           "bubble_fraction_uniform", "cut_send_time_s", "even_layout", "feasible_stage_counts",
+__all__ = ["PRICED", "SCHEDULES", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
+           "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts",
+           "stage_mesh", "even_layout", "feasible_stage_counts",
            "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]

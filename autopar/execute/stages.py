@@ -26,7 +26,8 @@ from ..decomp.stages import StageLayout
 from ..errors import PlanFileError
 from ..modelfile import load_model_file, model_env
 from ..runtime import launch as rank_launch
-from ..runtime.stages import _all_chunks, _static_metas, build_runner, reference_step, shard_of
+from ..decomp.stages import CutPlan
+from ..runtime.stages import _all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step, shard_of
 from .validate import RULE, compare
 
 
@@ -67,7 +68,12 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     ref_g = {n: p.grad.detach().clone() for n, p in ref_p.items()}
     torch.optim.SGD(ref.parameters(), lr=opts["lr"], momentum=opts["momentum"]).step()
     runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x[:mb])
+    sends = record_sends(runner)
     loss = runner.step(x, y)
+    # what torch sent over this rank's cut is what plan.json's cut steps say (shapes; the plan's
+    # bytes per element when the validation runs in the traced dtype): CutMessageMismatch otherwise
+    cuts = [CutPlan.from_json(c) for c in opts.get("cuts") or ()]
+    cut_messages = check_cut_messages(runner, sends, cuts) if cuts else 0
     held = list(runner.held_parameters(model).items())
 
     def want(n, t):          # the reference's tensor, cut to this rank's tp slice where it holds one
@@ -111,7 +117,8 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         fw.append(t1 - t0)
         bw.append(time.perf_counter() - t1)
     return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
-            "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss)}
+            "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
+            "cut_messages_checked": cut_messages}
 
 
 def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_out_dir, write_report
@@ -121,7 +128,8 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     heads = dict(plan.runtime.extra).get("heads")
     rtol, atol = opts.tolerances()
     ropts = {"batch": plan.model.batch_size, "dtype": opts.validate_dtype, "seed": opts.seed, "lr": opts.lr,
-             "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps, "heads": heads}
+             "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps, "heads": heads,
+             "cuts": dict(plan.runtime.extra).get("cuts")}
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages "
              f"(dp {layout.stages[0].dp} x tp {layout.stages[0].tp} each), "
              f"{layout.schedule.torch_class} over {layout.schedule.microbatches} microbatches; validation, "
@@ -143,7 +151,8 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
                   "measured_bubble_fraction": measured_bubble,
                   "predicted_bubble_fraction": price.get("bubble_fraction"),
                   "stage_fwd_plus_bwd_s_alone": {str(k): statistics.median(v) for k, v in per_stage.items()},
-                  "bubble_rule": "1 - M (f + b)_bottleneck / step; f, b: one microbatch on its stage alone"}
+                  "bubble_rule": "1 - M (f + b)_bottleneck / step; f, b: one microbatch on its stage alone",
+                  "cut_messages_checked": sum(r["cut_messages_checked"] for r in res)}
     run = RunResult(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         plan=str(plan_path), plan_sha256=sha256_file(plan_path), model=plan.model.name, world_size=world,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decomp.stages import StageLayout
+from ..decomp.stages import CutPlan, StageLayout
 from ..errors import PipelineError
 from .launch import raise_peer_failure
 
@@ -476,6 +476,80 @@ def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule]
     return tuple(out)
 
 
+# ------------------------------------------------------------------------------------------
+# What torch sends over a cut, against the plan's cut steps
+# ------------------------------------------------------------------------------------------
+
+
+class CutMessageMismatch(PipelineError):
+    """torch's ``PipelineStage`` sent over a cut other tensors than the plan's cut steps
+    (plan.json ``runtime.cuts``) say: the plan was made for another model, batch or layout."""
+
+
+def record_sends(runner: StageRunner) -> dict[int, list[tuple[int, tuple[int, ...], int]]]:
+    """Log what this rank's stages send forward: {microbatch: [(peer global rank, shape, bytes)]},
+    filled as the schedule runs (every ``PipelineStage.get_fwd_send_ops`` is wrapped; the ops
+    torch then posts are exactly these)."""
+    log: dict[int, list[tuple[int, tuple[int, ...], int]]] = {}
+    for st in _stages_of(runner.schedule):
+        orig = st.get_fwd_send_ops
+
+        def wrapped(fwd_chunk_id, *a, _orig=orig, **kw):
+            ops = _orig(fwd_chunk_id, *a, **kw)
+            log.setdefault(int(fwd_chunk_id), []).extend(
+                (int(op.peer), tuple(op.tensor.shape), op.tensor.numel() * op.tensor.element_size()) for op in ops)
+            return ops
+        st.get_fwd_send_ops = wrapped
+    return log
+
+
+def _stages_of(schedule) -> list:
+    one = getattr(schedule, "_stage", None)
+    return [one] if one is not None else list(getattr(schedule, "_stages", ()))
+
+
+def check_cut_messages(runner: StageRunner, log: dict[int, list[tuple[int, tuple[int, ...], int]]],
+                       cuts: Sequence[CutPlan], itemsize: int | None = None) -> int:
+    """Every microbatch this rank sent forward (``record_sends``) carried what the plan's cut says
+    for its rank pair: the same shapes, value by value in any order, and (``itemsize`` given: the
+    plan's dtype ran) the same bytes. Raises ``CutMessageMismatch``; returns the messages checked.
+    One chunk per rank only (V = 1): the plan's cuts are the stages'."""
+    layout = runner.layout
+    if layout.schedule.virtual != 1:
+        return 0
+    st = runner.stage
+    if st.index == layout.num_stages - 1:
+        if any(log.values()):
+            raise CutMessageMismatch(f"rank {runner.rank} of the last stage sent {log}", "re-plan this layout")
+        return 0
+    planned = {pair: shapes for pair, shapes in cuts[st.index].messages().items() if pair[0] == runner.rank}
+    want = {peer: sorted(shapes) for (_, peer), shapes in planned.items()}
+    if len(log) != layout.schedule.microbatches:
+        raise CutMessageMismatch(f"rank {runner.rank} sent {len(log)} microbatches over cut {st.index}, the schedule "
+                                 f"runs {layout.schedule.microbatches}", "re-plan this layout")
+    n = 0
+    for mb, sent in sorted(log.items()):
+        got: dict[int, list] = {}
+        for peer, shape, nbytes in sent:
+            got.setdefault(peer, []).append(shape)
+            if itemsize is not None and nbytes != itemsize * _prod(shape):
+                raise CutMessageMismatch(f"rank {runner.rank}, microbatch {mb}: a {shape} message of {nbytes} bytes, "
+                                         f"the plan's values are {itemsize} bytes per element", "re-plan this model")
+            n += 1
+        if {p: sorted(v) for p, v in got.items()} != want:
+            raise CutMessageMismatch(
+                f"rank {runner.rank}, microbatch {mb}: torch sent {dict(sorted(got.items()))} over cut {st.index}, "
+                f"the plan's cut steps say {want}", "re-plan for this model, batch and stage layout")
+    return n
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
                    microbatches: int, dp: int = 1) -> torch.Tensor:
     """The one-process function a pipelined step computes: the batch cut into ``dp`` row blocks,
@@ -492,5 +566,5 @@ def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     return torch.as_tensor(total)
 
 
-__all__ = ["StageModule", "StageRunner", "build_runner", "chunk_ranges", "chunks_of_stage", "make_groups",
-           "pipeline_parts", "reference_step", "shard_gpt_blocks", "shard_of", "stage_modules"]
+__all__ = ["CutMessageMismatch", "StageModule", "StageRunner", "build_runner", "check_cut_messages", "chunk_ranges",
+           "chunks_of_stage", "make_groups", "pipeline_parts", "record_sends", "reference_step", "shard_gpt_blocks", "shard_of", "stage_modules"]

@@ -13,7 +13,10 @@ every block, and every (layer range, sub-mesh) of a stage is a sum of its blocks
 the units the cuts go between; embeddings fold into the first block, the head and loss into the
 last). Data parallelism over the stage's ``dp`` replicas adds the all-reduce of each block's
 gradient bytes (the profile's allreduce at the link level the dp group spans).
-``cost.stages.search_stages`` then tries every (S, tp, M) -- M every divisor of the per-replica
+A cut is priced with its values' planned redistribution between the two stages' sub-meshes
+(``decomp.stages.plan_cut``, ``cost.stages.planned_cut_s``: the widest block boundary's values
+while the cuts are searched; plan.json's ``runtime.cuts`` records each chosen cut's own values
+and steps). ``cost.stages.search_stages`` then tries every (S, tp, M) -- M every divisor of the per-replica
 batch -- with its best cuts, in order of a lower bound that prunes the rest, and prices the
 schedule (``decomp.stages.price_pipeline``). The stage layout, the search's time and every
 option tried (priced, pruned with its bound, or refused with why) go to plan.json's
@@ -34,7 +37,9 @@ import time
 from ...artifacts import PlanHooks
 from ...cost.stages import memory_reach, search_stages
 from ...cost.table import StepPrediction
-from ...decomp.stages import SCHEDULES, Schedule, StageCost, cut_send_time_s, even_layout, feasible_stage_counts
+from ...cost.stages import planned_cut_s
+from ...decomp.stages import (SCHEDULES, CutValue, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
+                              plan_cut, plan_cuts)
 from ...errors import InfeasiblePlan, PipelineError
 from . import Candidate, register_strategy
 
@@ -154,12 +159,15 @@ class PipelineStages:
             sync = profile.collective_time_s("allreduce", dp, grad_bytes[i], level=level) if dp > 1 else 0.0
             return dataclasses.replace(c, grad_sync_s=c.grad_sync_s + sync)
 
-        cut_per_sample = _cut_bytes(base.graph, units, 1, batch)
+        bvalues = cut_values(base.graph, units, batch)
+        widest = bvalues.get(widest_boundary(bvalues), [])
+        ctx = base.table.ctx
 
-        def cut(s_count, k, tp, mb):      # every tp rank sends the whole (replicated) value to its peer
+        def cut(s_count, k, tp, mb):      # the widest boundary's values, planned between the two sub-meshes
             size = world // s_count
-            return cut_send_time_s(profile, cut_per_sample * mb, range(k * size, (k + 1) * size),
-                                   range((k + 1) * size, (k + 2) * size))
+            a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size // tp, tp)
+            b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size // tp, tp)
+            return planned_cut_s(plan_cut(k, a, b, cut_value_list(widest, size // tp, mb)), ctx)
 
         t0 = time.perf_counter()
         sr = search_stages(n_units, world, batch, unit_cost, cut, stage_counts=counts, tps=tps,
@@ -183,6 +191,10 @@ class PipelineStages:
             layout = even_layout(n_units, world, s_count, Schedule(sched_name, best.microbatches, virtual),
                                  tp=best.tp, cuts=best.cuts if virtual == 1 else None)   # V chunks: cut evenly
             p = best.price
+            # each cut's own boundary (V chunks per rank: cut evenly, priced with the widest boundary)
+            crossing = [bvalues[layout.stages[k].stop_layer - 1] if virtual == 1 else widest
+                        for k in range(s_count - 1)]
+            cuts_planned = plan_cuts(layout, [cut_value_list(v, best.dp, best.microbatch) for v in crossing])
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
                                   memory_per_rank_bytes=max(p.peak_bytes), grad_sync_bytes=0.0)
@@ -191,6 +203,7 @@ class PipelineStages:
                                    runtime="stages", forced=mode == "fixed", priority=self.priority,
                                    note=f"pipeline stages: {layout.to_json()['stages']}",
                                    detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
+                                           "cuts": [c.to_json() for c in cuts_planned],
                                            "search": search, "heads": heads if best.tp > 1 else None,
                                            "sub_plan_kinds": list(sub(best.tp, best.microbatch)[2])}))
         if mode == "fixed" and all(c.illegal for c in cands):
@@ -210,7 +223,7 @@ class PipelineStages:
             return {"pipeline_considered": priced}
         return {"runtime": {"expected": "stages", "step_time_s": c.step_time_s,
                             "reason": f"{c.label}: predicted {c.step_time_s * 1e3:.3f} ms, the fastest legal plan",
-                            "stages": c.detail["layout"], "price": c.detail["price"],
+                            "stages": c.detail["layout"], "price": c.detail["price"], "cuts": c.detail["cuts"],
                             "sub_plan_kinds": c.detail["sub_plan_kinds"], "heads": c.detail["heads"],
                             "executable": True, "search": c.detail["search"],
                             "stage_counts_priced": priced}}
@@ -252,17 +265,15 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
-def crossing_values(graph, units: list[int]) -> dict[int, list[tuple[str, float]]]:
-    """Per unit boundary u (between unit u and u+1), the values produced at or before u and
-    consumed after it, with their traced bytes (the whole traced batch). A value consumed by an
-    earlier unit than the one producing it would cross a cut backwards: refused, naming it."""
-    produced: dict[str, tuple[int, float]] = {}
+def _crossing(graph, units: list[int]) -> dict[str, tuple[int, int, tuple[int, ...], int]]:
+    """Every value consumed in a later unit than the one producing it: name -> (producing unit,
+    last consuming unit, traced shape, bytes per element). A value consumed by an earlier unit
+    than the one producing it would cross a cut backwards: refused, naming it."""
+    produced: dict[str, tuple[int, tuple[int, ...], int]] = {}
     for lay, u in zip(graph.layers, units):
         for op in lay.ops:
-            n = 1
-            for d in op.out_shape:
-                n *= int(d)
-            produced[op.name] = (u, float(n * _DTYPE_BYTES.get(str(op.dtype).replace("torch.", ""), 4)))
+            produced[op.name] = (u, tuple(int(d) for d in op.out_shape),
+                                 _DTYPE_BYTES.get(str(op.dtype).replace("torch.", ""), 4))
     last_use: dict[str, int] = {}
     for lay, u in zip(graph.layers, units):
         for v in lay.inputs:
@@ -274,19 +285,55 @@ def crossing_values(graph, units: list[int]) -> dict[int, list[tuple[str, float]
                                     "a stage cut backwards", "pipeline stages need every value to flow forward; "
                                     "plan with --pipeline off")
             last_use[v] = max(last_use.get(v, u), u)
+    return {v: (produced[v][0], lu, produced[v][1], produced[v][2]) for v, lu in last_use.items()
+            if lu > produced[v][0]}
+
+
+def crossing_values(graph, units: list[int]) -> dict[int, list[tuple[str, float]]]:
+    """Per unit boundary u (between unit u and u+1), the values produced at or before u and
+    consumed after it, with their traced bytes (the whole traced batch); refuses a value crossing
+    a cut backwards (``_crossing``)."""
     n_units = max(units) + 1
     out: dict[int, list[tuple[str, float]]] = {u: [] for u in range(n_units - 1)}
-    for v, lu in last_use.items():
-        pu, nbytes = produced[v]
+    for v, (pu, lu, shape, item) in _crossing(graph, units).items():
+        nbytes = float(item)
+        for d in shape:
+            nbytes *= d
         for u in range(pu, lu):
             out[u].append((v, nbytes))
     return out
 
 
-def _cut_bytes(graph, units: list[int], samples: int, batch: int) -> float:
-    """Bytes one rank sends over a cut for ``samples`` samples of a microbatch: the largest
-    boundary's crossing values (every boundary of a uniform block model carries the same), scaled
-    from the traced batch."""
-    cross = crossing_values(graph, units)
-    per_batch = max((sum(b for _, b in vals) for vals in cross.values()), default=0.0)
-    return per_batch * samples / max(1, batch)
+def cut_values(graph, units: list[int], traced_batch: int) -> dict[int, list[tuple[str, tuple[int, ...], int, bool]]]:
+    """Per unit boundary, the crossing values as (name, shape, bytes per element, batched): a
+    value whose dim 0 is the traced batch is *batched* (its samples follow the microbatch; the
+    shape keeps dims 1.. and dim 0 is set per microbatch), any other crosses whole (a mask)."""
+    n_units = max(units) + 1
+    out: dict[int, list[tuple[str, tuple[int, ...], int, bool]]] = {u: [] for u in range(n_units - 1)}
+    for v, (pu, lu, shape, item) in sorted(_crossing(graph, units).items()):
+        batched = bool(shape) and shape[0] == int(traced_batch)
+        for u in range(pu, lu):
+            out[u].append((v, shape, item, batched))
+    return out
+
+
+def cut_value_list(values: list[tuple[str, tuple[int, ...], int, bool]], dp: int, microbatch: int
+                   ) -> tuple[CutValue, ...]:
+    """One microbatch's ``CutValue``s of a boundary (``cut_values``) on stages of ``dp`` replicas:
+    a batched value's dim 0 is every replica's microbatch rows, ``dp x microbatch``."""
+    return tuple(CutValue(n, (dp * microbatch, *shape[1:]) if batched else shape, item, batched)
+                 for n, shape, item, batched in values)
+
+
+def widest_boundary(values: dict[int, list[tuple[str, tuple[int, ...], int, bool]]]) -> int:
+    """The boundary whose values move the most bytes per sample (every boundary of a uniform
+    block model carries the same): what a cut is priced with before its position is known."""
+    def per_sample(u):
+        total = 0
+        for _, shape, item, batched in values[u]:
+            n = item
+            for d in (shape[1:] if batched else shape):
+                n *= d
+            total += n
+        return total
+    return max(values, key=lambda u: (per_sample(u), -u)) if values else 0
