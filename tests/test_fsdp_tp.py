@@ -120,3 +120,63 @@ def test_parallelize_trains_in_a_user_loop(plans, name):
         assert o["err"] < TOL, o
     assert res[0]["parts"] == (2 if name == "tp" else 2)
     assert res[0]["opt"] == ("ZeroRedundancyOptimizer" if name == "zero1" else "AdamW")
+
+
+def _generated_step(rank, world, module_path, model_path):
+    import importlib.util
+
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_default_dtype(torch.float64)
+    mods = []
+    for name, path in (("gen_sharded_tp", module_path), ("gpt_model_gtp", model_path)):
+        spec = importlib.util.spec_from_file_location(name, path)
+        m = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        mods.append(m)
+    gen, mf = mods
+    torch.manual_seed(0)
+    ref = mf.build_model()
+    model = mf.build_model()
+    model.load_state_dict(ref.state_dict())
+    tp = gen.TP
+    mesh = (init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp")) if tp > 1
+            else init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    model = gen.parallelize(model, mesh)
+    opt = gen.make_optimizer(model, mesh, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randint(0, mf.VOCAB, (4, mf.SEQ), generator=torch.Generator().manual_seed(5))
+    y = torch.randint(0, mf.VOCAB, (4, mf.SEQ), generator=torch.Generator().manual_seed(6))
+    parts, me = world // tp, rank // tp
+    for _ in range(2):
+        mf.loss_fn(model(x.chunk(parts)[me]), y.chunk(parts)[me]).backward()
+        mf.loss_fn(ref(x), y).backward()
+        opt.step(); ropt.step(); opt.zero_grad(); ropt.zero_grad()  # noqa: E702
+    rp = dict(ref.named_parameters())
+    full = {q: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for q, p in model.named_parameters()}
+    return {"err": max((full[q] - rp[q].detach()).abs().max().item() for q in rp), "opt": type(opt).__name__}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["tp", "zero1"])
+def test_generated_module_is_torch_calls_and_the_same_function(plans, name):
+    """The generated ``parallelize(model, mesh)`` calls torch's APIs as the plan says (TP + sharding:
+    ``parallelize_module`` with each style, then ``fully_shard``; ZeRO-1: ``replicate`` and a
+    ``ZeroRedundancyOptimizer``, no FSDP2) and, applied to the model, trains as one process (two
+    SGD steps with momentum, float64)."""
+    from autopar.runtime.launch import run_ranks
+    r = plans[name]
+    text = r.module_path.read_text()
+    compile(text, str(r.module_path), "exec")
+    assert "def parallelize(model, mesh):" in text and "self.op(" not in text
+    if name == "tp":
+        assert text.index("parallelize_module(model, mesh[\"tp\"]") < text.index("fully_shard(")
+        assert "'blocks.0.fc': ColwiseParallel()" in text and "'blocks.1.out': RowwiseParallel()" in text
+        assert "ZeroRedundancyOptimizer" not in text
+    else:
+        assert "replicate(model, process_group=dp.get_group()" in text and "ZeroRedundancyOptimizer(" in text
+        assert "fully_shard" not in text
+    res = run_ranks(_generated_step, r.plan.world_size, args=(str(r.module_path), str(r.plan_path.parent / "gpt_model.py")),
+                    start_method="fork", timeout_s=240)
+    for o in res:
+        assert o["err"] < TOL, o
+    assert res[0]["opt"] == ("ZeroRedundancyOptimizer" if name == "zero1" else "SGD")

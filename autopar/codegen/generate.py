@@ -3,7 +3,7 @@
 The module is not stand-alone torch.distributed code: it subclasses
 ``autopar.runtime.DistModel`` and needs autopar (and its plan.json) at run time. Its
 ``forward`` is the traced program written out, one ``self.op(name, *inputs)`` line per traced
-op and one ``self.move(value, src_layout, dst_layout)`` line per transition, each commented
+op and one ``self.move(value, src_placement, dst_placement)`` line per transition, each commented
 with the layer, its module, its decomposition and the op's source line, so a reader sees where
 data moves. The collectives, parameter shards, gradient buckets and each decomposition's
 arithmetic are in ``autopar.runtime`` and ``autopar.decomp``, not in the module; a plan that
@@ -25,13 +25,19 @@ def _var(name: str) -> str:
 
 
 def generate_sharded_module(plan: Plan) -> str:
-    """The module of a sharded plan (plan.json ``runtime.sharded``, run on torch's FSDP2): a
-    readable ``parallelize(model, mesh)`` calling ``fully_shard`` per unit, then on the root, in
-    torchtitan's order, each line commented with the unit's decision; data-parallel units on an
-    HSDP mesh of shard size 1. Needs torch only (and autopar's model-file loader under torchrun)."""
+    """The module of a sharded plan (plan.json ``runtime.sharded``, run on torch's engines): a
+    readable ``parallelize(model, mesh)`` calling, in torchtitan's order, DTensor's
+    ``parallelize_module`` with each tensor-parallel module's style (a (dp, tp) plan), then
+    ``fully_shard`` per unit and on the root, each line commented with the unit's decision;
+    data-parallel units on an HSDP mesh of shard size 1. A ZeRO-1 plan instead gets
+    ``replicate(model)`` (DDP) and a ``make_optimizer`` building torch's ``ZeroRedundancyOptimizer``.
+    Needs torch only (and autopar's model-file loader under torchrun)."""
     rec = dict(plan.runtime.extra)["sharded"]
     world = plan.world_size
     units = rec["units"]
+    tp = int(rec["mesh"].get("tp", 1))
+    styles = dict(rec.get("tp_styles") or {})
+    zero1 = rec.get("engine") == "ddp_zero"
 
     def call(target: str, d, comment: str) -> str:
         if d is None:
@@ -43,16 +49,42 @@ def generate_sharded_module(plan: Plan) -> str:
                 1: "ZeRO-1: optimizer state sharded (whole gradient across micro-batches)"}[d["level"]]
         return (f"    fully_shard({target}, mesh=dp, reshard_after_forward={raf})  "
                 f"# {comment}: {what} over {d['data_axis']} ({d['dp']} ranks)")
-    body = []
-    if any(d is None for d in units.values()) or rec.get("root") is None:
-        body.append('    replicate = DeviceMesh(dp.device_type, dp.mesh.reshape(-1, 1), '
-                    'mesh_dim_names=("replicate", "shard"))')
-    for u, d in units.items():
-        body.append(call(f"model.get_submodule({u!r})", d, u))
-    body.append(call("model", rec.get("root"), "the root (every parameter no unit holds)"))
+    body, imports = [], ["from torch.distributed.device_mesh import DeviceMesh"]
+    if zero1:      # torch's ZeRO-1: DDP over the whole module, the optimizer partitioned (make_optimizer)
+        imports = ["from torch.distributed._composable import replicate",
+                   "from torch.distributed.optim import ZeroRedundancyOptimizer"]
+        body.append(f"    # ZeRO-1 over {rec['mesh']['dp']} ranks: parameters and gradients whole, gradients all-reduced "
+                    "(DDP); the optimizer state partitioned by make_optimizer")
+        body.append("    replicate(model, process_group=dp.get_group(), gradient_as_bucket_view=True)")
+    else:
+        imports.append("from torch.distributed.fsdp import fully_shard")
+        if styles:
+            imports.append("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, "
+                           "parallelize_module")
+            body.append(f"    # 1. tensor parallelism over {tp} ranks (DTensor), Megatron's split of each MLP / attention")
+            body.append('    parallelize_module(model, mesh["tp"], {')
+            for m, st in styles.items():
+                body.append(f"        {m!r}: {'ColwiseParallel' if st == 'colwise' else 'RowwiseParallel'}(),")
+            body.append("    })")
+            body.append("    # 2. sharding over the data axis (FSDP2), each unit, then the root")
+        if any(d is None for d in units.values()) or rec.get("root") is None:
+            body.append('    replicate = DeviceMesh(dp.device_type, dp.mesh.reshape(-1, 1), '
+                        'mesh_dim_names=("replicate", "shard"))')
+        for u, d in units.items():
+            body.append(call(f"model.get_submodule({u!r})", d, u))
+        body.append(call("model", rec.get("root"), "the root (every parameter no unit holds)"))
     pred = plan.predicted
     text = SHARDED_TEMPLATE
-    for k, v in {"VERSION": plan.autopar_version, "MODEL": plan.model.path, "SHA": plan.model.sha256[:12],
+    mesh_doc = (f"a 2-D DeviceMesh ({world // tp}, {tp}) named (dp, tp): the data axis, then the tensor axis "
+                "inside a node" if tp > 1 else f"a 1-D DeviceMesh of {world} ranks: the data axis")
+    for k, v in {"IMPORTS": "\n".join(imports), "MESH_DOC": mesh_doc,
+                 "DP": 'mesh["dp"]' if tp > 1 else "mesh", "TP": str(tp),
+                 "ENGINE": "torch's ZeRO-1 (DDP + ZeroRedundancyOptimizer)" if zero1 else
+                 ("DTensor tensor parallelism, then FSDP2" if tp > 1 else "torch's FSDP2"),
+                 "OPTIM": ("ZeroRedundancyOptimizer(model.parameters(), optimizer_class, "
+                           "process_group=mesh.get_group(), **defaults)") if zero1 else
+                 "optimizer_class(model.parameters(), **defaults)",
+                 "VERSION": plan.autopar_version, "MODEL": plan.model.path, "SHA": plan.model.sha256[:12],
                  "BATCH": str(plan.model.batch_size), "WORLD": str(world),
                  "STEP_MS": f"{pred.step_time_s * 1e3:.3f}",
                  "MEM_MIB": f"{pred.memory_per_rank_bytes / 2**20:.2f}", "PLAN_FILE": plan.plan_file,
@@ -63,10 +95,10 @@ def generate_sharded_module(plan: Plan) -> str:
 
 SHARDED_TEMPLATE = '''"""Generated by autopar @VERSION@ -- do not edit; re-plan instead.
 
-Sharded data parallelism on torch's FSDP2 for @MODEL@ (sha256 @SHA@), batch @BATCH@, @WORLD@ ranks:
+Sharded data parallelism on @ENGINE@ for @MODEL@ (sha256 @SHA@), batch @BATCH@, @WORLD@ ranks:
 ``parallelize(model, mesh)`` applies the plan to the user's untouched module; each rank then feeds its
-block of the batch (dim 0) and back-propagates its block's mean loss (FSDP2 averages gradients over
-the data axis).
+data axis' block of the batch (dim 0; the ranks of a tensor group feed the same block) and
+back-propagates its block's mean loss (gradients are averaged over the data axis).
 
 Predicted:  step @STEP_MS@ ms, memory @MEM_MIB@ MiB per rank
 Plan:       @PLAN_FILE@ (@REASON@)
@@ -80,17 +112,24 @@ from __future__ import annotations
 import os
 import sys
 
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+@IMPORTS@
 
 PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "@PLAN_FILE@")
 
 
+TP = @TP@
+
+
 def parallelize(model, mesh):
-    """Shard ``model`` in place over ``mesh`` (a 1-D DeviceMesh of @WORLD@ ranks: the data axis)."""
-    dp = mesh
+    """Apply the plan to ``model`` in place over ``mesh`` (@MESH_DOC@)."""
+    dp = @DP@
 @BODY@
     return model
+
+
+def make_optimizer(model, mesh, optimizer_class, **defaults):
+    """The optimizer the plan asks for over ``model``'s parameters."""
+    return @OPTIM@
 
 
 def main(argv):
@@ -112,12 +151,15 @@ def main(argv):
     mf = load_model_file(plan.model_file(PLAN_FILE), env=plan.model_env())
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = parallelize(mf.build_model().to(device), init_device_mesh(device, (world,), mesh_dim_names=("dp",)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    mesh = (init_device_mesh(device, (world // TP, TP), mesh_dim_names=("dp", "tp")) if TP > 1
+            else init_device_mesh(device, (world,), mesh_dim_names=("dp",)))
+    model = parallelize(mf.build_model().to(device), mesh)
+    opt = make_optimizer(model, mesh, torch.optim.SGD, lr=0.01, momentum=0.9)
     x, y = mf.example_inputs(plan.model.batch_size)[0], mf.example_targets(plan.model.batch_size)
+    parts, me = world // TP, rank // TP          # this rank's block of the batch (its data axis coordinate)
     for step in range(a.steps):
         opt.zero_grad()
-        loss = mf.loss_fn()(model(x.chunk(world)[rank].to(device)), y.chunk(world)[rank].to(device))
+        loss = mf.loss_fn()(model(x.chunk(parts)[me].to(device)), y.chunk(parts)[me].to(device))
         loss.backward()
         opt.step()
         if rank == 0:
