@@ -17,7 +17,10 @@ On every rank of the world, in this order (each step collective):
    by round, so that machine drift falls on all three alike.
 
 A ZeRO-1 plan (DDP + ``ZeroRedundancyOptimizer``, ``runtime.fsdp.make_optimizer``) runs the same
-three steps with its optimizer built by ``make_optimizer`` (SGD with momentum partitioned).
+three steps with its optimizer built by ``make_optimizer`` (SGD with momentum partitioned). A TP +
+sharding plan (``runtime.sharded.mesh`` with a ``tp`` axis) runs on a (dp, tp) mesh with plan.json's
+DTensor styles applied first; each rank feeds its data-axis block (the tp ranks of a group the
+same one), and the FSDP2 baseline keeps its 1-D mesh over the world.
 
 Returns the dict ``execute.runner`` turns into the run (``sharded``: memory and the FSDP2 baseline).
 """
