@@ -29,7 +29,8 @@ Schemas
     layers       [{layer, name, module, kinds, out_shape, decomposition, choice, in_placements,
                    out_placement, predicted (LayerCost JSON), source, exact_keys, alternatives,
                    illegal}]                                                 LayerDecision
-    transitions  [{src, dst, value, src_layout, dst_layout, fwd_s, bwd_s}]   TransitionDecision
+    transitions  [{src, dst, value, src_placement, dst_placement, fwd_s, bwd_s}]
+                                                                             TransitionDecision
     graph        the layer graph, ``LayerGraphData`` JSON kept as is       Plan.graph_json
     generated    file name of the generated module beside plan.json
     timings_s    seconds per planning stage
@@ -55,7 +56,9 @@ world (``autopar.decomp.sharding``): ``{"mesh": {"shape": [4, 2], "names": ["N",
 placements); migrated on load the same way, a layout that cannot be read refused naming the
 field. A plan (of any schema) that states a spatially split window op's input as its owned
 block (``Shard``) where the decomposition reads it with a halo (``HaloShard``, stated since
-plans carry halos) is completed on load the same way (the halo follows from the op). The
+plans carry halos) is completed on load the same way (the halo follows from the op). So is a
+plan (of any schema: schema-3 plans written before the rename) whose transitions name their
+placements ``src_layout``/``dst_layout``: renamed ``src_placement``/``dst_placement``. The
 warning says only what was migrated. Any other schema is refused with ``PlanFileError`` saying
 to re-plan.
 
@@ -284,12 +287,14 @@ class SolverInfo(_Record):
 
 @dataclass(frozen=True)
 class TransitionDecision(_Record):
-    """A redistribution of value ``value`` between layer ``src`` and layer ``dst``."""
+    """A redistribution of value ``value`` between layer ``src`` and layer ``dst``: from the
+    placement ``src_placement`` its producer writes to the placement ``dst_placement`` its
+    reader reads (each ``Sharding``'s text, e.g. ``Shard(0)@N4``)."""
     src: int
     dst: int
     value: str
-    src_layout: str
-    dst_layout: str
+    src_placement: str
+    dst_placement: str
     fwd_s: float
     bwd_s: float
     extra: JsonObject = field(default_factory=JsonObject)
@@ -1023,7 +1028,8 @@ def _migrate(obj: dict[str, Any], src: str) -> tuple[dict[str, Any], list[str]]:
     schema followed by one note per change actually made (``Plan.from_json`` warns with them)."""
     schema = obj.get("schema")
     if schema == PLAN_SCHEMA:
-        return obj, []
+        renamed = _migrate_transitions(obj)
+        return obj, ([PLAN_SCHEMA, renamed] if renamed else [])
     if schema in MIGRATED_PLAN_SCHEMAS:
         notes = [str(schema)]
         mesh = dict(obj.get("mesh") or {})
@@ -1039,11 +1045,41 @@ def _migrate(obj: dict[str, Any], src: str) -> tuple[dict[str, Any], list[str]]:
         if any(isinstance(d, Mapping) and ("in_layouts" in d or "out_layout" in d) for d in layers):
             notes.append("layouts [[dim, parts], ...] written as placements on named mesh axes")
         obj["layers"] = [_migrate_layer(d, i, int(world or 1), src) for i, d in enumerate(layers)]
+        renamed = _migrate_transitions(obj)
+        if renamed:
+            notes.append(renamed)
         obj["schema"] = PLAN_SCHEMA
         return obj, notes
     raise PlanFileError(f"{src} has schema {schema!r}; this autopar reads {PLAN_SCHEMA!r} "
                         f"(and migrates {', '.join(MIGRATED_PLAN_SCHEMAS)})",
                         "re-plan with this version of autopar")
+
+
+#: transition keys renamed in place (plans of every schema up to schema-3 plans written before
+#: the rename named a transition's placements by the old word)
+_TRANSITION_RENAMES = (("src_layout", "src_placement"), ("dst_layout", "dst_placement"))
+
+
+def _migrate_transitions(obj: dict[str, Any]) -> str | None:
+    """Rename the old keys of ``obj``'s transitions (``_TRANSITION_RENAMES``; the values, each a
+    ``Sharding``'s text, are unchanged); the migration note, or None when none had them. A record
+    with both the old and the new key keeps the new one's value."""
+    trans = obj.get("transitions")
+    if not isinstance(trans, list):
+        return None
+    n, out = 0, []
+    for t in trans:
+        if isinstance(t, Mapping) and any(old in t for old, _ in _TRANSITION_RENAMES):
+            t, n = dict(t), n + 1
+            for old, new in _TRANSITION_RENAMES:
+                if old in t:
+                    v = t.pop(old)
+                    t.setdefault(new, v)
+        out.append(t)
+    if not n:
+        return None
+    obj["transitions"] = out
+    return f"{n} transition(s)' src_layout/dst_layout renamed src_placement/dst_placement"
 
 
 def _migrate_layer(d: Any, i: int, world: int, src: str) -> Any:

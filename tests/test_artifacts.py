@@ -72,8 +72,9 @@ def test_plan_round_trips_and_keeps_every_field(plan, shipped, tmp_path):
     assert j["schema"] == PLAN_SCHEMA and j["mesh"]["ranks"] == [0, 1]
     assert set(orig) <= set(j)
     for k in orig:
-        if k not in ("schema", "mesh", "layers"):
+        if k not in ("schema", "mesh", "layers", "transitions"):
             assert j[k] == orig[k], k
+    assert j["transitions"] == [_renamed(t) for t in orig["transitions"]]
     for old, new in zip(orig["layers"], j["layers"]):
         assert {k: v for k, v in old.items() if k not in ("in_layouts", "out_layout")} == \
             {k: v for k, v in new.items() if k not in ("in_placements", "out_placement")}
@@ -200,6 +201,50 @@ def test_schema_2_layouts_are_migrated_or_refused_naming_the_field(root, tmp_pat
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PlanMigrated)
             load_plan(_write(tmp_path, old, "bad.json"))
+
+
+def _renamed(t: dict) -> dict:
+    """A transition record with the placement keys plans now write (``src_placement``/``dst_placement``)."""
+    return {{"src_layout": "src_placement", "dst_layout": "dst_placement"}.get(k, k): v for k, v in t.items()}
+
+
+def _old_transition_keys(obj: dict) -> dict:
+    """``obj`` (a plan's JSON) with its transitions under the keys plans wrote before the rename."""
+    old = copy.deepcopy(obj)
+    back = {"src_placement": "src_layout", "dst_placement": "dst_layout"}
+    old["transitions"] = [{back.get(k, k): v for k, v in t.items()} for t in old["transitions"]]
+    return old
+
+
+def test_transitions_name_placements_and_old_keys_are_migrated_naming_the_file(plan, tmp_path):
+    """A new plan writes ``src_placement``/``dst_placement`` and reads back silently; a schema-3
+    plan written with the old ``src_layout``/``dst_layout`` loads as the same plan, with a warning
+    naming the file and the rename; a schema-2 plan with them too, and re-writes in the new form
+    losslessly."""
+    j = plan.to_json()
+    assert j["transitions"] and all("src_placement" in t and "dst_placement" in t and "src_layout" not in t
+                                    and "dst_layout" not in t for t in j["transitions"])
+    assert plan.transitions[0].src_placement == j["transitions"][0]["src_placement"]
+    f = write_plan(plan, tmp_path / "new" / "plan.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_plan(f) == plan
+    n = len(j["transitions"])
+    f3 = _write(tmp_path, _old_transition_keys(j), "schema3-old-keys.json")
+    with pytest.warns(PlanMigrated, match=rf"{f3}: plan completed on load .*{n} transition\(s\)' "
+                                          r"src_layout/dst_layout renamed src_placement/dst_placement"):
+        assert load_plan(f3) == plan
+    old2 = _old_transition_keys(j)
+    old2["schema"] = "autopar.plan/2"
+    f2 = _write(tmp_path, old2, "schema2-old-keys.json")
+    with pytest.warns(PlanMigrated, match=rf"{f2}: plan of schema autopar.plan/2 .*src_layout/dst_layout renamed"):
+        p2 = load_plan(f2)
+    assert p2 == plan
+    again = write_plan(p2, tmp_path / "rewritten" / "plan.json")
+    assert json.loads(again.read_text())["transitions"] == j["transitions"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_plan(again) == plan
 
 
 def _as_splits(sj):

@@ -37,7 +37,7 @@ def _hand_made():
     ]
     graph = {"layers": [{"index": d.layer, "ops": [{"params": {"weight": [4, 4]} if d.layer in with_params else {}}]}
                         for d in layers]}
-    trans = (TransitionDecision(src=2, dst=3, value="v2", src_layout="R", dst_layout="N4", fwd_s=0.3e-3, bwd_s=0.3e-3),)
+    trans = (TransitionDecision(src=2, dst=3, value="v2", src_placement="R", dst_placement="N4", fwd_s=0.3e-3, bwd_s=0.3e-3),)
     return SimpleNamespace(layers=tuple(layers), transitions=trans, graph_json=graph,
                            predicted=Prediction(step_time_s=STEP_MS * 1e-3))
 

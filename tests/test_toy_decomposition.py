@@ -40,7 +40,7 @@ def test_toy_is_planned_with_a_partial_sum_across_the_edge(toy, tmp_path, profil
     assert lay.out_placement == Sharding.of((Partial(), 2))
     # the edge out of the partial sum is priced by the redistribution steps that resolve it
     t = [t for t in r.plan.transitions if t.src == 1]
-    assert t and t[0].fwd_s > 0 and "Partial(sum)" in t[0].src_layout
+    assert t and t[0].fwd_s > 0 and "Partial(sum)" in t[0].src_placement
 
 
 @pytest.mark.dist

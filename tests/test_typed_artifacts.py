@@ -61,15 +61,18 @@ def test_shipped_plan_reads_typed_and_writes_what_it_read(root, rel, tmp_path):
     for d in plan.layers:
         assert isinstance(d.illegal, JsonObject) and all(isinstance(v, str) for v in d.illegal.values())
     j = plan.to_json()
-    # the fields typed here come back as the file had them (key order included); the layers only
-    # as the schema 2 -> 3 migration rewrites their layouts
+    # the fields typed here come back as the file had them (key order included); the layers and
+    # transitions only as the schema 2 -> 3 migration rewrites their placements
     for k in TYPED_KEYS:
         assert (k in j) == (k in orig), k
         if k in orig:
             assert json.dumps(j[k]) == json.dumps(orig[k]), k
     assert [d["illegal"] for d in j["layers"]] == [d.get("illegal", {}) for d in orig["layers"]]
-    assert {k: v for k, v in j.items() if k not in ("schema", "mesh", "layers")} == \
-        {k: v for k, v in orig.items() if k not in ("schema", "mesh", "layers")}
+    assert {k: v for k, v in j.items() if k not in ("schema", "mesh", "layers", "transitions")} == \
+        {k: v for k, v in orig.items() if k not in ("schema", "mesh", "layers", "transitions")}
+    # transitions: as the file had them, under the placement keys (src_layout -> src_placement)
+    rename = {"src_layout": "src_placement", "dst_layout": "dst_placement"}
+    assert j.get("transitions") == [{rename.get(k, k): v for k, v in t.items()} for t in orig.get("transitions", [])]
     # schema 3, as written today: load -> write is the same file, byte for byte
     a = write_plan(plan, tmp_path / "a" / "plan.json")
     with warnings.catch_warnings():

@@ -23,8 +23,8 @@ from .write import rel_path
 
 
 def layer_decisions(table, choice, world: int) -> tuple[LayerDecision, ...]:
-    """One ``LayerDecision`` per layer: the choice, its layouts (also in DTensor's vocabulary,
-    one placement per mesh axis, outermost first), its price and every kept alternative."""
+    """One ``LayerDecision`` per layer: the choice, its input and output placements (DTensor's
+    vocabulary: one placement per mesh axis, outermost first), its price and every kept alternative."""
     out = []
     for lay, o, ci in zip(table.graph.layers, table.layers, choice):
         dec, c = o.choices[ci], o.costs[ci]
@@ -46,7 +46,8 @@ def layer_decisions(table, choice, world: int) -> tuple[LayerDecision, ...]:
 
 
 def transitions(table, choice, world: int) -> tuple[TransitionDecision, ...]:
-    """The redistributions between layers whose layouts differ, with their planned steps."""
+    """The redistributions between layers whose placements differ (owned blocks), with their
+    planned steps."""
     graph, out = table.graph, []
     for e in table.edges:
         i, j = choice[e.src], choice[e.dst]
@@ -55,7 +56,7 @@ def transitions(table, choice, world: int) -> tuple[TransitionDecision, ...]:
         if src.owned() != dst.owned():     # into a HaloShard: the layer exchanges its halo
             steps = plan_layouts(src, dst, tuple(int(n) for n in graph.value_shape(e.value)), world)
             out.append(TransitionDecision(
-                src=e.src, dst=e.dst, value=e.value, src_layout=str(src), dst_layout=str(dst),
+                src=e.src, dst=e.dst, value=e.value, src_placement=str(src), dst_placement=str(dst),
                 fwd_s=e.fwd_s[i][j], bwd_s=e.bwd_s[i][j],
                 extra={"src_placements": src.placements_str(world), "dst_placements": dst.placements_str(world),
                        "steps": steps_str(steps)}))

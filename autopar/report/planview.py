@@ -206,6 +206,6 @@ def format_plan(plan, verbose: bool = False) -> str:
         rows.append(_fold_row(it) if isinstance(it, Fold) else _layer_row(it))
     shown = plan.transitions if verbose else plan.transitions[:6]
     rows.append(f"transitions: {len(plan.transitions)}" + ("  " if plan.transitions else "") + ", ".join(
-        f"{t.value}: {t.src_layout}->{t.dst_layout}" for t in shown)
+        f"{t.value}: {t.src_placement}->{t.dst_placement}" for t in shown)
         + (" ..." if len(shown) < len(plan.transitions) else ""))
     return "\n".join(rows)
