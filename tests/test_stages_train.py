@@ -189,3 +189,73 @@ def test_optimizer_state_moves_between_a_pipeline_plan_and_a_plain_plan(monkeypa
         torch.testing.assert_close(torch.from_numpy(after[n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
     stale = run_ranks(_reference_adamw, 1, args=("ppf",), timeout_s=120)[0]   # the test can tell: one step fewer
     assert any(not (stale[n] == ref[n]).all() for n in ref)
+
+
+def _steps_extra(rank, world, plan, ckpt_in, ckpt_out, n, pipeline, extra_out):
+    """``_steps`` that also saves ``extra_out`` and returns what ``load`` gave back as ``extra``."""
+    import torch
+    import autopar
+    from autopar.train import full_state_dict, load, save
+    gpt = _gpt()
+    torch.manual_seed(2 if pipeline and ckpt_in else 1)    # other initial values when a checkpoint must set them
+    dm = autopar.parallelize(gpt.GPT().double(), plan, **({"sync_module_states": False} if pipeline else {}))
+    opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
+    extra = load(ckpt_in, dm, opt) if ckpt_in else None
+    x, y = _batch(gpt)
+    for _ in range(n):
+        opt.zero_grad()
+        loss = dm.loss(x, y) if pipeline else gpt.loss_fn(dm(x), y)
+        loss.backward()
+        opt.step()
+    save(ckpt_out, dm, opt, extra=extra_out)
+    full = {k: v.detach().numpy().copy() for k, v in full_state_dict(dm).items()} if not pipeline else None
+    return {"extra": extra, "full": full}
+
+
+def test_tensor_parallel_stages_at_world_4_round_trip_through_a_plain_plan_at_world_2(monkeypatch, tmp_path):
+    """A pipeline plan at world 4 whose stages are dp 1 x tp 2 (chosen under a memory limit only
+    they fit, as in test_stages_plan): AdamW 2 steps, save (each tp slice of the weights and of
+    Adam's moments gathered whole) -> a plan without stages at world 2 loads model, optimizer and
+    extra, steps once, saves -> the pipeline plan loads that (cutting its slices), steps once, saves
+    -> the plain plan reads it. Equal in float64 to one process running the same 4 steps; ``load``
+    returns the ``extra`` the previous plan saved, under both plans."""
+    import torch
+
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    from autopar.runtime.launch import run_ranks
+    for k, v in {**ENV, "AUTOPAR_GPT_EMBED": "64"}.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    model = ROOT / "strategies/examples/gpt.py"
+
+    def pipe_plan(limit, out=None):
+        return make_plan(model, PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False,
+                                            pipeline=2, microbatches=M, memory_limit_bytes=limit,
+                                            write=out is not None, out_dir=out), PlanHooks(profile=prof))
+    peak = {}
+    for o in pipe_plan(None).plan.runtime.to_json()["stage_counts_priced"]:
+        if "refused" not in o:
+            peak[o["tp"]] = min(peak.get(o["tp"], float("inf")), o["peak_bytes_max"])
+    pipe = pipe_plan((peak[1] + peak[2]) / 2, str(tmp_path / "pipe"))
+    assert [(s["dp"], s["tp"]) for s in pipe.plan.runtime.to_json()["stages"]["stages"]] == [(1, 2), (1, 2)]
+    plain = make_plan(model, PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "plain"),
+                                         placement="block", trace_cache=False), PlanHooks(profile=prof))
+    assert plain.plan.runtime is None or plain.plan.runtime.expected != "stages"
+    p, f = str(pipe.plan_path), str(plain.plan_path)
+    c1, c2, c3, c4 = (str(tmp_path / f"ck{i}") for i in range(1, 5))
+    run_ranks(_steps_extra, 4, args=(p, None, c1, 2, True, {"step": 2, "by": "pipeline"}), timeout_s=180)
+    r2 = run_ranks(_steps_extra, 2, args=(f, c1, c2, 1, False, {"step": 3, "by": "plain"}), timeout_s=180)
+    r3 = run_ranks(_steps_extra, 4, args=(p, c2, c3, 1, True, {"step": 4, "by": "pipeline"}), timeout_s=180)
+    r4 = run_ranks(_steps_extra, 2, args=(f, c3, c4, 0, False, {}), timeout_s=180)
+    assert all(r["extra"] == {"step": 2, "by": "pipeline"} for r in r2)
+    assert all(r["extra"] == {"step": 3, "by": "plain"} for r in r3)          # pipeline load returns extra
+    assert all(r["extra"] == {"step": 4, "by": "pipeline"} for r in r4)
+    ref = run_ranks(_reference_adamw, 1, args=("ppfp",), timeout_s=120)[0]
+    after = r4[0]["full"]
+    for n, want in ref.items():
+        torch.testing.assert_close(torch.from_numpy(after[n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
+    stale = run_ranks(_reference_adamw, 1, args=("ppf",), timeout_s=120)[0]   # the test can tell: one step fewer
+    assert any(not (stale[n] == ref[n]).all() for n in ref)

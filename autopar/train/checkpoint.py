@@ -315,7 +315,6 @@ def _pipeline_optimizer_entries(dmodel: PipelineModule, optimizer) -> dict[str, 
         return {}
     from .optim import check_optimizer
     check_optimizer(optimizer)
-    dmodel.state_dict_local()                 # refuses tp > 1 inside stages, by name
     quals = {id(p): q for q, p in dmodel.named_parameters()}
     groups = []
     for g in optimizer.param_groups:
@@ -332,10 +331,14 @@ def _pipeline_optimizer_entries(dmodel: PipelineModule, optimizer) -> dict[str, 
                                   "build the same optimizer (same groups and settings) on every rank")
         merged.append({**hyper, "params": sorted({q for o in every for q in o[i][1]})})
     sd: dict[str, Any] = {"optim.param_groups": _blob(merged)}
-    for g in optimizer.param_groups:
+    for g in optimizer.param_groups:            # the same order on every tp rank of a stage (whole() gathers)
         for p in g["params"]:
+            q = quals[id(p)]
             for k, v in optimizer.state.get(p, {}).items():
-                sd[f"optim.state.{quals[id(p)]}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else _blob(v)
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape):
+                    sd[f"optim.state.{q}.{k}"] = dmodel.whole(q, v).clone()     # a tp slice: gathered whole
+                else:
+                    sd[f"optim.state.{q}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else _blob(v)
     return sd
 
 
@@ -373,8 +376,23 @@ def _load_pipeline_optimizer(path: str | Path, dmodel: PipelineModule, optimizer
         g.update({k: v for k, v in sg.items() if k != "params"})
     optimizer.state.clear()
     for key, (qual, k) in mine.items():
-        v = dest[key]
-        optimizer.state[params[qual]][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
+        v, p = dest[key], params[qual]
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == dmodel.whole_shape(qual, p):
+            v = dmodel.part(qual, v)                  # this rank's tp slice of a whole state tensor
+        optimizer.state[p][k] = v if isinstance(v, torch.Tensor) else _unblob(v)
+
+
+def _load_extra(path: str | Path) -> dict[str, Any]:
+    """The saved ``extra`` (every plan writes it; {} when the checkpoint has none). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    d = _data_dir(Path(path))
+    if "extra" not in FileSystemReader(str(d)).read_metadata().state_dict_metadata:
+        return {}
+    dest: dict[str, Any] = {"extra": b""}
+    with _quiet():
+        dcp.load(dest, checkpoint_id=str(d))
+    return _unblob(dest["extra"]) if dest["extra"] else {}
 
 
 def _commit(path: Path, name: str) -> None:
@@ -420,7 +438,7 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
         stages_load(path, dmodel)
         if optimizer is not None:
             _load_pipeline_optimizer(path, dmodel, optimizer)
-        return {}
+        return _load_extra(path)
     _need_default_group(dmodel)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -14,7 +14,11 @@ whole tensors: each rank writes the parameters and buffers of its stage (replica
 by DCP), so a checkpoint covers the whole model and loads into any plan that reads
 single-process names (``autopar.train.checkpoint.load`` of a plan without stages, at any world
 size), and back. The optimizer's entries (``train.checkpoint``: each stage's parameters' state,
-groups gathered from every stage) are passed in as ``entries``. Stages with tp > 1 are refused.
+groups gathered from every stage) are passed in as ``entries``. With tp > 1 inside a stage each
+rank holds a tp slice (``runtime.stages.shard_of``) of the split block weights: ``whole`` gathers
+the slices over the stage's tp group into the single-process tensor before writing (so the
+checkpoint is the same whatever the plan), and ``part`` cuts this rank's slice out of the whole
+tensor read back.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn
 from ..artifacts import Plan
 from ..decomp.stages import StageLayout
 from ..errors import AutoparError, PlanFileError
-from ..runtime.stages import build_runner
+from ..runtime.stages import build_runner, shard_of
 
 
 class PipelineModule(nn.Module):
@@ -71,12 +75,38 @@ class PipelineModule(nn.Module):
                            "call dmodel.loss(inputs, target) in the training loop")
 
     # ---- checkpoints --------------------------------------------------------------------
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The single-process tensor of ``t``, this rank's part of parameter ``name`` or of a state
+        shaped like it: itself, or for a tp slice every tp rank's slice gathered and put back in
+        place (the inverse of ``shard_of``). Collective over the stage's tp group for a slice."""
+        spec = self.runner.sharded.get(name)
+        if spec is None:
+            return t.detach()
+        dim, blocks, _ = spec
+        tp = self.layout.stage_of(self.rank).tp
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.runner.groups.tp)
+        pieces = [p.chunk(blocks, dim) for p in parts]           # slice t of block b: pieces[t][b]
+        return torch.cat([pieces[i][b] for b in range(blocks) for i in range(tp)], dim)
+
+    def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the single-process tensor ``full`` of parameter ``name``."""
+        spec = self.runner.sharded.get(name)
+        if spec is None:
+            return full
+        return shard_of(full, spec, self.layout.stage_of(self.rank).tp).contiguous()
+
+    def whole_shape(self, name: str, t: torch.Tensor) -> tuple[int, ...]:
+        spec = self.runner.sharded.get(name)
+        shape = list(t.shape)
+        if spec is not None:
+            shape[spec[0]] *= self.layout.stage_of(self.rank).tp
+        return tuple(shape)
+
     def state_dict_local(self) -> dict[str, torch.Tensor]:
-        if self.runner.sharded:
-            raise AutoparError("checkpoints of pipeline stages with tensor parallelism inside are not written yet "
-                               "(each rank holds a tp slice, not the whole tensor)",
-                               "checkpoint under a plan whose stages are data parallel (tp 1)")
-        return {**{n: p.detach() for n, p in self._held.items()}, **{n: b for n, b in self._bufs.items()}}
+        """This stage's parameters (whole: tp slices gathered, ``whole``) and buffers under their
+        single-process names. Collective over the tp group when tp > 1."""
+        return {**{n: self.whole(n, p) for n, p in sorted(self._held.items())}, **dict(self._bufs)}
 
 
 def save(path: str | Path, dmodel: PipelineModule, entries: dict[str, Any] | None = None) -> Path:
@@ -110,17 +140,18 @@ def load(path: str | Path, dmodel: PipelineModule) -> None:
     latest = path / "LATEST"
     d = path / latest.read_text().strip() if latest.is_file() else path
     md = FileSystemReader(str(d)).read_metadata().state_dict_metadata
-    mine = dmodel.state_dict_local()
+    mine = {**dict(dmodel._held), **dict(dmodel._bufs)}          # this rank's tensors (tp slices)
     for k, v in mine.items():
+        shape = dmodel.whole_shape(k, v)
         have = md.get(f"model.{k}")
-        if have is None or tuple(getattr(have, "size", ())) != tuple(v.shape):
-            raise AutoparError(f"checkpoint {path} has no entry model.{k} of shape {tuple(v.shape)}",
+        if have is None or tuple(getattr(have, "size", ())) != shape:
+            raise AutoparError(f"checkpoint {path} has no entry model.{k} of shape {shape}",
                                "load a checkpoint saved from this model")
-    dest = {f"model.{k}": torch.empty_like(v) for k, v in mine.items()}
+    dest = {f"model.{k}": torch.empty(dmodel.whole_shape(k, v), dtype=v.dtype) for k, v in mine.items()}
     dcp.load(dest, checkpoint_id=str(d))
     with torch.no_grad():
         for k, v in mine.items():
-            v.copy_(dest[f"model.{k}"])
+            v.copy_(dmodel.part(k, dest[f"model.{k}"]))
 
 
 __all__ = ["PipelineModule", "load", "save"]
