@@ -153,11 +153,8 @@ def cmd_plan(args) -> int:
     sweep = [int(w) for w in args.sweep.split(",")] if args.sweep else None
     kinds = args.kinds.split(",") if args.kinds else None
     if args.kinds:
-        from .decomp import REGISTRY
-        bad = [k for k in kinds if k not in REGISTRY and k not in ("sharded", "zero1")]   # plan-level (FSDP, ZeRO-1)
-        if bad:
-            from .errors import AutoparError
-            raise AutoparError(f"unknown decomposition kind(s) {bad}", f"choose from {sorted(REGISTRY) + ['sharded', 'zero1']}")
+        from .planner.strategies import check_kinds    # both registries: decompositions and strategies
+        check_kinds(kinds)
     if args.cluster:
         _read_cluster(args)
     if args.exact:
@@ -472,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, help="ranks per node of the cluster planned for")
     p.add_argument("--nodes", type=int, help="nodes of the cluster planned for")
     p.add_argument("--cluster", help='cluster description JSON: {"ranks_per_node": R, "nodes": K}')
-    p.add_argument("--kinds", help="comma-separated decomposition kinds to consider (default all)")
+    p.add_argument("--kinds", help="comma-separated kinds to consider: decomposition kinds and plan-level "
+                   "strategy kinds (graphs, sharded, zero1); default all")
     p.add_argument("--pipeline", default=None, metavar="auto|off|S",
                    help="cut the model into pipeline stages on sub-meshes (torch's schedules): auto searches "
                         "the stage count, cuts and microbatches; S forces S stages")

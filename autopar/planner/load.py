@@ -7,9 +7,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from ..artifacts import PlanHooks, PlanOptions
+from ..decomp.graph.graphs import Graphs
 from ..errors import AutoparError
 from ..io import sha256_file
 from ..modelfile import load_model_file
@@ -65,22 +66,24 @@ class Request:
         return bool(self.force) or self.choice_filter is not None
 
 
-def request(options: PlanOptions, hooks: PlanHooks) -> Request:
+def request(options: PlanOptions, hooks: PlanHooks, strategy_kinds: Collection[str] = ()) -> Request:
+    """The request normalized. ``strategy_kinds``: the ``--kinds`` names plan-level strategies
+    read, which the cost table does not price (``strategies.strategy_kinds``, checked and passed
+    by ``planner.make``: the strategies sit above this stage)."""
     o = options
     force = hooks.force
     # ``force`` naming graphs(P) on every layer: the plan-level graph-parallel plan, whatever it costs
-    force_graphs = bool(force) and all(str(v).split("(")[0] == "graphs" for v in force.values())
+    force_graphs = bool(force) and all(str(v).split("(")[0] == Graphs.kind for v in force.values())
     if force_graphs:
         force = None
     layer_pins = tuple(o.pins)
     if layer_pins and plan_level(layer_pins, o.world_size):   # ``*=graphs``
         force_graphs, layer_pins = True, ()
-    # graphs(P) is plan-level (no layer choice of the ILP): ``--kinds graphs`` alone asks for it
-    # "sharded" is plan-level too (``planner.strategies.sharded``): listed, it keeps the strategy on;
-    # "zero1" asks that strategy for ZeRO-1 alone
-    table_kinds = tuple(k for k in o.kinds if k not in ("graphs", "sharded", "zero1")) if o.kinds else None
+    # a plan-level strategy's kinds (``graphs``, ``sharded``, ``zero1``...) are no layer choice
+    # of the ILP: each strategy reads them; graphs(P) is asked for by naming its kind alone
+    table_kinds = tuple(k for k in o.kinds if k not in strategy_kinds) if o.kinds else None
     if o.kinds and not table_kinds:
-        force_graphs, table_kinds = "graphs" in o.kinds, None
+        force_graphs, table_kinds = Graphs.kind in o.kinds, None
     return Request(o, force, force_graphs, layer_pins, table_kinds, hooks.choice_filter,
                    hooks.progress or (lambda s: None))
 

@@ -14,6 +14,7 @@ from .choose import choose
 from .load import load, request
 from .price import price
 from .shapes import missing_shapes
+from .strategies import check_kinds, strategy_kinds
 from .solve import solve
 from .trace import trace
 from .write import default_plan_dir, with_timings, write_module, write_plan_file
@@ -46,7 +47,8 @@ def make_plan(model_file: str | Path, options: PlanOptions, hooks: PlanHooks | N
         raise TypeError("make_plan(model_file, PlanOptions(...), hooks=None): options must be a PlanOptions")
     hooks = hooks or PlanHooks()
     t0 = time.perf_counter()
-    req = request(options, hooks)
+    check_kinds(options.kinds)
+    req = request(options, hooks, tuple(strategy_kinds()))
     loaded = load(model_file, req, hooks)
     timings = {"load_s": time.perf_counter() - t0}
     traced = trace(loaded, req, hooks.graph)

@@ -36,7 +36,8 @@ which was chosen; job-level ones first, with ``level``, ``cost_s`` and ``per``).
 
 Adding one: a module with a class that has ``name``, ``priority`` and ``offer(base) ->
 Sequence[Candidate]`` (optionally ``record(base, choice) -> dict`` for what plan.json keeps about
-it), decorated with ``register_strategy``, plus one import line (below, or in the caller for a
+it, and ``kinds``: the names ``--kinds`` accepts for it, name -> what listing it asks, which
+``planner.load`` keeps out of the cost table's decomposition kinds: ``strategy_kinds``), decorated with ``register_strategy``, plus one import line (below, or in the caller for a
 strategy kept outside autopar: ``tests/toys/toy_strategy.py``). A candidate holds its cost
 table and one choice per layer; ``runtime`` says how its plan runs (``execute.runner``'s table
 of executors is keyed by it: "native", "traced", "fsdp", "stages", "tournament"); ``parts`` is
@@ -52,6 +53,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
+from ...decomp import REGISTRY
 from ...errors import AutoparError, InfeasiblePlan
 
 
@@ -183,6 +185,35 @@ def register_strategy(cls):
         raise TypeError(f"{cls!r}: a strategy needs a name and offer(base)")
     STRATEGIES[inst.name] = inst
     return cls
+
+
+def strategy_kinds() -> dict[str, tuple[str, str]]:
+    """The ``--kinds`` names that ask for a plan-level strategy, not a decomposition of each
+    layer: name -> (the strategy, what listing the name asks), from each registered strategy's
+    ``kinds`` (absent: none), in registration order."""
+    out: dict[str, tuple[str, str]] = {}
+    for s in STRATEGIES.values():
+        for kind, meaning in (getattr(s, "kinds", None) or {}).items():
+            out.setdefault(kind, (s.name, meaning))
+    return out
+
+
+class UnknownKindError(AutoparError):
+    """A ``--kinds`` name (``PlanOptions.kinds``) that neither registry knows."""
+
+
+def check_kinds(kinds) -> None:
+    """Every name in ``kinds`` is a decomposition kind (``decomp.REGISTRY``: the cost table
+    prices it per layer) or a plan-level strategy's kind (``strategy_kinds``); else
+    ``UnknownKindError`` lists both sets, each strategy kind with what it asks."""
+    plan_level = strategy_kinds()
+    bad = [k for k in kinds or () if k not in REGISTRY and k not in plan_level]
+    if bad:
+        layer = ", ".join(sorted(k for k in REGISTRY if k not in plan_level))
+        strat = "; ".join(f"{k} ({s} strategy: {m})" for k, (s, m) in plan_level.items())
+        raise UnknownKindError(f"unknown kind(s) {bad} in --kinds; decomposition kinds (one per layer): {layer}; "
+                               f"plan-level strategy kinds: {strat}",
+                               "choose from these (comma-separated), or drop --kinds to consider all")
 
 
 def memory_fit_bytes(memory_per_rank_bytes: float, memory_limit_bytes: float | None) -> str | None:

@@ -31,6 +31,7 @@ def _example_shares(mf, batch_size: int, world: int):
 class GraphParallel:
     name = NAME
     priority = 2
+    kinds = {NAME: "graphs(P), whole graphs of a PyG batch per rank (alone in --kinds: forced)"}
 
     def offer(self, base):
         req = base.req

@@ -390,6 +390,9 @@ def describe(names, a) -> str:
 class ShardedDataParallel:
     name = NAME
     priority = 2
+    kinds = {NAME: "sharded data parallelism (FSDP2 ZeRO-2/3 per unit, ZeRO-1, TP + sharding) among the "
+                   "candidates (a --kinds list without it leaves it out)",
+             ZERO1: "ZeRO-1 (DDP + ZeroRedundancyOptimizer) alone, forced"}
 
     def offer(self, base):
         table = base.table
