@@ -1277,10 +1277,11 @@ def check_plan(plan: Plan, src: str = "plan") -> None:
         for v, want in want_in.items():
             if d.in_placements[v] != want:
                 raise _bad(src, unit, f"layers[{i}].in_placements[{v!r}]",
-                           f"is {d.in_placements[v]} but decomposition {dec} reads the tensor as {want}")
+                           f"is {d.in_placements[v]} but decomposition {dec} reads the tensor as "
+                           f"{want.named_for(len(layer.value_shape(v)))}")
         if d.out_placement != want_out:
             raise _bad(src, unit, f"layers[{i}].out_placement",
-                       f"is {d.out_placement} but decomposition {dec} writes {want_out}")
+                       f"is {d.out_placement} but decomposition {dec} writes {want_out.named_for(len(layer.out_shape))}")
     for i, t in enumerate(plan.transitions):
         for end in ("src", "dst"):
             if getattr(t, end) not in glayers:

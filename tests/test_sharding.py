@@ -8,7 +8,8 @@ import pytest
 
 from autopar.decomp.base import ParamShard
 from autopar.decomp.distspec import HaloShard, PaddedShard, Replicate, SegmentShard, parse_placement
-from autopar.decomp.sharding import Sharding, Partial, Shard, block_extent, block_start, from_splits, overlap
+from autopar.decomp.sharding import (Sharding, Partial, Shard, block_extent, block_start, dim_name, from_splits,
+                                     overlap)
 
 
 @pytest.mark.parametrize("n,p", [(10, 3), (8, 4), (7, 7), (5, 2), (1, 1)])
@@ -52,8 +53,10 @@ def test_trivial_splits_normalise_and_str():
     assert Sharding.of((Shard(0), 1), (Shard(2), 2)) == Sharding.of((Shard(2), 2))
     assert str(Sharding()) == "[Replicate()]" and str(Sharding.of((Shard(0), 4))) == "(N:4)[Shard(0)]"
     two = Sharding.of((Shard(0), 2), (Shard(3), 2))
-    assert two.to_json(8) == {"mesh": {"shape": [2, 2, 2], "names": ["N", "W", "replica"]},
+    assert two.to_json(8) == {"mesh": {"shape": [2, 2, 2], "names": ["N", "d3", "replica"]},
                               "placements": ["Shard(0)", "Shard(3)", "Replicate()"]}
+    assert two.named_for(4).to_json(8)["mesh"]["names"] == ["N", "W", "replica"]
+    assert two.named_for(5).to_json(8)["mesh"]["names"] == ["N", "H", "replica"] and two.named_for(5) == two
     assert Sharding.from_json(two.to_json(8)) == two and Sharding.from_json(two.to_json(4)) == two
     # trailing Replicate axes merge into the replica axis; names are labels, not part of equality
     assert Sharding.of((Shard(0), 2), (Replicate(), 2)) == Sharding.of((Shard(0), 2))
@@ -128,6 +131,21 @@ def test_partial_axis_rank_order_groups_and_json():
     assert Sharding.of((Shard(0), 2), (Partial(), 2)) != Sharding.of((Shard(0), 2))
     assert "partial do not divide" in Sharding.of((Shard(0), 2), (Partial(), 3)).fits((4, 4), 8)
     assert not Sharding.of((Partial(), 2)).is_replicated()
+
+
+def test_axis_names_follow_the_tensors_rank_the_same_way_everywhere():
+    """Dim 2 of a 5-d tensor is D whatever else is split (it once read H when dim 4 was not split,
+    D when it was); without the rank it is d2, never a guess; explicit names are kept."""
+    for splits in ([(Shard(2), 2)], [(Shard(2), 2), (Shard(4), 2)], [(Shard(0), 2), (Shard(2), 2)]):
+        sh = Sharding.of(*splits)
+        assert sh.names[[p.dim for p in sh.placements].index(2)] == "d2"
+        five = dict(zip((p.dim for p in sh.placements), sh.named_for(5).names))
+        assert five[2] == "D" and five.get(4, "W") == "W"
+        assert dict(zip((p.dim for p in sh.placements), sh.named_for(4).names))[2] == "H"
+        assert sh.to_spec((4, 4, 8, 8, 8), 8).mesh.names[:len(splits)] == sh.named_for(5).names
+    assert [dim_name(d, 5) for d in range(5)] == ["N", "C", "D", "H", "W"]
+    assert [dim_name(d, 3) for d in range(3)] == ["N", "C", "W"] and dim_name(2) == "d2" and dim_name(5, 5) == "d5"
+    assert Sharding.of((Shard(2), 2, "rows")).named_for(5).names == ("rows",)
 
 
 @pytest.mark.parametrize("lay,world,mesh_shape,names,placements", [

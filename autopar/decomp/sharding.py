@@ -23,8 +23,10 @@ These are *logical* ranks; which node each runs on is the plan's rank map
 Normal form (so equal distributions compare equal): axes of size 1 and trailing ``Replicate()``
 axes (they merge into the replica axis, in the same rank order) are dropped, ``HaloShard(d, 0,
 0)`` is ``Shard(d)``; axis names are
-labels and do not take part in equality (by default a Shard axis is named after its dim, N, C,
-D/H/W, a Partial axis ``partial``, a Replicate axis ``rep<i>``). A dim is split by one axis at
+labels and do not take part in equality. By default a Shard axis is named after its dim: N, C,
+then ``d<dim>`` (a spatial name needs the tensor's rank: ``named_for(ndim)`` names dims 2.. D/H/W
+counted from the last, as ``dim_name`` does everywhere, and the plan file and printed plans state
+placements named so); a Partial axis is ``partial``, a Replicate axis ``rep<i>``. A dim is split by one axis at
 most, and there is one Partial axis at most.
 
 Uneven blocks: a dim of extent n split into p parts gives block i the extent ``n // p + (1 if
@@ -66,7 +68,7 @@ class Sharding:
 
     def __post_init__(self) -> None:
         ps, ss = tuple(_halo_free(p) for p in self.placements), tuple(int(s) for s in self.sizes)
-        names = tuple(str(n) for n in self.names) or tuple(_default_name(p, i, _ndim_guess(ps)) for i, p in enumerate(ps))
+        names = tuple(str(n) for n in self.names) or tuple(_default_name(p, i) for i, p in enumerate(ps))
         if not (len(ps) == len(ss) == len(names)):
             raise ValueError(f"Sharding needs one size and one name per placement: {ps}, {ss}, {names}")
         for p, s in zip(ps, ss):
@@ -210,11 +212,19 @@ class Sharding:
         return tuple(axes)
 
     def _name(self, a: int, ndim: int | None) -> str:
+        """Axis ``a``'s name for a tensor of rank ``ndim``: a default-named Shard axis (``d<dim>``)
+        named by ``dim_name(dim, ndim)``; any other name kept."""
         p = self.placements[a]
-        if ndim is not None and isinstance(p, DIM_PLACEMENTS) and \
-                self.names[a] == dim_name(p.dim, _ndim_guess(self.placements)):
+        if ndim is not None and isinstance(p, DIM_PLACEMENTS) and self.names[a] == _default_name(p, a):
             return dim_name(p.dim, ndim)
         return self.names[a]
+
+    def named_for(self, ndim: int | None) -> "Sharding":
+        """The same sharding with its default-named axes named for a tensor of rank ``ndim``
+        (``dim_name``: dim 2 of a 5-d tensor is D, of a 4-d one H); None: unchanged."""
+        if ndim is None:
+            return self
+        return Sharding(self.placements, self.sizes, tuple(self._name(a, ndim) for a in range(len(self.sizes))))
 
     def mesh(self, world_or_ranks: "int | Sequence[int]", ndim: int | None = None) -> Mesh:
         """The named mesh on ranks 0..world-1 (or the given ranks, in order)."""
@@ -399,15 +409,11 @@ def _halo_free(p):
     return Shard(p.dim) if isinstance(p, HaloShard) and not (p.halo_lo or p.halo_hi) else p
 
 
-def _ndim_guess(ps) -> int | None:
-    """The tensor rank default names assume (unknown without a shape): 5 when dim 4 is split
-    (so D/H/W stay distinct), else 4."""
-    return 5 if any(isinstance(p, DIM_PLACEMENTS) and p.dim == 4 for p in ps) else None
-
-
-def _default_name(p, i: int, ndim: int | None = None) -> str:
+def _default_name(p, i: int) -> str:
+    """An axis' name when none is given: the tensor's rank is not known here, so no guess
+    (``dim_name(dim)``: N, C, ``d<dim>``); ``named_for(ndim)`` names spatial dims."""
     if isinstance(p, DIM_PLACEMENTS):
-        return dim_name(p.dim, ndim)
+        return dim_name(p.dim)
     if isinstance(p, Partial):
         return "partial"
     return f"rep{i}"
@@ -420,19 +426,18 @@ def _axes_str(ps, ss, names) -> str:
             + ", ".join(str(p) for p in ps) + "]")
 
 
+#: names of the spatial dims of a tensor with 1, 2 or 3 of them (the last dims: W; H, W; D, H, W)
+SPATIAL_NAMES = {1: ("W",), 2: ("H", "W"), 3: ("D", "H", "W")}
+
+
 def dim_name(dim: int, ndim: int | None = None) -> str:
-    """N, C, then the spatial dims D/H/W (the last ``ndim - 2`` of them); else ``d<dim>``."""
-    if dim == 0:
-        return "N"
-    if dim == 1:
-        return "C"
-    spatial = "DHW"
-    if ndim is None:
-        ndim = 4 if dim < 4 else 5
-    k = dim - 2 + (3 - (ndim - 2))
-    if ndim <= 5 and 0 <= k < 3:
-        return spatial[k]
-    return f"d{dim}"
+    """The one naming of tensor dims: 0 N, 1 C, then the spatial dims of an ``ndim``-d tensor
+    (``SPATIAL_NAMES``: dim 2 is D of a 5-d tensor, H of a 4-d one, W of a 3-d one); ``d<dim>``
+    when the rank is not known (None) or has no spatial names."""
+    if dim < 2:
+        return "NC"[dim]
+    names = SPATIAL_NAMES.get(ndim - 2) if ndim is not None else None
+    return names[dim - 2] if names and dim - 2 < len(names) else f"d{dim}"
 
 
 @functools.lru_cache(maxsize=65536)

@@ -32,8 +32,10 @@ def layer_decisions(table, choice, world: int) -> tuple[LayerDecision, ...]:
             "layer": lay.index, "name": lay.name, "module": lay.module,
             "kinds": [op.kind for op in lay.ops], "out_shape": lay.out_shape,
             "decomposition": dec.to_json(), "choice": str(dec),
-            "in_placements": {v: dec.in_placement(lay, v).to_json(world) for v in lay.inputs},
-            "out_placement": dec.out_placement(lay).to_json(world),
+            # axes named for each tensor's rank (``Sharding.named_for``: dim 2 of a 5-d tensor is D)
+            "in_placements": {v: dec.in_placement(lay, v).named_for(len(lay.value_shape(v))).to_json(world)
+                              for v in lay.inputs},
+            "out_placement": dec.out_placement(lay).named_for(len(lay.out_shape)).to_json(world),
             "placements": {"in": {v: dec.in_placement(lay, v).placements_str(world) for v in lay.inputs},
                            "out": {v: dec.out_placement(lay, v).placements_str(world) for v in lay.outputs}},
             "predicted": c.to_json(), "source": c.source,
@@ -54,7 +56,9 @@ def transitions(table, choice, world: int) -> tuple[TransitionDecision, ...]:
         src = table.layers[e.src].choices[i].out_placement(graph.layers[e.src], e.value)
         dst = table.layers[e.dst].choices[j].in_placement(graph.layers[e.dst], e.value)
         if src.owned() != dst.owned():     # into a HaloShard: the layer exchanges its halo
-            steps = plan_layouts(src, dst, tuple(int(n) for n in graph.value_shape(e.value)), world)
+            shape = tuple(int(n) for n in graph.value_shape(e.value))
+            steps = plan_layouts(src, dst, shape, world)
+            src, dst = src.named_for(len(shape)), dst.named_for(len(shape))
             out.append(TransitionDecision(
                 src=e.src, dst=e.dst, value=e.value, src_placement=str(src), dst_placement=str(dst),
                 fwd_s=e.fwd_s[i][j], bwd_s=e.bwd_s[i][j],

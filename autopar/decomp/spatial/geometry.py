@@ -18,17 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from ..sharding import Sharding, block_extent, block_start
-
-SPATIAL_NAMES = {1: ("W",), 2: ("H", "W"), 3: ("D", "H", "W")}
-
-
-def dim_name(dim: int, ndim: int) -> str:
-    """'D'/'H'/'W' for a spatial tensor dim of an ``ndim``-d tensor, 'N'/'C' for 0/1."""
-    if dim < 2:
-        return "NC"[dim]
-    names = SPATIAL_NAMES.get(ndim - 2)
-    return names[dim - 2] if names else f"d{dim}"
+from ..sharding import Sharding, block_extent, block_start, dim_name
 
 
 @dataclass(frozen=True)
