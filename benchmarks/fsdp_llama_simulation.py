@@ -27,6 +27,13 @@ Published (pytorch/torchtitan, read from its git history with ``fetch``; HEAD b5
   without Float8: benchmarks/llama3_h100_202412_torchtitan.md (docs/performance.md until
   820504e2, 2025-06-13). Those H100s are not the SXM parts the H100 profile here assumes (3.35
   TB/s, 700 W): the published figures are on slower memory and a lower power limit.
+Tensor parallelism + sharding (the sharded strategy's 2-D candidate) is not in these plans: the
+Hugging Face Llama traces its attention as many layers (no 4-projection attention layer to pin
+``head``) and its SwiGLU MLP multiplies two column-split values, which no decomposition here keeps
+feature-split, so ``planner.strategies.sharded.tensor_layout`` finds no layer DTensor's styles run
+(the candidate would be refused saying so) and the tensor kinds are left out to keep the solve small
+at 512 ranks. Every row is therefore 1-D sharding (FSDP2 / ZeRO-1 over the native plan); the memory
+column (no activation checkpointing) is above 80 GB at every world, as before.
 Where the configurations differ: autopar prices no activation checkpointing (so its memory is far
 above 80 GB and its step has no recomputation: its FLOP count is 3 passes where torchtitan's
 selective AC recomputes some), no torch.compile, no mixed-precision master weights (bf16 state),
