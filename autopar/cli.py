@@ -185,10 +185,9 @@ def cmd_plan(args) -> int:
         raise AutoparError("--graph-sizes plans one padded GNN job: it does not combine with "
                            f"{'--trainers' if args.trainers is not None else '--sweep'}",
                            "plan the padding first, then the trainers or the sweep at its padded shape")
-    if args.trainers is not None:
-        return _plan_trainers(args, options)
-    if args.graph_sizes:
-        return _plan_padded(args, options)
+    job = _job_level_asked(args)
+    if job is not None:
+        return JOB_PLANNERS[job](args, options)
     res = make_plan(args.model, options, PlanHooks(progress=_plan_progress(args.verbose)))
     _p(format_plan_table(res.plan, verbose=args.verbose))
     _p(f"plan written to {res.plan_path}; generated module {res.module_path}")
@@ -282,6 +281,26 @@ def _plan_trainers(args, options) -> int:
     return 0
 
 
+#: job-level strategy name (``planner.strategies``, ``level == "job"``) -> the ``autopar plan``
+#: path that plans and prints it; which one a command asks for is the strategy's ``cli_flag``
+JOB_PLANNERS = {"padding_buckets": _plan_padded, "trainers": _plan_trainers}
+
+
+def _flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _job_level_asked(args) -> str | None:
+    """The job-level strategy whose ``cli_flag`` this ``autopar plan`` command gives, if any
+    (registration order; the flags that do not combine are refused before)."""
+    from .planner.strategies import STRATEGIES, level_of
+    for s in STRATEGIES.values():
+        flag = getattr(s, "cli_flag", None)
+        if level_of(s) == "job" and flag and getattr(args, _flag_dest(flag), None) not in (None, False):
+            return s.name
+    return None
+
+
 def _int_arg(flag: str, text: str) -> int:
     from .errors import AutoparError
     try:
@@ -334,8 +353,12 @@ def cmd_execute(args) -> int:
         _p(f"run set results in {out / 'runset.json'}")
         return 0
     run, out = execute(args.plan, opts, out_dir=args.out, progress=_p)
-    if run.kind == "tournament":    # the plan has a trainer level
-        return _print_tournament(run, out)
+    return RUN_PRINTERS[run.kind](run, out, args, opts)
+
+
+def _print_plan_run(run, out, args, opts) -> int:
+    """One plan's run (``artifacts.RunResult``): validation, step times, the DDP baseline, and
+    ``--refine``."""
     m, p = run.measured.step_time_s, run.predicted.step_time_s
     _p(f"validation PASSED: one {opts.validate_dtype} training step against one process, "
        f"{run.validation.checked} tensors (output, loss, gradients, parameters after the step) within "
@@ -364,7 +387,7 @@ def _kill_arg(text):
     return (t, k)
 
 
-def _print_tournament(run, out) -> int:
+def _print_tournament(run, out, args=None, opts=None) -> int:
     """A tournament run (``artifacts.TournamentRun``) in a few lines."""
     from .artifacts import TrainerPrediction
     v = run.validation
@@ -390,6 +413,11 @@ def _print_tournament(run, out) -> int:
        f"{fmt(p.step_s)} ms, exchange {fmt(p.exchange_s)} ms, evaluation {fmt(p.eval_s)} ms")
     _p(f"report written to {out / 'report.md'}")
     return 0
+
+
+#: what ``autopar execute`` prints, by the run's ``kind`` (``RunResult`` "plan", ``TournamentRun``
+#: "tournament": the runner's ``EXECUTORS`` return one of these)
+RUN_PRINTERS = {"plan": _print_plan_run, "tournament": _print_tournament}
 
 
 def cmd_check(args) -> int:

@@ -44,7 +44,9 @@ of executors is keyed by it: "native", "traced", "fsdp", "stages", "tournament")
 for strategies whose plan is several sub-plans on sub-meshes: one ``SubPlan`` per stage with its
 ranks, table and choice. A job-level strategy sets ``level = "job"``, offers from a
 ``JobOffer`` and has ``realize(job, choice)`` (writes the chosen plans, returns the caller's
-result) and optionally ``refuse(job, choice)`` (raises its own named error when none is legal).
+result), optionally ``refuse(job, choice)`` (raises its own named error when none is legal),
+and ``cli_flag``: the ``autopar plan`` option that asks for it (the CLI's job-level planners are
+keyed by strategy name and found through it).
 """
 
 from __future__ import annotations

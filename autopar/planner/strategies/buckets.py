@@ -85,6 +85,7 @@ class PaddingBuckets:
     name = NAME
     priority = 0
     level = "job"
+    cli_flag = "--graph-sizes"      # the ``autopar plan`` option that asks for this level
 
     def _plan_at(self, job, b, env_names, opts, hooks):
         with model_env({env_names["nodes"]: str(b.nodes), env_names["edges"]: str(b.edges)}):

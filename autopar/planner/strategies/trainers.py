@@ -51,6 +51,7 @@ class Trainers:
     name = NAME
     priority = 0
     level = "job"
+    cli_flag = "--trainers"      # the ``autopar plan`` option that asks for this level
 
     def _candidate(self, job, sh: _Job, T: int) -> Candidate:
         """Trainer count ``T`` planned and priced (illegal with the planner's reason when a
