@@ -120,7 +120,9 @@ def _block_plans(cfg, prof, prof_path, opt_state):
 
 def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
     from autopar.cost.stages import search_stages
-    from autopar.decomp.stages import StageCost, cut_send_time_s
+    from autopar.cost.stages import planned_cut_s
+    from autopar.decomp.base import CostContext
+    from autopar.decomp.stages import CutValue, Stage, StageCost, plan_cut
     n, world = cfg["layers"], cfg["gpus"]
     prof = prof.with_topology(RANKS_PER_NODE, max(1, world // RANKS_PER_NODE))
     plans = _block_plans(cfg, prof, prof_path, opt_state)
@@ -134,6 +136,7 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
         dp_sync = prof.collective_time_s("allreduce", dp, tot["grad_bytes"], level=level) if dp > 1 else 0.0
         return StageCost(tot["fwd_s"], tot["bwd_s"], tot["sync_s"] + dp_sync, tot["act_bytes"], tot["static_bytes"])
 
+    ctx = CostContext(profile=prof, world=world, ranks_per_node=RANKS_PER_NODE)
     results = {}
     t0 = time.perf_counter()
 
@@ -143,10 +146,10 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
     for s_count in feasible_stage_counts(n, world):
         size = world // s_count
 
-        def cut(s_count, k, tp, mb, size=size):
-            src = list(range(k * size, (k + 1) * size))
-            dst = list(range((k + 1) * size, (k + 2) * size))
-            return cut_send_time_s(prof, mb * SEQ * cfg["hidden"] * 4, src, dst)
+        def cut(s_count, k, tp, mb, size=size):   # the residual stream, planned between the two sub-meshes
+            a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size // tp, tp)
+            b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size // tp, tp)
+            return planned_cut_s(plan_cut(k, a, b, [CutValue("h", (size // tp * mb, SEQ, cfg["hidden"]), 4)]), ctx)
 
         sr = search_stages(n, world, cfg["batch"], unit, cut, stage_counts=[s_count], tps=(1, 2, 4, 8),
                            memory_limit_bytes=memory_limit)
