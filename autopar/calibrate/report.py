@@ -168,7 +168,7 @@ def report_markdown(profile: Profile, profile_name: str, plots: list[Path]) -> s
                                                  for p in ps) + " |")
     for kind, table in sorted((profile.samples.get("insitu_latency_by_kind_s") or {}).items()):
         ps = sorted({int(p) for row in table.values() for p in row})
-        lines += ["", f"In situ, {kind} (the runtime's {'layout transitions' if kind == 'all_to_all' else 'halo exchanges'}):", "",
+        lines += ["", f"In situ, {kind} (the runtime's {'redistributions between placements' if kind == 'all_to_all' else 'halo exchanges'}):", "",
                   "| ranks running w | " + " | ".join(f"p = {p}" for p in ps) + " |", "|---|" + "---|" * len(ps)]
         for w, row in sorted(table.items(), key=lambda kv: int(kv[0])):
             lines.append(f"| {w} | " + " | ".join(f"{row[str(p)] * 1e3:.2f} ms" if str(p) in row else "-"

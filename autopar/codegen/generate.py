@@ -192,7 +192,7 @@ def generate_module(plan: Plan) -> str:
     lines.append(f"    def forward(self, {ins}):")
     lines.append("        self.update_buffers()")
     for gi in graph.inputs:
-        lines.append(f"        # input {gi.name} {tuple(gi.shape)} arrives as layout {layout_of_input(gi.name)}")
+        lines.append(f"        # input {gi.name} {tuple(gi.shape)} arrives as placement {layout_of_input(gi.name)}")
     moved: dict[tuple[str, Sharding], str] = {}
     for lay in graph.layers:
         dec = decs[lay.index]

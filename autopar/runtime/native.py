@@ -364,8 +364,8 @@ class NativeDataParallel:
         try:
             n = int(dm.graph.value_shape(dm.graph.output)[0])
             replicas = dm.loss_replicas()
-        except Exception as e:  # noqa: BLE001 - unknown layout: the wrapper that scales shares
-            return f"the loss layout is unknown ({type(e).__name__}: {e})"
+        except Exception as e:  # noqa: BLE001 - unknown placement: the wrapper that scales shares
+            return f"the loss placement is unknown ({type(e).__name__}: {e})"
         if n % world:
             return f"the output's {n} rows do not split into {world} equal blocks"
         if replicas != 1:

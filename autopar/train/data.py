@@ -205,10 +205,10 @@ class BatchSharding:
             sl = self.input_slices(i)
             what = ("a replicated copy" if lay.is_replicated() else
                     "a sample shard" if all(d == 0 for d in lay.shard_dims) else "a spatial/channel slab")
-            out.append(f"input {i} {tuple(shape)} layout {lay}: {what} "
+            out.append(f"input {i} {tuple(shape)} placement {lay}: {what} "
                        + "[" + ", ".join(f"{s.start}:{s.stop}" for s in sl) + "]")
         t = self.target_samples()
-        out.append(f"target layout {self.target_layout}: samples [{t.start}:{t.stop}]")
+        out.append(f"target placement {self.target_layout}: samples [{t.start}:{t.stop}]")
         return out
 
 
