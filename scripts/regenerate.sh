@@ -45,6 +45,13 @@ cpu hf_gpt2-w2 hf_gpt2 2
 cpu hf_gpt2-w4 hf_gpt2 4
 # replicated weights (data parallelism: 6.3 MiB per rank) over the limit: head/tensor parallel
 AUTOPAR_GPT_EMBED=128 AUTOPAR_GPT_VOCAB=512 cpu gpt-w4-mem4MiB gpt 4 --batch-size 4 --memory-limit 4MiB
+# pipeline stages (issue 41's must-show): an 8-layer GPT at world 4, batch 8, two stages
+AUTOPAR_GPT_LAYERS=8 autopar plan strategies/examples/gpt.py --world-size 4 --batch-size 8 --pipeline 2 \
+    --calibration "$CPU" -o reports/stages/gpt8-w4-pp2 > /dev/null
+if [ "$ONLY_PLANS" = 0 ]; then
+  AUTOPAR_GPT_LAYERS=8 autopar execute reports/stages/gpt8-w4-pp2/plan.json --steps 20 \
+      --out reports/stages/gpt8-w4-pp2/run
+fi
 
 # --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
 SWEEP=1,2,4,8,16,32,64,128,256,512,1024

@@ -7,7 +7,7 @@ and plan.json at run time.
 
 Model:      ../../../strategies/examples/gpt.py (sha256 935730bdc486), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 20.480 ms, memory 1.1 MiB per rank
+Predicted:  step 15.416 ms, memory 1.1 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gpt_dist.py --steps 5
@@ -27,18 +27,18 @@ PLAN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plan.json'
 class PlannedModel(DistModel):
     def forward(self, idx):
         self.update_buffers()
-        # input idx (8, 16) arrives as layout N4
-        # -- layer 0: (root)  other  (16,)  -> replicate  [R]
+        # input idx (8, 16) arrives as placement (N:4)[Shard(0)]
+        # -- layer 0: (root)  other  (16,)  -> replicate  [[Replicate()]]
         arange = self.op('arange')  # aten.arange.default  gpt.py:62
-        # -- layer 1: tok  embedding  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 1: tok  embedding  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         embedding = self.op('embedding', idx)  # aten.embedding.default  gpt.py:63
-        # -- layer 2: pos  embedding  (16, 32)  -> replicate  [R]
+        # -- layer 2: pos  embedding  (16, 32)  -> replicate  [[Replicate()]]
         embedding_1 = self.op('embedding_1', arange)  # aten.embedding.default  gpt.py:63
-        # -- layer 3: (root)  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 3: (root)  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add = self.op('add', embedding, embedding_1)  # aten.add.Tensor  gpt.py:63
-        # -- layer 4: blocks.0.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 4: blocks.0.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm = self.op('layer_norm', add)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 5: blocks.0.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear = self.op('linear', layer_norm)  # aten.linear.default  gpt.py:32
         getitem = self.op('getitem', linear)  # aten.slice.Tensor  gpt.py:32
         getitem_1 = self.op('getitem_1', linear)  # aten.slice.Tensor  gpt.py:32
@@ -53,20 +53,20 @@ class PlannedModel(DistModel):
         transpose_3 = self.op('transpose_3', scaled_dot_product_attention)  # aten.transpose.int  gpt.py:35
         reshape = self.op('reshape', transpose_3)  # aten.reshape.default  gpt.py:35
         linear_1 = self.op('linear_1', reshape)  # aten.linear.default  gpt.py:35
-        # -- layer 6: blocks.0  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 6: blocks.0  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_1 = self.op('add_1', add, linear_1)  # aten.add.Tensor  gpt.py:48
-        # -- layer 7: blocks.0.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 7: blocks.0.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_1 = self.op('layer_norm_1', add_1)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 8: blocks.0.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 8: blocks.0.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_2 = self.op('linear_2', layer_norm_1)  # aten.linear.default  gpt.py:49
         gelu = self.op('gelu', linear_2)  # aten.gelu.default  gpt.py:49
-        # -- layer 9: blocks.0.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 9: blocks.0.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_3 = self.op('linear_3', gelu)  # aten.linear.default  gpt.py:49
-        # -- layer 10: blocks.0  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 10: blocks.0  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_2 = self.op('add_2', add_1, linear_3)  # aten.add.Tensor  gpt.py:49
-        # -- layer 11: blocks.1.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 11: blocks.1.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_2 = self.op('layer_norm_2', add_2)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 12: blocks.1.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_4 = self.op('linear_4', layer_norm_2)  # aten.linear.default  gpt.py:32
         getitem_3 = self.op('getitem_3', linear_4)  # aten.slice.Tensor  gpt.py:32
         getitem_4 = self.op('getitem_4', linear_4)  # aten.slice.Tensor  gpt.py:32
@@ -81,20 +81,20 @@ class PlannedModel(DistModel):
         transpose_7 = self.op('transpose_7', scaled_dot_product_attention_1)  # aten.transpose.int  gpt.py:35
         reshape_1 = self.op('reshape_1', transpose_7)  # aten.reshape.default  gpt.py:35
         linear_5 = self.op('linear_5', reshape_1)  # aten.linear.default  gpt.py:35
-        # -- layer 13: blocks.1  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 13: blocks.1  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_3 = self.op('add_3', add_2, linear_5)  # aten.add.Tensor  gpt.py:48
-        # -- layer 14: blocks.1.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 14: blocks.1.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_3 = self.op('layer_norm_3', add_3)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 15: blocks.1.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 15: blocks.1.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_6 = self.op('linear_6', layer_norm_3)  # aten.linear.default  gpt.py:49
         gelu_1 = self.op('gelu_1', linear_6)  # aten.gelu.default  gpt.py:49
-        # -- layer 16: blocks.1.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 16: blocks.1.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_7 = self.op('linear_7', gelu_1)  # aten.linear.default  gpt.py:49
-        # -- layer 17: blocks.1  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 17: blocks.1  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_4 = self.op('add_4', add_3, linear_7)  # aten.add.Tensor  gpt.py:49
-        # -- layer 18: blocks.2.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 18: blocks.2.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_4 = self.op('layer_norm_4', add_4)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 19: blocks.2.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 19: blocks.2.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_8 = self.op('linear_8', layer_norm_4)  # aten.linear.default  gpt.py:32
         getitem_6 = self.op('getitem_6', linear_8)  # aten.slice.Tensor  gpt.py:32
         getitem_7 = self.op('getitem_7', linear_8)  # aten.slice.Tensor  gpt.py:32
@@ -109,20 +109,20 @@ class PlannedModel(DistModel):
         transpose_11 = self.op('transpose_11', scaled_dot_product_attention_2)  # aten.transpose.int  gpt.py:35
         reshape_2 = self.op('reshape_2', transpose_11)  # aten.reshape.default  gpt.py:35
         linear_9 = self.op('linear_9', reshape_2)  # aten.linear.default  gpt.py:35
-        # -- layer 20: blocks.2  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 20: blocks.2  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_5 = self.op('add_5', add_4, linear_9)  # aten.add.Tensor  gpt.py:48
-        # -- layer 21: blocks.2.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 21: blocks.2.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_5 = self.op('layer_norm_5', add_5)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 22: blocks.2.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 22: blocks.2.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_10 = self.op('linear_10', layer_norm_5)  # aten.linear.default  gpt.py:49
         gelu_2 = self.op('gelu_2', linear_10)  # aten.gelu.default  gpt.py:49
-        # -- layer 23: blocks.2.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 23: blocks.2.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_11 = self.op('linear_11', gelu_2)  # aten.linear.default  gpt.py:49
-        # -- layer 24: blocks.2  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 24: blocks.2  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_6 = self.op('add_6', add_5, linear_11)  # aten.add.Tensor  gpt.py:49
-        # -- layer 25: blocks.3.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 25: blocks.3.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_6 = self.op('layer_norm_6', add_6)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 26: blocks.3.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 26: blocks.3.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_12 = self.op('linear_12', layer_norm_6)  # aten.linear.default  gpt.py:32
         getitem_9 = self.op('getitem_9', linear_12)  # aten.slice.Tensor  gpt.py:32
         getitem_10 = self.op('getitem_10', linear_12)  # aten.slice.Tensor  gpt.py:32
@@ -137,20 +137,20 @@ class PlannedModel(DistModel):
         transpose_15 = self.op('transpose_15', scaled_dot_product_attention_3)  # aten.transpose.int  gpt.py:35
         reshape_3 = self.op('reshape_3', transpose_15)  # aten.reshape.default  gpt.py:35
         linear_13 = self.op('linear_13', reshape_3)  # aten.linear.default  gpt.py:35
-        # -- layer 27: blocks.3  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 27: blocks.3  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_7 = self.op('add_7', add_6, linear_13)  # aten.add.Tensor  gpt.py:48
-        # -- layer 28: blocks.3.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 28: blocks.3.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_7 = self.op('layer_norm_7', add_7)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 29: blocks.3.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 29: blocks.3.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_14 = self.op('linear_14', layer_norm_7)  # aten.linear.default  gpt.py:49
         gelu_3 = self.op('gelu_3', linear_14)  # aten.gelu.default  gpt.py:49
-        # -- layer 30: blocks.3.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 30: blocks.3.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_15 = self.op('linear_15', gelu_3)  # aten.linear.default  gpt.py:49
-        # -- layer 31: blocks.3  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 31: blocks.3  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_8 = self.op('add_8', add_7, linear_15)  # aten.add.Tensor  gpt.py:49
-        # -- layer 32: blocks.4.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 32: blocks.4.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_8 = self.op('layer_norm_8', add_8)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 33: blocks.4.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 33: blocks.4.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_16 = self.op('linear_16', layer_norm_8)  # aten.linear.default  gpt.py:32
         getitem_12 = self.op('getitem_12', linear_16)  # aten.slice.Tensor  gpt.py:32
         getitem_13 = self.op('getitem_13', linear_16)  # aten.slice.Tensor  gpt.py:32
@@ -165,20 +165,20 @@ class PlannedModel(DistModel):
         transpose_19 = self.op('transpose_19', scaled_dot_product_attention_4)  # aten.transpose.int  gpt.py:35
         reshape_4 = self.op('reshape_4', transpose_19)  # aten.reshape.default  gpt.py:35
         linear_17 = self.op('linear_17', reshape_4)  # aten.linear.default  gpt.py:35
-        # -- layer 34: blocks.4  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 34: blocks.4  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_9 = self.op('add_9', add_8, linear_17)  # aten.add.Tensor  gpt.py:48
-        # -- layer 35: blocks.4.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 35: blocks.4.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_9 = self.op('layer_norm_9', add_9)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 36: blocks.4.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 36: blocks.4.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_18 = self.op('linear_18', layer_norm_9)  # aten.linear.default  gpt.py:49
         gelu_4 = self.op('gelu_4', linear_18)  # aten.gelu.default  gpt.py:49
-        # -- layer 37: blocks.4.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 37: blocks.4.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_19 = self.op('linear_19', gelu_4)  # aten.linear.default  gpt.py:49
-        # -- layer 38: blocks.4  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 38: blocks.4  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_10 = self.op('add_10', add_9, linear_19)  # aten.add.Tensor  gpt.py:49
-        # -- layer 39: blocks.5.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 39: blocks.5.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_10 = self.op('layer_norm_10', add_10)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 40: blocks.5.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 40: blocks.5.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_20 = self.op('linear_20', layer_norm_10)  # aten.linear.default  gpt.py:32
         getitem_15 = self.op('getitem_15', linear_20)  # aten.slice.Tensor  gpt.py:32
         getitem_16 = self.op('getitem_16', linear_20)  # aten.slice.Tensor  gpt.py:32
@@ -193,20 +193,20 @@ class PlannedModel(DistModel):
         transpose_23 = self.op('transpose_23', scaled_dot_product_attention_5)  # aten.transpose.int  gpt.py:35
         reshape_5 = self.op('reshape_5', transpose_23)  # aten.reshape.default  gpt.py:35
         linear_21 = self.op('linear_21', reshape_5)  # aten.linear.default  gpt.py:35
-        # -- layer 41: blocks.5  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 41: blocks.5  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_11 = self.op('add_11', add_10, linear_21)  # aten.add.Tensor  gpt.py:48
-        # -- layer 42: blocks.5.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 42: blocks.5.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_11 = self.op('layer_norm_11', add_11)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 43: blocks.5.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 43: blocks.5.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_22 = self.op('linear_22', layer_norm_11)  # aten.linear.default  gpt.py:49
         gelu_5 = self.op('gelu_5', linear_22)  # aten.gelu.default  gpt.py:49
-        # -- layer 44: blocks.5.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 44: blocks.5.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_23 = self.op('linear_23', gelu_5)  # aten.linear.default  gpt.py:49
-        # -- layer 45: blocks.5  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 45: blocks.5  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_12 = self.op('add_12', add_11, linear_23)  # aten.add.Tensor  gpt.py:49
-        # -- layer 46: blocks.6.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 46: blocks.6.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_12 = self.op('layer_norm_12', add_12)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 47: blocks.6.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 47: blocks.6.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_24 = self.op('linear_24', layer_norm_12)  # aten.linear.default  gpt.py:32
         getitem_18 = self.op('getitem_18', linear_24)  # aten.slice.Tensor  gpt.py:32
         getitem_19 = self.op('getitem_19', linear_24)  # aten.slice.Tensor  gpt.py:32
@@ -221,20 +221,20 @@ class PlannedModel(DistModel):
         transpose_27 = self.op('transpose_27', scaled_dot_product_attention_6)  # aten.transpose.int  gpt.py:35
         reshape_6 = self.op('reshape_6', transpose_27)  # aten.reshape.default  gpt.py:35
         linear_25 = self.op('linear_25', reshape_6)  # aten.linear.default  gpt.py:35
-        # -- layer 48: blocks.6  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 48: blocks.6  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_13 = self.op('add_13', add_12, linear_25)  # aten.add.Tensor  gpt.py:48
-        # -- layer 49: blocks.6.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 49: blocks.6.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_13 = self.op('layer_norm_13', add_13)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 50: blocks.6.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 50: blocks.6.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_26 = self.op('linear_26', layer_norm_13)  # aten.linear.default  gpt.py:49
         gelu_6 = self.op('gelu_6', linear_26)  # aten.gelu.default  gpt.py:49
-        # -- layer 51: blocks.6.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 51: blocks.6.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_27 = self.op('linear_27', gelu_6)  # aten.linear.default  gpt.py:49
-        # -- layer 52: blocks.6  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 52: blocks.6  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_14 = self.op('add_14', add_13, linear_27)  # aten.add.Tensor  gpt.py:49
-        # -- layer 53: blocks.7.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 53: blocks.7.ln1  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_14 = self.op('layer_norm_14', add_14)  # aten.layer_norm.default  gpt.py:48
-        # -- layer 54: blocks.7.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 54: blocks.7.attn  linear+slice+slice+slice+view+permute+view+permute+view+permute+attention+permute+view+linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_28 = self.op('linear_28', layer_norm_14)  # aten.linear.default  gpt.py:32
         getitem_21 = self.op('getitem_21', linear_28)  # aten.slice.Tensor  gpt.py:32
         getitem_22 = self.op('getitem_22', linear_28)  # aten.slice.Tensor  gpt.py:32
@@ -249,20 +249,20 @@ class PlannedModel(DistModel):
         transpose_31 = self.op('transpose_31', scaled_dot_product_attention_7)  # aten.transpose.int  gpt.py:35
         reshape_7 = self.op('reshape_7', transpose_31)  # aten.reshape.default  gpt.py:35
         linear_29 = self.op('linear_29', reshape_7)  # aten.linear.default  gpt.py:35
-        # -- layer 55: blocks.7  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 55: blocks.7  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_15 = self.op('add_15', add_14, linear_29)  # aten.add.Tensor  gpt.py:48
-        # -- layer 56: blocks.7.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 56: blocks.7.ln2  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_15 = self.op('layer_norm_15', add_15)  # aten.layer_norm.default  gpt.py:49
-        # -- layer 57: blocks.7.fc  linear+unary  (8, 16, 128)  -> sample(4)  [N4]
+        # -- layer 57: blocks.7.fc  linear+unary  (8, 16, 128)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_30 = self.op('linear_30', layer_norm_15)  # aten.linear.default  gpt.py:49
         gelu_7 = self.op('gelu_7', linear_30)  # aten.gelu.default  gpt.py:49
-        # -- layer 58: blocks.7.out  linear  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 58: blocks.7.out  linear  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_31 = self.op('linear_31', gelu_7)  # aten.linear.default  gpt.py:49
-        # -- layer 59: blocks.7  binary  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 59: blocks.7  binary  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         add_16 = self.op('add_16', add_15, linear_31)  # aten.add.Tensor  gpt.py:49
-        # -- layer 60: ln  layer_norm  (8, 16, 32)  -> sample(4)  [N4]
+        # -- layer 60: ln  layer_norm  (8, 16, 32)  -> sample(4)  [(N:4)[Shard(0)]]
         layer_norm_16 = self.op('layer_norm_16', add_16)  # aten.layer_norm.default  gpt.py:64
-        # -- layer 61: head  linear  (8, 16, 64)  -> sample(4)  [N4]
+        # -- layer 61: head  linear  (8, 16, 64)  -> sample(4)  [(N:4)[Shard(0)]]
         linear_32 = self.op('linear_32', layer_norm_16)  # aten.linear.default  gpt.py:64
         return self.structured(linear_32)
 
