@@ -209,12 +209,17 @@ CONFIGS = {
     "zero1-ddp": ({"blocks.0": (1, False, DDP_ZERO), "blocks.1": (1, False, DDP_ZERO), "": (1, False, DDP_ZERO)}, 1, 1),
     "zero1-ddp-accum": ({"blocks.0": (1, False, DDP_ZERO), "blocks.1": (1, False, DDP_ZERO),
                          "": (1, False, DDP_ZERO)}, 1, 2),
+    # activation checkpointing (4th field) on one unit at ZeRO-3, on both at ZeRO-2 with accumulation
+    "zero3-ac": ({"blocks.0": (3, True, "fsdp2", True), "blocks.1": (3, True)}, 1, 1),
+    "zero2-ac-accum": ({"blocks.0": (2, False, "fsdp2", True), "blocks.1": (1, False, "fsdp2", True)}, 1, 2),
+    "zero3-ac+tp": ({"blocks.0": (3, True, "fsdp2", True), "blocks.1": (2, False, "fsdp2", True)}, 2, 1),
 }
 
 
 def _units(spec, dp, tp):
     """CONFIGS' unit decisions, and the root's ("" in the spec; default ZeRO-3)."""
-    units = {k: (None if v is None else Sharded(v[0], v[1], dp, tp, engine=(v[2] if len(v) > 2 else "fsdp2")))
+    units = {k: (None if v is None else Sharded(v[0], v[1], dp, tp, engine=(v[2] if len(v) > 2 else "fsdp2"),
+                                                ac=len(v) > 3 and v[3]))
              for k, v in spec.items()}
     root = units.pop("", "zero3")
     return units, root
@@ -246,6 +251,8 @@ def _check_configs(rank, world, names):
                 styles[f"blocks.{i}.up"] = "colwise"
                 styles[f"blocks.{i}.down"] = "rowwise"
         rf.parallelize(model, mesh, units, styles, root=root)
+        calls = []      # forwards of blocks.0.up: twice a micro-batch under AC (the recompute in backward)
+        model.get_submodule("blocks.0.up").register_forward_pre_hook(lambda m, a: calls.append(1))
         dp_rank = mesh["dp"].get_local_rank() if tp > 1 else mesh.get_local_rank()
         opt = rf.make_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
         if root != "zero3" and root.engine == DDP_ZERO:   # ZeRO-1: this rank holds part of the state
@@ -286,6 +293,8 @@ def _check_configs(rank, world, names):
             ropt.zero_grad()
             for p, rp in zip(model.parameters(), ref.parameters()):
                 errs.append((_full_t(p) - rp).abs().max().item())
+        ac = units["blocks.0"] is not None and units["blocks.0"].ac
+        assert len(calls) == 2 * micro * (2 if ac else 1), (name, len(calls))
         out[name] = max(errs)
     return out
 

@@ -89,6 +89,43 @@ Against data parallelism (AR + optimizer_step_s(all)) it trades the optimizer on
 tensors for the broadcasts: it saves memory (k F (N-1)/N at best), time only where the optimizer
 is slow beside the links.
 
+Activation checkpointing (``Sharded.ac``, torchtitan's "full AC" per transformer block): the
+unit's forward runs without keeping what autograd would save; only the unit's inputs are kept
+(the checkpoint holds them), and its backward first runs its forward again to rebuild the saved
+activations, then back-propagates through them. A choice of sharded units other than the root
+(FSDP2 engine); at run time ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` wraps
+the unit's forward after tensor parallelism and before ``fully_shard`` (torchtitan's order), so
+FSDP2's hooks stay outside the checkpoint and the recompute runs on the parameters backward has
+gathered already. Per stretch i of an AC unit (``ac_segments``, ``step_peak_bytes``)::
+
+    A_i   the activation bytes the stretch saves without AC (the layer table's)
+    I_i   the bytes of the values it reads that layers outside it produce (its inputs, per rank)
+    saved_i     = min(I_i, A_i)       kept from forward to backward instead of A_i
+    recompute_i = A_i - saved_i       rebuilt during the stretch's own backward, freed by its end
+                                      (transient: one unit's recompute at a time); the inputs are
+                                      not rebuilt: the recompute's first ops (a norm, a linear
+                                      layer) save the kept input tensors themselves, no copy
+    bwd_s      += fwd_s               the stretch's forward once more in backward (compute only;
+                                      its own layers' exposed communication included, as fwd_s)
+
+The walk of ``step_peak_bytes`` keeps saved_i on the forward side and adds recompute_i while
+backward is in stretch i, so the memory saved is A_i - I_i everywhere except in the unit's own
+backward (where it holds A_i again, as without AC: checkpointing the last unit saves nothing).
+Gathers: none added. Under ZeRO-3 with reshard the unit's backward gathers its parameters anyway (``unit_comm``'s second gather, issued before the unit's backward starts), and
+the recompute runs inside that backward, after the gather; levels 1 and 2 hold the parameters
+whole from forward to backward. So AC changes compute time and activation bytes, never the
+collectives. Not counted: the working set inside one op (as without AC), and inputs that come
+from outside every layer (the batch itself, held by the caller); a value read by several AC
+units (rotary tables) counts in each, an upper bound.
+
+Choosing (``planner.strategies.sharded``): AC only adds time, so it is taken only where the plan
+would not fit the memory limit: units ordered by bytes saved per second added
+(``ac_order``: (A - I) / fwd_s, largest first, ties in execution order), and the shortest prefix
+of that order whose plan fits is taken (the peak is non-increasing in the prefix, so found by
+bisection). Greedy rather than inside the assignment search: AC multiplies the grid by 2^units,
+and per unit the trade is one ratio, so ordering by it is the exchange argument of a knapsack
+relaxation (exact when the units are alike, as a transformer's blocks are).
+
 Overlap (``schedule``): compute and communication are two streams. Forward: the all-gather of
 unit u+1 is issued when unit u's forward starts (FSDP2's prefetch of one unit), so only what
 outlasts the compute shows. Backward (reverse order): the gather of unit u-1 is issued when
@@ -184,7 +221,8 @@ class Sharded:
     ``reshard_after_forward`` (level 3 only), the data axis (``data_axis`` of ``dp`` ranks) its
     state is sharded over, and the tensor axis (``tensor_axis`` of ``tp`` ranks, 1 = none) its
     layers are tensor-parallel on (DTensor's colwise/rowwise styles, applied first), and the
-    ``engine`` (``FSDP2``, or ``DDP_ZERO``: torch's ZeRO-1, level 1 only, plan-wide)."""
+    ``engine`` (``FSDP2``, or ``DDP_ZERO``: torch's ZeRO-1, level 1 only, plan-wide), and ``ac``:
+    activation checkpointing of the unit (module docstring; FSDP2 units only)."""
 
     kind: ClassVar[str] = "sharded"
     level: int = 3
@@ -194,12 +232,14 @@ class Sharded:
     data_axis: str = "dp"
     tensor_axis: str = "tp"
     engine: str = FSDP2
+    ac: bool = False
 
     def __str__(self) -> str:
         raf = "" if self.level != 3 else (",reshard" if self.reshard_after_forward else ",keep")
         tp = f",tp{self.tp}" if self.tp > 1 else ""
         eng = ",ddp+zero" if self.engine == DDP_ZERO else ""
-        return f"zero{self.level}(dp{self.dp}{tp}{raf}{eng})"
+        ac = ",ac" if self.ac else ""
+        return f"zero{self.level}(dp{self.dp}{tp}{raf}{eng}{ac})"
 
     def check(self, microbatches: int = 1) -> str | None:
         """None when legal, else why not (module docstring)."""
@@ -212,6 +252,8 @@ class Sharded:
         if self.engine not in ENGINES:
             return f"engine {self.engine!r} is not one of {ENGINES}"
         if self.engine == DDP_ZERO:
+            if self.ac:
+                return "activation checkpointing is priced and run on FSDP2 units only: use level 2 or 3"
             if self.level != 1 or self.reshard_after_forward:
                 return "torch's ZeroRedundancyOptimizer shards the optimizer state only: level 1, no reshard"
             if self.tp > 1:
@@ -228,14 +270,15 @@ class Sharded:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "level": self.level, "reshard_after_forward": self.reshard_after_forward,
                 "dp": self.dp, "tp": self.tp, "data_axis": self.data_axis, "tensor_axis": self.tensor_axis,
-                "engine": self.engine}
+                "engine": self.engine, "ac": self.ac}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Sharded":
         if d.get("kind", cls.kind) != cls.kind:
             raise AutoparError(f"not a sharded decision: kind {d.get('kind')!r}", "a plan written by autopar")
         return cls(int(d["level"]), bool(d["reshard_after_forward"]), int(d["dp"]), int(d.get("tp", 1)),
-                   str(d.get("data_axis", "dp")), str(d.get("tensor_axis", "tp")), str(d.get("engine", FSDP2)))
+                   str(d.get("data_axis", "dp")), str(d.get("tensor_axis", "tp")), str(d.get("engine", FSDP2)),
+                   bool(d.get("ac", False)))
 
 
 def check_plan(decisions: Sequence["Sharded | None"]) -> str | None:
@@ -453,8 +496,54 @@ def plan_memory_bytes(units: Sequence[UnitParams], decisions: Sequence[Sharded |
     return PlanMemory(res, trans, float(activation_bytes))
 
 
+def is_ac(s: "Sharded | None") -> bool:
+    """Whether a unit's decision checkpoints its activations (module docstring)."""
+    return s is not None and s.ac
+
+
+def ac_segments(decisions: Sequence["Sharded | None"], segments: Sequence[int], segment_acts: Sequence[float],
+                segment_inputs: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stretch, (saved_i, recompute_i) of the module docstring's "Activation checkpointing":
+    ``min(I_i, A_i)`` and ``A_i - min(I_i, A_i)`` for a stretch of an AC unit, ``A_i`` and 0
+    otherwise."""
+    saved, again = [], []
+    for i, u in enumerate(segments):
+        a = float(segment_acts[i])
+        if is_ac(decisions[u]):
+            keep = min(float(segment_inputs[i]), a)
+            saved.append(keep)
+            again.append(a - keep)
+        else:
+            saved.append(a)
+            again.append(0.0)
+    return saved, again
+
+
+def recompute_times(times: Sequence["UnitTime"], decisions: Sequence["Sharded | None"],
+                    segments: Sequence[int]) -> list["UnitTime"]:
+    """The stretches' times with AC's recompute (module docstring): an AC unit's stretch runs its
+    forward again in backward, ``bwd_s + fwd_s``."""
+    return [UnitTime(t.fwd_s, t.bwd_s + t.fwd_s) if is_ac(decisions[u]) else t for t, u in zip(times, segments)]
+
+
+def ac_order(units: Sequence[int], segments: Sequence[int], segment_acts: Sequence[float],
+             segment_inputs: Sequence[float], times: Sequence["UnitTime"]) -> list[int]:
+    """``units`` (the ones that may take AC) ordered by bytes saved per second added, largest
+    first, ties in the order given (module docstring): (sum_i A_i - min(I_i, A_i)) / sum_i fwd_s_i
+    over each unit's stretches; a unit that saves nothing is left out."""
+    saved = {u: 0.0 for u in units}
+    cost = {u: 0.0 for u in units}
+    for i, u in enumerate(segments):
+        if u in saved:
+            saved[u] += float(segment_acts[i]) - min(float(segment_inputs[i]), float(segment_acts[i]))
+            cost[u] += times[i].fwd_s
+    keep = [u for u in units if saved[u] > 0]
+    return sorted(keep, key=lambda u: -saved[u] / max(cost[u], 1e-30))
+
+
 def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | None], optim_copies: float,
-                    segments: Sequence[int], segment_acts: Sequence[float], root: int = 0) -> PlanMemory:
+                    segments: Sequence[int], segment_acts: Sequence[float], root: int = 0,
+                    segment_inputs: Sequence[float] | None = None) -> PlanMemory:
     """The peak of one step, walked in execution order (the refinement of ``plan_memory_bytes``
     that ``planner.strategies.sharded`` prices with). ``segments``: the unit of each stretch of
     consecutive layers in execution order (the root twice when its head follows the blocks),
@@ -474,7 +563,9 @@ def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | 
         peak = the largest of these
 
     Activations are freed in backward as it passes each stretch; the whole gradient of a unit
-    exists only during its backward, while the activations of the later stretches are gone."""
+    exists only during its backward, while the activations of the later stretches are gone.
+    With activation checkpointing (``Sharded.ac``; ``segment_inputs``: I_i per stretch, needed
+    then), acts(0..i) sums saved_j (``ac_segments``) and backward in stretch i adds recompute_i."""
     res = sum(unit_memory(u, s, optim_copies).resident_bytes for u, s in zip(params, decisions))
     res += _zero1_optim(params, decisions, optim_copies)
 
@@ -487,9 +578,15 @@ def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | 
         return params[u].whole_bytes() if s is not None and s.engine != DDP_ZERO else 0.0
     root_fwd = gathered(root)
     n = len(segments)
+    if any(is_ac(s) for s in decisions):
+        if segment_inputs is None:
+            raise ValueError("activation checkpointing priced without the stretches' input bytes")
+        saved, again = ac_segments(decisions, segments, segment_acts, segment_inputs)
+    else:
+        saved, again = [float(a) for a in segment_acts], [0.0] * n
     acts, peak = 0.0, res
     for i, u in enumerate(segments):
-        acts += segment_acts[i]
+        acts += saved[i]
         nxt = segments[i + 1] if i + 1 < n else None
         held = res + acts + root_fwd + (gathered(u) if u != root else 0.0)
         if nxt is not None and nxt not in (u, root):
@@ -498,10 +595,10 @@ def step_peak_bytes(params: Sequence[UnitParams], decisions: Sequence[Sharded | 
     for i in reversed(range(n)):
         u = segments[i]
         prev = segments[i - 1] if i > 0 else None
-        held = res + acts + gathered(u) + grad(u)
+        held = res + acts + again[i] + gathered(u) + grad(u)
         if prev is not None and prev != u:
             held += gathered(prev)
         peak = max(peak, held)
-        acts -= segment_acts[i]
-    total_acts = float(sum(segment_acts))
+        acts -= saved[i]
+    total_acts = float(sum(saved))
     return PlanMemory(res, max(0.0, peak - res - total_acts), total_acts)

@@ -7,11 +7,14 @@
    ``tp_styles`` names (only ``nn.Linear`` / ``nn.Embedding`` / norms: where DTensor's styles
    match the placements; Hugging Face GPT-2's ``Conv1D`` stores its weight transposed and is not
    one of them, so a GPT-2 plan here is sharding alone);
-2. sharding per unit: FSDP2 ``fully_shard(unit, mesh=<data axis>, reshard_after_forward=...)``
+2. activation checkpointing on every unit whose decision says ``ac`` (``checkpoint_unit``:
+   ``torch.utils.checkpoint.checkpoint(forward, use_reentrant=False)`` around the unit's own
+   forward, parameter names untouched), so that FSDP2's hooks, applied next, stay outside it;
+3. sharding per unit: FSDP2 ``fully_shard(unit, mesh=<data axis>, reshard_after_forward=...)``
    on every unit the plan shards (level 3: reshard as decided; levels 1 and 2: kept from
    forward to backward), and ``fully_shard`` over an HSDP mesh of shard size 1 (``(dp, 1)``:
    replicate, all-reduce the gradient) on a unit the plan keeps data parallel;
-3. the root: ``fully_shard(model)`` on the data axis for every parameter no unit holds
+4. the root: ``fully_shard(model)`` on the data axis for every parameter no unit holds
    (embeddings, final norm, head; a tied weight lands here once, shared by both users).
 
 A plan of ZeRO-1 on DDP (every unit ``engine == DDP_ZERO``: plan-wide, ``decomp.fsdp.check_plan``)
@@ -102,6 +105,26 @@ def check_tp_styles(model: nn.Module, tp_styles: Mapping[str, str]) -> None:
 ZERO3 = "zero3"
 
 
+def checkpoint_unit(module: nn.Module) -> nn.Module:
+    """Activation checkpointing of ``module`` in place (``decomp.fsdp``, "Activation
+    checkpointing"): its forward runs under ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False)``, which keeps only the forward's inputs and runs it again in backward
+    (the RNG state restored, so dropout draws the same mask). The instance's ``forward`` is
+    replaced (not the module: ``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module``
+    into every parameter name); hooks registered on the module (FSDP2's gather and reshard) run
+    around it, outside the checkpoint, as with torchtitan's wrapper."""
+    from torch.utils.checkpoint import checkpoint
+    if getattr(module, "_autopar_ac", False):
+        return module
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+    module.forward = forward
+    module._autopar_ac = True                  # noqa: SLF001
+    return module
+
+
 def check_tied(model: nn.Module, units: Iterable[str]) -> None:
     """Refuse, naming both, a parameter shared by two units (tied weights): FSDP2 manages a
     parameter in the one unit that registers it, and the other would use it unmanaged. A tie
@@ -137,6 +160,9 @@ def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
         parallelize_module(model, mesh["tp"], {k: _style(v) for k, v in tp_styles.items()})
     dp_mesh = mesh["dp"] if "tp" in names else mesh
     root_dec = (Sharded(3, True, dp_mesh.size()) if root == ZERO3 else root)
+    if root_dec is not None and root_dec.ac:
+        raise AutoparError("activation checkpointing on the root (the whole model) keeps nothing less",
+                           "checkpoint units (blocks) only; a plan file was edited by hand?")
     why = check_plan([*units.values(), root_dec])
     if why is not None:
         raise AutoparError(why, "re-plan; a plan file was edited by hand?")
@@ -160,6 +186,8 @@ def parallelize(model: nn.Module, mesh, units: Mapping[str, Sharded | None],
         if s.dp != dp_mesh.size():
             raise AutoparError(f"unit {path} is sharded over {s.dp} ranks, the mesh's data axis has {dp_mesh.size()}",
                                "execute the plan at the world size it was made for")
+        if s.ac:
+            checkpoint_unit(m)
         fully_shard(m, mesh=dp_mesh, reshard_after_forward=(s.level == 3 and s.reshard_after_forward))
     if root is None:
         fully_shard(model, mesh=replicate_mesh if replicate_mesh is not None else _replicate_mesh(dp_mesh))

@@ -15,8 +15,11 @@ the rest data parallel" for every j, k (a grid of at most ``MAX_TRIES``), each p
 stated against the native plan's own prediction: a sharded candidate's step is the native step
 plus ``schedule(assignment) - schedule(all data parallel)``, its memory the native memory less the
 units' data-parallel resident bytes plus the assignment's (so the all-data-parallel assignment
-prices exactly as the native plan). The fastest assignment that fits the memory limit is offered
-(without a limit: the fastest, which the chooser sets against every other candidate).
+prices exactly as the native plan). An assignment over the memory limit takes activation
+checkpointing on the fewest units that make it fit (``_Pricer.with_ac``: ``decomp.fsdp``'s
+"Activation checkpointing", greedy by bytes saved per second added, each unit's forward run
+again in backward). The fastest assignment that fits the memory limit is offered (without a
+limit: the fastest, which never checkpoints; the chooser sets it against every other candidate).
 
 ZeRO-1 (torch's ``ZeroRedundancyOptimizer`` over DDP, ``decomp.fsdp``) is plan-wide: every unit
 and the root, over the native plan whose every unit's gradient group is the world. It is its own
@@ -46,7 +49,7 @@ candidate alone, forced (the chooser takes it whatever it costs).
 
 plan.json: when chosen, ``runtime`` is ``{"expected": "fsdp", ..., "sharded": {"axis": "dp",
 "mesh": {"dp": P} or {"dp": P / tp, "tp": tp}, "tp_styles": {module: "colwise" | "rowwise"}, "units":
-{path: decision or null}, "root": decision}}`` (which units are sharded on which axis, and the
+{path: decision or null}, "root": decision}}`` (a decision's ``ac``: the unit is checkpointed) (which units are sharded on which axis, and the
 DTensor style of each tensor-parallel module), and the candidate is listed among every alternative.
 """
 
@@ -58,8 +61,8 @@ from ...artifacts import PlanHooks
 from ...cost.native import choose_runtime, native_choice
 from ...cost.table import evaluate
 from ...decomp.ir import BATCH_NORM
-from ...decomp.fsdp import (DDP_ZERO, Sharded, TiedUnitsError, UnitComm, UnitParams, UnitTime, candidates,
-                            schedule, step_peak_bytes, unit_comm, unit_of, zero1_step_s)
+from ...decomp.fsdp import (DDP_ZERO, Sharded, TiedUnitsError, UnitComm, UnitParams, UnitTime, ac_order, candidates,
+                            recompute_times, schedule, step_peak_bytes, unit_comm, unit_of, zero1_step_s)
 from ...errors import AutoparError
 from ...profile.optimizer import optimizer_step_s
 from . import Candidate, memory_fit, register_strategy
@@ -136,9 +139,32 @@ def _segment_times(table, choice, units: Units) -> list[UnitTime]:
     return [UnitTime(sum(fwd[l] for l in ls), sum(bwd[l] for l in ls)) for _, ls in units.segments]
 
 
+def _segment_inputs(table, choice, units: Units) -> list[float]:
+    """I_i of each stretch (``decomp.fsdp``, "Activation checkpointing"): the per-rank bytes of the
+    distinct values its layers read that layers outside it produce, each as the reading layer's
+    decision places it (``in_placement``, largest block)."""
+    graph = table.graph
+    edges = graph.edges()
+    out = []
+    for _, ls in units.segments:
+        inside = set(ls)
+        seen: dict[str, float] = {}
+        for u, v, value in edges:
+            if v in inside and u not in inside and value not in seen:
+                lay = graph.layers[v]
+                dec = table.layers[v].choices[choice[v]]
+                shape = dec.in_placement(lay, value).max_local_shape(graph.value_shape(value))
+                n = 1
+                for x in shape:
+                    n *= int(x)
+                seen[value] = float(n * lay.itemsize)
+        out.append(sum(seen.values()))
+    return out
+
+
 @dataclass(frozen=True)
 class Priced:
-    assignment: tuple[Sharded | None, ...]      # per unit (units.names order)
+    assignment: tuple[Sharded | None, ...]      # per unit (units.names order), ``ac`` set where checkpointed
     step_time_s: float
     memory_bytes: float
 
@@ -157,6 +183,8 @@ class _Pricer:
         self.times = _segment_times(table, choice, self.units)
         self.seg_acts = [sum(table.layers[l].costs[choice[l]].activation_bytes for l in ls)
                          for _, ls in self.units.segments]
+        self.seg_inputs = _segment_inputs(table, choice, self.units)
+        self.seg_units = [k for k, _ in self.units.segments]
         prof = ctx.profile
         self.k = float(ctx.optimizer_state_per_param)
         # a unit's data axis: its gradient group, of g ranks; rank 0's group is ranks 0, w/g, ...
@@ -186,7 +214,7 @@ class _Pricer:
             fixed = zero1_step_s(self.units.params, z1[0].dp, self.coll, self.opt)
         comms, seen = [], set()
         for k, _ in self.units.segments:
-            c = self._comm(k, a[k])
+            c = self._comm(k, dataclasses.replace(a[k], ac=False) if a[k] is not None and a[k].ac else a[k])
             if k in seen:     # the root's second segment (the head): its collectives already counted
                 comms.append(UnitComm(0.0, 0, 0.0, 0.0))
             else:
@@ -194,18 +222,48 @@ class _Pricer:
                 seen.add(k)
         # a unit's gradient is complete when backward reaches its first segment: move the first
         # segment's collectives there (it is the one issued last in backward) -- already so
-        return schedule(self.times, comms, fixed).step_time_s
+        times = recompute_times(self.times, a, self.seg_units) if any(s is not None and s.ac for s in a) else self.times
+        return schedule(times, comms, fixed).step_time_s
 
     def _memory(self, a) -> float:
         """Parameters, gradients, optimizer state and activations at the step's peak
         (``step_peak_bytes``); the native prediction's other bytes are added by ``price``."""
-        return step_peak_bytes(self.units.params, a, self.k, [k for k, _ in self.units.segments],
-                               self.seg_acts).total_bytes
+        return step_peak_bytes(self.units.params, a, self.k, self.seg_units, self.seg_acts,
+                               segment_inputs=self.seg_inputs).total_bytes
 
     def price(self, a) -> Priced:
         t = float(self.native.step_time_s) + self._schedule(a) - self.dp_sched
         m = float(self.native.memory_per_rank_bytes) - self.dp_mem + self._memory(a)
         return Priced(tuple(a), t, m)
+
+    def with_ac(self, a, limit: float | None) -> Priced:
+        """``a`` priced, with activation checkpointing on the fewest units that make it fit
+        ``limit`` (``decomp.fsdp``, "Choosing": the shortest prefix of ``ac_order`` that fits,
+        by bisection); ``a`` itself when it fits or no unit can take AC; AC on every unit that
+        can when none fits (the least memory)."""
+        p = self.price(a)
+        if limit is None or p.memory_bytes <= limit:
+            return p
+        can = [u for u, s in enumerate(a) if u != 0 and s is not None and s.engine != DDP_ZERO]
+        order = ac_order(can, self.seg_units, self.seg_acts, self.seg_inputs, self.times)
+        if not order:
+            return p
+
+        def take(m: int) -> Priced:
+            on = set(order[:m])
+            return self.price(tuple(dataclasses.replace(s, ac=True) if u in on else s for u, s in enumerate(a)))
+        lo, hi = 0, len(order)          # take(lo) does not fit; find the least m that does
+        best = take(hi)
+        if best.memory_bytes > limit:
+            return best
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            q = take(mid)
+            if q.memory_bytes <= limit:
+                hi, best = mid, q
+            else:
+                lo = mid
+        return best
 
     def zero1(self):
         """The plan-wide ZeRO-1 assignment, or None when a unit's gradient group is not the world
@@ -248,13 +306,14 @@ def _batch_norm_problem(table) -> str | None:
 
 
 def _fastest(pricer: "_Pricer", limit: float | None) -> Priced | None:
-    """The fastest assignment that fits ``limit`` (none fitting: the one of least memory); None
-    when no unit can be sharded."""
+    """The fastest assignment that fits ``limit`` (none fitting: the one of least memory), each
+    with activation checkpointing where it needs it to fit (``_Pricer.with_ac``); None when no
+    unit can be sharded."""
     best = None
     for a in pricer.assignments():
         if all(s is None for s in a):
             continue
-        p = pricer.price(a)
+        p = pricer.with_ac(a, limit)
         fits = limit is None or p.memory_bytes <= limit
         key = (not fits, p.step_time_s if fits else p.memory_bytes)
         if best is None or key < best[0]:
@@ -381,9 +440,11 @@ def describe(names, a) -> str:
         return f"all {len(a)} units ZeRO-1 (DDP + ZeroRedundancyOptimizer over dp{a[0].dp})"
     n3 = sum(1 for s in a if s is not None and s.level == 3)
     n2 = sum(1 for s in a if s is not None and s.level == 2)
+    nac = sum(1 for s in a if s is not None and s.ac)
     tp = max((s.tp for s in a if s is not None), default=1)
     mesh = f" on (dp {a[0].dp if a[0] else '?'} x tp {tp})" if tp > 1 else ""
-    return f"{n3} unit(s) ZeRO-3, {n2} ZeRO-2, {len(a) - n3 - n2} data parallel of {len(a)}{mesh}"
+    ac = f", activation checkpointing on {nac}" if nac else ""
+    return f"{n3} unit(s) ZeRO-3, {n2} ZeRO-2, {len(a) - n3 - n2} data parallel of {len(a)}{mesh}{ac}"
 
 
 @register_strategy
