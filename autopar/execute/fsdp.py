@@ -3,7 +3,8 @@
 
 On every rank of the world, in this order (each step collective):
 
-1. validation in ``opts.validate_dtype``: the plan (FSDP2 per unit as plan.json says) on the
+1. validation in ``opts.validate_dtype``: the plan (FSDP2 per unit as plan.json says, activation
+   checkpointing on the units whose decision has ``ac``: ``runtime.fsdp.checkpoint_unit``) on the
    rank's block of samples against one process on the whole batch (every rank computes the
    reference): the rank's output block, the loss (the mean of the ranks' block means), every
    gradient (``full_tensor``) and every parameter after one SGD step (``opts.lr``,

@@ -207,7 +207,8 @@ def _refuse_non_elementwise(optimizer, args, kwargs):
 
 def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
     """``autopar.parallelize`` of a sharded plan: the user's module itself on FSDP2, units as
-    plan.json says (``runtime.fsdp.parallelize``), trainable in the user's loop (any elementwise
+    plan.json says (``runtime.fsdp.parallelize``; a unit with ``ac`` checkpointed, its forward run
+    again in backward, parameter names unchanged), trainable in the user's loop (any elementwise
     optimizer (a ZeRO-1 plan: ``model.make_optimizer(torch.optim.AdamW, lr=...)``, torch's
     ``ZeroRedundancyOptimizer``; a plain one is refused at its first step, named),
     ``autopar.train.clip_grad_norm_``, schedulers, ``set_requires_gradient_sync`` for
