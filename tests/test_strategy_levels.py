@@ -21,7 +21,7 @@ MLP = (Path(__file__).parent / "toys" / "mlp.py").read_text()
 
 
 def test_registry_holds_both_levels_and_the_plan_level_offer_skips_job_strategies(monkeypatch):
-    import autopar.planner.strategies as seam
+    import autopar.planner.strategies.registry as seam   # where offer_all reads STRATEGIES
     levels = {n: level_of(s) for n, s in STRATEGIES.items()}
     assert {n for n, lv in levels.items() if lv == "plan"} >= {"op_by_op", "native", "graphs", "sharded", "stages"}
     assert {n for n, lv in levels.items() if lv == "job"} == {"padding_buckets", "trainers"}

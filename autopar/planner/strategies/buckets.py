@@ -27,7 +27,7 @@ from ...cost.graph_sizes import load_graph_sizes
 from ...errors import AutoparError
 from ...modelfile import load_model_file, model_env
 from ..load import load_calibration
-from . import Candidate, LevelPrediction, register_strategy
+from .registry import Candidate, LevelPrediction, register_strategy
 
 NAME = "padding_buckets"
 PER = "the whole training: steps x expected step + shape setup"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...cost.native import RuntimeChoice, choose_runtime, layer_gaps_s, native_choice
 from ...cost.table import evaluate, plan_grad_reducer_s
-from . import Candidate, register_strategy
+from .registry import Candidate, register_strategy
 
 NAME = "native"
 NO_PLAN = "no native data-parallel plan: some layer cannot take sample over the whole world"

@@ -3,7 +3,7 @@ by op by the traced runtime: the candidate every other strategy is compared with
 
 from __future__ import annotations
 
-from . import Candidate, register_strategy
+from .registry import Candidate, register_strategy
 
 NAME = "op_by_op"
 

@@ -41,7 +41,7 @@ from ...cost.stages import planned_cut_s
 from ...decomp.stages import (SCHEDULES, CutValue, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
                               plan_cut, plan_cuts)
 from ...errors import InfeasiblePlan, PipelineError
-from . import Candidate, register_strategy
+from .registry import Candidate, register_strategy
 
 NAME = "stages"
 _BLOCK = re.compile(r"^(?:.*\.)?(blocks|h|layers)\.(\d+)(?:\.|$)")

@@ -29,7 +29,7 @@ from ...tournament.pricing import (IngestionModel, TournamentPlanResult, Trainer
                                    divisors, model_buffers, price_trainers, sample_bytes_of)
 from ..load import load_calibration
 from ..write import default_plan_dir, rel_path, write_module, write_plan_file
-from . import Candidate, LevelPrediction, choose, register_strategy, why_none_fits
+from .registry import Candidate, LevelPrediction, choose, register_strategy, why_none_fits
 
 NAME = "trainers"
 PER = "sample of the whole job (1 / predicted samples per second)"
