@@ -215,9 +215,52 @@ def split_output(out) -> tuple[Any, list[Any], list[str]]:
     kept; any other object (a key/value cache such as ``DynamicCache``) becomes None: the
     training step is traced with the loss fed this structure, so a loss that reads a dropped
     part fails at plan time, on its own line, and the distributed model returns the same
-    structure (``runtime.model.rebuild_output``)."""
+    structure (``rebuild_output``)."""
     import torch
     import torch.utils._pytree as pytree
     flat, spec = pytree.tree_flatten_with_path(out)
     leaves = [v if isinstance(v, (torch.Tensor, *_CONSTANT_LEAF)) else None for _, v in flat]
     return spec, leaves, [pytree.keystr(p) or "output" for p, _ in flat]
+
+
+def output_structure(model, graph):
+    """(pytree spec, leaves, index of the traced output tensor among them) of what ``model``
+    returns, found by running it on meta tensors (nothing is allocated), or None when the model
+    returns a plain tensor (or its structure cannot be found: then the tensor is returned).
+    Other tensors and non-constant objects (a key/value cache) are None in the rebuilt
+    structure (``split_output``): the planned training step computes only what the loss reads.
+    ``graph``: the traced ``LayerGraphData``. Here, beside ``split_output``, because the planner
+    (the loss fed to the trace) and the runtime (the distributed model's output) both read it;
+    torch is imported on first use."""
+    import torch
+    from torch.func import functional_call
+    try:
+        meta = {k: torch.empty_like(v, device="meta") for k, v in
+                list(model.named_parameters()) + list(model.named_buffers())}
+        xs = [torch.empty(gi.shape, dtype=getattr(torch, gi.dtype, torch.float32), device="meta")
+              for gi in graph.inputs]
+        with torch.no_grad():
+            out = functional_call(model, meta, tuple(xs), strict=False)
+    except Exception:
+        return None
+    if isinstance(out, torch.Tensor):
+        return None
+    spec, leaves, _ = split_output(out)   # a cache object (DynamicCache) becomes None, as traced
+    idx = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if len(idx) > 1:                      # several tensors: the one of the traced output's shape
+        want = tuple(graph.value_shape(graph.output))
+        idx = [i for i in idx if tuple(leaves[i].shape) == want]
+    if len(idx) != 1:
+        return None
+    return spec, [None if isinstance(v, torch.Tensor) else v for v in leaves], idx[0]
+
+
+def rebuild_output(structure, tensor):
+    """``tensor`` in the structure ``output_structure`` found (itself when that is None)."""
+    if structure is None:
+        return tensor
+    import torch.utils._pytree as pytree
+    spec, leaves, i = structure
+    leaves = list(leaves)
+    leaves[i] = tensor
+    return pytree.tree_unflatten(leaves, spec)

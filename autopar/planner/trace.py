@@ -10,6 +10,7 @@ from typing import Any
 from ..decomp.tensor_parallel.cross_entropy import loss_is_cross_entropy
 from ..decomp.tensor_parallel.detect import attention_modules, mlp_modules
 from ..io import atomic_write_json, read_json
+from ..modelfile import output_structure, rebuild_output
 from ..ops import describe_unregistered
 from ..trace.cache import cache_dir, trace_cached, trace_key
 from ..trace.tracer import STEP_TRACER
@@ -92,8 +93,6 @@ def vocab_loss_output(mf, graph, batch_size: int) -> str | None:
         # the model returns a structure (a ModelOutput) and the loss reads the logits from it:
         # feed the loss the same structure, found on a model built on the meta device
         import torch
-
-        from ..runtime.model import output_structure, rebuild_output
         try:
             with torch.device("meta"):
                 structure = output_structure(mf.build_model(), graph)

@@ -7,8 +7,9 @@ when no layer is pinned and the kinds allow it; forced by ``--kinds graphs`` or 
 from __future__ import annotations
 
 from ...cost.graphs import graphs_alternative
+from ...decomp.graph.split import largest_shares
 from ...errors import AutoparError
-from . import Candidate, best, register_strategy
+from .registry import Candidate, best, register_strategy
 
 NAME = "graphs"
 
@@ -22,7 +23,6 @@ def _example_shares(mf, batch_size: int, world: int):
     """The largest rank's node / edge fractions of the model file's example batch under the
     graph split (imports the model file and torch, only when a PyG batch is priced)."""
     def shares(roles):
-        from ...runtime.graphs import largest_shares
         return largest_shares(roles, list(mf.example_inputs(batch_size)), world)
     return shares
 
