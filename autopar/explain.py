@@ -39,6 +39,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import AutoparError
+from .artifacts import load_plan
+from .cost.table import build_cost_table, evaluate, pricing_profile, tied_choice_sets
+from .decomp import REGISTRY, decomposition_from_json  # noqa: F401  (registers every kind)
+from .decomp.base import CostContext
+from .planner.load import with_shapes
+from .profile import load_profile
+from .profile.shapes import cache_path, load_cache
 
 #: a re-priced total within this relative difference of the recorded one matches
 MATCH_RTOL = 1e-6
@@ -145,8 +152,6 @@ def _loss_output(plan) -> str | None:
 def _kinds(plan) -> list[str] | None:
     """The decomposition kinds of every recorded candidate (``--kinds`` as planned); None when
     the plan records no candidates."""
-    from .decomp import decomposition_from_json  # noqa: F401  (registers every kind)
-    from .decomp import REGISTRY
     kinds = set()
     for d in plan.layers:
         for a in d.alternatives:
@@ -158,9 +163,6 @@ def _kinds(plan) -> list[str] | None:
 def reprice(plan, plan_path: str | Path):
     """(the cost table ``make_plan`` solved, re-built from the plan's record, or None, and where
     its prices come from or why they could not be re-computed). Starts no process."""
-    from .profile import load_profile
-    from .cost.table import build_cost_table, pricing_profile
-    from .decomp.base import CostContext
     path = _profile_path(plan, Path(plan_path))
     if path is None:
         return None, (f"the plan's profile {plan.calibration.path!r} is not here: the recorded "
@@ -173,7 +175,6 @@ def reprice(plan, plan_path: str | Path):
     shapes = plan.calibration.shapes or {}
     sod = plan.calibration.shapes_on_demand or {}
     if shapes.get("path"):                    # the shape file the plan was made with (--shapes)
-        from .planner.load import with_shapes
         try:
             profile, used = with_shapes(profile, shapes["path"])
             src += (f" and its shape file {used.path}" + ("" if used.sha256 == shapes.get("sha256") else
@@ -181,7 +182,6 @@ def reprice(plan, plan_path: str | Path):
         except AutoparError as e:
             src += f" without its shape file ({e})"
     elif sod.get("cached"):
-        from .calibrate.ondemand import cache_path, load_cache
         cached, why = load_cache(cache_path(path), profile.fingerprint)
         if cached and not why:
             profile = replace(profile, exact={**cached, **profile.exact})
@@ -237,7 +237,6 @@ def stale_layers(plan, table, choice: list[int]) -> list[int]:
 
 def _tie_blocked(table, choice: list[int], li: int) -> dict[int, str]:
     """{candidate of layer ``li``: why it breaks a tied parameter} against the plan's other layers."""
-    from .cost.table import tied_choice_sets
     out: dict[int, str] = {}
     for q, ways in tied_choice_sets(table):
         if not any(li in w for w in ways):
@@ -287,7 +286,6 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
                else _why_recorded(d, cands, plan))
         return Explanation(li, d.name, d.module, tuple(d.kinds), tuple(d.out_shape), d.choice, tuple(cands),
                            dict(d.illegal), (), source, False, tuple(notes), why)
-    from .cost.table import evaluate
     o = table.layers[li]
     limit = plan.solver.memory_limit_bytes
     blocked = _tie_blocked(table, choice, li) if choice is not None else {}
@@ -458,6 +456,5 @@ def format_explanation(ex: Explanation) -> str:
 def explain(plan_path: str | Path, layer: str | int) -> str:
     """``autopar explain``: load the plan (an older schema migrated, one this autopar cannot
     read refused naming the field) and explain ``layer``."""
-    from .artifacts import load_plan
     plan = load_plan(plan_path)
     return format_explanation(explain_layer(plan, plan_path, layer))

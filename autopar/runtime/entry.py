@@ -13,6 +13,8 @@ from ..artifacts import Plan, load_plan
 from ..decomp.rankmap import RankMap
 from ..modelfile import load_model_file
 from .comm import Comm
+from ..decomp.graph.inputs import check_edge_indices
+from .launch import init_from_env
 
 
 def read_plan(plan_file: str | Path) -> Plan:
@@ -52,7 +54,6 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     import torch.distributed as dist
     from ..train.api import parallelize
     from ..train.data import shard_batch
-    from .launch import init_from_env
 
     ap = argparse.ArgumentParser(description="autopar generated training loop (synthetic data)")
     ap.add_argument("--steps", type=int, default=5)
@@ -66,7 +67,6 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     dm = parallelize(model, plan_file, loss_fn=mf.loss_fn(), module_class=cls)
     opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)
     xs, ys = synthetic_batch(mf, plan.model.batch_size, args.seed + 1)
-    from ..decomp.graph.inputs import check_edge_indices
     check_edge_indices(plan.graph(), xs)   # a GNN batch's edges inside their graphs
     local, target = shard_batch(dm, xs, ys)
     times = []

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from ..decomp.rankmap import RankMap
 from ..errors import PlacementError, RankFailure
+from .memory import keep_freed_memory
 
 
 def free_port() -> int:
@@ -149,7 +150,6 @@ def _child(fn, rank, world, args, backend, port, threads, timeout_s, q, slot=Non
     _ENDS = None if ends is None else (ends, rank)
     slot = rank if slot is None else slot
     torch.set_num_threads(threads)
-    from .memory import keep_freed_memory
     keep_freed_memory()     # a step's freed tensors stay mapped for the next (runtime.memory)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
@@ -331,7 +331,6 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0,
                 kw = {"rank": placement.logical(int(os.environ["RANK"])), "world_size": world}
         if backend == "nccl" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        from .memory import keep_freed_memory
         keep_freed_memory()     # as in the ranks run_ranks starts (runtime.memory)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kw)
     return dist.get_rank(), dist.get_world_size()

@@ -33,13 +33,19 @@ from ..artifacts import Plan, plan_from_decisions
 from ..decomp.base import Decomposition, ParamShard
 from ..decomp.ir import LayerGraphData, OpSpec
 from ..decomp.sharding import Sharding, from_splits, loss_sharding_for
-from .comm import Comm, local_slice
-from .ops import _BN
+from .comm import assemble, Comm, local_slice
+from .ops import BatchNormRuntime, _BN, call_local
 from .redistribute import redistribute
 from .gradsync import DEFAULT_BUCKET_CAP_BYTES, GradSync, layer_buckets
 from .native import build_native, graph_parallel
 from .structure import (_safe, map_output_tensor, output_structure, output_tensor,  # noqa: F401  (re-exported)
                         rebuild_output)
+from ..decomp.graph.graphs import graph_roles
+from ..decomp.redistribute import COLLECTIVES
+from ..decomp.transition import plan_layouts
+from ..errors import PlanFileError
+from .graphs import assemble_graph_grad, split_graph_batch
+from .layers.cross_entropy import VocabLoss
 
 
 class LayerTimer:
@@ -89,8 +95,6 @@ def plan_partitions(graph: LayerGraphData, decisions: dict[int, Decomposition],
     decomposition's own groups, and the collectives of every transition between layers (and
     of the output's move to the loss layout). Pure: the runner asks it for each plan of a run
     set, to create every group of every plan up front."""
-    from ..decomp.redistribute import COLLECTIVES
-    from ..decomp.transition import plan_layouts
 
     parts: list[list[list[int]]] = []
     for sh in param_shards(graph, decisions).values():
@@ -141,7 +145,6 @@ class DistModel(nn.Module):
         self.comm = comm or Comm.from_env(ranks=plan.mesh.ranks)
         world = self.comm.world
         if plan.world_size != world:
-            from ..errors import PlanFileError
             raise PlanFileError(f"plan was made for world size {plan.world_size}, running at {world}",
                                 f"re-plan with --world-size {world}")
         self.graph = plan.graph()
@@ -158,7 +161,6 @@ class DistModel(nn.Module):
         self.timer: LayerTimer | None = None
         # batch-norm statistics the plan was made for (``decomp.bn``); local ones defer the
         # running statistics' update to ``flush_batch_norm`` (one all-reduce when read)
-        from .ops import BatchNormRuntime
         self.bn_stats = plan.bn_stats()
         self.bn_runtime = (BatchNormRuntime(self.bn_stats, int(plan.model.batch_size or self.graph.batch_size))
                            if self.bn_stats.local else None)
@@ -210,8 +212,6 @@ class DistModel(nn.Module):
         # the user's module run natively (there is no op-by-op path for it)
         self._graph_roles = self._graph_shard = None
         if graph_parallel(self.decisions) is not None:
-            from ..decomp.graph.graphs import graph_roles
-            from ..errors import PlanFileError
             self._graph_roles, why = graph_roles(self.graph)
             if self._graph_roles is None or self._native is None:
                 raise PlanFileError(f"a graph-parallel plan cannot run here: {why or self.native_off_reason}",
@@ -312,7 +312,6 @@ class DistModel(nn.Module):
         The deferred running statistics stay deferred (``flush_batch_norm``)."""
         if not self.training:
             return
-        from .ops import call_local
         for op in self.buffer_updates:
             call_local(op, [], {}, self.bufs)
 
@@ -357,7 +356,6 @@ class DistModel(nn.Module):
         vl = self._vocab_loss()
         if vl is None:
             return contextlib.nullcontext()
-        from .layers.cross_entropy import VocabLoss
         return VocabLoss(vl[1], self.comm.group(vl[0]))
 
     def loss_replicas(self) -> int:
@@ -368,7 +366,6 @@ class DistModel(nn.Module):
 
     def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self._graph_roles is not None:     # whole graphs per rank (``runtime.graphs``)
-            from .graphs import split_graph_batch
             local, _, self._graph_shard = split_graph_batch(self._graph_roles, full_inputs, None,
                                                             self.comm.rank, self.comm.world)
             return local
@@ -377,10 +374,8 @@ class DistModel(nn.Module):
 
     def assemble_input_grad(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """The whole gradient of graph input ``name`` from every rank's block (collective)."""
-        from .comm import assemble
         shape = next(gi.shape for gi in self.graph.inputs if gi.name == name)
         if self._graph_roles is not None and self._graph_shard is not None:
-            from .graphs import assemble_graph_grad
             i = next(k for k, gi in enumerate(self.graph.inputs) if gi.name == name)
             full = assemble_graph_grad(self._graph_roles, i, grad, shape, self._graph_shard)
             return self.comm.all_reduce_(full)

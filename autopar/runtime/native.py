@@ -96,6 +96,9 @@ from torch import nn
 
 from ..errors import AutoparError
 from .structure import _safe, map_output_tensor, output_tensor
+from ..decomp.graph.graphs import graph_roles
+from ..decomp.ir import not_data_parallel
+from .graphs import graph_rows
 
 #: the engines of a pure data-parallel plan (module docstring, "Engines")
 TORCH_DDP, AUTOPAR_NATIVE = "torch-ddp", "autopar-native"
@@ -198,7 +201,6 @@ def _meta_inputs(model: nn.Module, graph, world: int) -> list[torch.Tensor]:
     module's floating parameters (``execute`` validates in float64 a model traced in float32).
     The inputs of a PyG batch (``decomp.graph.graphs.graph_roles``: nodes and edges along dim 0,
     ``edge_index [2, E]`` along dim 1) are cut along their item dim, others along dim 0."""
-    from ..decomp.graph.graphs import graph_roles
     fdt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     items = {}
     if graph_roles(graph)[0] is not None:
@@ -241,7 +243,6 @@ def why_not_native(graph, decisions: dict, world: int, bn_stats, model: nn.Modul
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
                 return f"batch norm {type(m).__name__} under graph parallelism (statistics per rank)"
         return None
-    from ..decomp.ir import not_data_parallel
     why = not_data_parallel(graph, decisions, world)
     if why is not None:
         return why
@@ -542,7 +543,6 @@ def build_native(dm, model: nn.Module, batch: int, allowed: bool | None = None
     rows = None
     b = graph_parallel(dm.decisions)
     if b is not None:
-        from .graphs import graph_rows
         world = dm.comm.world
         rows = lambda out: graph_rows(out, b, world)  # noqa: E731
     return NativeDataParallel(dm, model, names, out_rows=rows), None

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Comm
+from ..decomp.sharding import Sharding
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,7 +205,6 @@ def run_batch_norm(op: Any, inputs: Sequence[torch.Tensor], params: dict[str, to
         op.args, dict(zip(op.inputs, inputs)), params, buffers)[:8]
     rt = _BN.get()
     if rt is not None and rt.stats.local and training:
-        from ..decomp.sharding import Sharding
         lay = layout if layout is not None else Sharding()
         # the ranks holding other spatial blocks of the same samples (and channels)
         agg = lay.split_group([d for d in lay.shard_dims if d >= 2], comm.rank, comm.world)

@@ -47,6 +47,7 @@ from .comm import reduce_scatter_along as _rs
 from ..decomp.redistribute import (AllGather, AllReduce, AllToAll, MeshSend, Pad, ReduceScatter,
                                    Slice, Step, ToPartial, Transfer, Unpad, plan_redistribution,
                                    transfer_bytes, transfer_plan, valid_shape)
+from ..decomp.transition import plan_layouts
 
 __all__ = ["redistribute", "redistribute_spec", "redistribute_across", "run_steps", "Transfer",
            "transfer_plan", "transfer_bytes", "RedistributionError"]
@@ -224,7 +225,6 @@ def redistribute(x: torch.Tensor, src: Sharding, dst: Sharding, shape: Sequence[
     blocks, none into a ``HaloShard`` over the same blocks)."""
     if src.owned() == dst.owned():
         return x
-    from ..decomp.transition import plan_layouts
     return run_steps(x, plan_layouts(src, dst, tuple(int(s) for s in shape), comm.world), comm)
 
 

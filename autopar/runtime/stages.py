@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decomp.stages import CutPlan, StageLayout
+from ..decomp.stages import CutPlan, SCHEDULES, StageLayout
 from ..errors import PipelineError
 from .launch import raise_peer_failure
 
@@ -303,7 +303,6 @@ def make_groups(layout: StageLayout, rank: int) -> StageGroups:
 
 def _schedule_class(name: str):
     from torch.distributed.pipelining import schedules as sch
-    from ..decomp.stages import SCHEDULES
     return getattr(sch, SCHEDULES[name][0])
 
 

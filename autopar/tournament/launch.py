@@ -24,13 +24,13 @@ from typing import Any, Callable
 
 from ..errors import RankFailure
 from ..runtime.launch import free_port
+from ..runtime.memory import keep_freed_memory
 
 
 def _child(fn, rank, world, args, port, threads, timeout_s, conn):  # pragma: no cover - in child
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
-    from ..runtime.memory import keep_freed_memory
     keep_freed_memory()     # as in the ranks runtime.launch.run_ranks starts
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -54,6 +54,8 @@ from typing import Any
 
 from ..artifacts import TOURNAMENT_EXCHANGES, Plan
 from ..errors import AutoparError
+from ..cost.primitives import insitu_latency_s
+from ..decomp.ir import DTYPE_BYTES
 
 
 class TrainersError(AutoparError):
@@ -220,7 +222,6 @@ def state_bytes_per_rank(plan: Plan, exchange: str = "weights", optimizer_state_
             tot += math.prod(local) * item
         per_rank.append(tot)
     mult = 1.0 + (optimizer_state_per_param if exchange == "weights+optimizer" else 0.0)
-    from ..decomp.ir import DTYPE_BYTES
     buffers = graph_buffers(plan) if buffers is None else buffers
     buf_bytes = sum(numel * (_FLOAT_BYTES[dtype] if (dtype and bdt in _FLOAT_BYTES) else DTYPE_BYTES.get(bdt, 4))
                     for numel, bdt in buffers.values())
@@ -251,7 +252,6 @@ def price_trainers(plan: Plan, trainers: int, profile, opts: TournamentOptions, 
     state = state_bytes_per_rank(plan, opts.exchange, optimizer_state_per_param, buffers=buffers)
     world = T * n
     level = "inter" if (world > ranks_per_node and T > 1) else "intra"
-    from ..cost.primitives import insitu_latency_s
     on_node = min(world0, ranks_per_node)
 
     def exchange_time_s(nbytes: float) -> float:

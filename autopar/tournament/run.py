@@ -36,6 +36,10 @@ from ..artifacts import TrainerPrediction, load_plan
 from ..errors import AutoparError, ValidationFailed
 from ..io import atomic_write_json, atomic_write_text
 from .runtime import Board, TournamentRunOptions, trainer_rank_main
+from ..execute.files import check_plan_files
+from ..execute.validate import DEFAULT_TOL
+from .launch import run_trainers
+from .simulate import simulate
 
 TOURNAMENT_RUN_SCHEMA = "autopar.tournament-run/1"
 
@@ -56,7 +60,6 @@ def execute_tournament(plan_path: str | Path, opts: TournamentRunOptions, out_di
                        progress=print, validate: bool = True, rtol: float | None = None) -> tuple[dict[str, Any], Path]:
     """Run a tournament plan and validate it against its simulation, every tensor within
     ``rtol`` (None: the run dtype's, ``execute.validate.DEFAULT_TOL``) of its scale."""
-    from ..execute.files import check_plan_files
 
     plan_path = Path(plan_path)
     plan = load_plan(plan_path)
@@ -81,7 +84,6 @@ def _run_and_report(plan_path: Path, plan, level, module_path, opts: TournamentR
                     board_dir: str, progress, validate: bool, rtol: float) -> tuple[dict[str, Any], Path]:
     """``execute_tournament`` past its checks: run the trainers on ``board_dir``, then write
     the run, its report and its plot to ``out``."""
-    from .launch import run_trainers
     world = level.world_size
     board = Board(board_dir)
     t0 = time.perf_counter()
@@ -216,8 +218,6 @@ def _validate(plan, plan_path, opts, results, rounds_log, rtol) -> dict[str, Any
     surviving set when a trainer was killed)."""
     import torch
 
-    from .simulate import simulate
-    from ..execute.validate import DEFAULT_TOL
     rtol_d, atol = DEFAULT_TOL.get(opts.dtype, DEFAULT_TOL["float64"])
     rtol = rtol_d if rtol is None else rtol
     ref = simulate(plan, plan_path, opts)

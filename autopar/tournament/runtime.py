@@ -47,7 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..artifacts import Plan, TrainerLevel
+from ..artifacts import load_plan, Plan, TrainerLevel
+from ..modelfile import load_model_file
+from ..runtime.comm import assemble, Comm, create_groups, _GROUPS
+from ..runtime.entry import build_user_model
+from ..runtime.model import plan_groups
 
 
 # ---- pairing and decisions (pure) --------------------------------------------------------------
@@ -230,7 +234,6 @@ def exchange_groups(level: TrainerLevel) -> list[tuple[int, int]]:
 
 
 def all_groups(plan: Plan) -> list[tuple[int, ...]]:
-    from ..runtime.model import plan_groups
     level = plan.trainers
     out = [g for t in range(level.trainers) for g in plan_groups(plan, level.trainer_ranks(t))]
     return out + exchange_groups(level)
@@ -292,7 +295,6 @@ def evaluate(dm, comm, mf, data: TrainerData, B: int, metric: str, loss_fn, dtyp
     """The metric of ``dm``'s current weights on the tournament set (no gradients; buffers left
     as they were). Collective over the trainer's mesh; the same value on every rank of it."""
     import torch
-    from ..runtime.comm import assemble
     dm.flush_batch_norm()     # nothing pending from training: only this evaluation's, discarded below
     saved = {q: b.detach().clone() for q, b in dm.bufs.items()}
     nb = len(data.tour_inputs[0]) // B
@@ -348,7 +350,6 @@ def trainer_rank_main(rank: int, world: int, plan_path: str, module_path: str, b
                       opts: TournamentRunOptions) -> dict[str, Any]:
     """One rank of one trainer: every group up front, then ``rounds`` x (interval steps, a
     tournament); returns its records (and, on mesh rank 0, the final full parameters)."""
-    from ..artifacts import load_plan
     level = load_plan(plan_path).trainers
     n = level.ranks_per_trainer
     t = rank // n
@@ -366,11 +367,6 @@ def trainer_rank_main(rank: int, world: int, plan_path: str, module_path: str, b
 def _trainer(rank, t, plan_path, module_path, board, opts, state) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-
-    from ..artifacts import load_plan
-    from ..runtime.comm import _GROUPS, Comm, create_groups
-    from ..runtime.entry import build_user_model
-    from ..modelfile import load_model_file
 
     plan = load_plan(plan_path)
     level = plan.trainers

@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 import random
 from typing import Any
+from ..execute.validate import ghost_batch_norm
+from ..runtime.entry import build_user_model
 
 
 # ---- the rules, written for the reference -------------------------------------------------------
@@ -120,7 +122,6 @@ def _state(model, opt, exchange: str) -> list:
 def _metric(model, mf, tour_x, tour_y, B, metric, loss_fn, dtype, bn_group) -> float:
     import torch
 
-    from ..execute.validate import ghost_batch_norm
     saved = [b.detach().clone() for _, b in model.named_buffers()]
     losses, outs = [], []
     with torch.no_grad(), ghost_batch_norm(bn_group):
@@ -149,8 +150,6 @@ def simulate(plan, plan_path, opts) -> dict[str, Any]:
     round, and the records of every round (trainer, partner, metrics, winner)."""
     import torch
 
-    from ..execute.validate import ghost_batch_norm
-    from ..runtime.entry import build_user_model
 
     level = plan.trainers
     T, B, I = level.trainers, plan.model.batch_size, level.interval_steps

@@ -55,6 +55,12 @@ from ..errors import AutoparError, PlanFileError
 from ..runtime.native import use_engine
 from .mismatch import ModelMismatch, first_of, mismatches  # noqa: F401  (ModelMismatch re-exported)
 from .stages import PipelineModule
+from ..io import sha256_file
+from ..modelfile import default_loss, load_model_file, model_env
+from ..runtime.comm import Comm
+from ..runtime.launch import init_from_env
+from ..runtime.model import _safe
+from .checkpoint import load_sharded_state_dict, sharded_state_dict
 
 class _GlobalLoss(torch.autograd.Function):
     """forward: the sum of every rank's share over the mesh (the single-process loss);
@@ -104,7 +110,6 @@ class ParallelModule:
         # ``.to()`` / ``.double()`` replace buffer tensors; the runtime reads them through
         # ``self.bufs``, which must follow (parameters are converted in place)
         out = super()._apply(fn, *args, **kwargs)
-        from ..runtime.model import _safe
         self.bufs = {q: getattr(self, _safe(q)) for q in self.bufs}
         return out
 
@@ -190,13 +195,11 @@ class ParallelModule:
     def state_dict(self, *args, **kwargs) -> dict[str, Any]:
         """Single-process names -> this rank's part: ready for ``torch.distributed.checkpoint``
         (``dcp.save(dmodel.state_dict(), ...)``; ``checkpoint.sharded_state_dict``)."""
-        from .checkpoint import sharded_state_dict
         return sharded_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """After ``dcp.load(sd, ...)`` into ``sd = dmodel.state_dict()``, or with a full
         single-process state dict: every rank gets its part (collective)."""
-        from .checkpoint import load_sharded_state_dict
         load_sharded_state_dict(self, state_dict)
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
@@ -295,7 +298,6 @@ def check_model(model: nn.Module, plan: Plan) -> None:
 def _model_file_loss(plan: Plan, plan_path: Path) -> tuple[Callable[..., torch.Tensor], tuple[int, ...] | None]:
     """(the model file's loss, the shape of its ``example_targets`` at the plan's batch size,
     made on the meta device: what the plan's loss was traced with; None when unknown)."""
-    from ..modelfile import default_loss, load_model_file
     mp = plan.model_file(plan_path)
     if mp.is_file():
         try:
@@ -315,7 +317,6 @@ def _model_file_loss(plan: Plan, plan_path: Path) -> tuple[Callable[..., torch.T
 
 def check_model_file(plan: Plan, plan_path: Path) -> None:
     """The plan's model file, where it still exists, must be unchanged since planning."""
-    from ..io import sha256_file
     mp = plan.model_file(plan_path)
     if plan.model.sha256 and mp.is_file() and sha256_file(mp) != plan.model.sha256:
         raise PlanFileError(f"the model file {mp} changed since plan {plan_path} was made "
@@ -343,8 +344,6 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
     """
     import torch.distributed as dist
 
-    from ..runtime.comm import Comm
-
     plan_path = Path(plan)
     p = load_plan(plan_path)
     initialised = dist.is_available() and dist.is_initialized()
@@ -368,7 +367,6 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=comm.global_rank(0), group=comm.mesh_group)
     if p.runtime is not None and p.runtime.expected == "stages":      # pipeline stages (issue 41)
-        from ..modelfile import load_model_file, model_env
         with model_env(p.model_env()):
             mf = load_model_file(p.model_file(plan_path))
         x = mf.example_inputs(p.model.batch_size)[0]
@@ -389,6 +387,5 @@ def init_distributed(plan: str | Path, backend: str | None = None, timeout_s: fl
     """Initialise torch.distributed from torchrun's environment with the plan's rank placement
     (the process torchrun calls RANK p joins as the plan's logical rank); returns (rank, world).
     A no-op returning the current (rank, world) when a group exists."""
-    from ..runtime.launch import init_from_env
     p = load_plan(plan)
     return init_from_env(backend=backend, timeout_s=timeout_s, placement=p.placement())

@@ -51,6 +51,8 @@ import torch.distributed as dist
 from ..errors import AutoparError
 from .mismatch import FIRST_MISMATCHES, ModelMismatch, first_of, mismatches
 from .stages import PipelineModule, load as stages_load, save as stages_save
+from ..io import atomic_write_text
+from .optim import check_optimizer
 
 FORMAT = "autopar.checkpoint/1"
 LATEST = "LATEST"
@@ -286,7 +288,6 @@ def save(path: str | Path, dmodel, optimizer=None, extra: dict[str, Any] | None 
     _need_default_group(dmodel)
     import torch.distributed.checkpoint as dcp
 
-    from .optim import check_optimizer
     if optimizer is not None:
         check_optimizer(optimizer)
     path = Path(path)
@@ -313,7 +314,6 @@ def _pipeline_optimizer_entries(dmodel: PipelineModule, optimizer) -> dict[str, 
     groups' parameter names gathered from every stage (hyper-parameters must agree)."""
     if optimizer is None:
         return {}
-    from .optim import check_optimizer
     check_optimizer(optimizer)
     quals = {id(p): q for q, p in dmodel.named_parameters()}
     groups = []
@@ -399,7 +399,6 @@ def _commit(path: Path, name: str) -> None:
     """Point ``LATEST`` at ``name`` atomically, then remove every other data directory."""
     import shutil
 
-    from ..io import atomic_write_text
     atomic_write_text(path / LATEST, name + "\n")
     for d in path.iterdir():
         if d.is_dir() and d.name.startswith("ckpt-") and d.name != name:

@@ -45,6 +45,7 @@ import torch
 
 from ..decomp.sharding import Shard, Sharding
 from ..errors import AutoparError
+from ..runtime.model import target_rows
 
 
 class BatchMismatch(AutoparError, ValueError):
@@ -124,7 +125,6 @@ class BatchSharding:
     def target_samples(self) -> slice:
         """This rank's rows of the target, of any shape (module docstring): the dim-0 block of
         the loss layout on the output."""
-        from ..runtime.model import target_rows
         shape = list(self.output_shape or (self.batch_size,))
         # a sharding built by hand knows dim 0 only: the other split dims get extents that any
         # split divides (only dim 0's bounds are read)

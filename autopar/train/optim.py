@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from ..errors import AutoparError
 
 #: optimizers whose update is not elementwise (wrong on shards)
 NON_ELEMENTWISE = ("LBFGS",)
@@ -34,7 +35,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer known not to be elementwise (module docstring)."""
     name = type(optimizer).__name__
     if name in NON_ELEMENTWISE:
-        from ..errors import AutoparError
         raise AutoparError(f"{name} is not elementwise: on sharded parameters it computes another "
                            f"update than one process", "use SGD, Adam, AdamW or another elementwise optimizer")
 

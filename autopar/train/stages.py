@@ -35,6 +35,7 @@ from ..artifacts import Plan
 from ..decomp.stages import StageLayout
 from ..errors import AutoparError, PlanFileError
 from ..runtime.stages import build_runner, shard_of
+from ..io import atomic_write_text
 
 
 class PipelineModule(nn.Module):
@@ -114,7 +115,6 @@ def save(path: str | Path, dmodel: PipelineModule, entries: dict[str, Any] | Non
     tensors); ``path/LATEST`` names the data directory (written last, by rank 0). Collective."""
     import torch.distributed.checkpoint as dcp
 
-    from ..io import atomic_write_text
     path = Path(path)
     name = [f"ckpt-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)
