@@ -2,8 +2,12 @@
 (``benchmarks/models/llama8b.py``: hidden 4096, 32 layers, GQA 32/8, SwiGLU 14336, vocabulary
 128256, sequence 8192, bfloat16) planned by ``make_plan`` at 8 to 512 GPUs (8 per node), local
 batch 1 sequence per GPU, AdamW (2 state copies), per-layer kinds sample/replicate plus the
-plan-level ``sharded`` strategy, no memory limit (the chooser takes the fastest); its predicted
-throughput and MFU beside published torchtitan figures. A pure prediction: no process starts.
+plan-level ``sharded`` strategy, under a memory limit of 80 GiB per GPU (``MEMORY_LIMIT_BYTES``:
+the A100 80 GB's 81,920 MiB; for H100 the same 80 GiB, the SXM part the H100 profile models,
+not the 96 GB parts of torchtitan's H100 runs: a stricter limit than theirs), so that the chosen
+plan fits the GPU and takes activation checkpointing (AC) on the blocks that need it
+(``decomp.fsdp``, "Activation checkpointing"); its predicted throughput and MFU beside published
+torchtitan figures. A pure prediction: no process starts.
 
 Profiles (both derived, neither measured):
 * A100: ``calibration/datasheet-a100-cluster.json`` with matmul and attention at the bf16
@@ -32,12 +36,21 @@ Hugging Face Llama traces its attention as many layers (no 4-projection attentio
 ``head``) and its SwiGLU MLP multiplies two column-split values, which no decomposition here keeps
 feature-split, so ``planner.strategies.sharded.tensor_layout`` finds no layer DTensor's styles run
 (the candidate would be refused saying so) and the tensor kinds are left out to keep the solve small
-at 512 ranks. Every row is therefore 1-D sharding (FSDP2 / ZeRO-1 over the native plan); the memory
-column (no activation checkpointing) is above 80 GB at every world, as before.
-Where the configurations differ: autopar prices no activation checkpointing (so its memory is far
-above 80 GB and its step has no recomputation: its FLOP count is 3 passes where torchtitan's
-selective AC recomputes some), no torch.compile, no mixed-precision master weights (bf16 state),
-local batch 1 on H100 where torchtitan's Table 1 used 2.
+at 512 ranks. Every row is therefore 1-D sharding (FSDP2 / ZeRO-1 over the native plan).
+Where the configurations differ: autopar prices full AC per transformer block (the whole block's
+forward run again in backward, on the blocks the limit needs), torchtitan's runs used selective
+AC (op-level: only some ops' outputs recomputed, so less recompute and more memory than full AC
+on the same block); the MFU here counts model FLOPs (6 N + 12 L h s per token), not the
+recompute, as torchtitan's does. No torch.compile, no mixed-precision master weights (bf16 state,
+so less optimizer memory than fp32 masters would take), local batch 1 on H100 where torchtitan's
+Table 1 used 2, and the limit is 80 GiB of the planner's counted bytes (parameters, gradients,
+optimizer state, saved activations, gathered units), not the allocator's peak with its caching
+and fragmentation.
+
+Rows absent from the report: A100 at 256 and 512 GPUs and H100 from 32 GPUs on were not planned
+under the limit: run side by side on a 23 GB planning machine, the H100 process (at 32) and then
+the A100 process (at 256) were killed for memory (18.8 and 24.0 GB resident); the earlier rows
+without a limit were dropped rather than kept beside these. Run one process at a time.
 
     python benchmarks/fsdp_llama_simulation.py --gpus A100   # then --gpus H100 (one process each)
 Writes ``reports/fsdp/llama8b-simulation.{json,md}``.
@@ -56,6 +69,7 @@ OUT = ROOT / "reports" / "fsdp"
 MODEL = ROOT / "benchmarks" / "models" / "llama8b.py"
 PROFILE = ROOT / "calibration" / "datasheet-a100-cluster.json"
 WORLDS = (8, 16, 32, 64, 128, 256, 512)
+MEMORY_LIMIT_BYTES = 80 * 2**30
 SEQ, LAYERS, HIDDEN, VOCAB = 8192, 32, 4096, 128256
 PEAK = {"A100": 312e12, "H100": 989e12}
 EFF = 0.8
@@ -119,18 +133,23 @@ def main(argv=None) -> int:
     base = load_profile(PROFILE, check_machine=False)
     profiles = {"A100": a100(base), "H100": h100(base)}
     fpt = flops_per_token()
-    # rows of earlier runs are kept (one process per GPU keeps the planner's caches small)
+    # rows of earlier runs under the same limit are kept, read again before each write (one process
+    # per GPU keeps the planner's caches small, and the two may run at once); rows planned without
+    # the memory limit are dropped
     old = OUT / "llama8b-simulation.json"
-    rows = json.loads(old.read_text())["rows"] if old.is_file() else []
+
+    def kept():
+        rows = json.loads(old.read_text())["rows"] if old.is_file() else []
+        return [r for r in rows if r.get("memory_limit_gib") == MEMORY_LIMIT_BYTES / 2**30]
     for gpu in a.gpus:
         prof = profiles[gpu]
         for w in a.worlds:
-            rows = [r for r in rows if (r["gpu"], r["world"]) != (gpu, w)]
             t0 = time.perf_counter()
             r = make_plan(MODEL, PlanOptions(world_size=w, batch_size=w, calibration=str(PROFILE),
                                              ranks_per_node=8, nodes=max(1, w // 8), placement="block",
                                              kinds=("sample", "replicate", "sharded"), optimizer_state_per_param=2.0,
-                                             write=False), PlanHooks(profile=prof))
+                                             memory_limit_bytes=MEMORY_LIMIT_BYTES, write=False),
+                          PlanHooks(profile=prof))
             plan = r.plan
             step = plan.predicted.step_time_s
             tps = w * SEQ / step / w
@@ -141,12 +160,17 @@ def main(argv=None) -> int:
                 for d in [sh["root"]] + list(sh["units"].values()):
                     key = "dp" if d is None else f"ZeRO-{d['level']}"
                     levels[key] = levels.get(key, 0) + 1
-            rows.append({"gpu": gpu, "world": w, "step_s": step, "tokens_per_s_per_gpu": tps,
-                         "mfu": tps * fpt / PEAK[gpu], "memory_gib": plan.predicted.memory_per_rank_bytes / 2**30,
-                         "chosen": chosen.label, "units": levels, "plan_s": time.perf_counter() - t0,
-                         "alternatives": [(s.strategy, s.label, s.step_time_s, s.memory_per_rank_bytes, s.illegal)
-                                          for s in plan.strategies]})
-            print(gpu, w, f"{tps:.0f} tok/s/GPU", f"MFU {rows[-1]['mfu'] * 100:.1f} %", chosen.label, flush=True)
+                    if d is not None and d.get("ac"):
+                        levels["AC"] = levels.get("AC", 0) + 1
+            row = {"gpu": gpu, "world": w, "step_s": step, "tokens_per_s_per_gpu": tps,
+                   "mfu": tps * fpt / PEAK[gpu], "memory_gib": plan.predicted.memory_per_rank_bytes / 2**30,
+                   "memory_limit_gib": MEMORY_LIMIT_BYTES / 2**30,
+                   "chosen": chosen.label, "units": levels, "plan_s": time.perf_counter() - t0,
+                   "alternatives": [(s.strategy, s.label, s.step_time_s, s.memory_per_rank_bytes, s.illegal)
+                                    for s in plan.strategies]}
+            print(gpu, w, f"{tps:.0f} tok/s/GPU", f"MFU {row['mfu'] * 100:.1f} %",
+                  f"{row['memory_gib']:.1f} GiB", chosen.label, flush=True)
+            rows = [r for r in kept() if (r["gpu"], r["world"]) != (gpu, w)] + [row]
             rows.sort(key=lambda r: (r["gpu"], r["world"]))
             _write(rows, fpt, atomic_write_json, atomic_write_text)
     print(f"written {OUT / 'llama8b-simulation.md'}")
@@ -162,7 +186,8 @@ def _write(rows, fpt, atomic_write_json, atomic_write_text) -> None:
     lines = ["# Llama-3-8B-shaped model on datasheet profiles: sharded data parallelism (issue 40)", "",
              f"Made {res['created']} by `benchmarks/fsdp_llama_simulation.py` (a prediction; nothing measured). "
              "Profiles, assumptions and the differences from the published runs: the script's docstring.", "",
-             "| GPU | GPUs | chosen plan | units | step s | tokens/s/GPU | MFU | memory GiB/GPU (no AC) |",
+             f"| GPU | GPUs | chosen plan | units (AC: checkpointed) | step s | tokens/s/GPU | MFU | "
+             f"memory GiB/GPU (limit {MEMORY_LIMIT_BYTES / 2**30:.0f}) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['gpu']} | {r['world']} | {r['chosen']} | {r['units']} | {r['step_s']:.3f} | "
