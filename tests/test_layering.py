@@ -50,7 +50,6 @@ COST = ("autopar.cost",)
 STARTS_PROCESSES = ("subprocess", "multiprocessing", "torch.multiprocessing", "autopar.runtime.launch")
 
 #: why a module is named in the lists below while its owner's work is in flight
-_AC_IN_FLIGHT = "left for the owner of activation checkpointing work in flight"
 _ENTRY_TRAIN = ("a real circle at import time: runtime.entry.run_generated (the generated module's main loop) "
                 "trains through the public train API, autopar.train imports the runtime, and runtime/__init__ "
                 "re-exports run_generated; breaking it moves run_generated up into autopar.train, which changes "
@@ -78,20 +77,11 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
                            "subcommand runs load torch, pulp and highspy"),
     ("autopar.runtime.entry", "autopar.train.api"): _ENTRY_TRAIN,
     ("autopar.runtime.entry", "autopar.train.data"): _ENTRY_TRAIN,
-    ("autopar.train.sharded", "autopar.artifacts"): _AC_IN_FLIGHT,
-    ("autopar.train.sharded", "autopar.errors"): _AC_IN_FLIGHT,
-    ("autopar.train.sharded", "autopar.runtime.fsdp"): _AC_IN_FLIGHT,
-    ("autopar.train.sharded", "autopar.train.api"): _AC_IN_FLIGHT,
-    ("autopar.train.sharded", "autopar.train.optim"): _AC_IN_FLIGHT,
 }
 
 #: circles still to break: " <-> ".join(sorted modules), or a package whose every circle inside
 #: it is meant -> why it is still there
-CIRCLES_ALLOWED: dict[str, str] = {
-    # sharded.py still imports the registry's names from the package (``from . import``), not
-    # from ``planner.strategies.registry`` as every other strategy does
-    "autopar.planner.strategies <-> autopar.planner.strategies.sharded": _AC_IN_FLIGHT,
-}
+CIRCLES_ALLOWED: dict[str, str] = {}
 
 #: (planning module, measurement or runtime module) -> why planning reaches it; (module, "*") as above
 PLANNING_EXCEPTIONS: dict[tuple[str, str], str] = {}

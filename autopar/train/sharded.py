@@ -29,9 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.fsdp import is_zero1
+from ..artifacts import load_plan
+from ..errors import AutoparError, PlanFileError
+from ..runtime import fsdp as rf
+from ..runtime.fsdp import check_optimizer as check_sharded_optimizer, check_zero1_optimizer, is_zero1
+from .api import _model_file_loss, check_model, check_model_file
 from .checkpoint import FORMAT, CheckpointError, _blob, _commit, _data_dir, _quiet, _unblob
 from .mismatch import ModelMismatch, first_of, mismatches
+from .optim import check_optimizer
 
 
 def is_torch_sharded(model: Any) -> bool:
@@ -69,7 +74,6 @@ def state_dict(model, optimizer=None, extra: dict | None = None) -> dict[str, An
     sd: dict[str, Any] = {f"model.{q}": p.detach() for q, p in model.named_parameters()}
     sd.update({f"model.{q}": b.detach() for q, b in model.named_buffers()})
     if optimizer is not None:
-        from .optim import check_optimizer
         check_optimizer(optimizer)
         quals = _quals(model, optimizer)
         sd["optim.param_groups"] = _blob([{**{k: v for k, v in g.items() if k != "params"},
@@ -186,7 +190,6 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
 
 def is_sharded_plan(plan) -> bool:
     """Whether the plan file ``plan`` runs on torch's FSDP2 (plan.json ``runtime.expected``)."""
-    from ..artifacts import load_plan
     p = load_plan(Path(plan))
     return p.runtime is not None and p.runtime.expected.startswith("fsdp")
 
@@ -199,9 +202,8 @@ def _refuse_non_elementwise(optimizer, args, kwargs):
     not elementwise is refused at its first step, named (``runtime.fsdp.check_optimizer``)."""
     from torch.distributed.tensor import DTensor
 
-    from ..runtime.fsdp import check_optimizer, check_zero1_optimizer
     if any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
-        check_optimizer(optimizer)
+        check_sharded_optimizer(optimizer)
     check_zero1_optimizer(optimizer)
 
 
@@ -217,10 +219,6 @@ def parallelize(model, plan, *, sync_module_states: bool = True, **_unused):
     tensor axis; on a (dp, tp) mesh the tp ranks of a group feed the same block) and
     back-propagates its block's mean loss (FSDP2 averages over the data axis). Refused, naming both sizes, under a process group of another world size."""
     global _HOOKED
-    from ..artifacts import load_plan
-    from ..errors import AutoparError, PlanFileError
-    from ..runtime import fsdp as rf
-    from .api import _model_file_loss, check_model, check_model_file
     plan_path = Path(plan)
     p = load_plan(plan_path)
     if not (dist.is_available() and dist.is_initialized()):
@@ -306,8 +304,7 @@ def _attach_loop_api(model, loss_fn, target_shape) -> None:
         return out
 
     def make_optimizer(self, optimizer_class, **defaults):
-        from ..runtime.fsdp import make_optimizer as make
-        return make(self, optimizer_class, **defaults)
+        return rf.make_optimizer(self, optimizer_class, **defaults)
 
     model.loss_fn_default = loss_fn
     model.target_shape = target_shape

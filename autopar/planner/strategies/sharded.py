@@ -65,7 +65,7 @@ from ...decomp.fsdp import (DDP_ZERO, Sharded, TiedUnitsError, UnitComm, UnitPar
                             recompute_times, schedule, step_peak_bytes, unit_comm, unit_of, zero1_step_s)
 from ...errors import AutoparError
 from ...profile.optimizer import optimizer_step_s
-from . import Candidate, memory_fit, register_strategy
+from .registry import Candidate, memory_fit, register_strategy
 
 NAME = "sharded"
 MAX_TRIES = 400
