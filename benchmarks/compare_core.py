@@ -15,6 +15,7 @@ so that a difference from the file can be told apart from a difference between t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -87,7 +88,15 @@ def remake(names: list[str]) -> dict[str, dict]:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    res = make_plan(model_path(plan, plan_path), PlanOptions(**options_json(plan, plan_path)))
+                    opts = options_json(plan, plan_path)
+                    known = {f.name for f in dataclasses.fields(PlanOptions)}
+                    if "shapes" in opts and "shapes" not in known:
+                        # an older core has no ``shapes`` option: it reads PROFILE-shapes.json beside
+                        # the profile (its machine-local cache, the file a shipped plan names) when
+                        # asked to measure shapes on demand; with every shape there, it measures none
+                        opts = {**opts, "measure_shapes": True}
+                    res = make_plan(model_path(plan, plan_path),
+                                    PlanOptions(**{k: v for k, v in opts.items() if k in known}))
                 p = res.plan
                 out[name] = {"choices": [d.choice for d in p.layers], "step_time_s": p.predicted.step_time_s,
                              "memory_per_rank_bytes": p.predicted.memory_per_rank_bytes}

@@ -1,31 +1,50 @@
 #!/usr/bin/env bash
 # Re-make every shipped plan (strategies/plans/) and every shipped run (reports/) with the
 # committed profiles. The CPU runs measure this machine: run it on a quiet machine, after
-# `bash scripts/setup.sh`. About 10 minutes on 2 cores. Pass --plans-only to skip execution.
+# `bash scripts/setup.sh`. About 10 minutes on 2 cores. Options: --plans-only skips execution;
+# --measure-shapes first measures the local shapes the CPU plans need into the committed shape
+# file (calibration/cpu-2core-gloo-shapes.json; a profile made on this machine only), then
+# plans with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 # the shipped plans are priced by the committed profiles as measured, not at this machine's
 # usual speed (autopar.profile.history), so that they do not depend on where they were re-made
 export AUTOPAR_SPEED_HISTORY=off
-# planning reads the committed profile alone (no machine-local shape cache: autopar plan measures
-# nothing unless --measure-shapes asks), so a plan re-made here is the same anywhere;
-# benchmarks/compare_core.py re-makes every shipped plan in process and compares it with the file
+# planning reads committed files only: the profile and its committed shape file (exact local
+# shapes measured once by --measure-shapes, with the profile's fingerprint), so a plan re-made
+# here is the same anywhere; benchmarks/compare_core.py re-makes every shipped plan in process
+# and compares it with the file
 CPU=calibration/cpu-2core-gloo.json
+SHAPES=calibration/cpu-2core-gloo-shapes.json
 A100=calibration/datasheet-a100-cluster.json
 PLANS=strategies/plans
 ONLY_PLANS=0
-[ "${1:-}" = "--plans-only" ] && ONLY_PLANS=1
+MEASURE=0
+for arg in "$@"; do
+  case "$arg" in
+    --plans-only) ONLY_PLANS=1 ;;
+    --measure-shapes) MEASURE=1 ;;
+    *) echo "unknown option $arg (--plans-only, --measure-shapes)" >&2; exit 2 ;;
+  esac
+done
+PASS=plan
 
 # --- CPU plans, executed (validated against one process, timed against DDP) ---------------
 cpu() {  # name model world [plan options...]
   local name=$1 model=$2 world=$3; shift 3
+  if [ "$PASS" = measure ]; then    # measure this plan's missing shapes into $SHAPES; keep no plan
+    autopar plan "strategies/examples/$model.py" --world-size "$world" --calibration "$CPU" \
+        -o "$(mktemp -d)" --measure-shapes --measure-budget 90 "$@" > /dev/null
+    return
+  fi
   autopar plan "strategies/examples/$model.py" --world-size "$world" --calibration "$CPU" \
-      -o "$PLANS/$name" "$@" > /dev/null
+      --shapes "$SHAPES" -o "$PLANS/$name" "$@" > /dev/null
   if [ "$ONLY_PLANS" = 0 ]; then
     autopar execute "$PLANS/$name/plan.json" --steps 20 --out "reports/$name"
   fi
 }
+cpu_plans() {
 cpu resnet2d-w4 resnet2d 4
 cpu wide_resnet-w2 wide_resnet 2
 cpu wide_resnet-w4 wide_resnet 4
@@ -45,9 +64,13 @@ cpu hf_gpt2-w2 hf_gpt2 2
 cpu hf_gpt2-w4 hf_gpt2 4
 # replicated weights (data parallelism: 6.3 MiB per rank) over the limit: head/tensor parallel
 AUTOPAR_GPT_EMBED=128 AUTOPAR_GPT_VOCAB=512 cpu gpt-w4-mem4MiB gpt 4 --batch-size 4 --memory-limit 4MiB
+}
+[ "$MEASURE" = 1 ] && { PASS=measure; cpu_plans; PASS=plan; }
+cpu_plans
+
 # pipeline stages (issue 41's must-show): an 8-layer GPT at world 4, batch 8, two stages
 AUTOPAR_GPT_LAYERS=8 autopar plan strategies/examples/gpt.py --world-size 4 --batch-size 8 --pipeline 2 \
-    --calibration "$CPU" -o reports/stages/gpt8-w4-pp2 > /dev/null
+    --calibration "$CPU" --shapes "$SHAPES" -o reports/stages/gpt8-w4-pp2 > /dev/null
 if [ "$ONLY_PLANS" = 0 ]; then
   AUTOPAR_GPT_LAYERS=8 autopar execute reports/stages/gpt8-w4-pp2/plan.json --steps 20 \
       --out reports/stages/gpt8-w4-pp2/run
