@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 
-def row(name: str, run: dict) -> tuple[str, float | None]:
+def row(name: str, run: dict) -> tuple[str, float | None, float | None]:
     val = run.get("validation") or {}
     checked = val.get("checked", len(val.get("checks", [])))
     v = f"{'passed' if val.get('passed') else 'FAILED'} ({checked}, {val.get('dtype', '?')})"
@@ -26,24 +26,35 @@ def row(name: str, run: dict) -> tuple[str, float | None]:
     decs = ", ".join(sorted({d if isinstance(d, str) else d.get("choice", str(d))
                              for d in (run.get("decompositions") or [])}))
     runtime = "native" if run.get("native_runtime") else "traced"
+    # the machine's speed probe at execute time over the one the profile's kernels are stated at
+    # (calibrate.speed; < 1: the machine ran faster than when it was calibrated)
+    probe = (run.get("speed_probe") or {}).get("slowdown_vs_pricing")
+    ps = f"{probe:.2f}" if probe else "-"
     return (f"| `{name}` | {decs} | {v} | {pred * 1e3:.1f} ms | {meas * 1e3:.1f} ms | "
-            f"{100 * err:+.1f} % | {r} | {runtime} |"), err
+            f"{100 * err:+.1f} % | {ps} | {r} | {runtime} |"), err, probe
 
 
 def main(argv=None) -> int:
     root = Path((argv or sys.argv[1:] or ["reports"])[0])
     lines = ["| run | decompositions chosen | validation | predicted | measured | error | "
-             "plan / DDP (same function) | runtime |", "|---|---|---|---|---|---|---|---|"]
-    errs = []
+             "machine speed probe / calibration | plan / DDP (same function) | runtime |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    errs, probes = [], []
     for p in sorted(root.glob("*/run.json")):
-        text, err = row(p.parent.name, json.loads(p.read_text()))
+        text, err, probe = row(p.parent.name, json.loads(p.read_text()))
         lines.append(text)
         if err is not None:
             errs.append(abs(err))
+        if probe:
+            probes.append(probe)
     if errs:
         lines.append("")
         lines.append(f"median |prediction error| over these {len(errs)} runs: "
                      f"{100 * statistics.median(errs):.1f} %")
+    if probes:
+        lines.append(f"median speed probe at execute over the profile's nominal: {statistics.median(probes):.2f} "
+                     "(local compute runs that much faster or slower than the profile prices it; "
+                     "the predictions above are not scaled)")
     print("\n".join(lines))
     return 0
 

@@ -7,7 +7,7 @@ and plan.json at run time.
 
 Model:      ../../../strategies/examples/gpt.py (sha256 935730bdc486), batch 8
 World size: 4 (ranks per node 4, placement block)
-Predicted:  step 15.416 ms, memory 1.1 MiB per rank
+Predicted:  step 15.243 ms, memory 1.1 MiB per rank
 Plan:       plan.json (decisions, predictions and the layer graph)
 
 Run with torchrun:   torchrun --nproc-per-node 4 gpt_dist.py --steps 5
