@@ -47,10 +47,11 @@ Table 1 used 2, and the limit is 80 GiB of the planner's counted bytes (paramete
 optimizer state, saved activations, gathered units), not the allocator's peak with its caching
 and fragmentation.
 
-Rows absent from the report: A100 at 256 and 512 GPUs and H100 from 32 GPUs on were not planned
-under the limit: run side by side on a 23 GB planning machine, the H100 process (at 32) and then
-the A100 process (at 256) were killed for memory (18.8 and 24.0 GB resident); the earlier rows
-without a limit were dropped rather than kept beside these. Run one process at a time.
+Rows absent from the report: A100 at 256 and 512 GPUs and H100 from 64 GPUs on. The
+memory-limited planner at those worlds needs more than this 23 GB planning machine holds: run
+alone, the H100 process was killed for memory at 64 (after writing 32); side by side with it,
+the A100 process at 256 (24.0 GB resident). The rows without a limit were dropped rather than
+kept beside these.
 
     python benchmarks/fsdp_llama_simulation.py --gpus A100   # then --gpus H100 (one process each)
 Writes ``reports/fsdp/llama8b-simulation.{json,md}``.
