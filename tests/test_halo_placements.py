@@ -161,9 +161,10 @@ def test_a_plan_stating_the_owned_block_is_completed_and_the_warning_says_so(pla
 
 def test_migration_warning_names_only_what_was_migrated(tmp_path):
     """A schema-2 plan that already has mesh.ranks: the warning does not claim to add them."""
-    f = ROOT / "strategies/plans/cnn3d-w4/plan.json"
+    # the shipped cnn3d-w4 plan as it was written in schema 2 (the shipped plans are schema 3 now)
+    f = ROOT / "tests/data/cnn3d-w4-schema2-plan.json"
     obj = json.loads(f.read_text())
-    obj["model"]["path"] = str((f.parent / obj["model"]["path"]).resolve())
+    obj["model"]["path"] = str(ROOT / "strategies/examples/cnn3d_large.py")
     assert obj["schema"] == "autopar.plan/2"
     obj["mesh"]["ranks"] = [0, 1, 2, 3]
     g = tmp_path / "plan.json"
