@@ -168,15 +168,8 @@ def _cuts_for(units: Sequence[StageCost], s_count: int, schedule: Schedule,
     work = [u.fwd_s + u.bwd_s for u in units]
     if _pack(units, s_count, schedule, None, memory_limit_bytes) is None:
         return None               # not even with time unbounded: memory rules every cut out
-    lo, hi = max(work), sum(work) * (1 + 1e-9)
-    for _ in range(200):
-        if hi - lo <= 1e-9 * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if _pack(units, s_count, schedule, mid, memory_limit_bytes) is not None:
-            hi = mid
-        else:
-            lo = mid
+    hi = _least_passing(max(work), sum(work) * (1 + 1e-9), 1e-9,
+                        lambda t: _pack(units, s_count, schedule, t, memory_limit_bytes) is not None)
     return _pack(units, s_count, schedule, hi, memory_limit_bytes)
 
 
@@ -188,11 +181,17 @@ def min_peak_bytes(units: Sequence[StageCost], s_count: int, schedule: Schedule)
                                * u.act_bytes_per_microbatch for u in units))
     if any(u.static_bytes == float("inf") for u in units):
         return float("inf")
+    return _least_passing(lo, hi, 1e-6, lambda m: _pack(units, s_count, schedule, None, m) is not None)
+
+
+def _least_passing(lo: float, hi: float, rel: float, passes: Callable[[float], bool]) -> float:
+    """Bisection for the least value in [lo, hi] that ``passes`` (monotone: passing at x passes
+    above it; ``hi`` passes), to ``rel`` relative: the upper end of the last bracket."""
     for _ in range(200):
-        if hi - lo <= 1e-6 * hi:
+        if hi - lo <= rel * hi:
             break
         mid = 0.5 * (lo + hi)
-        if _pack(units, s_count, schedule, None, mid) is not None:
+        if passes(mid):
             hi = mid
         else:
             lo = mid
