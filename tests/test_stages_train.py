@@ -84,14 +84,12 @@ def _reference(rank, world, ckpt_b):
     _ = autopar, ckpt_b
 
 
-def test_checkpoints_move_between_a_pipeline_plan_and_a_plain_plan(monkeypatch, tmp_path):
-    import torch
-
+def _pipeline_and_plain_plans(monkeypatch, tmp_path):
+    """The GPT planned at world 2 with two pipeline stages (M microbatches) and at world 1 without
+    stages, with the committed CPU profile."""
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.planner import make_plan
-    from autopar.planner.strategies import stages  # noqa: F401
     from autopar.profile import load_profile
-    from autopar.runtime.launch import run_ranks
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
@@ -100,6 +98,14 @@ def test_checkpoints_move_between_a_pipeline_plan_and_a_plain_plan(monkeypatch, 
                                         trace_cache=False, pipeline=2, microbatches=M), PlanHooks(profile=prof))
     plain = make_plan(model, PlanOptions(world_size=1, batch_size=8, out_dir=str(tmp_path / "plain"),
                                          placement="block", trace_cache=False), PlanHooks(profile=prof))
+    return pipe, plain
+
+
+def test_checkpoints_move_between_a_pipeline_plan_and_a_plain_plan(monkeypatch, tmp_path):
+    import torch
+
+    from autopar.runtime.launch import run_ranks
+    pipe, plain = _pipeline_and_plain_plans(monkeypatch, tmp_path)
     assert pipe.plan.runtime.expected == "stages"
     ck_b, ck_a = tmp_path / "ck_plain", tmp_path / "ck_pipe"
     # plain plan at world 1 writes its initial state (seed 1)
@@ -166,18 +172,8 @@ def test_optimizer_state_moves_between_a_pipeline_plan_and_a_plain_plan(monkeypa
     only so if Adam's moments and step count crossed every checkpoint."""
     import torch
 
-    from autopar.artifacts import PlanHooks, PlanOptions
-    from autopar.planner import make_plan
-    from autopar.profile import load_profile
     from autopar.runtime.launch import run_ranks
-    for k, v in ENV.items():
-        monkeypatch.setenv(k, v)
-    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
-    model = ROOT / "strategies/examples/gpt.py"
-    pipe = make_plan(model, PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "pipe"), placement="block",
-                                        trace_cache=False, pipeline=2, microbatches=M), PlanHooks(profile=prof))
-    plain = make_plan(model, PlanOptions(world_size=1, batch_size=8, out_dir=str(tmp_path / "plain"),
-                                         placement="block", trace_cache=False), PlanHooks(profile=prof))
+    pipe, plain = _pipeline_and_plain_plans(monkeypatch, tmp_path)
     p, f = str(pipe.plan_path), str(plain.plan_path)
     c1, c2, c3, c4 = (str(tmp_path / f"ck{i}") for i in range(1, 5))
     run_ranks(_steps, 2, args=(p, None, c1, 2, True), timeout_s=120)
