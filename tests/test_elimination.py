@@ -145,3 +145,51 @@ def test_dp_proves_the_ilp_optimum_of_a_gpt_at_1024_ranks(root, monkeypatch):
     assert ref.solver.sol_status == 1
     assert dp.predicted.step_time_s == pytest.approx(ref.predicted.step_time_s, rel=1e-9)
     assert dp.predicted.exposed_comm_s > 0          # the max in the step time matters here
+
+
+def _hub_chain(n: int, k: int, seed: int):
+    """A chain of ``n`` variables of ``k`` values each, every one also joined to variable 0 (a hub,
+    as the rotary tables of a traced Llama are read by every block), random pairwise factors."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    factors = [((i,), rng.random(k)) for i in range(n)]
+    factors += [((i, i + 1), rng.random((k, k))) for i in range(1, n - 1)]
+    factors += [((0, i), rng.random((k, k))) for i in range(2, n)]
+    return factors, [k] * n
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("wide", [3 ** 2, 10 ** 9])
+def test_elimination_order_changes_tables_not_the_minimum(seed, wide, monkeypatch):
+    """Eliminating in the greedy min-size order (taken when the given order builds a wide table)
+    gives the same minimum and a plan of that cost as the given order; the widest table shrinks."""
+    import itertools
+    import math
+    import autopar.solve.elimination as elim
+    from autopar.solve.elimination import _assign, _eliminate, elimination_order
+    monkeypatch.setattr(elim, "WIDE_TABLE_ENTRIES", wide)     # greedy order (3^2) or the given one
+    factors, k = _hub_chain(7, 3, seed)
+    # the given order keeps the hub (0) pending: take it last-but-chain, 1 first
+    order = [1, 0, 2, 3, 4, 5, 6]
+    wide = elimination_order([s for s, _ in factors], order, k, wide=3 ** 2)
+    assert sorted(wide) == sorted(order) and wide != order
+    kept = elimination_order([s for s, _ in factors], order, k, wide=10 ** 9)
+    assert kept == order
+
+    def cost(choice):
+        return sum(float(a[tuple(choice[v] for v in s)]) for s, a in factors)
+    best = min(cost(c) for c in itertools.product(range(3), repeat=7))
+    const, left, trail = _eliminate([(s, a.copy()) for s, a in factors], order, k)
+    assert not left and math.isclose(const, best, rel_tol=1e-12)
+    choice = [0] * 7
+    _assign(trail, choice)
+    assert math.isclose(cost(choice), best, rel_tol=1e-12)
+
+
+def test_elimination_order_keeps_a_chain_in_execution_order():
+    """A chain without a hub builds tables of k^2 in reverse execution order: kept as given (the
+    plans of the shipped models do not move)."""
+    from autopar.solve.elimination import elimination_order
+    scopes = [(i, i + 1) for i in range(9)]
+    order = list(reversed(range(10)))
+    assert elimination_order(scopes, order, [7] * 10, 7 ** 2) == order

@@ -43,6 +43,7 @@ one), else None.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -240,7 +241,7 @@ def _eliminate(factors: list, order: list[int], k: list[int]):
             by_var.setdefault(var, []).append(fi)
     trail = []
     const = 0.0
-    for var in order:
+    for var in elimination_order([s for s, _ in factors], order, k, WIDE_TABLE_ENTRIES):
         ids = [fi for fi in by_var.get(var, []) if alive[fi]]
         scope: list[int] = [var]
         for fi in ids:
@@ -272,6 +273,73 @@ def _eliminate(factors: list, order: list[int], k: list[int]):
             by_var.setdefault(u, []).append(fi)
     left = [f for f, a in zip(factors, alive) if a]
     return const, left, trail
+
+
+WIDE_TABLE_ENTRIES = 1 << 16
+
+
+def elimination_order(scopes: list, order: list[int], k: list[int], wide: int) -> list[int]:
+    """The order ``_eliminate`` takes the variables of ``order`` in: ``order`` itself (reverse
+    execution order: the pending layers of a chain, two or three on a GPT) unless one of the
+    tables it would build exceeds ``wide`` entries; then the greedy min-size order (the variable
+    whose table, the product of ``k`` over its scope with every factor it touches merged, is
+    smallest next; ties by position in ``order``), recomputed for the neighbours of each one taken.
+
+    Why: min-sum elimination of a set of variables leaves the same function over the others in any
+    order (only the tables built on the way differ), and ``_assign`` takes the trail backwards in
+    whatever order it was made. The execution order fails on values read by every block (the
+    rotary tables of a Hugging Face Llama): they stay pending down the whole model, so every
+    block's table spans them: 4^7 entries at 8 ranks, 7^9 at 64 (40 M floats, an argmin over each,
+    1 minute a solve), against 64 entries at 8 ranks in the greedy order."""
+    scopes = [set(s) for s in scopes]
+    by_var: dict[int, set[int]] = {}
+    for fi, s in enumerate(scopes):
+        for v in s:
+            by_var.setdefault(v, set()).add(fi)
+    alive = [True] * len(scopes)
+
+    def merged(v) -> set[int]:
+        out = {v}
+        for fi in by_var.get(v, ()):
+            out |= scopes[fi]
+        return out
+
+    def take(v) -> set[int]:          # eliminate v symbolically; returns its table's scope
+        sc = merged(v)
+        for fi in by_var.pop(v, set()):
+            alive[fi] = False
+            for u in scopes[fi]:
+                if u != v:
+                    by_var[u].discard(fi)
+        rest = sc - {v}
+        if rest:
+            scopes.append(rest)
+            alive.append(True)
+            for u in rest:
+                by_var.setdefault(u, set()).add(len(scopes) - 1)
+        return sc
+
+    saved = ([set(s) for s in scopes], {v: set(f) for v, f in by_var.items()}, list(alive))
+    if max((math.prod(k[u] for u in take(v)) for v in order), default=0) <= wide:
+        return list(order)
+    scopes, by_var, alive = saved
+    pos = {v: i for i, v in enumerate(order)}
+    cost = {v: math.prod(k[u] for u in merged(v)) for v in order}
+    heap = [(c, pos[v], v) for v, c in cost.items()]
+    heapq.heapify(heap)
+    out: list[int] = []
+    done: set[int] = set()
+    while heap:
+        c, _, v = heapq.heappop(heap)
+        if v in done or c != cost[v]:
+            continue
+        done.add(v)
+        out.append(v)
+        for u in take(v) - {v}:
+            if u in cost and u not in done:
+                cost[u] = math.prod(k[w] for w in merged(u))
+                heapq.heappush(heap, (cost[u], pos[u], u))
+    return out
 
 
 def _assign(trail: list, choice: list[int]) -> None:
