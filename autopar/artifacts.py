@@ -1781,6 +1781,9 @@ class PlanOptions:
     pipeline: str | int | None = None
     microbatches: int | None = None
     schedule: str | None = None
+    # what each stage's dp axis does with its parameters (``decomp.stages.STAGE_DATA``):
+    # "replicate", "fsdp" (FSDP2 over the stage's dp group), or None/"auto" (the search chooses)
+    stage_data: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -1809,7 +1812,7 @@ class PlanOptions:
         if self.kinds is not None:
             out["kinds"] = list(self.kinds)
         out["pins"] = [p.to_json() for p in self.pins]
-        for name in ("pipeline", "microbatches", "schedule"):
+        for name in ("pipeline", "microbatches", "schedule", "stage_data"):
             if out[name] is None:
                 del out[name]
         return out

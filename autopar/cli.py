@@ -171,7 +171,7 @@ def cmd_plan(args) -> int:
                           measure_budget_s=args.measure_budget, shapes=args.shapes,
                           speed_history=args.speed_history, pins=tuple(args.pin or ()),
                           pipeline=_pipeline_arg(args.pipeline), microbatches=args.microbatches,
-                          schedule=args.schedule)
+                          schedule=args.schedule, stage_data=args.stage_data)
     if args.no_measure:
         warnings.warn("--no-measure is the default now and does nothing (planning starts no process; "
                       "--measure-shapes measures missing shapes as a step before planning)", FutureWarning)
@@ -507,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help="torch pipeline schedule under --pipeline: gpipe, 1f1b (default), interleaved_1f1b, "
                         "looped_bfs, interleaved_zb, zbv, dualpipev")
+    p.add_argument("--stage-data", default=None, metavar="auto|replicate|fsdp",
+                   help="under --pipeline, what each stage's data-parallel ranks do with its parameters: "
+                        "replicate (all-reduce) or fsdp (FSDP2 sharding); default: the planner chooses")
     p.add_argument("--pin", action="append", metavar="PATTERN=KIND|CHOICE",
                    help="fix the layers whose module or layer name matches the glob PATTERN ('*': all) "
                         "to KIND where legal (the solver picks among that kind's choices) or to the exact "

@@ -127,7 +127,7 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
     prof = prof.with_topology(RANKS_PER_NODE, max(1, world // RANKS_PER_NODE))
     plans = _block_plans(cfg, prof, prof_path, opt_state)
 
-    def unit(i, dp, tp, mb):
+    def unit(i, dp, tp, mb, data="replicate"):
         p = plans(tp, mb)
         parts = ["block"] + (["pre"] if i == 0 else []) + (["post"] if i == n - 1 else [])
         tot = {k: sum(p[q][k] for q in parts) for k in ("fwd_s", "bwd_s", "sync_s", "act_bytes", "static_bytes",

@@ -148,3 +148,70 @@ def test_a_plan_with_tensor_parallelism_inside_its_stages_is_chosen_and_validate
     assert run.extra["stages"]["cut_messages_checked"] == 2 * rt["stages"]["schedule"]["microbatches"]
     names = [c.tensor for c in run.validation.checks]
     assert any("grad blocks.0.attn.qkv.weight" in n for n in names) and len(names) > 20
+
+
+def test_stage_data_is_refused_by_name_when_sharding_is_left_out(gpt8):
+    with pytest.raises(PipelineError, match="needs the sharded kind"):
+        _plan(gpt8, pipeline=2, stage_data="fsdp", kinds=("sample", "replicate", "head", "filter", "row_parallel"))
+    with pytest.raises(PipelineError, match="is not auto"):
+        _plan(gpt8, pipeline=2, stage_data="zero9")
+
+
+def test_fsdp_unit_cost_is_level_1_of_decomp_fsdp():
+    """A unit of an FSDP2 stage: memory (S + F) + F + k S, the reduce-scatter's input G transient, its
+    gradient reduce-scattered once and its optimizer on the shard instead of an all-reduce and
+    the whole, its gather exposed beyond the previous unit's forward."""
+    from autopar.cost.stages import fsdp_unit_cost
+    from autopar.decomp.fsdp import UnitParams
+    from autopar.decomp.stages import StageCost
+    u = UnitParams("b", ((10, 4), (7,)), 4)            # F = 4 (40 + 7) = 188; dp 4: rows 3 and 2, S = 4 (12 + 2)
+    F, S, G = 188.0, 56.0, 224.0
+    calls = []
+
+    def coll(kind, p, n):
+        calls.append((kind, p, n))
+        return {"allgather": 5.0, "reduce_scatter": 3.0}[kind]
+    c = fsdp_unit_cost(StageCost(1.0, 2.0, 0.5 + 0.25, 100.0, 3 * F), u, 4, 2.0, 0.25, coll,
+                       lambda n, nbytes: nbytes / 1000.0, next_fwd_s=4.0)
+    assert c.static_bytes == (S + F) + F + 2.0 * S and c.transient_bytes == G
+    assert c.grad_sync_s == pytest.approx(0.5 + 3.0 + S / 1000.0)
+    assert c.fill_s == pytest.approx(1.0) and (c.fwd_s, c.bwd_s, c.act_bytes_per_microbatch) == (1.0, 2.0, 100.0)
+    assert ("allgather", 4, G) in calls and ("reduce_scatter", 4, G) in calls
+
+
+@pytest.mark.dist
+def test_fsdp_inside_stages_is_chosen_under_a_limit_and_validates_at_world_4(monkeypatch, tmp_path):
+    """Under a memory limit below every replicated stage layout's peak, the search shards each
+    stage's dp axis with FSDP2 (the optimizer state over dp), plan.json says so per stage, and
+    autopar execute validates every gradient and parameter (gathered) against one process in float64."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    for k, v in {"AUTOPAR_GPT_LAYERS": "4", "AUTOPAR_GPT_EMBED": "64", "AUTOPAR_GPT_HEADS": "4",
+                 "AUTOPAR_GPT_SEQ": "8", "AUTOPAR_GPT_VOCAB": "32"}.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+
+    def plan(limit, out=None, kinds=("sample", "replicate", "sharded")):     # no tensor parallelism: tp 1
+        return make_plan(ROOT / "strategies/examples/gpt.py",
+                         PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
+                                     memory_limit_bytes=limit, write=out is not None, out_dir=out, kinds=kinds,
+                                     optimizer_state_per_param=2.0),       # AdamW: FSDP2 saves F/2 a unit at dp 2
+                         PlanHooks(profile=prof))
+    free = plan(None).plan.runtime.to_json()
+    peak: dict[str, float] = {}
+    for o in free["stage_counts_priced"]:
+        if "refused" not in o:
+            peak[o["data"]] = min(peak.get(o["data"], float("inf")), o["peak_bytes_max"])
+    assert peak["fsdp"] < peak["replicate"]
+    res = plan((peak["fsdp"] + peak["replicate"]) / 2, str(tmp_path / "plan"))
+    rt = res.plan.runtime.to_json()
+    assert [(s["dp"], s.get("data")) for s in rt["stages"]["stages"]] == [(2, "fsdp"), (2, "fsdp")]
+    assert "sharded" in rt["sub_plan_kinds"] and "FSDP2" in rt["reason"]
+    run, _ = execute(res.plan_path, ExecuteOptions(steps=1, warmup=0, ddp=False, timeout_s=120),
+                     out_dir=tmp_path / "run", progress=lambda *_: None)
+    assert run.validation.passed and run.validation.dtype == "float64"
+    names = [c.tensor for c in run.validation.checks]
+    assert any("grad blocks.0.attn.qkv.weight" in n for n in names) and len(names) > 20

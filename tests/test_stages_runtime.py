@@ -117,12 +117,12 @@ def _bn_model(layers: int):
     return Net()
 
 
-def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
+def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="replicate"):
     import torch
     import torch.nn.functional as F
 
     from autopar.decomp.stages import CutValue, Schedule, even_layout, plan_cuts
-    from autopar.runtime.stages import build_runner, check_cut_messages, record_sends, reference_step, shard_of
+    from autopar.runtime.stages import build_runner, check_cut_messages, record_sends, reference_step, shard_of, whole
 
     torch.manual_seed(0)
     heads = None
@@ -148,7 +148,7 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
         model = _bn_model(4).double()
         x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 2, (batch,))
         loss_fn = F.cross_entropy
-    layout = even_layout(4, world, stages, Schedule(schedule, microbatches), tp=tp)
+    layout = even_layout(4, world, stages, Schedule(schedule, microbatches), tp=tp, data=data)
     st = layout.stage_of(rank)
 
     ref = copy.deepcopy(model)
@@ -173,10 +173,10 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
                                      "fc.weight": (0, 1), "fc.bias": (0, 1), "out.weight": (1, 1)}.items()}
     loss = runner.step(x, y)
     checked = check_cut_messages(runner, sends, cuts, itemsize=8)
-    mine = {id(p) for p in runner.parameters()}
-    held = {n.replace(".b.", ".", 1): p for n, p in model.named_parameters() if id(p) in mine}
+    held = runner.held_parameters(model)     # FSDP2 stages: DTensor shards, gathered by ``whole``
+    assert len(held) == len(list(runner.parameters()))
     opt = torch.optim.AdamW(list(runner.parameters()), lr=1e-2)
-    grads = {n: p.grad.clone() for n, p in held.items()}
+    grads = {n: whole(p.grad).clone() for n, p in held.items()}
     opt.step()
     bad = []
     torch.testing.assert_close(loss, ref_loss.to(torch.float64), **TOL)
@@ -184,7 +184,7 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
         want_g, want_p = ref_grads[n], ref_params[n].detach()
         if n in sharded:
             want_g, want_p = shard_of(want_g, sharded[n], st.tp), shard_of(want_p, sharded[n], st.tp)
-        for what, got, want, tol in (("grad", grads[n], want_g, TOL), ("param", p.detach(), want_p, PARAM_TOL)):
+        for what, got, want, tol in (("grad", grads[n], want_g, TOL), ("param", whole(p.detach()), want_p, PARAM_TOL)):
             if not torch.allclose(got, want, **tol):
                 bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
     if kind == "bn":   # running statistics: updated once per microbatch, in order, like the reference
@@ -193,13 +193,17 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch):
             if any(b is q for _, m in runner.modules for q in m.buffers()) \
                     and not torch.allclose(b.double(), rb[n].double(), **TOL):
                 bad.append(f"buffer {n}: {b.double().sum().item()} vs {rb[n].double().sum().item()}")
+    from torch.distributed.tensor import DTensor
     return {"rank": rank, "stage": st.index, "params": len(held), "bad": bad, "loss": float(loss),
-            "cut_messages_checked": checked, "values": len(shapes)}
+            "cut_messages_checked": checked, "values": len(shapes),
+            "dtensors": sum(isinstance(p, DTensor) for p in held.values())}
 
 
-def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8):
+def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8, data="replicate"):
     from autopar.runtime.launch import run_ranks
-    res = run_ranks(_case, world, args=(kind, schedule, stages, tp, microbatches, batch), timeout_s=120)
+    res = run_ranks(_case, world, args=(kind, schedule, stages, tp, microbatches, batch, data), timeout_s=120)
+    for r in res:     # FSDP2 stages hold every parameter as a DTensor shard, replicated ones none
+        assert r["dtensors"] == (r["params"] if data == "fsdp" else 0), r
     for r in res:
         assert r["bad"] == [], r
         assert r["params"] > 0, r
@@ -223,6 +227,19 @@ def test_gpt_two_stages_with_data_parallelism_inside_world_4(schedule):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt_two_stages_with_tensor_parallelism_inside_world_4(schedule):
     _run(4, "gpt", schedule, 2, tp=2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt_two_stages_with_fsdp_inside_world_4(schedule):
+    """Each stage's dp pair shards its parameters, gradients and AdamW state with FSDP2
+    (``Stage.data == "fsdp"``): the same loss, gradients and parameters after the step."""
+    _run(4, "gpt", schedule, 2, data="fsdp")
+
+
+def test_hf_gpt2_tied_embedding_with_fsdp_stages_world_4():
+    """The embedding tied to the head, on two FSDP2 stages of dp 2: each holds the same rows of
+    it, so the tied gradient's parts are summed shard by shard."""
+    _run(4, "hf_gpt2", "1f1b", 2, data="fsdp")
 
 
 def test_gpt_four_stages_world_4():

@@ -50,7 +50,7 @@ def test_cuts_minimise_the_bottleneck_like_brute_force_with_and_without_memory()
         assert got == pytest.approx(want, rel=1e-8)
 
 
-def _uniform(i, dp, tp, mb):
+def _uniform(i, dp, tp, mb, data="replicate"):
     """A block whose compute splits perfectly over dp x tp; params split over tp only."""
     return StageCost(1e-3 * mb / tp, 2e-3 * mb / tp, 1e-4, act_bytes_per_microbatch=mb * 1e6 / tp,
                      static_bytes=16e6 / tp)
@@ -107,7 +107,7 @@ def _exhaustive_best(n, world, batch, unit, limit, schedule="1f1b"):
 
 
 def test_pruning_by_the_lower_bound_keeps_the_best_and_every_m_divisor_is_tried():
-    def unit(i, dp, tp, mb):        # uneven blocks, a per-microbatch overhead: M matters both ways
+    def unit(i, dp, tp, mb, data="replicate"):        # uneven blocks, a per-microbatch overhead: M matters both ways
         return StageCost(1e-3 * (1 + i % 3) * mb / tp + 2e-4, 2e-3 * mb / tp + 2e-4, 1e-4 * dp,
                          act_bytes_per_microbatch=mb * 1e6 / tp, static_bytes=16e6 / tp)
     for limit in (None, 60e6):

@@ -255,3 +255,42 @@ def test_tensor_parallel_stages_at_world_4_round_trip_through_a_plain_plan_at_wo
         torch.testing.assert_close(torch.from_numpy(after[n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
     stale = run_ranks(_reference_adamw, 1, args=("ppf",), timeout_s=120)[0]   # the test can tell: one step fewer
     assert any(not (stale[n] == ref[n]).all() for n in ref)
+
+
+def test_fsdp_stages_at_world_4_round_trip_through_a_plain_plan_at_world_2(monkeypatch, tmp_path):
+    """A pipeline plan at world 4 whose two stages shard their dp pair with FSDP2
+    (``--stage-data fsdp``): AdamW 2 steps in the user's loop, save (every DTensor shard of the
+    weights and of Adam's moments gathered whole) -> a plan without stages at world 2 loads model
+    and optimizer, steps once, saves -> the FSDP2 pipeline loads that (cutting its dp rows), steps
+    once, saves -> the plain plan reads it. Equal in float64 to one process running the same 4 steps."""
+    import torch
+
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    from autopar.runtime.launch import run_ranks
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    model = ROOT / "strategies/examples/gpt.py"
+    pipe = make_plan(model, PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False,
+                                        pipeline=2, microbatches=M, stage_data="fsdp",
+                                        kinds=("sample", "replicate", "sharded"), out_dir=str(tmp_path / "pipe")),
+                     PlanHooks(profile=prof))
+    st = pipe.plan.runtime.to_json()["stages"]["stages"]
+    assert [(s["dp"], s.get("data")) for s in st] == [(2, "fsdp"), (2, "fsdp")]
+    plain = make_plan(model, PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "plain"),
+                                         placement="block", trace_cache=False), PlanHooks(profile=prof))
+    p, f = str(pipe.plan_path), str(plain.plan_path)
+    c1, c2, c3, c4 = (str(tmp_path / f"ck{i}") for i in range(1, 5))
+    run_ranks(_steps_extra, 4, args=(p, None, c1, 2, True, {"by": "fsdp pipeline"}), timeout_s=180)
+    r2 = run_ranks(_steps_extra, 2, args=(f, c1, c2, 1, False, {"by": "plain"}), timeout_s=180)
+    r3 = run_ranks(_steps_extra, 4, args=(p, c2, c3, 1, True, {"by": "fsdp pipeline"}), timeout_s=180)
+    r4 = run_ranks(_steps_extra, 2, args=(f, c3, c4, 0, False, {}), timeout_s=180)
+    assert all(r["extra"] == {"by": "fsdp pipeline"} for r in r2) and all(r["extra"] == {"by": "plain"} for r in r3)
+    ref = run_ranks(_reference_adamw, 1, args=("ppfp",), timeout_s=120)[0]
+    for n, want in ref.items():
+        torch.testing.assert_close(torch.from_numpy(r4[0]["full"][n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
+    stale = run_ranks(_reference_adamw, 1, args=("ppf",), timeout_s=120)[0]   # the test can tell: one step fewer
+    assert any(not (stale[n] == ref[n]).all() for n in ref)

@@ -37,6 +37,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..decomp.fsdp import Sharded, UnitParams, unit_comm, unit_memory
 from ..decomp.stages import (CutPlan, PipelinePrice, Schedule, StageCost, feasible_stage_counts,
                              in_flight_microbatches, price_pipeline)
 from ..errors import PipelineError
@@ -59,6 +60,7 @@ class StageOption:
     refused: str | None = None
     bound_s: float | None = None              # the lower bound the search ordered and pruned by
     min_peak_bytes: float | None = None       # refused for memory: the least peak any cut reaches
+    data: str = "replicate"                   # every stage's dp axis (``decomp.stages.STAGE_DATA``)
 
     @property
     def step_s(self) -> float:
@@ -66,7 +68,8 @@ class StageOption:
 
     def to_json(self) -> dict:
         d = {"stages": self.stages, "dp": self.dp, "tp": self.tp, "microbatches": self.microbatches,
-             "microbatch_samples": self.microbatch, "schedule": self.schedule, "cuts": list(self.cuts)}
+             "microbatch_samples": self.microbatch, "schedule": self.schedule, "cuts": list(self.cuts),
+             "data": self.data}
         if self.bound_s is not None:
             d["lower_bound_s"] = self.bound_s
         if self.min_peak_bytes is not None:
@@ -123,12 +126,46 @@ def planned_cut_s(plan: CutPlan, ctx) -> float:
     return total
 
 
-UnitCost = Callable[[int, int, int, int], StageCost]
+UnitCost = Callable[[int, int, int, int, str], StageCost]
 
 
 def _sum(costs: Sequence[StageCost]) -> StageCost:
     return StageCost(sum(c.fwd_s for c in costs), sum(c.bwd_s for c in costs), sum(c.grad_sync_s for c in costs),
-                     sum(c.act_bytes_per_microbatch for c in costs), sum(c.static_bytes for c in costs))
+                     sum(c.act_bytes_per_microbatch for c in costs), sum(c.static_bytes for c in costs),
+                     sum(c.fill_s for c in costs), max((c.transient_bytes for c in costs), default=0.0))
+
+
+def fsdp_unit_cost(c: StageCost, params: UnitParams, dp: int, optim_copies: float, optim_whole_s: float,
+                   collective_s: Callable[[str, int, float], float],
+                   optim_step_s: Callable[[int, float], float], next_fwd_s: float) -> StageCost:
+    """One unit of a stage whose dp axis is FSDP2 (``decomp.stages.STAGE_DATA``), from its cost
+    ``c`` on a stage that replicates it (forward, backward, activations: unchanged; ``c.grad_sync_s``
+    holds no dp traffic yet, only its tp-group sync and ``optim_whole_s``, the optimizer on the
+    whole unit). Under torch's pipelining an FSDP2 unit is gathered by its first microbatch's
+    forward and then kept whole (``PipelineStage`` sets ``reshard_after_backward`` False and
+    ``requires_gradient_sync`` False on every backward, then runs FSDP's post-backward once, after
+    the last): ``decomp.fsdp``'s level 1 with M microbatches, so with F, S, G, k of ``decomp.fsdp``::
+
+        static_bytes    = (S + F) + F + k S           (``unit_memory`` level 1: shard + whole
+                                                       parameters, whole gradient, sharded state)
+        transient_bytes = G                           (the reduce-scatter's input, once the last
+                                                       backward has freed every activation)
+        grad_sync_s     = c.grad_sync_s - optim_whole_s + RS(dp, G) + opt(S)
+        fill_s          = max(0, AG(dp, G) - next_fwd_s)  (its gather, issued when the previous
+                                                       unit's forward starts, FSDP2's prefetch;
+                                                       the caller passes 0 for a stage's first unit)
+
+    Against a replicated unit (static F + F + k F, sync AR(dp, F) + opt(F)) it saves
+    k (F - S) - S of state: nothing with plain SGD (k = 0) or momentum (k = 1) at dp 2, F/2 with
+    AdamW (k = 2) at dp 2, up to ~2F at large dp; the all-reduce becomes a reduce-scatter plus one
+    gather a step. (ZeRO-3's saving, parameters gathered per microbatch and freed, would cost M
+    gathers a step under a schedule; torch's pipelining keeps them whole, so it is not offered.)"""
+    s = Sharded(level=1, dp=dp)
+    mem = unit_memory(params, s, optim_copies)
+    comm = unit_comm(params, s, collective_s, optim_step_s)
+    return StageCost(c.fwd_s, c.bwd_s, c.grad_sync_s - optim_whole_s + comm.reduce_s + comm.optim_s,
+                     c.act_bytes_per_microbatch, mem.resident_bytes, max(0.0, comm.allgather_s - next_fwd_s),
+                     params.gathered_bytes(dp))
 
 
 def _pack(units: Sequence[StageCost], s_count: int, schedule: Schedule, work_bound: float | None,
@@ -142,16 +179,17 @@ def _pack(units: Sequence[StageCost], s_count: int, schedule: Schedule, work_bou
     for s in range(s_count):
         left = s_count - s - 1                     # stages still to fill after this one
         fl = in_flight_microbatches(schedule, s_count, s)
-        t = act = stat = 0.0
+        t = act = stat = tr = 0.0
         j = i
         while j < n - left:
             u = units[j]
             t2, act2, stat2 = t + u.fwd_s + u.bwd_s, act + u.act_bytes_per_microbatch, stat + u.static_bytes
-            over_mem = memory_limit_bytes is not None and stat2 + fl * act2 > memory_limit_bytes
+            tr2 = max(tr, u.transient_bytes)
+            over_mem = memory_limit_bytes is not None and stat2 + max(tr2, fl * act2) > memory_limit_bytes
             over_t = work_bound is not None and t2 > work_bound * (1 + 1e-12)
             if over_mem or (j > i and over_t):
                 break
-            t, act, stat = t2, act2, stat2
+            t, act, stat, tr = t2, act2, stat2, tr2
             j += 1
         if j == i:
             return None
@@ -177,7 +215,7 @@ def min_peak_bytes(units: Sequence[StageCost], s_count: int, schedule: Schedule)
     """The least per-rank peak (static + in-flight x activations of the fullest stage) any cut
     into ``s_count`` stages reaches: bisection on the limit with the greedy packing (what the
     refusal of a stage count names)."""
-    lo, hi = 0.0, max(1.0, sum(u.static_bytes + in_flight_microbatches(schedule, s_count, 0)
+    lo, hi = 0.0, max(1.0, sum(u.static_bytes + u.transient_bytes + in_flight_microbatches(schedule, s_count, 0)
                                * u.act_bytes_per_microbatch for u in units))
     if any(u.static_bytes == float("inf") for u in units):
         return float("inf")
@@ -208,11 +246,14 @@ def microbatch_counts(per_replica: int, s_count: int, schedule: str) -> list[int
 def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                   cut_send_s: Callable[[int, int, int, int], float], *, stage_counts: Sequence[int] | None = None,
                   tps: Sequence[int] = (1,), microbatches: int | None = None, schedule: str = "1f1b",
-                  virtual: int = 1, memory_limit_bytes: float | None = None) -> StageSearch:
-    """Try every (S, tp, M) -- S from ``stage_counts`` (default: every feasible count), tp from
-    ``tps`` dividing the stage's ranks, dp the rest, M every divisor of the per-replica batch
-    ``batch / dp`` (``microbatch_counts``; or ``microbatches`` fixed) -- with the best cuts of
-    each; return them all and the fastest.
+                  virtual: int = 1, memory_limit_bytes: float | None = None,
+                  data_axes: Sequence[str] = ("replicate",)) -> StageSearch:
+    """Try every (S, tp, M, data) -- S from ``stage_counts`` (default: every feasible count), tp
+    from ``tps`` dividing the stage's ranks, dp the rest, M every divisor of the per-replica batch
+    ``batch / dp`` (``microbatch_counts``; or ``microbatches`` fixed), what the dp axis does with
+    the parameters from ``data_axes`` (``decomp.stages.STAGE_DATA``; dp 1: replicate only) -- with
+    the best cuts of each; return them all and the fastest (ties: fewer stages, smaller tp,
+    replicated before sharded).
 
     Pruning: every option's step is at least ``M W / S`` (W: one microbatch's f + b summed over
     the units; the bottleneck stage is at least the mean, and it runs M microbatches), so options
@@ -229,11 +270,11 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                             f"use one of the feasible stage counts {feasible}")
 
     @functools.lru_cache(maxsize=None)
-    def units_of(dp: int, tp: int, mb: int) -> tuple[StageCost, ...]:   # cached per (sub-mesh, microbatch)
-        return tuple(unit_cost(i, dp, tp, mb) for i in range(n_units))
+    def units_of(dp: int, tp: int, mb: int, data: str) -> tuple[StageCost, ...]:   # per (sub-mesh, microbatch)
+        return tuple(unit_cost(i, dp, tp, mb, data) for i in range(n_units))
 
     options: list[StageOption] = []
-    todo: list[tuple[float, int, int, int, int, int]] = []     # (bound, S, dp, tp, M, microbatch)
+    todo: list[tuple[float, int, int, int, int, int, str]] = []     # (bound, S, dp, tp, M, microbatch, data)
     for s_count in counts:
         per = world // s_count
         for tp in tps:
@@ -264,29 +305,33 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                                                refused=f"1F1B needs M >= S ({m} < {s_count})"))
                     continue
                 mb = batch // (dp * m)
-                work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb))
-                todo.append((m * work / s_count, s_count, dp, tp, m, mb))
+                for data in (data_axes if dp > 1 else ("replicate",)):
+                    work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb, data))
+                    todo.append((m * work / s_count, s_count, dp, tp, m, mb, data))
     best: StageOption | None = None
-    for bound, s_count, dp, tp, m, mb in sorted(todo):
+    order = {d: i for i, d in enumerate(("replicate", "fsdp"))}
+    for bound, s_count, dp, tp, m, mb, data in sorted(todo, key=lambda t: (*t[:6], order.get(t[6], 9))):
         if best is not None and bound >= best.step_s:
-            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound,
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,
                                        refused=f"pruned: lower bound {bound:.6g} s >= best {best.step_s:.6g} s"))
             continue
         sch = Schedule(schedule, m, virtual)
-        units = units_of(dp, tp, mb)
+        units = units_of(dp, tp, mb, data)
         cuts = _cuts_for(units, s_count, sch, memory_limit_bytes)
         if cuts is None:
             need = min_peak_bytes(units, s_count, sch)
-            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, min_peak_bytes=need,
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, min_peak_bytes=need, data=data,
                                        refused=f"no cut leaves every stage within the memory limit (the least "
                                                f"peak any cut reaches: {need / 2**20:.1f} MiB per rank)"))
             continue
         bounds = [0, *cuts, n_units]
         costs = [_sum(units[bounds[k]:bounds[k + 1]]) for k in range(s_count)]
         sends = [cut_send_s(s_count, k, tp, mb) for k in range(s_count - 1)]
-        op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound)
+        op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound,
+                         data=data)
         options.append(op)
-        if best is None or (op.step_s, op.stages, op.tp) < (best.step_s, best.stages, best.tp):
+        if best is None or (op.step_s, op.stages, op.tp, order[op.data]) < \
+                (best.step_s, best.stages, best.tp, order[best.data]):
             best = op
     return StageSearch(tuple(options), best)
 
@@ -314,5 +359,5 @@ def memory_reach(options: Sequence[StageOption]) -> str:
     return f"feasible stage counts: {fits or 'none'}; the least peak per rank each stage count reaches: {reach or 'none'}"
 
 
-__all__ = ["StageOption", "StageSearch", "memory_reach", "microbatch_counts", "min_peak_bytes", "planned_cut_s",
+__all__ = ["StageOption", "StageSearch", "fsdp_unit_cost", "memory_reach", "microbatch_counts", "min_peak_bytes", "planned_cut_s",
            "require_fit", "search_stages"]

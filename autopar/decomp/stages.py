@@ -27,7 +27,12 @@ S stages:
         T_pipe = sum_s (f_s + b_s) + (M-1) max_s (f_s + b_s) + 2 c ((S-1) M / S + S - 2)
     interleaved 1F1B, V chunks per rank (each chunk f_s/V, b_s/V; uniform stages f, b, c)
         T_pipe = M (f + b) + (S-1) (f + b) / V + 2 (S-1) c  ... when M is a multiple of S
-    step = T_pipe + max(0, max_s (g_s - sum_{k<s} (b_k + c_k)))
+    step = T_pipe + sum_s a_s + max(0, max_s (g_s - sum_{k<s} (b_k + c_k)))
+
+``a_s`` is what stage s waits before its first forward besides its input: 0 when its dp axis
+replicates the parameters; under FSDP2 (``Stage.data == "fsdp"``) the all-gathers of its units
+that its forward cannot hide (``cost.stages.fsdp_unit_cost``). Each stage's wait delays the
+first microbatch's path through every later stage, so they add.
 
 The 1F1B send term: stage 0 keeps S microbatches in flight and starts microbatch j+S only after
 the backward of j returned, a round trip of ``S (f + b) + 2 (S-1) c``; so in steady state every
@@ -59,7 +64,9 @@ stage s (of S, V chunks per rank), checked against the simulation's peak:
     interleaved (V)       min(M V, (S - s) + ... )  -> counted per chunk: see ``in_flight_chunks``
 
 where one in-flight microbatch of a stage costs its activation bytes per microbatch (a chunk
-costs 1/V of it).
+costs 1/V of it). Under FSDP2 a stage also needs ``transient_bytes`` (the largest of its units':
+the reduce-scatter's input, one unit at a time) after its last backward, when no activation is
+left: the peak is static + max(transient, in-flight x activations).
 """
 
 from __future__ import annotations
@@ -85,6 +92,13 @@ SCHEDULES: dict[str, tuple[str, object]] = {
 #: the schedules whose step formula and memory count are written above (the others run but are
 #: priced as their nearest relative: looped_bfs as GPipe over chunks, dualpipev as zbv)
 PRICED = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+#: what a stage's data-parallel axis does with its parameters (``Stage.data``): "replicate" keeps
+#: them whole on every replica and all-reduces the gradients after the schedule's step; "fsdp"
+#: shards parameters, gradients and optimizer state over the stage's dp group with torch's FSDP2
+#: (``fully_shard`` on every block and on the stage module; ``PipelineStage`` keeps the gradients
+#: whole across the microbatches and reduce-scatters them once after the last backward, so the
+#: memory and traffic are ``decomp.fsdp``'s level 1: ``cost.stages.fsdp_unit_cost``)
+STAGE_DATA = ("replicate", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -137,9 +151,13 @@ class Stage:
     ranks: tuple[int, ...]
     dp: int = 0
     tp: int = 1
+    data: str = "replicate"           # the dp axis: "replicate" (all-reduce) or "fsdp" (FSDP2 over dp)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if self.data not in STAGE_DATA:
+            raise PipelineError(f"stage {self.index}: data axis {self.data!r} is not one of {STAGE_DATA}",
+                                "use replicate or fsdp")
         if self.dp == 0:
             object.__setattr__(self, "dp", len(self.ranks) // max(1, int(self.tp)))
         if not 0 <= self.first_layer < self.stop_layer:
@@ -158,14 +176,17 @@ class Stage:
         return other.ranks[self.ranks.index(int(rank))]
 
     def to_json(self) -> dict:
-        return {"index": self.index, "layers": [self.first_layer, self.stop_layer],
-                "ranks": list(self.ranks), "dp": self.dp, "tp": self.tp}
+        d = {"index": self.index, "layers": [self.first_layer, self.stop_layer],
+             "ranks": list(self.ranks), "dp": self.dp, "tp": self.tp}
+        if self.data != "replicate":
+            d["data"] = self.data
+        return d
 
     @staticmethod
     def from_json(obj: dict) -> "Stage":
         lo, hi = obj["layers"]
         return Stage(int(obj["index"]), int(lo), int(hi), tuple(obj["ranks"]), int(obj.get("dp", 0)),
-                     int(obj.get("tp", 1)))
+                     int(obj.get("tp", 1)), str(obj.get("data", "replicate")))
 
 
 @dataclass(frozen=True)
@@ -221,7 +242,7 @@ class StageLayout:
 
 
 def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, tp: int = 1,
-                cuts: Sequence[int] | None = None) -> StageLayout:
+                cuts: Sequence[int] | None = None, data: str = "replicate") -> StageLayout:
     """S stages on consecutive blocks of ``world // S`` ranks (so that a stage stays on as few nodes
     as possible and only the cuts cross node links), cut at ``cuts`` (the first layer of stages
     1..S-1) or evenly. Raises a ``PlanError`` listing the feasible stage counts otherwise."""
@@ -236,7 +257,8 @@ def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, 
     if cuts is None:
         cuts = [round(k * n_layers / num_stages) for k in range(1, num_stages)]
     bounds = [0, *[int(c) for c in cuts], n_layers]
-    stages = tuple(Stage(k, bounds[k], bounds[k + 1], tuple(range(k * per, (k + 1) * per)), per // tp, tp)
+    stages = tuple(Stage(k, bounds[k], bounds[k + 1], tuple(range(k * per, (k + 1) * per)), per // tp, tp,
+                         data if per // tp > 1 else "replicate")
                    for k in range(num_stages))
     return StageLayout(stages, schedule)
 
@@ -262,6 +284,9 @@ class StageCost:
     grad_sync_s: float = 0.0
     act_bytes_per_microbatch: float = 0.0
     static_bytes: float = 0.0
+    fill_s: float = 0.0               # exposed before the stage's first forward (FSDP's all-gathers)
+    transient_bytes: float = 0.0      # one unit's buffer after the last backward (FSDP2's reduce-scatter
+                                      # input): the max over units, not a sum, and not with activations
 
 
 @dataclass(frozen=True)
@@ -339,8 +364,10 @@ def price_pipeline(costs: Sequence[StageCost], cut_send_s: Sequence[float], sche
     for k, c in enumerate(costs):
         tail = max(tail, c.grad_sync_s - below)
         below += b[k] + (cut_send_s[k] if k < s_count - 1 else 0.0)
+    pipe += sum(c.fill_s for c in costs)
     in_flight = tuple(in_flight_microbatches(schedule, s_count, k) for k in range(s_count))
-    peak = tuple(c.static_bytes + n * c.act_bytes_per_microbatch for c, n in zip(costs, in_flight))
+    peak = tuple(c.static_bytes + max(c.transient_bytes, n * c.act_bytes_per_microbatch)
+                 for c, n in zip(costs, in_flight))
     step = pipe + tail
     return PipelinePrice(step, pipe, ideal, max(0.0, pipe - ideal - send), send, tail, peak, in_flight)
 
@@ -473,7 +500,7 @@ def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
     return (s - 1) / v / (m + (s - 1) / v)
 
 
-__all__ = ["PRICED", "SCHEDULES", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
+__all__ = ["PRICED", "SCHEDULES", "STAGE_DATA", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
            "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts",
            "stage_mesh", "even_layout", "feasible_stage_counts",
            "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]

@@ -27,7 +27,8 @@ from ..errors import PlanFileError
 from ..modelfile import load_model_file, model_env
 from ..runtime import launch as rank_launch
 from ..decomp.stages import CutPlan
-from ..runtime.stages import _all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step, shard_of
+from ..runtime.stages import (_all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step,
+                              shard_of, whole)
 from .validate import RULE, compare
 
 
@@ -80,9 +81,10 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         return shard_of(t, runner.sharded[n], st.tp) if n in runner.sharded else t
     rtol, atol = opts["rtol"], opts["atol"]
     checks = [compare(f"rank {rank}: loss", loss.reshape(1), ref_loss.to(loss.dtype).reshape(1), rtol, atol)]
-    checks += [compare(f"rank {rank}: grad {n}", p.grad, want(n, ref_g[n]), rtol, atol) for n, p in held]
+    # FSDP2 stages hold DTensor shards: ``whole`` gathers each over the stage's dp group
+    checks += [compare(f"rank {rank}: grad {n}", whole(p.grad), want(n, ref_g[n]), rtol, atol) for n, p in held]
     torch.optim.SGD([p for _, p in held], lr=opts["lr"], momentum=opts["momentum"]).step()
-    checks += [compare(f"rank {rank}: param {n} after step", p.detach(), want(n, ref_p[n].detach()), rtol, atol)
+    checks += [compare(f"rank {rank}: param {n} after step", whole(p.detach()), want(n, ref_p[n].detach()), rtol, atol)
                for n, p in held]
 
     # timing, float32, a fresh model and schedule
@@ -90,6 +92,9 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     torch.manual_seed(opts["seed"])
     model = mf.build_model()
     x32 = mf.example_inputs(batch)[0]
+    # every chunk's inputs for the stage-alone timing below, taken before the runner shards the
+    # model (an FSDP2 stage's parameters are DTensors outside its own modules' hooks)
+    metas = _static_metas(_all_chunks(model, layout), x32[:mb])
     runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x32[:mb])
     opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
     times = []
@@ -104,7 +109,6 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
             times.append(time.perf_counter() - t0)
     # this stage alone on one microbatch (every rank at once, as in the step)
     (c, mod), = runner.modules[:1]
-    metas = _static_metas(_all_chunks(model, layout), x32[:mb])
     inp = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in metas[c][0])
     fw, bw = [], []
     last = c == layout.num_stages - 1
@@ -131,7 +135,7 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
              "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps, "heads": heads,
              "cuts": dict(plan.runtime.extra).get("cuts")}
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages "
-             f"(dp {layout.stages[0].dp} x tp {layout.stages[0].tp} each), "
+             f"(dp {layout.stages[0].dp}{' FSDP2' if layout.stages[0].data == 'fsdp' else ''} x tp {layout.stages[0].tp} each), "
              f"{layout.schedule.torch_class} over {layout.schedule.microbatches} microbatches; validation, "
              f"{opts.warmup}+{opts.steps} timed steps")
     t0 = time.perf_counter()
@@ -174,7 +178,7 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     v = run.validation
     lines = [f"# {plan.model.name}: {layout.num_stages} pipeline stages on {world} ranks", "",
              f"- stages: " + "; ".join(f"{s.index}: blocks [{s.first_layer}, {s.stop_layer}) on ranks {list(s.ranks)} "
-                                       f"(dp {s.dp} x tp {s.tp})" for s in layout.stages),
+                                       f"(dp {s.dp}{' FSDP2' if s.data == 'fsdp' else ''} x tp {s.tp})" for s in layout.stages),
              f"- schedule: {layout.schedule.torch_class}, {m} microbatches",
              f"- validation ({v.dtype}, {v.rule}, rtol {v.rtol:g}, atol {v.atol:g}): "
              f"{'passed' if v.passed else 'FAILED'}, {v.checked} tensors",

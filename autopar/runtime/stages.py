@@ -13,7 +13,8 @@ element to the next block (and over the cut, point to point, each with its gradi
 Ranks: stage s holds ``stage.ranks`` laid ``dp x tp`` (row-major, tp fastest). The rank at
 (d, t) of every stage forms one *pipeline group* (its own ``PipelineStage`` chain); the ranks of
 a stage with the same t form its data-parallel group (gradients averaged after the schedule's
-step); with the same d its tensor-parallel group (blocks split Megatron-style by
+step, or, when the stage's ``data`` is "fsdp", its parameters sharded by FSDP2 over it:
+``shard_stage``); with the same d its tensor-parallel group (blocks split Megatron-style by
 ``shard_gpt_block``; replicated values cross the cut from each tp rank to its peer).
 
 Semantics of one step: data-parallel group d takes rows ``[d B/D, (d+1) B/D)`` of the batch; the
@@ -322,18 +323,15 @@ class StageRunner:
     loss_fn: Callable
     tied: tuple = ()            # (parameter, group of its holders' peers): gradients summed (tied weights)
     sharded: dict = None        # single-process parameter name -> shard_of spec (tp > 1), else {}
+    held: dict | None = None    # FSDP2 stages: single-process name -> this rank's DTensor parameter
 
     def held_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """This rank's parameters under their single-process names (a tp block's wrapper dropped);
-        ``self.sharded`` says which are tp slices (``shard_of``)."""
-        mine = {id(p) for p in self.parameters()}
-        return {n.replace(".b.", ".", 1) if n in self._wrapped_names(model) else n: p
-                for n, p in model.named_parameters() if id(p) in mine}
-
-    @staticmethod
-    def _wrapped_names(model: nn.Module) -> set[str]:
-        return {f"blocks.{i}.b.{n}" for i, blk in enumerate(getattr(model, "blocks", ())) if isinstance(blk, _TPBlock)
-                for n, _ in blk.b.named_parameters()}
+        ``self.sharded`` says which are tp slices (``shard_of``); under FSDP2 they are DTensors
+        sharded over the stage's dp group (``whole`` gathers one)."""
+        if self.held is not None:
+            return dict(self.held)
+        return _held(model, self.parameters())
 
     @property
     def stage(self):
@@ -372,8 +370,8 @@ class StageRunner:
         for p, g in self.tied:               # a weight used on several stages (tied embeddings): sum its parts
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=g)
-        if self.groups.dp is not None:       # one all-reduce of every gradient, flattened
+            dist.all_reduce(local(p.grad), group=g)    # FSDP2: peers hold the same rows of it
+        if self.groups.dp is not None and st.data != "fsdp":   # one all-reduce of every gradient, flattened
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.groups.dp)
@@ -388,6 +386,18 @@ class StageRunner:
             contrib = torch.stack([l.detach().to(torch.float64) for l in losses]).mean() / st.dp
         dist.all_reduce(contrib)
         return contrib
+
+
+def _wrapped_names(model: nn.Module) -> set[str]:
+    return {f"blocks.{i}.b.{n}" for i, blk in enumerate(getattr(model, "blocks", ())) if isinstance(blk, _TPBlock)
+            for n, _ in blk.b.named_parameters()}
+
+
+def _held(model: nn.Module, params) -> dict[str, torch.Tensor]:
+    """``params`` under their single-process names (a tp block's ``.b.`` wrapper dropped)."""
+    mine = {id(p) for p in params}
+    wrapped = _wrapped_names(model)
+    return {n.replace(".b.", ".", 1) if n in wrapped else n: p for n, p in model.named_parameters() if id(p) in mine}
 
 
 def _static_metas(modules_all: list[StageModule], microbatch: torch.Tensor) -> list[tuple[tuple, Any]]:
@@ -441,6 +451,20 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
     metas: dict[int, tuple] = {}
     if example_microbatch is not None:
         metas = dict(enumerate(_static_metas(every, example_microbatch)))
+    held = None
+    if st.data == "fsdp" and groups.dp is not None:
+        # fully_shard replaces each parameter by a DTensor: find every one (and each tied weight)
+        # again by its path in this rank's chunk modules afterwards
+        by_id = {id(p): n for n, p in _held(model, (p for _, m in modules for p in m.parameters())).items()}
+        where: dict[str, tuple[nn.Module, str]] = {}
+        for _, m in modules:
+            for path, p in m.named_parameters(remove_duplicate=False):
+                if id(p) in by_id:
+                    where.setdefault(by_id[id(p)], (m, path))
+        tied_at = [(where[by_id[id(p)]], g) for p, g in tied]
+        modules = shard_stage(modules, groups.dp, model)
+        held = {n: m.get_parameter(path) for n, (m, path) in where.items()}
+        tied = tuple((m.get_parameter(path), g) for (m, path), g in tied_at)
     stages = [PipelineStage(m, c, n_chunks, torch.device("cpu"), group=groups.pipeline,
                             **({"input_args": metas[c][0], "output_args": metas[c][1]} if metas else {}))
               for c, m in modules]
@@ -448,7 +472,62 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
     m = layout.schedule.microbatches
     schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=stage_loss(model, loss_fn),
                    scale_grads=True)
-    return StageRunner(layout, rank, modules, groups, schedule, loss_fn, tied, sharded)
+    return StageRunner(layout, rank, modules, groups, schedule, loss_fn, tied, sharded, held)
+
+
+def shard_stage(modules: list[tuple[int, StageModule]], dp_group, model: nn.Module) -> list[tuple[int, StageModule]]:
+    """FSDP2 over the stage's dp group (``Stage.data == "fsdp"``): ``fully_shard`` on every block
+    of this rank's chunks, then on each chunk module (its pre/post parameters: embeddings, head),
+    torchtitan's order (tensor parallelism, ``shard_gpt_blocks``, already applied; the shards are
+    then cut again over dp). torch's ``PipelineStage`` drives FSDP2 under a schedule: gradients stay
+    whole across the microbatches and are reduce-scattered (averaged over dp) once after the last
+    backward. A weight in two chunks of one rank (a tied embedding under a V-shaped schedule)
+    would be sharded twice: refused, naming it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    seen: dict[int, int] = {}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for c, m in modules:
+        for p in m.parameters():
+            if seen.setdefault(id(p), c) != c:
+                raise PipelineError(f"parameter {names.get(id(p), '?')} is in chunks {seen[id(p)]} and {c} of one "
+                                    "rank: FSDP2 inside a stage would shard it twice",
+                                    "plan with --stage-data replicate or a schedule with one chunk per rank")
+    mesh = DeviceMesh.from_group(dp_group, "cpu")
+    for _, m in modules:
+        for blk in m.blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    return modules
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole on this rank: a DTensor (an FSDP2 shard) gathered over its mesh (collective
+    over the stage's dp group), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the whole tensor on this rank) placed as ``p`` is: for an FSDP2 DTensor, this
+    rank's rows as ``torch.chunk`` cuts dim 0 (what ``fully_shard`` holds), as a DTensor on
+    ``p``'s mesh; any other ``p``: ``full`` itself."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(p, DTensor):
+        return full
+    if tuple(pl for pl in p.placements) != (Shard(0),):
+        raise PipelineError(f"a stage parameter placed {p.placements}, not FSDP2's Shard(0)", "re-plan the stages")
+    r, n = p.device_mesh.get_local_rank(), p.device_mesh.size()
+    c = -(-full.shape[0] // n) if full.dim() else 0
+    rows = full[r * c:min((r + 1) * c, full.shape[0])] if full.dim() else full
+    return DTensor.from_local(rows.contiguous(), p.device_mesh, p.placements, run_check=False,
+                              shape=full.shape, stride=full.stride())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule], rank: int) -> tuple:

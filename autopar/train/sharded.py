@@ -41,9 +41,12 @@ from .optim import check_optimizer
 
 def is_torch_sharded(model: Any) -> bool:
     """Whether ``model`` holds DTensor parameters (FSDP2 / DTensor) or runs ZeRO-1 on DDP
-    (``runtime.fsdp.is_zero1``), not an autopar plan's."""
+    (``runtime.fsdp.is_zero1``), not an autopar plan's (a pipeline plan's stages may be FSDP2
+    inside: ``train.stages`` saves those whole, by single-process name)."""
     from torch.distributed.tensor import DTensor
-    if not isinstance(model, torch.nn.Module) or hasattr(model, "comm"):
+
+    from .stages import PipelineModule
+    if not isinstance(model, torch.nn.Module) or hasattr(model, "comm") or isinstance(model, PipelineModule):
         return False
     return is_zero1(model) or any(isinstance(p, DTensor) for p in model.parameters())
 

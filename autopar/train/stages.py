@@ -18,7 +18,10 @@ groups gathered from every stage) are passed in as ``entries``. With tp > 1 insi
 rank holds a tp slice (``runtime.stages.shard_of``) of the split block weights: ``whole`` gathers
 the slices over the stage's tp group into the single-process tensor before writing (so the
 checkpoint is the same whatever the plan), and ``part`` cuts this rank's slice out of the whole
-tensor read back.
+tensor read back. Under FSDP2 stages (``Stage.data == "fsdp"``) each parameter and each of its
+optimizer states is a DTensor shard over the stage's dp group: ``whole`` gathers it first
+(``runtime.stages.whole``) and ``part`` places the rows read back as the parameter's shard
+(``runtime.stages.shard_like``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch import nn
 from ..artifacts import Plan
 from ..decomp.stages import StageLayout
 from ..errors import AutoparError, PlanFileError
-from ..runtime.stages import build_runner, shard_of
+from ..runtime.stages import build_runner, shard_like, shard_of, whole
 from ..io import atomic_write_text
 
 
@@ -80,6 +83,7 @@ class PipelineModule(nn.Module):
         """The single-process tensor of ``t``, this rank's part of parameter ``name`` or of a state
         shaped like it: itself, or for a tp slice every tp rank's slice gathered and put back in
         place (the inverse of ``shard_of``). Collective over the stage's tp group for a slice."""
+        t = whole(t)                   # an FSDP2 shard gathered over the stage's dp group first
         spec = self.runner.sharded.get(name)
         if spec is None:
             return t.detach()
@@ -91,11 +95,12 @@ class PipelineModule(nn.Module):
         return torch.cat([pieces[i][b] for b in range(blocks) for i in range(tp)], dim)
 
     def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the single-process tensor ``full`` of parameter ``name``."""
+        """This rank's part of the single-process tensor ``full`` of parameter ``name``: its tp
+        slice, then under FSDP2 its dp rows as a DTensor placed like the parameter."""
         spec = self.runner.sharded.get(name)
-        if spec is None:
-            return full
-        return shard_of(full, spec, self.layout.stage_of(self.rank).tp).contiguous()
+        if spec is not None:
+            full = shard_of(full, spec, self.layout.stage_of(self.rank).tp).contiguous()
+        return shard_like(self._held[name], full) if name in self._held else full
 
     def whole_shape(self, name: str, t: torch.Tensor) -> tuple[int, ...]:
         spec = self.runner.sharded.get(name)

@@ -11,8 +11,10 @@ Megatron's split, pinned (attention ``head(1,tp)``, MLP ``filter(1,tp)`` then
 ``row_parallel(1,tp)``, the rest ``replicate``) -- cached per (tp, microbatch): one solve prices
 every block, and every (layer range, sub-mesh) of a stage is a sum of its blocks' costs (blocks
 the units the cuts go between; embeddings fold into the first block, the head and loss into the
-last). Data parallelism over the stage's ``dp`` replicas adds the all-reduce of each block's
-gradient bytes (the profile's allreduce at the link level the dp group spans).
+last). The stage's ``dp`` axis (``stage_data_axes``: ``--stage-data``) either replicates each
+block, adding the all-reduce of its gradient bytes (the profile's allreduce at the link level the
+dp group spans), or shards it with FSDP2 (``cost.stages.fsdp_unit_cost``: ``decomp.fsdp``'s level
+1 on the block's parameters as the sub-plan leaves them on one tp rank); the search prices both.
 A cut is priced with its values' planned redistribution between the two stages' sub-meshes
 (``decomp.stages.plan_cut``, ``cost.stages.planned_cut_s``: the widest block boundary's values
 while the cuts are searched; plan.json's ``runtime.cuts`` records each chosen cut's own values
@@ -35,10 +37,12 @@ import re
 import time
 
 from ...artifacts import PlanHooks
-from ...cost.stages import memory_reach, search_stages
+from ...cost.stages import fsdp_unit_cost, memory_reach, search_stages
+from ...decomp.fsdp import UnitParams
+from ...profile.optimizer import optimizer_step_s
 from ...cost.table import StepPrediction
 from ...cost.stages import planned_cut_s
-from ...decomp.stages import (SCHEDULES, CutValue, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
+from ...decomp.stages import (SCHEDULES, STAGE_DATA, CutValue, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
                               plan_cut, plan_cuts)
 from ...errors import InfeasiblePlan, PipelineError
 from .registry import Candidate, register_strategy
@@ -145,18 +149,27 @@ class PipelineStages:
         heads = gpt_heads(base.graph)
         tp_ok = heads is not None and (o.kinds is None or "head" in o.kinds)      # tensor parallelism allowed
         tps = [t for t in range(1, rpn + 1) if t == 1 or (tp_ok and heads % t == 0)]
-        subplans: dict[tuple[int, int], tuple[list[StageCost], list[float], tuple[str, ...]]] = {}
+        subplans: dict[tuple[int, int], SubPlan] = {}
+        data_axes = stage_data_axes(o)
 
-        def sub(tp: int, mb: int):
+        def sub(tp: int, mb: int) -> SubPlan:
             if (tp, mb) not in subplans:
                 subplans[(tp, mb)] = _unit_costs(base, tp, mb, units, n_units)
             return subplans[(tp, mb)]
 
-        def unit_cost(i, dp, tp, mb):
-            costs, grad_bytes, _ = sub(tp, mb)
-            c = costs[i]
+        def unit_cost(i, dp, tp, mb, data="replicate"):
+            sp = sub(tp, mb)
+            c = sp.costs[i]
             level = profile.level_of(range(0, dp * tp, tp))
-            sync = profile.collective_time_s("allreduce", dp, grad_bytes[i], level=level) if dp > 1 else 0.0
+            if data == "fsdp":
+                def coll(kind, p, n):
+                    return profile.collective_time_s(kind, p, n, level=level)
+
+                def opt(n, nbytes):
+                    return optimizer_step_s(profile, n, nbytes) or 0.0
+                return fsdp_unit_cost(c, sp.params[i], dp, float(base.table.ctx.optimizer_state_per_param),
+                                      sp.optim_s[i], coll, opt, sp.costs[i - 1].fwd_s if i else 0.0)
+            sync = profile.collective_time_s("allreduce", dp, sp.grad_bytes[i], level=level) if dp > 1 else 0.0
             return dataclasses.replace(c, grad_sync_s=c.grad_sync_s + sync)
 
         bvalues = cut_values(base.graph, units, batch)
@@ -172,8 +185,9 @@ class PipelineStages:
         t0 = time.perf_counter()
         sr = search_stages(n_units, world, batch, unit_cost, cut, stage_counts=counts, tps=tps,
                            microbatches=getattr(o, "microbatches", None), schedule=sched_name, virtual=virtual,
-                           memory_limit_bytes=base.memory_limit_bytes)
+                           memory_limit_bytes=base.memory_limit_bytes, data_axes=data_axes)
         search = {"search_s": time.perf_counter() - t0, "sub_plans_solved": len(subplans), "tps": tps,
+                  "data_axes": list(data_axes),
                   "options_tried": len(sr.options), "memory_limit_bytes": base.memory_limit_bytes,
                   "memory_reach": memory_reach(sr.options)}
         records = [_short(op.to_json()) for op in sr.options]
@@ -189,7 +203,8 @@ class PipelineStages:
                                        forced=mode == "fixed"))
                 continue
             layout = even_layout(n_units, world, s_count, Schedule(sched_name, best.microbatches, virtual),
-                                 tp=best.tp, cuts=best.cuts if virtual == 1 else None)   # V chunks: cut evenly
+                                 tp=best.tp, cuts=best.cuts if virtual == 1 else None,   # V chunks: cut evenly
+                                 data=best.data)
             p = best.price
             # each cut's own boundary (V chunks per rank: cut evenly, priced with the widest boundary)
             crossing = [bvalues[layout.stages[k].stop_layer - 1] if virtual == 1 else widest
@@ -198,14 +213,16 @@ class PipelineStages:
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
                                   memory_per_rank_bytes=max(p.peak_bytes), grad_sync_bytes=0.0)
-            label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, dp {best.dp} x tp {best.tp})"
+            dp_word = f"dp {best.dp}" + (" FSDP2" if best.data == "fsdp" else "")
+            label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, {dp_word} x tp {best.tp})"
             cands.append(Candidate(NAME, label, pred, table=base.table, choice=tuple(base.solution.choice),
                                    runtime="stages", forced=mode == "fixed", priority=self.priority,
                                    note=f"pipeline stages: {layout.to_json()['stages']}",
                                    detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
                                            "cuts": [c.to_json() for c in cuts_planned],
                                            "search": search, "heads": heads if best.tp > 1 else None,
-                                           "sub_plan_kinds": list(sub(best.tp, best.microbatch)[2])}))
+                                           "sub_plan_kinds": list(sub(best.tp, best.microbatch).kinds)
+                                           + (["sharded"] if best.data == "fsdp" else [])}))
         if mode == "fixed" and all(c.illegal for c in cands):
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
                                 f"({cands[0].illegal if cands else 'nothing priced'})",
@@ -229,11 +246,38 @@ class PipelineStages:
                             "stage_counts_priced": priced}}
 
 
-def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
-                ) -> tuple[list[StageCost], list[float], tuple[str, ...]]:
+def stage_data_axes(o) -> tuple[str, ...]:
+    """What a stage's dp axis may do with its parameters (``decomp.stages.STAGE_DATA``): both
+    unless ``--stage-data`` names one; FSDP2 only where ``--kinds`` allows ``sharded``."""
+    want = getattr(o, "stage_data", None) or "auto"
+    if want not in ("auto", *STAGE_DATA):
+        raise PipelineError(f"--stage-data {want!r} is not auto, {' or '.join(STAGE_DATA)}",
+                            "use --stage-data auto (the planner chooses), replicate or fsdp")
+    allowed = tuple(d for d in STAGE_DATA if d == "replicate" or o.kinds is None or "sharded" in o.kinds)
+    if want == "auto":
+        return allowed
+    if want not in allowed:
+        raise PipelineError(f"--stage-data {want} needs the sharded kind, which --kinds leaves out",
+                            "add sharded to --kinds or drop --stage-data")
+    return (want,)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubPlan:
+    """A stage's sub-plan on ``tp`` ranks for one microbatch, per block: its costs (no dp
+    traffic), gradient bytes per rank (what a replicated dp axis all-reduces), the optimizer's
+    seconds on it whole, and its parameters as one rank holds them (what FSDP2 shards); the kinds."""
+    costs: list
+    grad_bytes: list
+    optim_s: list
+    params: list
+    kinds: tuple
+
+
+def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int) -> SubPlan:
     """The model planned on ``tp`` ranks for ``mb`` samples (one microbatch of one dp replica of a
     stage), with the stage runtime's kinds (module docstring), its per-layer costs summed per
-    block; the gradient bytes per rank of each block (what the dp all-reduce moves); the kinds."""
+    block (``SubPlan``)."""
     make_plan = base.replan           # the planner itself, passed in by planner.make (Offer.replan)
     o = base.req.options
     pins = tp_pins(tp) if tp > 1 else ()
@@ -244,11 +288,14 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
         res = make_plan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
     except InfeasiblePlan:           # no sub-plan at all: every unit priced out
         inf = float("inf")
-        return [StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, ()
+        return SubPlan([StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, [0.0] * n_units,
+                       [UnitParams(f"block {u}", ()) for u in range(n_units)], ())
     tab, ch = res.table, list(res.solution.choice)
     sub_units = block_units(tab.graph) or units
     acc = [[0.0] * 5 for _ in range(n_units)]
-    grads = [0.0] * n_units
+    grads, optim = [0.0] * n_units, [0.0] * n_units
+    shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in range(n_units)]
+    itemsize = [4] * n_units
     for li, u in enumerate(sub_units):
         c = tab.layers[li].costs[ch[li]]
         a = acc[u]
@@ -258,8 +305,17 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int
         a[3] += c.activation_bytes + c.workspace_bytes
         a[4] += c.param_bytes + c.grad_bytes + c.optim_bytes
         grads[u] += c.grad_bytes
+        optim[u] += c.optim_step_s
+        lay, dec = tab.graph.layers[li], tab.layers[li].choices[ch[li]]
+        for op in lay.ops:               # each parameter as tp rank 0 holds it (what FSDP2 shards)
+            for role, q in op.param_names.items():
+                if not any(q in d for d in shapes):
+                    sh = dec.layer_param_shard(lay, op, role)
+                    shapes[u][q] = tuple(int(x) for x in sh.local_shape(op.params[role], 0, tp))
+                    itemsize[u] = _DTYPE_BYTES.get(str(op.dtype).replace("torch.", ""), 4)
     kinds_used = tuple(sorted({tab.layers[li].choices[ch[li]].kind for li in range(len(ch))}))
-    return [StageCost(*a) for a in acc], grads, kinds_used
+    params = [UnitParams(f"block {u}", tuple(shapes[u].values()), itemsize[u]) for u in range(n_units)]
+    return SubPlan([StageCost(*a) for a in acc], grads, optim, params, kinds_used)
 
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
