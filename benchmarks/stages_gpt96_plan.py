@@ -101,15 +101,15 @@ def main() -> int:
     for s in out["strategies"]:
         t = "-" if s["step_time_s"] is None else f"{s['step_time_s'] * 1e3:.3f}"
         lines.append(f"| {s['label']}{' (chosen)' if s['chosen'] else ''} | {t} | {s['illegal'] or ''} |")
-    lines += ["", "Every option the search tried (S stages of dp x tp, M microbatches):", "",
+    lines += ["", "Every option the search tried (S stages of dp x tp, the dp axis replicated or FSDP2, M microbatches):", "",
               "| S | dp x tp | M | step (ms) | bubble | peak MiB | lower bound (ms) | refused / pruned |",
               "|---|---|---|---|---|---|---|---|"]
-    for o in sorted(out["options"], key=lambda o: (o["stages"], o["tp"], o["microbatches"])):
+    for o in sorted(out["options"], key=lambda o: (o["stages"], o["tp"], o["microbatches"], o.get("data", ""))):
         lb = f"{o['lower_bound_s'] * 1e3:.3f}" if "lower_bound_s" in o else "-"
         if "refused" in o:
-            lines.append(f"| {o['stages']} | {o['dp']} x {o['tp']} | {o['microbatches']} | - | - | - | {lb} | {o['refused']} |")
+            lines.append(f"| {o['stages']} | {o['dp']}{' FSDP2' if o.get('data') == 'fsdp' else ''} x {o['tp']} | {o['microbatches']} | - | - | - | {lb} | {o['refused']} |")
         else:
-            lines.append(f"| {o['stages']} | {o['dp']} x {o['tp']} | {o['microbatches']} | {o['step_s'] * 1e3:.3f} | "
+            lines.append(f"| {o['stages']} | {o['dp']}{' FSDP2' if o.get('data') == 'fsdp' else ''} x {o['tp']} | {o['microbatches']} | {o['step_s'] * 1e3:.3f} | "
                          f"{100 * o['bubble_fraction']:.1f} % | {o['peak_bytes_max'] / 2**20:.1f} | {lb} | |")
     lines += ["", "With batch 256 over 1024 ranks, stages that are data parallel only (tp 1) leave a per-replica "
               "batch smaller than the stage count, so 1F1B has no M >= S: tensor parallelism inside the stages "
