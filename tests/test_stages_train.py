@@ -294,3 +294,80 @@ def test_fsdp_stages_at_world_4_round_trip_through_a_plain_plan_at_world_2(monke
         torch.testing.assert_close(torch.from_numpy(r4[0]["full"][n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
     stale = run_ranks(_reference_adamw, 1, args=("ppf",), timeout_s=120)[0]   # the test can tell: one step fewer
     assert any(not (stale[n] == ref[n]).all() for n in ref)
+
+
+def _clipped(rank, world, plan, hf):
+    """One pipelined step in the user's loop, then ``autopar.train.clip_grad_norm_``: the norm
+    before clipping and every clipped gradient (gathered whole) under its single-process name."""
+    import torch
+    import autopar
+    from autopar.train import clip_grad_norm_
+    from autopar.modelfile import load_model_file
+    if hf:
+        mf = load_model_file(ROOT / "strategies/examples/hf_gpt2.py")
+        torch.manual_seed(1)
+        model = mf.build_model().double()
+        x, y = mf.example_inputs(8)[0], mf.example_targets(8)
+    else:
+        gpt = _gpt()
+        torch.manual_seed(1)
+        model = gpt.GPT().double()
+        x, y = _batch(gpt)
+    dm = autopar.parallelize(model, plan, sync_module_states=False)
+    dm.loss(x, y)
+    total = clip_grad_norm_(dm, 0.05)
+    grads = {n: dm.whole(n, p.grad).numpy().copy() for n, p in sorted(dm.named_parameters())}
+    return {"norm": float(total), "grads": grads}
+
+
+def _clipped_reference(rank, world, hf):
+    import torch
+    from autopar.modelfile import load_model_file
+    from autopar.runtime.stages import reference_step
+    if hf:
+        mf = load_model_file(ROOT / "strategies/examples/hf_gpt2.py")
+        torch.manual_seed(1)
+        model, loss_fn = mf.build_model().double(), mf.loss_fn()
+        x, y = mf.example_inputs(8)[0], mf.example_targets(8)
+    else:
+        gpt = _gpt()
+        torch.manual_seed(1)
+        model, loss_fn = gpt.GPT().double(), gpt.loss_fn
+        x, y = _batch(gpt)
+    reference_step(model, x, y, loss_fn, M)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    return {"norm": float(total), "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("data,kinds,hf", [("replicate", None, False), ("fsdp", ("sample", "replicate", "sharded"), False),
+                                           ("replicate", None, True)])
+def test_clip_grad_norm_under_a_pipeline_plan_at_world_4(monkeypatch, tmp_path, data, kinds, hf):
+    """``autopar.train.clip_grad_norm_`` under a pipeline plan at world 4 (2 stages of dp 2,
+    replicated or FSDP2; HF GPT-2 with its embedding tied across the stages): the global norm
+    counts every element once over stages, replicas and shards, equal to torch's in one process,
+    and every clipped gradient equals the reference's clipped one (float64, 1e-12)."""
+    import torch
+
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    from autopar.runtime.launch import run_ranks
+    env = {"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4", "AUTOPAR_HF_SEQ": "8",
+           "AUTOPAR_HF_VOCAB": "32"} if hf else ENV
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    model = ROOT / ("strategies/examples/hf_gpt2.py" if hf else "strategies/examples/gpt.py")
+    pipe = make_plan(model, PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
+                                        microbatches=M, stage_data=data, kinds=kinds or ("sample", "replicate"),
+                                        out_dir=str(tmp_path / "pipe")), PlanHooks(profile=prof))
+    st = pipe.plan.runtime.to_json()["stages"]["stages"]
+    assert [(s["dp"], s.get("data", "replicate")) for s in st] == [(2, data), (2, data)]
+    res = run_ranks(_clipped, 4, args=(str(pipe.plan_path), hf), timeout_s=180)
+    ref = run_ranks(_clipped_reference, 1, args=(hf,), timeout_s=120)[0]
+    assert ref["norm"] > 0.05                                  # the clip bites
+    for r in res:
+        assert r["norm"] == pytest.approx(ref["norm"], rel=1e-12)
+        for n, g in r["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(ref["grads"][n]), rtol=1e-12, atol=1e-14)

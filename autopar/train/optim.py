@@ -41,6 +41,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def grad_norm(dmodel, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm of ``dmodel`` (every shard counted once), on every rank."""
+    from .stages import PipelineModule
+    if isinstance(dmodel, PipelineModule):          # a pipeline plan: its own count over stages
+        return dmodel.grad_norm(norm_type)
     norm_type = float(norm_type)
     comm = dmodel.comm
     dtype = torch.float64
@@ -65,6 +68,9 @@ def clip_grad_norm_(dmodel, max_norm: float, norm_type: float = 2.0,
     """Clip the gradients of ``dmodel`` by their global norm (as
     ``torch.nn.utils.clip_grad_norm_`` does in one process); returns the norm before clipping.
     Collective: every rank calls it after backward."""
+    from .stages import PipelineModule
+    if isinstance(dmodel, PipelineModule):          # a pipeline plan: its own count over stages
+        return dmodel.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     total = grad_norm(dmodel, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")

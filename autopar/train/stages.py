@@ -37,7 +37,7 @@ from torch import nn
 from ..artifacts import Plan
 from ..decomp.stages import StageLayout
 from ..errors import AutoparError, PlanFileError
-from ..runtime.stages import build_runner, shard_like, shard_of, whole
+from ..runtime.stages import build_runner, local, shard_like, shard_of, whole
 from ..io import atomic_write_text
 
 
@@ -108,6 +108,53 @@ class PipelineModule(nn.Module):
         if spec is not None:
             shape[spec[0]] *= self.layout.stage_of(self.rank).tp
         return tuple(shape)
+
+    # ---- gradient clipping ----------------------------------------------------------------
+    def _counted(self) -> list[torch.Tensor]:
+        """The gradient pieces this rank counts in the global norm, so that every element of
+        every single-process gradient is counted once over the world: a replicated dp axis
+        counts at d = 0 (its replicas hold equal copies), an FSDP2 one everywhere (each rank
+        its own rows); a tp slice on every tp rank, a weight whole on every tp rank at t = 0; a
+        weight tied across stages (summed over them after the step) on its first stage only."""
+        st = self.layout.stage_of(self.rank)
+        d, t = self.runner.groups.coords
+        first_of_tied = {id(p): min(dist.get_process_group_ranks(g)) == self.rank for p, g in self.runner.tied}
+        out = []
+        for name, p in self._held.items():
+            if p.grad is None:
+                continue
+            if st.data != "fsdp" and d != 0:
+                continue
+            if name not in self.runner.sharded and t != 0:
+                continue
+            if not first_of_tied.get(id(p), True):
+                continue
+            out.append(local(p.grad).detach())
+        return out
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm (every element counted once, ``_counted``), on every rank;
+        the same as ``torch.nn.utils.clip_grad_norm_`` reports in one process. Collective."""
+        import math
+        norm_type = float(norm_type)
+        acc = torch.zeros((), dtype=torch.float64)
+        for g in self._counted():
+            g = g.to(torch.float64)
+            acc = torch.maximum(acc, g.abs().max()) if math.isinf(norm_type) else acc + g.abs().pow(norm_type).sum()
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        return acc if math.isinf(norm_type) else acc.pow(1.0 / norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale every gradient this rank holds by ``min(1, max_norm / (norm + 1e-6))`` of the
+        global norm (torch's rule); returns the norm before clipping. Collective."""
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for p in self._held.values():
+            if p.grad is not None:
+                local(p.grad).detach().mul_(coef.to(dtype=p.grad.dtype))
+        return total
 
     def state_dict_local(self) -> dict[str, torch.Tensor]:
         """This stage's parameters (whole: tp slices gathered, ``whole``) and buffers under their

@@ -53,8 +53,11 @@ _BLOCK = re.compile(r"^(?:.*\.)?(blocks|h|layers)\.(\d+)(?:\.|$)")
 
 def block_units(graph) -> list[int] | None:
     """Per layer of ``graph``, the block (unit) it belongs to: blocks by their module path
-    (``blocks.i``, ``transformer.h.i``, ``layers.i``), layers before the first block in unit 0,
-    after the last in the last unit. None when the model has fewer than two blocks."""
+    (``blocks.i``, ``transformer.h.i``, ``layers.i``); any other layer joins the latest block its
+    inputs come from (unit 0 when none: embeddings, their dropout; the last block for the final
+    norm and head), by data flow rather than by its place in the layer list, which a tracer may
+    order otherwise (Hugging Face GPT-2's embedding dropout). None when the model has fewer than
+    two blocks."""
     idx = []
     for lay in graph.layers:
         m = _BLOCK.match(getattr(lay, "module", "") or "")
@@ -62,11 +65,19 @@ def block_units(graph) -> list[int] | None:
     blocks = sorted({i for i in idx if i is not None})
     if len(blocks) < 2 or blocks != list(range(len(blocks))):
         return None
-    out, seen = [], None
-    for i in idx:
-        if i is not None:
-            seen = i
-        out.append(i if i is not None else (0 if seen is None else blocks[-1]))
+    made = {op.name: li for li, lay in enumerate(graph.layers) for op in lay.ops}
+    out = list(idx)
+    for _ in range(len(out) + 1):            # to a fixed point: producers listed after consumers
+        changed = False
+        for li, lay in enumerate(graph.layers):
+            if idx[li] is not None:
+                continue
+            srcs = [out[made[v]] for v in lay.inputs if v in made and out[made[v]] is not None]
+            u = max(srcs) if srcs else 0
+            if out[li] != u:
+                out[li], changed = u, True
+        if not changed:
+            break
     return out
 
 
