@@ -116,15 +116,42 @@ def test_on_a_measured_profile_the_planned_price_carries_its_in_situ_p2p_latency
 def test_check_cut_messages_names_what_torch_sent_against_the_plan():
     layout = even_layout(2, 2, 2, Schedule("gpipe", 2))
     cuts = plan_cuts(layout, [[CutValue("h", (3, 4), 8)]])
-    runner = SimpleNamespace(layout=layout, rank=0, stage=layout.stages[0])
-    good = {0: [(1, (3, 4), 96)], 1: [(1, (3, 4), 96)]}
+    runner = SimpleNamespace(layout=layout, rank=0, stage=layout.stages[0], modules=[(0, None)])
+    good = {(0, 0): [(1, (3, 4), 96)], (0, 1): [(1, (3, 4), 96)]}        # (chunk, microbatch): sends
     assert check_cut_messages(runner, good, cuts, itemsize=8) == 2
     with pytest.raises(CutMessageMismatch, match=r"torch sent \{1: \[\(3, 5\)\]\}"):
-        check_cut_messages(runner, {0: [(1, (3, 5), 120)], 1: [(1, (3, 4), 96)]}, cuts)
+        check_cut_messages(runner, {(0, 0): [(1, (3, 5), 120)], (0, 1): [(1, (3, 4), 96)]}, cuts)
     with pytest.raises(CutMessageMismatch, match="bytes per element"):
         check_cut_messages(runner, good, cuts, itemsize=4)
     with pytest.raises(CutMessageMismatch, match="sent 1 microbatches"):
-        check_cut_messages(runner, {0: good[0]}, cuts)
+        check_cut_messages(runner, {(0, 0): good[(0, 0)]}, cuts)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_chunk_cuts_with_two_chunks_per_rank(schedule):
+    """V = 2 chunks per rank on 2 rank groups: 3 chunk cuts, each from the group holding chunk c
+    to the one holding c + 1 (looped: 0 -> 1 -> 0 -> 1; V-shaped: 0 -> 1 -> 1 -> 0, the middle cut
+    on one group, no message); each rank's sends checked chunk by chunk."""
+    from autopar.decomp.stages import chunk_holder
+    layout = even_layout(4, 2, 2, Schedule(schedule, 2, 2))
+    cuts = plan_cuts(layout, [[CutValue("h", (3, 4), 8)]] * 3)
+    holders = [chunk_holder(layout, c) for c in range(4)]
+    assert holders == ([0, 1, 0, 1] if schedule == "interleaved_1f1b" else [0, 1, 1, 0])
+    assert [(c.to_json()["from_stage"], c.to_json()["to_stage"]) for c in cuts] == list(zip(holders, holders[1:]))
+    for rank in (0, 1):
+        chunks = [c for c in range(4) if holders[c] == rank]
+        runner = SimpleNamespace(layout=layout, rank=rank, modules=[(c, None) for c in chunks])
+        log = {}
+        for c in chunks:
+            for mb in range(2):
+                peer = holders[c + 1] if c < 3 else None
+                log[(c, mb)] = [] if peer in (None, rank) else [(peer, (3, 4), 96)]
+        sent = sum(1 for v in log.values() for _ in v)
+        assert check_cut_messages(runner, log, cuts, itemsize=8) == sent
+        bad = {k: ([(1 - rank, (3, 4), 96)] if k[0] == 3 else v) for k, v in log.items()}
+        if 3 in chunks:
+            with pytest.raises(CutMessageMismatch, match="last chunk"):
+                check_cut_messages(runner, bad, cuts)
 
 
 def test_plan_json_records_each_cut_and_prices_the_schedule_with_it(monkeypatch, tmp_path):

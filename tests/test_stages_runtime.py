@@ -117,11 +117,11 @@ def _bn_model(layers: int):
     return Net()
 
 
-def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="replicate"):
+def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="replicate", virtual=1):
     import torch
     import torch.nn.functional as F
 
-    from autopar.decomp.stages import CutValue, Schedule, even_layout, plan_cuts
+    from autopar.decomp.stages import CutValue, Schedule, chunk_holder, even_layout, plan_cuts
     from autopar.runtime.stages import build_runner, check_cut_messages, record_sends, reference_step, shard_of, whole
 
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="re
         model = _bn_model(4).double()
         x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 2, (batch,))
         loss_fn = F.cross_entropy
-    layout = even_layout(4, world, stages, Schedule(schedule, microbatches), tp=tp, data=data)
+    layout = even_layout(4, world, stages, Schedule(schedule, microbatches, virtual), tp=tp, data=data)
     st = layout.stage_of(rank)
 
     ref = copy.deepcopy(model)
@@ -164,7 +164,8 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="re
     mb_rows = st.dp * (batch // st.dp // microbatches)
     shapes = {"gpt": [(mb_rows, 8, 16)], "hf_gpt2": [(mb_rows, 8, 16)], "two_values": [(mb_rows, 8), (mb_rows, 8)],
               "bn": [(mb_rows, 6)]}[kind]
-    cuts = plan_cuts(layout, [[CutValue(f"v{i}", sh, 8) for i, sh in enumerate(shapes)]] * (stages - 1))
+    n_cuts = stages * layout.schedule.virtual - 1
+    cuts = plan_cuts(layout, [[CutValue(f"v{i}", sh, 8) for i, sh in enumerate(shapes)]] * n_cuts)
     sends = record_sends(runner)
     sharded = {}
     if st.tp > 1:
@@ -195,21 +196,23 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="re
                 bad.append(f"buffer {n}: {b.double().sum().item()} vs {rb[n].double().sum().item()}")
     from torch.distributed.tensor import DTensor
     return {"rank": rank, "stage": st.index, "params": len(held), "bad": bad, "loss": float(loss),
-            "cut_messages_checked": checked, "values": len(shapes),
+            "cut_messages_checked": checked, "values": len(shapes), "sending_chunks": sum(
+                1 for c, _ in runner.modules if c < n_cuts and chunk_holder(layout, c + 1) != st.index),
             "dtensors": sum(isinstance(p, DTensor) for p in held.values())}
 
 
-def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8, data="replicate"):
+def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8, data="replicate", virtual=1):
     from autopar.runtime.launch import run_ranks
-    res = run_ranks(_case, world, args=(kind, schedule, stages, tp, microbatches, batch, data), timeout_s=120)
+    res = run_ranks(_case, world, args=(kind, schedule, stages, tp, microbatches, batch, data, virtual), timeout_s=120)
     for r in res:     # FSDP2 stages hold every parameter as a DTensor shard, replicated ones none
         assert r["dtensors"] == (r["params"] if data == "fsdp" else 0), r
     for r in res:
         assert r["bad"] == [], r
         assert r["params"] > 0, r
     assert len({r["loss"] for r in res}) == 1, res       # the global loss on every rank
-    for r in res:   # every rank but the last stage's sent M microbatches of every value, as planned
-        assert r["cut_messages_checked"] == (0 if r["stage"] == stages - 1 else microbatches * r["values"]), r
+    for r in res:   # every chunk sending to another rank group sent M microbatches of every value, as planned
+        assert r["cut_messages_checked"] == r["sending_chunks"] * microbatches * r["values"], r
+        assert virtual > 1 or r["sending_chunks"] == (0 if r["stage"] == stages - 1 else 1), r
     return res
 
 
@@ -240,6 +243,14 @@ def test_hf_gpt2_tied_embedding_with_fsdp_stages_world_4():
     """The embedding tied to the head, on two FSDP2 stages of dp 2: each holds the same rows of
     it, so the tied gradient's parts are summed shard by shard."""
     _run(4, "hf_gpt2", "1f1b", 2, data="fsdp")
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_two_chunks_per_rank_send_what_the_chunk_cuts_say(schedule):
+    """V = 2 chunks per rank at world 2 (looped and V-shaped): the same function as one process,
+    and every chunk's sends are the plan's chunk cut (``plan_cuts``) for its rank pair."""
+    res = _run(2, "gpt", schedule, 2, virtual=2)
+    assert sum(r["sending_chunks"] for r in res) == (3 if schedule == "interleaved_1f1b" else 2)
 
 
 def test_gpt_four_stages_world_4():

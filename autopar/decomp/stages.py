@@ -263,6 +263,36 @@ def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, 
     return StageLayout(stages, schedule)
 
 
+def chunk_ranges(layout: StageLayout) -> list[tuple[int, int, int]]:
+    """(chunk index, first layer, stop layer) of every model chunk, in model order: the stages'
+    own ranges when V = 1; else the layers cut evenly into S*V chunks."""
+    s_count, v = layout.num_stages, layout.schedule.virtual
+    if v == 1:
+        return [(s.index, s.first_layer, s.stop_layer) for s in layout.stages]
+    n = layout.stages[-1].stop_layer
+    bounds = [round(k * n / (s_count * v)) for k in range(s_count * v + 1)]
+    return [(k, bounds[k], bounds[k + 1]) for k in range(s_count * v)]
+
+
+def chunks_of_stage(layout: StageLayout, stage: int) -> list[int]:
+    """Chunk indices held by rank group ``stage``: itself (V = 1), ``stage + k S`` (looped
+    schedules) or ``stage`` and ``2S - 1 - stage`` (V-shaped: zbv, dualpipev)."""
+    s_count, v = layout.num_stages, layout.schedule.virtual
+    if v == 1:
+        return [stage]
+    if layout.schedule.name in ("zbv", "dualpipev"):
+        return [stage, 2 * s_count - 1 - stage]
+    return [stage + k * s_count for k in range(v)]
+
+
+def chunk_holder(layout: StageLayout, chunk: int) -> int:
+    """The rank group (stage index) holding model chunk ``chunk`` (``chunks_of_stage``'s inverse)."""
+    for s in range(layout.num_stages):
+        if chunk in chunks_of_stage(layout, s):
+            return s
+    raise PipelineError(f"chunk {chunk} is held by no stage", f"chunks run 0..{layout.num_stages * layout.schedule.virtual - 1}")
+
+
 def feasible_stage_counts(n_layers: int, world: int, virtual: int = 1) -> list[int]:
     """Stage counts S that divide the world and leave every chunk (S*V of them) >= 1 layer."""
     return [s for s in range(1, world + 1) if world % s == 0 and s * max(1, virtual) <= n_layers]
@@ -441,6 +471,8 @@ class CutPlan:
     index: int
     values: tuple[CutValue, ...]
     steps: tuple[tuple[Step, ...], ...]        # per value, in the order of ``values``
+    src_stage: int | None = None               # the rank groups either side (None: index, index + 1);
+    dst_stage: int | None = None               # with V chunks per rank, cut c joins chunks c and c + 1
 
     def messages(self) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
         """{(sender, receiver) global ranks: the shape of every box it sends, value by value}: what
@@ -455,15 +487,19 @@ class CutPlan:
         return {k: tuple(v) for k, v in sorted(out.items())}
 
     def to_json(self) -> dict:
-        return {"cut": self.index, "from_stage": self.index, "to_stage": self.index + 1,
+        src = self.index if self.src_stage is None else self.src_stage
+        dst = self.index + 1 if self.dst_stage is None else self.dst_stage
+        return {"cut": self.index, "from_stage": src, "to_stage": dst,
                 "values": [{**v.to_json(), "steps_str": steps_str(st), "steps": [s.to_json() for s in st]}
                            for v, st in zip(self.values, self.steps)]}
 
     @staticmethod
     def from_json(obj: dict) -> "CutPlan":
         vals = obj["values"]
+        src, dst = obj.get("from_stage"), obj.get("to_stage")
         return CutPlan(int(obj["cut"]), tuple(CutValue.from_json(v) for v in vals),
-                       tuple(tuple(step_from_json(s) for s in v["steps"]) for v in vals))
+                       tuple(tuple(step_from_json(s) for s in v["steps"]) for v in vals),
+                       None if src is None else int(src), None if dst is None else int(dst))
 
 
 def plan_cut(index: int, src: Stage, dst: Stage, values: Sequence[CutValue]) -> CutPlan:
@@ -472,15 +508,21 @@ def plan_cut(index: int, src: Stage, dst: Stage, values: Sequence[CutValue]) -> 
     its peer (same coordinates): one message per value and rank pair, what torch's
     ``PipelineStage`` sends; other shapes (a dp change) give the boxes the planner computes."""
     steps = tuple(plan_redistribution(cut_value_spec(src, v), cut_value_spec(dst, v)) for v in values)
-    return CutPlan(int(index), tuple(values), steps)
+    return CutPlan(int(index), tuple(values), steps, src.index, dst.index)
 
 
 def plan_cuts(layout: StageLayout, values: Sequence[Sequence[CutValue]]) -> tuple[CutPlan, ...]:
-    """``plan_cut`` of every cut of ``layout`` (``values[k]``: the values crossing cut k)."""
-    if len(values) != layout.num_stages - 1:
-        raise ValueError(f"{layout.num_stages} stages have {layout.num_stages - 1} cuts, got values for {len(values)}")
+    """``plan_cut`` of every cut of ``layout`` (``values[k]``: the values crossing cut k): the S - 1
+    stage cuts, or with V chunks per rank the S V - 1 chunk cuts, cut c from the rank group
+    holding chunk c to the one holding chunk c + 1 (``chunk_holder``; under a V-shaped schedule
+    the middle cut stays on one rank group: no message)."""
+    n_cuts = layout.num_stages * layout.schedule.virtual - 1
+    if len(values) != n_cuts:
+        raise ValueError(f"{layout.num_stages} stages x {layout.schedule.virtual} chunks have {n_cuts} cuts, "
+                         f"got values for {len(values)}")
     st = layout.stages
-    return tuple(plan_cut(k, st[k], st[k + 1], values[k]) for k in range(len(values)))
+    return tuple(plan_cut(k, st[chunk_holder(layout, k)], st[chunk_holder(layout, k + 1)], values[k])
+                 for k in range(n_cuts))
 
 
 def stage_counts_priced(prices: dict[int, PipelinePrice | str]) -> list[dict]:
@@ -500,7 +542,7 @@ def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
     return (s - 1) / v / (m + (s - 1) / v)
 
 
-__all__ = ["PRICED", "SCHEDULES", "STAGE_DATA", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
+__all__ = ["PRICED", "SCHEDULES", "STAGE_DATA", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
            "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts",
            "stage_mesh", "even_layout", "feasible_stage_counts",
            "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]

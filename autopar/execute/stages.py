@@ -107,19 +107,23 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         opt.step()
         if i >= opts["warmup"]:
             times.append(time.perf_counter() - t0)
-    # this stage alone on one microbatch (every rank at once, as in the step)
-    (c, mod), = runner.modules[:1]
-    inp = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in metas[c][0])
+    # this stage alone on one microbatch, every chunk it holds (every rank at once, as in the step)
+    n_last = layout.num_stages * layout.schedule.virtual - 1        # the chunk with the head and loss
     fw, bw = [], []
-    last = c == layout.num_stages - 1
     for _ in range(opts["steps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = mod(*inp)
-        t1 = time.perf_counter()
-        (loss_fn(out, y[:mb]) if last else sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
-        fw.append(t1 - t0)
-        bw.append(time.perf_counter() - t1)
+        f_s = b_s = 0.0
+        for c, mod in runner.modules:
+            inp = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in metas[c][0])
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = mod(*inp)
+            t1 = time.perf_counter()
+            (loss_fn(out, y[:mb]) if c == n_last else
+             sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
+            f_s += t1 - t0
+            b_s += time.perf_counter() - t1
+        fw.append(f_s)
+        bw.append(b_s)
     return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
             "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
             "cut_messages_checked": cut_messages}

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decomp.stages import CutPlan, SCHEDULES, StageLayout
+from ..decomp.stages import SCHEDULES, CutPlan, StageLayout, chunk_ranges, chunks_of_stage
 from ..errors import PipelineError
 from .launch import raise_peer_failure
 
@@ -122,28 +122,6 @@ class StageModule(nn.Module):
         if self.post is not None:
             return self.post(*values)
         return values[0] if len(values) == 1 else values
-
-
-def chunk_ranges(layout: StageLayout) -> list[tuple[int, int, int]]:
-    """(chunk index, first layer, stop layer) of every model chunk, in model order: the stages'
-    own ranges when V = 1; else the layers cut evenly into S*V chunks."""
-    s_count, v = layout.num_stages, layout.schedule.virtual
-    if v == 1:
-        return [(s.index, s.first_layer, s.stop_layer) for s in layout.stages]
-    n = layout.stages[-1].stop_layer
-    bounds = [round(k * n / (s_count * v)) for k in range(s_count * v + 1)]
-    return [(k, bounds[k], bounds[k + 1]) for k in range(s_count * v)]
-
-
-def chunks_of_stage(layout: StageLayout, stage: int) -> list[int]:
-    """Chunk indices held by rank group ``stage``: itself (V = 1), ``stage + k S`` (looped
-    schedules) or ``stage`` and ``2S - 1 - stage`` (V-shaped: zbv, dualpipev)."""
-    s_count, v = layout.num_stages, layout.schedule.virtual
-    if v == 1:
-        return [stage]
-    if layout.schedule.name in ("zbv", "dualpipev"):
-        return [stage, 2 * s_count - 1 - stage]
-    return [stage + k * s_count for k in range(v)]
 
 
 def stage_modules(model: nn.Module, layout: StageLayout, stage: int) -> list[tuple[int, StageModule]]:
@@ -564,17 +542,17 @@ class CutMessageMismatch(PipelineError):
     (plan.json ``runtime.cuts``) say: the plan was made for another model, batch or layout."""
 
 
-def record_sends(runner: StageRunner) -> dict[int, list[tuple[int, tuple[int, ...], int]]]:
-    """Log what this rank's stages send forward: {microbatch: [(peer global rank, shape, bytes)]},
-    filled as the schedule runs (every ``PipelineStage.get_fwd_send_ops`` is wrapped; the ops
-    torch then posts are exactly these)."""
-    log: dict[int, list[tuple[int, tuple[int, ...], int]]] = {}
+def record_sends(runner: StageRunner) -> dict[tuple[int, int], list[tuple[int, tuple[int, ...], int]]]:
+    """Log what this rank's chunks send forward: {(chunk, microbatch): [(peer global rank, shape,
+    bytes)]}, filled as the schedule runs (every ``PipelineStage.get_fwd_send_ops`` is wrapped;
+    the ops torch then posts are exactly these)."""
+    log: dict[tuple[int, int], list[tuple[int, tuple[int, ...], int]]] = {}
     for st in _stages_of(runner.schedule):
         orig = st.get_fwd_send_ops
 
-        def wrapped(fwd_chunk_id, *a, _orig=orig, **kw):
+        def wrapped(fwd_chunk_id, *a, _orig=orig, _chunk=int(st.stage_index), **kw):
             ops = _orig(fwd_chunk_id, *a, **kw)
-            log.setdefault(int(fwd_chunk_id), []).extend(
+            log.setdefault((_chunk, int(fwd_chunk_id)), []).extend(
                 (int(op.peer), tuple(op.tensor.shape), op.tensor.numel() * op.tensor.element_size()) for op in ops)
             return ops
         st.get_fwd_send_ops = wrapped
@@ -586,38 +564,43 @@ def _stages_of(schedule) -> list:
     return [one] if one is not None else list(getattr(schedule, "_stages", ()))
 
 
-def check_cut_messages(runner: StageRunner, log: dict[int, list[tuple[int, tuple[int, ...], int]]],
+def check_cut_messages(runner: StageRunner, log: dict[tuple[int, int], list[tuple[int, tuple[int, ...], int]]],
                        cuts: Sequence[CutPlan], itemsize: int | None = None) -> int:
-    """Every microbatch this rank sent forward (``record_sends``) carried what the plan's cut says
-    for its rank pair: the same shapes, value by value in any order, and (``itemsize`` given: the
-    plan's dtype ran) the same bytes. Raises ``CutMessageMismatch``; returns the messages checked.
-    One chunk per rank only (V = 1): the plan's cuts are the stages'."""
+    """Every microbatch each of this rank's chunks sent forward (``record_sends``) carried what
+    the plan's cut after that chunk says for its rank pair (``cuts[c]``: the stage cuts when V = 1,
+    the chunk cuts otherwise): the same shapes, value by value in any order, and (``itemsize``
+    given: the plan's dtype ran) the same bytes; the last chunk sends nothing, nor does a cut the
+    plan keeps on one rank group. Raises ``CutMessageMismatch``; returns the messages checked."""
     layout = runner.layout
-    if layout.schedule.virtual != 1:
-        return 0
-    st = runner.stage
-    if st.index == layout.num_stages - 1:
-        if any(log.values()):
-            raise CutMessageMismatch(f"rank {runner.rank} of the last stage sent {log}", "re-plan this layout")
-        return 0
-    planned = {pair: shapes for pair, shapes in cuts[st.index].messages().items() if pair[0] == runner.rank}
-    want = {peer: sorted(shapes) for (_, peer), shapes in planned.items()}
-    if len(log) != layout.schedule.microbatches:
-        raise CutMessageMismatch(f"rank {runner.rank} sent {len(log)} microbatches over cut {st.index}, the schedule "
-                                 f"runs {layout.schedule.microbatches}", "re-plan this layout")
+    last = layout.num_stages * layout.schedule.virtual - 1
+    m = layout.schedule.microbatches
+    if len(cuts) != last:
+        raise CutMessageMismatch(f"the plan records {len(cuts)} cuts, the layout has {last}", "re-plan this layout")
     n = 0
-    for mb, sent in sorted(log.items()):
-        got: dict[int, list] = {}
-        for peer, shape, nbytes in sent:
-            got.setdefault(peer, []).append(shape)
-            if itemsize is not None and nbytes != itemsize * _prod(shape):
-                raise CutMessageMismatch(f"rank {runner.rank}, microbatch {mb}: a {shape} message of {nbytes} bytes, "
-                                         f"the plan's values are {itemsize} bytes per element", "re-plan this model")
-            n += 1
-        if {p: sorted(v) for p, v in got.items()} != want:
-            raise CutMessageMismatch(
-                f"rank {runner.rank}, microbatch {mb}: torch sent {dict(sorted(got.items()))} over cut {st.index}, "
-                f"the plan's cut steps say {want}", "re-plan for this model, batch and stage layout")
+    for c, _ in runner.modules:
+        mine = {mb: sent for (cc, mb), sent in log.items() if cc == c}
+        if c == last:
+            if any(mine.values()):
+                raise CutMessageMismatch(f"rank {runner.rank}'s last chunk sent {mine}", "re-plan this layout")
+            continue
+        planned = {pair: shapes for pair, shapes in cuts[c].messages().items() if pair[0] == runner.rank}
+        want = {peer: sorted(shapes) for (_, peer), shapes in planned.items()}
+        if want and len(mine) != m:
+            raise CutMessageMismatch(f"rank {runner.rank} sent {len(mine)} microbatches over cut {c}, the schedule "
+                                     f"runs {m}", "re-plan this layout")
+        for mb, sent in sorted(mine.items()):
+            got: dict[int, list] = {}
+            for peer, shape, nbytes in sent:
+                got.setdefault(peer, []).append(shape)
+                if itemsize is not None and nbytes != itemsize * _prod(shape):
+                    raise CutMessageMismatch(f"rank {runner.rank}, microbatch {mb}: a {shape} message of {nbytes} "
+                                             f"bytes, the plan's values are {itemsize} bytes per element",
+                                             "re-plan this model")
+                n += 1
+            if {p: sorted(v) for p, v in got.items()} != want:
+                raise CutMessageMismatch(
+                    f"rank {runner.rank}, microbatch {mb}: torch sent {dict(sorted(got.items()))} over cut {c}, "
+                    f"the plan's cut steps say {want}", "re-plan for this model, batch and stage layout")
     return n
 
 

@@ -42,7 +42,7 @@ from ...decomp.fsdp import UnitParams
 from ...profile.optimizer import optimizer_step_s
 from ...cost.table import StepPrediction
 from ...cost.stages import planned_cut_s
-from ...decomp.stages import (SCHEDULES, STAGE_DATA, CutValue, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
+from ...decomp.stages import (SCHEDULES, STAGE_DATA, CutValue, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
                               plan_cut, plan_cuts)
 from ...errors import InfeasiblePlan, PipelineError
 from .registry import Candidate, register_strategy
@@ -217,9 +217,9 @@ class PipelineStages:
                                  tp=best.tp, cuts=best.cuts if virtual == 1 else None,   # V chunks: cut evenly
                                  data=best.data)
             p = best.price
-            # each cut's own boundary (V chunks per rank: cut evenly, priced with the widest boundary)
-            crossing = [bvalues[layout.stages[k].stop_layer - 1] if virtual == 1 else widest
-                        for k in range(s_count - 1)]
+            # each cut's own boundary: the stages' (V = 1) or the chunks' (V chunks per rank, cut evenly;
+            # the search priced them with the widest boundary)
+            crossing = [bvalues[stop - 1] for _, _, stop in chunk_ranges(layout)[:-1]]
             cuts_planned = plan_cuts(layout, [cut_value_list(v, best.dp, best.microbatch) for v in crossing])
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
