@@ -26,6 +26,7 @@ import math
 
 import torch
 from ..errors import AutoparError
+from .stages import PipelineModule
 
 #: optimizers whose update is not elementwise (wrong on shards)
 NON_ELEMENTWISE = ("LBFGS",)
@@ -41,7 +42,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def grad_norm(dmodel, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm of ``dmodel`` (every shard counted once), on every rank."""
-    from .stages import PipelineModule
     if isinstance(dmodel, PipelineModule):          # a pipeline plan: its own count over stages
         return dmodel.grad_norm(norm_type)
     norm_type = float(norm_type)
@@ -68,7 +68,6 @@ def clip_grad_norm_(dmodel, max_norm: float, norm_type: float = 2.0,
     """Clip the gradients of ``dmodel`` by their global norm (as
     ``torch.nn.utils.clip_grad_norm_`` does in one process); returns the norm before clipping.
     Collective: every rank calls it after backward."""
-    from .stages import PipelineModule
     if isinstance(dmodel, PipelineModule):          # a pipeline plan: its own count over stages
         return dmodel.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     total = grad_norm(dmodel, norm_type)

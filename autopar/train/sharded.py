@@ -37,6 +37,7 @@ from .api import _model_file_loss, check_model, check_model_file
 from .checkpoint import FORMAT, CheckpointError, _blob, _commit, _data_dir, _quiet, _unblob
 from .mismatch import ModelMismatch, first_of, mismatches
 from .optim import check_optimizer
+from .stages import PipelineModule
 
 
 def is_torch_sharded(model: Any) -> bool:
@@ -44,8 +45,6 @@ def is_torch_sharded(model: Any) -> bool:
     (``runtime.fsdp.is_zero1``), not an autopar plan's (a pipeline plan's stages may be FSDP2
     inside: ``train.stages`` saves those whole, by single-process name)."""
     from torch.distributed.tensor import DTensor
-
-    from .stages import PipelineModule
     if not isinstance(model, torch.nn.Module) or hasattr(model, "comm") or isinstance(model, PipelineModule):
         return False
     return is_zero1(model) or any(isinstance(p, DTensor) for p in model.parameters())
