@@ -205,7 +205,8 @@ def _run(world, kind, schedule, stages, tp=1, microbatches=4, batch=8, data="rep
     from autopar.runtime.launch import run_ranks
     res = run_ranks(_case, world, args=(kind, schedule, stages, tp, microbatches, batch, data, virtual), timeout_s=120)
     for r in res:     # FSDP2 stages hold every parameter as a DTensor shard, replicated ones none
-        assert r["dtensors"] == (r["params"] if data == "fsdp" else 0), r
+        mine = data if isinstance(data, str) else data[r["stage"]]
+        assert r["dtensors"] == (r["params"] if mine == "fsdp" else 0), r
     for r in res:
         assert r["bad"] == [], r
         assert r["params"] > 0, r
@@ -237,6 +238,11 @@ def test_gpt_two_stages_with_fsdp_inside_world_4(schedule):
     """Each stage's dp pair shards its parameters, gradients and AdamW state with FSDP2
     (``Stage.data == "fsdp"``): the same loss, gradients and parameters after the step."""
     _run(4, "gpt", schedule, 2, data="fsdp")
+
+
+def test_fsdp_on_the_first_stage_only_world_4():
+    """Stage 0 FSDP2, stage 1 replicated (the search's "mixed" option): the same function."""
+    _run(4, "gpt", "1f1b", 2, data=("fsdp", "replicate"))
 
 
 def test_hf_gpt2_tied_embedding_with_fsdp_stages_world_4():

@@ -139,3 +139,25 @@ def test_nothing_fitting_names_the_memory_each_stage_count_reaches():
     nothing = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb: 0.0, memory_limit_bytes=1e6)
     with pytest.raises(PipelineError, match=r"least peak per rank each stage count reaches: 1: [\d.]+ MiB, 2: "):
         require_fit(nothing, 8, 8)
+
+
+def test_each_stage_takes_fsdp_only_where_memory_needs_it():
+    """1F1B keeps 2 microbatches in flight on stage 0 and 1 on stage 1: under a limit only an
+    FSDP2 stage 0 fits its half of the blocks, while stage 1 fits replicated. The search's "mixed"
+    option shards stage 0 only and beats sharding both (its gathers add to the fill); replicating
+    both fits no cut."""
+    from autopar.decomp.stages import StageCost
+
+    def unit(i, dp, tp, mb, data="replicate"):
+        if data == "fsdp":
+            return StageCost(1.0, 1.0, 0.5, 10.0, 60.0, fill_s=0.2)
+        return StageCost(1.0, 1.0, 0.1, 10.0, 100.0)
+    kw = dict(stage_counts=[2], microbatches=4, memory_limit_bytes=460.0)
+    s = search_stages(8, 4, 8, unit, lambda S, k, tp, mb: 0.0, data_axes=("replicate", "fsdp"), **kw)
+    by = {o.data: o for o in s.options}
+    assert by["replicate"].price is None and "memory" in by["replicate"].refused
+    assert s.best.data == "mixed" and s.best.stage_data == ("fsdp", "replicate") and s.best.cuts == (4,)
+    assert s.best.step_s < by["fsdp"].step_s
+    assert s.best.to_json()["stage_data"] == ["fsdp", "replicate"]
+    alone = search_stages(8, 4, 8, unit, lambda S, k, tp, mb: 0.0, data_axes=("replicate", "fsdp"), mixed=False, **kw)
+    assert alone.best.data == "fsdp" and all(o.data != "mixed" for o in alone.options)

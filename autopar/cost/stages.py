@@ -60,7 +60,8 @@ class StageOption:
     refused: str | None = None
     bound_s: float | None = None              # the lower bound the search ordered and pruned by
     min_peak_bytes: float | None = None       # refused for memory: the least peak any cut reaches
-    data: str = "replicate"                   # every stage's dp axis (``decomp.stages.STAGE_DATA``)
+    data: str = "replicate"                   # every stage's dp axis (``decomp.stages.STAGE_DATA``), or "mixed"
+    stage_data: tuple[str, ...] = ()          # "mixed": each stage's own (FSDP2 where memory needs it)
 
     @property
     def step_s(self) -> float:
@@ -70,6 +71,8 @@ class StageOption:
         d = {"stages": self.stages, "dp": self.dp, "tp": self.tp, "microbatches": self.microbatches,
              "microbatch_samples": self.microbatch, "schedule": self.schedule, "cuts": list(self.cuts),
              "data": self.data}
+        if self.stage_data:
+            d["stage_data"] = list(self.stage_data)
         if self.bound_s is not None:
             d["lower_bound_s"] = self.bound_s
         if self.min_peak_bytes is not None:
@@ -168,47 +171,76 @@ def fsdp_unit_cost(c: StageCost, params: UnitParams, dp: int, optim_copies: floa
                      params.gathered_bytes(dp))
 
 
-def _pack(units: Sequence[StageCost], s_count: int, schedule: Schedule, work_bound: float | None,
-          memory_limit_bytes: float | None) -> tuple[int, ...] | None:
+def _reach(units: Sequence[StageCost], i: int, stop: int, in_flight: float, work_bound: float | None,
+           memory_limit_bytes: float | None) -> int:
+    """The farthest unit a stage starting at unit ``i`` covers (exclusive; at most ``stop``) under
+    ``work_bound`` (f + b) and the memory limit (static + max(transient, in-flight x activations))."""
+    t = act = stat = tr = 0.0
+    j = i
+    while j < stop:
+        u = units[j]
+        t2, act2, stat2 = t + u.fwd_s + u.bwd_s, act + u.act_bytes_per_microbatch, stat + u.static_bytes
+        tr2 = max(tr, u.transient_bytes)
+        over_mem = memory_limit_bytes is not None and stat2 + max(tr2, in_flight * act2) > memory_limit_bytes
+        over_t = work_bound is not None and t2 > work_bound * (1 + 1e-12)
+        if over_mem or (j > i and over_t):
+            break
+        t, act, stat, tr = t2, act2, stat2, tr2
+        j += 1
+    return j
+
+
+def _pack_choosing(variants: Sequence[Sequence[StageCost]], s_count: int, schedule: Schedule,
+                   work_bound: float | None, memory_limit_bytes: float | None
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Greedy packing: each stage in order takes as many units as fit under ``work_bound`` (f + b)
-    and the memory limit (static + in-flight x activations); the cuts, or None when units are
-    left over. Taking the farthest reach is optimal for a bound (a stage that ends later leaves
-    the rest a suffix, and a suffix's cost only shrinks): module docstring."""
-    n = len(units)
-    cuts, i = [], 0
+    and the memory limit; the cuts and, per stage, which of ``variants`` (the same units priced
+    other ways, with the same f + b: a replicated or an FSDP2 data axis) it takes: the one
+    reaching farthest, the first on a tie. None when units are left over. Taking the farthest
+    reach is optimal for a bound (a stage that ends later leaves the rest a suffix, and a suffix's
+    cost only shrinks): module docstring; the variants change only memory, so the farthest of
+    their reaches is the farthest any choice reaches."""
+    n = len(variants[0])
+    cuts, picks, i = [], [], 0
     for s in range(s_count):
-        left = s_count - s - 1                     # stages still to fill after this one
         fl = in_flight_microbatches(schedule, s_count, s)
-        t = act = stat = tr = 0.0
-        j = i
-        while j < n - left:
-            u = units[j]
-            t2, act2, stat2 = t + u.fwd_s + u.bwd_s, act + u.act_bytes_per_microbatch, stat + u.static_bytes
-            tr2 = max(tr, u.transient_bytes)
-            over_mem = memory_limit_bytes is not None and stat2 + max(tr2, fl * act2) > memory_limit_bytes
-            over_t = work_bound is not None and t2 > work_bound * (1 + 1e-12)
-            if over_mem or (j > i and over_t):
-                break
-            t, act, stat, tr = t2, act2, stat2, tr2
-            j += 1
+        reach = [_reach(v, i, n - (s_count - s - 1), fl, work_bound, memory_limit_bytes) for v in variants]
+        k = max(range(len(variants)), key=lambda q: (reach[q], -q))
+        j = reach[k]
         if j == i:
             return None
         if s < s_count - 1:
             cuts.append(j)
+        picks.append(k)
         i = j
-    return tuple(cuts) if i == n else None
+    return (tuple(cuts), tuple(picks)) if i == n else None
+
+
+def _pack(units: Sequence[StageCost], s_count: int, schedule: Schedule, work_bound: float | None,
+          memory_limit_bytes: float | None) -> tuple[int, ...] | None:
+    """``_pack_choosing`` with one way to price the units: the cuts, or None."""
+    r = _pack_choosing([units], s_count, schedule, work_bound, memory_limit_bytes)
+    return r[0] if r is not None else None
 
 
 def _cuts_for(units: Sequence[StageCost], s_count: int, schedule: Schedule,
               memory_limit_bytes: float | None) -> tuple[int, ...] | None:
     """Cuts (first unit of stages 1..S-1) minimising the bottleneck f + b under the memory limit,
     or None when no cut fits (module docstring: bisection + greedy packing)."""
-    work = [u.fwd_s + u.bwd_s for u in units]
-    if _pack(units, s_count, schedule, None, memory_limit_bytes) is None:
+    r = _cuts_choosing([units], s_count, schedule, memory_limit_bytes)
+    return r[0] if r is not None else None
+
+
+def _cuts_choosing(variants: Sequence[Sequence[StageCost]], s_count: int, schedule: Schedule,
+                   memory_limit_bytes: float | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``_cuts_for`` where each stage may take its units priced any of ``variants`` ways
+    (``_pack_choosing``): the cuts and each stage's pick."""
+    work = [u.fwd_s + u.bwd_s for u in variants[0]]
+    if _pack_choosing(variants, s_count, schedule, None, memory_limit_bytes) is None:
         return None               # not even with time unbounded: memory rules every cut out
     hi = _least_passing(max(work), sum(work) * (1 + 1e-9), 1e-9,
-                        lambda t: _pack(units, s_count, schedule, t, memory_limit_bytes) is not None)
-    return _pack(units, s_count, schedule, hi, memory_limit_bytes)
+                        lambda t: _pack_choosing(variants, s_count, schedule, t, memory_limit_bytes) is not None)
+    return _pack_choosing(variants, s_count, schedule, hi, memory_limit_bytes)
 
 
 def min_peak_bytes(units: Sequence[StageCost], s_count: int, schedule: Schedule) -> float:
@@ -247,13 +279,14 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                   cut_send_s: Callable[[int, int, int, int], float], *, stage_counts: Sequence[int] | None = None,
                   tps: Sequence[int] = (1,), microbatches: int | None = None, schedule: str = "1f1b",
                   virtual: int = 1, memory_limit_bytes: float | None = None,
-                  data_axes: Sequence[str] = ("replicate",)) -> StageSearch:
+                  data_axes: Sequence[str] = ("replicate",), mixed: bool = True) -> StageSearch:
     """Try every (S, tp, M, data) -- S from ``stage_counts`` (default: every feasible count), tp
     from ``tps`` dividing the stage's ranks, dp the rest, M every divisor of the per-replica batch
     ``batch / dp`` (``microbatch_counts``; or ``microbatches`` fixed), what the dp axis does with
-    the parameters from ``data_axes`` (``decomp.stages.STAGE_DATA``; dp 1: replicate only) -- with
-    the best cuts of each; return them all and the fastest (ties: fewer stages, smaller tp,
-    replicated before sharded).
+    the parameters from ``data_axes`` (``decomp.stages.STAGE_DATA``; dp 1: replicate only; with
+    both and ``mixed``, also "mixed": each stage replicated where that reaches as far as FSDP2
+    under the memory limit, else FSDP2, ``_pack_choosing``) -- with the best cuts of each; return them all and the
+    fastest (ties: fewer stages, smaller tp, replicated before mixed before sharded).
 
     Pruning: every option's step is at least ``M W / S`` (W: one microbatch's f + b summed over
     the units; the bottleneck stage is at least the mean, and it runs M microbatches), so options
@@ -305,17 +338,40 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                                                refused=f"1F1B needs M >= S ({m} < {s_count})"))
                     continue
                 mb = batch // (dp * m)
-                for data in (data_axes if dp > 1 else ("replicate",)):
-                    work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb, data))
+                datas = list(data_axes if dp > 1 else ("replicate",))
+                if mixed and dp > 1 and {"replicate", "fsdp"} <= set(datas):
+                    datas.append("mixed")       # each stage its own: replicated where it fits, else FSDP2
+                for data in datas:
+                    work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb, "replicate" if data == "mixed" else data))
                     todo.append((m * work / s_count, s_count, dp, tp, m, mb, data))
     best: StageOption | None = None
-    order = {d: i for i, d in enumerate(("replicate", "fsdp"))}
+    order = {d: i for i, d in enumerate(("replicate", "mixed", "fsdp"))}
     for bound, s_count, dp, tp, m, mb, data in sorted(todo, key=lambda t: (*t[:6], order.get(t[6], 9))):
         if best is not None and bound >= best.step_s:
             options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,
                                        refused=f"pruned: lower bound {bound:.6g} s >= best {best.step_s:.6g} s"))
             continue
         sch = Schedule(schedule, m, virtual)
+        if data == "mixed":
+            variants = (units_of(dp, tp, mb, "replicate"), units_of(dp, tp, mb, "fsdp"))
+            got = _cuts_choosing(variants, s_count, sch, memory_limit_bytes)
+            if got is None or len(set(got[1])) == 1:      # no fit, or every stage the same: a uniform option
+                options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,
+                                           refused="no cut leaves every stage within the memory limit" if got is None
+                                           else f"every stage takes {('replicate', 'fsdp')[got[1][0]]}: the uniform "
+                                                "option"))
+                continue
+            cuts, picks = got
+            bounds = [0, *cuts, n_units]
+            costs = [_sum(variants[picks[k]][bounds[k]:bounds[k + 1]]) for k in range(s_count)]
+            sends = [cut_send_s(s_count, k, tp, mb) for k in range(s_count - 1)]
+            op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound,
+                             data=data, stage_data=tuple(("replicate", "fsdp")[k] for k in picks))
+            options.append(op)
+            if best is None or (op.step_s, op.stages, op.tp, order[op.data]) < \
+                    (best.step_s, best.stages, best.tp, order[best.data]):
+                best = op
+            continue
         units = units_of(dp, tp, mb, data)
         cuts = _cuts_for(units, s_count, sch, memory_limit_bytes)
         if cuts is None:

@@ -242,7 +242,7 @@ class StageLayout:
 
 
 def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, tp: int = 1,
-                cuts: Sequence[int] | None = None, data: str = "replicate") -> StageLayout:
+                cuts: Sequence[int] | None = None, data: str | Sequence[str] = "replicate") -> StageLayout:
     """S stages on consecutive blocks of ``world // S`` ranks (so that a stage stays on as few nodes
     as possible and only the cuts cross node links), cut at ``cuts`` (the first layer of stages
     1..S-1) or evenly. Raises a ``PlanError`` listing the feasible stage counts otherwise."""
@@ -257,8 +257,11 @@ def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, 
     if cuts is None:
         cuts = [round(k * n_layers / num_stages) for k in range(1, num_stages)]
     bounds = [0, *[int(c) for c in cuts], n_layers]
+    datas = [data] * num_stages if isinstance(data, str) else list(data)      # one for all, or per stage
+    if len(datas) != num_stages:
+        raise PipelineError(f"{len(datas)} data axes for {num_stages} stages", "give one, or one per stage")
     stages = tuple(Stage(k, bounds[k], bounds[k + 1], tuple(range(k * per, (k + 1) * per)), per // tp, tp,
-                         data if per // tp > 1 else "replicate")
+                         datas[k] if per // tp > 1 else "replicate")
                    for k in range(num_stages))
     return StageLayout(stages, schedule)
 

@@ -524,6 +524,10 @@ def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule]
         st = sorted(holders.get(id(p), ()))
         if len(st) < 2:
             continue
+        if len({layout.stages[k].data for k in st}) > 1:     # whole on one stage, FSDP2 rows on another
+            raise PipelineError(f"weight {_} is tied across stages {st} whose data axes differ "
+                                f"({[layout.stages[k].data for k in st]}): its parts cannot be summed",
+                                "plan with --stage-data replicate or fsdp (one for every stage)")
         for idx in range(size):
             ranks = [layout.stages[s].ranks[idx] for s in st]
             g = dist.new_group(ranks)

@@ -196,7 +196,8 @@ class PipelineStages:
         t0 = time.perf_counter()
         sr = search_stages(n_units, world, batch, unit_cost, cut, stage_counts=counts, tps=tps,
                            microbatches=getattr(o, "microbatches", None), schedule=sched_name, virtual=virtual,
-                           memory_limit_bytes=base.memory_limit_bytes, data_axes=data_axes)
+                           memory_limit_bytes=base.memory_limit_bytes, data_axes=data_axes,
+                           mixed=not has_tied_weights(base.graph))   # a tied weight: one data axis for all
         search = {"search_s": time.perf_counter() - t0, "sub_plans_solved": len(subplans), "tps": tps,
                   "data_axes": list(data_axes),
                   "options_tried": len(sr.options), "memory_limit_bytes": base.memory_limit_bytes,
@@ -215,7 +216,7 @@ class PipelineStages:
                 continue
             layout = even_layout(n_units, world, s_count, Schedule(sched_name, best.microbatches, virtual),
                                  tp=best.tp, cuts=best.cuts if virtual == 1 else None,   # V chunks: cut evenly
-                                 data=best.data)
+                                 data=best.stage_data or best.data)
             p = best.price
             # each cut's own boundary: the stages' (V = 1) or the chunks' (V chunks per rank, cut evenly;
             # the search priced them with the widest boundary)
@@ -224,7 +225,9 @@ class PipelineStages:
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
                                   memory_per_rank_bytes=max(p.peak_bytes), grad_sync_bytes=0.0)
-            dp_word = f"dp {best.dp}" + (" FSDP2" if best.data == "fsdp" else "")
+            dp_word = f"dp {best.dp}" + (" FSDP2" if best.data == "fsdp" else "") + (
+                f" (FSDP2 on stages {[k for k, d in enumerate(best.stage_data) if d == 'fsdp']})"
+                if best.data == "mixed" else "")
             label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, {dp_word} x tp {best.tp})"
             cands.append(Candidate(NAME, label, pred, table=base.table, choice=tuple(base.solution.choice),
                                    runtime="stages", forced=mode == "fixed", priority=self.priority,
@@ -233,7 +236,7 @@ class PipelineStages:
                                            "cuts": [c.to_json() for c in cuts_planned],
                                            "search": search, "heads": heads if best.tp > 1 else None,
                                            "sub_plan_kinds": list(sub(best.tp, best.microbatch).kinds)
-                                           + (["sharded"] if best.data == "fsdp" else [])}))
+                                           + (["sharded"] if best.data in ("fsdp", "mixed") else [])}))
         if mode == "fixed" and all(c.illegal for c in cands):
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
                                 f"({cands[0].illegal if cands else 'nothing priced'})",
@@ -255,6 +258,13 @@ class PipelineStages:
                             "sub_plan_kinds": c.detail["sub_plan_kinds"], "heads": c.detail["heads"],
                             "executable": True, "search": c.detail["search"],
                             "stage_counts_priced": priced}}
+
+
+def has_tied_weights(graph) -> bool:
+    """Whether the traced model uses one parameter in two places (the tracer's ``tied`` roles):
+    its parts are summed across the stages holding it, which needs one data axis on all of them
+    (no per-stage mix of replicated and FSDP2)."""
+    return any(op.attrs.get("tied") for lay in graph.layers for op in lay.ops)
 
 
 def stage_data_axes(o) -> tuple[str, ...]:
