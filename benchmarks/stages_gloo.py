@@ -9,7 +9,8 @@ must-show case (issue 41): an 8-layer plain GPT at world 4, batch 8, two stages 
    after AdamW), then timed in float32: the median of ``--steps`` pipelined steps, beside the
    prediction of ``price_pipeline`` from per-stage forward/backward times measured on this
    machine (each stage module alone on one microbatch, in its rank, medians), the cut's send
-   priced by the calibration profile's p2p fit, and the dp gradient all-reduce by its allreduce
+   planned and priced as the planner does (``plan_cut`` between the two stages' sub-meshes,
+   ``planned_cut_s`` of its steps), and the dp gradient all-reduce by its allreduce
    fit, plus the step's one 8-byte all-reduce of the loss over the world (its allreduce fit).
    Timed: the schedule's step and the gradient sync (not the optimizer). Measured bubble: ``1 - M (f + b)_bottleneck / step`` (idle share of the bottleneck rank,
    with f and b measured alone), beside the predicted ``bubble_s / step_s``.
@@ -123,7 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", default=str(ROOT / "calibration/cpu-2core-gloo.json"))
     a = ap.parse_args(argv)
-    from autopar.decomp.stages import SCHEDULES, Schedule, StageCost, cut_send_time_s, price_pipeline
+    from autopar.cost.stages import planned_cut_s
+    from autopar.decomp.base import CostContext
+    from autopar.decomp.stages import SCHEDULES, CutValue, Schedule, Stage, StageCost, plan_cut, price_pipeline
     from autopar.io import atomic_write_json, atomic_write_text
     from autopar.profile.profile import load_profile
     from autopar.runtime.launch import run_ranks
@@ -150,7 +153,15 @@ def main(argv=None) -> int:
         dp = len(per[s])
         sync = prof.collective_time_s("allreduce", dp, per[s][0]["grad_bytes"], level=prof.level_of(per[s][0]["ranks"]))
         costs.append(StageCost(f, b, sync))
-    send = cut_send_time_s(prof, per[0][0]["cut_bytes"], per[0][0]["ranks"], per[1][0]["ranks"])
+    # the cut as the planner prices it: the residual stream [dp x microbatch, seq, embed] float32
+    # planned between the two stages' sub-meshes (decomp.stages.plan_cut), priced by its steps
+    dp0, mb = len(per[0]), batch // len(per[0]) // m
+    value = CutValue("h", (dp0 * mb, 16, 32), 4)
+    if value.nbytes // dp0 != per[0][0]["cut_bytes"]:
+        raise SystemExit(f"the cut carries {per[0][0]['cut_bytes']} bytes per rank, the planned value {value.nbytes // dp0}")
+    src, dst = (Stage(k, k, k + 1, tuple(per[k][0]["ranks"]), dp0, 1) for k in (0, 1))
+    cut = plan_cut(0, src, dst, [value])
+    send = planned_cut_s(cut, CostContext(profile=prof, world=world, ranks_per_node=world))
     price = price_pipeline(costs, [send], Schedule("1f1b", m))
     loss_sync_s = prof.collective_time_s("allreduce", world, 8, level=prof.level_of(range(world)))
     step = statistics.median(t["step_s"] for t in tim)
@@ -183,7 +194,7 @@ def main(argv=None) -> int:
               f"| bubble fraction | {must['measured_bubble_fraction']:.2f} | {must['predicted_bubble_fraction']:.2f} |",
               "",
               f"Per-stage f, b (measured alone, s): {[round(c.fwd_s, 5) for c in costs]}, "
-              f"{[round(c.bwd_s, 5) for c in costs]}; cut send (profile p2p): {send:.2e} s. "
+              f"{[round(c.bwd_s, 5) for c in costs]}; cut send (planned steps): {send:.2e} s. "
               "2 CPU cores shared by 4 ranks and other users: treat as one noisy sample."]
     atomic_write_text(OUT / "gloo.md", "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 ENV = {"AUTOPAR_GPT_LAYERS": "96", "AUTOPAR_GPT_EMBED": "256"}
 
 
+_DATA = {"fsdp": " FSDP2", "mixed": " mixed"}     # how the table marks a stage's data axis
+
 def _plan(pipeline: str, tmp: str) -> tuple[list[str], float, dict] | int:
     cmd = [sys.executable, "-m", "autopar", "plan", "strategies/examples/gpt.py", "--world-size", "1024",
            "--batch-size", "256", "--cluster", "strategies/clusters/a100-128x8.json",
@@ -101,15 +103,15 @@ def main() -> int:
     for s in out["strategies"]:
         t = "-" if s["step_time_s"] is None else f"{s['step_time_s'] * 1e3:.3f}"
         lines.append(f"| {s['label']}{' (chosen)' if s['chosen'] else ''} | {t} | {s['illegal'] or ''} |")
-    lines += ["", "Every option the search tried (S stages of dp x tp, the dp axis replicated or FSDP2, M microbatches):", "",
+    lines += ["", "Every option the search tried (S stages of dp x tp, the dp axis replicated, FSDP2 or mixed per stage, M microbatches):", "",
               "| S | dp x tp | M | step (ms) | bubble | peak MiB | lower bound (ms) | refused / pruned |",
               "|---|---|---|---|---|---|---|---|"]
     for o in sorted(out["options"], key=lambda o: (o["stages"], o["tp"], o["microbatches"], o.get("data", ""))):
         lb = f"{o['lower_bound_s'] * 1e3:.3f}" if "lower_bound_s" in o else "-"
         if "refused" in o:
-            lines.append(f"| {o['stages']} | {o['dp']}{' FSDP2' if o.get('data') == 'fsdp' else ''} x {o['tp']} | {o['microbatches']} | - | - | - | {lb} | {o['refused']} |")
+            lines.append(f"| {o['stages']} | {o['dp']}{_DATA.get(o.get('data'), '')} x {o['tp']} | {o['microbatches']} | - | - | - | {lb} | {o['refused']} |")
         else:
-            lines.append(f"| {o['stages']} | {o['dp']}{' FSDP2' if o.get('data') == 'fsdp' else ''} x {o['tp']} | {o['microbatches']} | {o['step_s'] * 1e3:.3f} | "
+            lines.append(f"| {o['stages']} | {o['dp']}{_DATA.get(o.get('data'), '')} x {o['tp']} | {o['microbatches']} | {o['step_s'] * 1e3:.3f} | "
                          f"{100 * o['bubble_fraction']:.1f} % | {o['peak_bytes_max'] / 2**20:.1f} | {lb} | |")
     lines += ["", "With batch 256 over 1024 ranks, stages that are data parallel only (tp 1) leave a per-replica "
               "batch smaller than the stage count, so 1F1B has no M >= S: tensor parallelism inside the stages "
