@@ -217,5 +217,10 @@ def test_fsdp_inside_stages_is_chosen_under_a_limit_and_validates_at_world_4(mon
     run, _ = execute(res.plan_path, ExecuteOptions(steps=1, warmup=0, ddp=False, timeout_s=120),
                      out_dir=tmp_path / "run", progress=lambda *_: None)
     assert run.validation.passed and run.validation.dtype == "float64"
+    # each stage's measured peak (live tensor bytes, deterministic) beside its prediction: the
+    # same order (the prediction counts the reduce-scatter buffer and in-flight activations whole)
+    rec = run.extra["stages"]
+    for k, want in rec["predicted_peak_bytes_per_stage"].items():
+        assert 0.5 < rec["measured_peak_bytes_per_stage"][k] / want < 1.5, rec
     names = [c.tensor for c in run.validation.checks]
     assert any("grad blocks.0.attn.qkv.weight" in n for n in names) and len(names) > 20

@@ -107,6 +107,16 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         opt.step()
         if i >= opts["warmup"]:
             times.append(time.perf_counter() - t0)
+    # peak memory of one more step (float32, as planned): live tensor bytes of this stage's
+    # parameters, gradients, buffers and optimizer state plus everything the step allocates
+    from ..runtime.fsdp import LiveBytes, state_tensors
+    opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    with LiveBytes(also=[t for _, m in runner.modules for t in state_tensors(m, opt)]) as live:
+        runner.step(x32, y)
+        opt.step()
+    peak_bytes = int(live.peak_bytes)
+    dist.barrier()
     # this stage alone on one microbatch, every chunk it holds (every rank at once, as in the step)
     n_last = layout.num_stages * layout.schedule.virtual - 1        # the chunk with the head and loss
     fw, bw = [], []
@@ -126,7 +136,7 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         bw.append(b_s)
     return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
             "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
-            "cut_messages_checked": cut_messages}
+            "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes}
 
 
 def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_out_dir, write_report
@@ -160,7 +170,13 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
                   "predicted_bubble_fraction": price.get("bubble_fraction"),
                   "stage_fwd_plus_bwd_s_alone": {str(k): statistics.median(v) for k, v in per_stage.items()},
                   "bubble_rule": "1 - M (f + b)_bottleneck / step; f, b: one microbatch on its stage alone",
-                  "cut_messages_checked": sum(r["cut_messages_checked"] for r in res)}
+                  "cut_messages_checked": sum(r["cut_messages_checked"] for r in res),
+                  "measured_peak_bytes_per_stage": {str(k): max(r["peak_bytes"] for r in res if r["stage"] == k)
+                                                    for k in per_stage},
+                  "predicted_peak_bytes_per_stage": {str(k): v for k, v in enumerate(price.get("peak_bytes") or ())},
+                  "memory_measured_by": "live tensor bytes of one float32 step (runtime.fsdp.LiveBytes): the "
+                                        "stage's parameters, gradients, buffers, optimizer state and what the step "
+                                        "allocates; the max over the stage's ranks"}
     run = RunResult(
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         plan=str(plan_path), plan_sha256=sha256_file(plan_path), model=plan.model.name, world_size=world,
@@ -188,8 +204,12 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
              f"{'passed' if v.passed else 'FAILED'}, {v.checked} tensors",
              "", "| | measured | predicted |", "|---|---|---|",
              f"| step | {step * 1e3:.3f} ms | {predicted * 1e3:.3f} ms |",
-             f"| bubble fraction | {measured_bubble:.3f} | {price.get('bubble_fraction', float('nan')):.3f} |", "",
-             f"Measured bubble: {stages_rec['bubble_rule']}."]
+             f"| bubble fraction | {measured_bubble:.3f} | {price.get('bubble_fraction', float('nan')):.3f} |",
+             *[f"| peak memory per rank, stage {k} | {stages_rec['measured_peak_bytes_per_stage'][k] / 2**20:.2f} MiB | "
+               f"{v / 2**20:.2f} MiB |" for k, v in stages_rec["predicted_peak_bytes_per_stage"].items()
+               if k in stages_rec["measured_peak_bytes_per_stage"]], "",
+             f"Measured bubble: {stages_rec['bubble_rule']}. Memory measured by "
+             f"{stages_rec['memory_measured_by']}."]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return run, out
 
