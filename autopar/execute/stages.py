@@ -27,6 +27,7 @@ from ..errors import PlanFileError
 from ..modelfile import load_model_file, model_env
 from ..runtime import launch as rank_launch
 from ..decomp.stages import CutPlan
+from ..runtime.fsdp import LiveBytes, state_tensors
 from ..runtime.stages import (_all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step,
                               shard_of, whole)
 from .validate import RULE, compare
@@ -109,7 +110,6 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
             times.append(time.perf_counter() - t0)
     # peak memory of one more step (float32, as planned): live tensor bytes of this stage's
     # parameters, gradients, buffers and optimizer state plus everything the step allocates
-    from ..runtime.fsdp import LiveBytes, state_tensors
     opt.zero_grad(set_to_none=True)
     dist.barrier()
     with LiveBytes(also=[t for _, m in runner.modules for t in state_tensors(m, opt)]) as live:
