@@ -6,8 +6,11 @@ A pure prediction (no process starts). Each stage's sub-plan comes from autopar'
 ``make_plan`` of the plain GPT (``strategies/examples/gpt.py``) with ONE block at the model's
 width, on ``tp`` ranks of one node, for one microbatch of ``mb`` sequences (cached per (tp,
 mb)); the block's layers give a unit's forward/backward/memory, the embeddings and the head are
-folded into the first and last unit. Data parallelism over the stage's ``dp`` sub-mesh adds the
-all-reduce of the unit's gradients (the profile's allreduce fit at the level the dp group spans).
+folded into the first and last unit. The stage's ``dp`` sub-mesh either replicates the unit (the
+all-reduce of its gradients: the profile's allreduce fit at the level the dp group spans) or
+shards it with FSDP2 (``cost.stages.fsdp_unit_cost`` on the block's parameters as one tp rank
+holds them: optimizer state sharded, one gather and one reduce-scatter a step), every stage alike
+or each stage its own ("mixed"), as ``--pipeline`` searches them.
 ``autopar.cost.stages.search_stages`` then tries every feasible stage count x tp x microbatch
 size with its best cuts and prices each with ``decomp.stages.price_pipeline`` (1F1B).
 
@@ -100,6 +103,7 @@ def _block_plans(cfg, prof, prof_path, opt_state):
                           PlanHooks(profile=prof))
             tab, ch = r.table, list(r.solution.choice)
             parts = {"pre": [], "block": [], "post": []}
+            shapes: dict[str, dict[str, tuple]] = {"pre": {}, "block": {}, "post": {}}
             seen_block = False
             for li, lay in enumerate(tab.graph.layers):
                 mod = (getattr(lay, "module", "") or "")
@@ -107,20 +111,28 @@ def _block_plans(cfg, prof, prof_path, opt_state):
                     part, seen_block = "block", True
                 else:
                     part = "post" if seen_block else "pre"
-                parts[part].append((tab.layers[li].costs[ch[li]], str(tab.layers[li].choices[ch[li]])))
+                dec = tab.layers[li].choices[ch[li]]
+                parts[part].append((tab.layers[li].costs[ch[li]], str(dec)))
+                for op in lay.ops:        # each parameter as tp rank 0 holds it (what FSDP2 would shard)
+                    for role, q in op.param_names.items():
+                        shapes[part].setdefault(q, tuple(int(x) for x in dec.layer_param_shard(lay, op, role)
+                                                         .local_shape(op.params[role], 0, tp)))
             cache[(tp, mb)] = {k: {"fwd_s": sum(c.fwd_s for c, _ in v), "bwd_s": sum(c.bwd_s for c, _ in v),
                                    "sync_s": sum(c.grad_sync_s + c.optim_step_s for c, _ in v),
                                    "act_bytes": sum(c.activation_bytes + c.workspace_bytes for c, _ in v),
                                    "static_bytes": sum(c.param_bytes + c.grad_bytes + c.optim_bytes for c, _ in v),
                                    "grad_bytes": sum(c.grad_bytes for c, _ in v),
+                                   "optim_s": sum(c.optim_step_s for c, _ in v),
+                                   "param_shapes": list(shapes[k].values()),
                                    "choices": sorted({d for _, d in v})} for k, v in parts.items()}
         return cache[(tp, mb)]
     return get
 
 
 def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
-    from autopar.cost.stages import search_stages
-    from autopar.cost.stages import planned_cut_s
+    from autopar.cost.stages import fsdp_unit_cost, planned_cut_s, search_stages
+    from autopar.decomp.fsdp import UnitParams
+    from autopar.profile.optimizer import optimizer_step_s
     from autopar.decomp.base import CostContext
     from autopar.decomp.stages import CutValue, Stage, StageCost, plan_cut
     n, world = cfg["layers"], cfg["gpus"]
@@ -131,8 +143,15 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
         p = plans(tp, mb)
         parts = ["block"] + (["pre"] if i == 0 else []) + (["post"] if i == n - 1 else [])
         tot = {k: sum(p[q][k] for q in parts) for k in ("fwd_s", "bwd_s", "sync_s", "act_bytes", "static_bytes",
-                                                         "grad_bytes")}
+                                                         "grad_bytes", "optim_s")}
         level = "inter" if dp * tp > RANKS_PER_NODE else "intra"
+        if data == "fsdp":       # the stage's dp axis on FSDP2 (cost.stages.fsdp_unit_cost, as --pipeline prices it)
+            params = UnitParams(f"block {i}", tuple(sh for q in parts for sh in p[q]["param_shapes"]), 4)
+            return fsdp_unit_cost(StageCost(tot["fwd_s"], tot["bwd_s"], tot["sync_s"], tot["act_bytes"], 0.0),
+                                  params, dp, opt_state, tot["optim_s"],
+                                  lambda kind, g, nb: prof.collective_time_s(kind, g, nb, level=level),
+                                  lambda k, nb: optimizer_step_s(prof, k, nb) or 0.0,
+                                  p["block"]["fwd_s"] if i else 0.0)
         dp_sync = prof.collective_time_s("allreduce", dp, tot["grad_bytes"], level=level) if dp > 1 else 0.0
         return StageCost(tot["fwd_s"], tot["bwd_s"], tot["sync_s"] + dp_sync, tot["act_bytes"], tot["static_bytes"])
 
@@ -152,7 +171,7 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
             return planned_cut_s(plan_cut(k, a, b, [CutValue("h", (size // tp * mb, SEQ, cfg["hidden"]), 4)]), ctx)
 
         sr = search_stages(n, world, cfg["batch"], unit, cut, stage_counts=[s_count], tps=(1, 2, 4, 8),
-                           memory_limit_bytes=memory_limit)
+                           memory_limit_bytes=memory_limit, data_axes=("replicate", "fsdp"))
         options.extend(sr.options)
         if sr.best is not None and (best is None or sr.best.step_s < best.step_s):
             best = sr.best
@@ -166,12 +185,17 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
     if best is not None:
         results["chosen"] = {"stages": best.stages, "tp": best.tp, "dp": best.dp, "microbatches": best.microbatches,
                              "microbatch_sequences": best.microbatch, "cuts": list(best.cuts),
+                             "data": best.data, "stage_data": list(best.stage_data),
                              "step_s": best.step_s, "bubble_fraction": best.price.bubble_fraction,
                              "peak_bytes_max": max(best.price.peak_bytes),
                              "tokens_per_s": cfg["batch"] * SEQ / best.step_s,
                              "model_tflops_per_gpu": _model_flops(cfg["batch"], n, cfg["hidden"]) / best.step_s / world / 1e12,
                              "block_choices_tp": plans(best.tp, best.microbatch)["block"]["choices"]}
     return results
+
+
+#: how the tables mark a stage's data axis (``decomp.stages.STAGE_DATA``; "mixed": per stage)
+_DATA = {"fsdp": " FSDP2", "mixed": " mixed"}
 
 
 def _fp16_profile(prof):
@@ -186,7 +210,7 @@ def _fp16_profile(prof):
 def _cell(a, least=None):
     if a is None:
         return ("nothing fits" + (f" (least peak {least / 1e9:.0f} GB)" if least else ""), "-")
-    return (f"{a['stages']} x {a['dp']} x {a['tp']}, M {a['microbatches']}",
+    return (f"{a['stages']} x {a['dp']}{_DATA.get(a.get('data'), '')} x {a['tp']}, M {a['microbatches']}",
                                                     f"{a['model_tflops_per_gpu']:.1f}")
 
 
@@ -231,7 +255,8 @@ def main() -> int:
              f"## 96-layer GPT (h 12288, 96 heads, seq {SEQ}), 1024 ranks (8 per node), batch 1536, 40 GB", ""]
     if "chosen" in m:
         c = m["chosen"]
-        lines += [f"Chosen: {c['stages']} stages x (dp {c['dp']} x tp {c['tp']}), M = {c['microbatches']} microbatches of "
+        lines += [f"Chosen: {c['stages']} stages x (dp {c['dp']}{_DATA.get(c.get('data'), '')} x tp {c['tp']}), "
+                  f"M = {c['microbatches']} microbatches of "
                   f"{c['microbatch_sequences']} sequences, cuts before blocks {c['cuts']}; step {c['step_s']:.2f} s, "
                   f"bubble {100 * c['bubble_fraction']:.1f} %, peak {c['peak_bytes_max'] / 1e9:.1f} GB per rank, "
                   f"{c['model_tflops_per_gpu']:.2f} model TFLOP/s per GPU (search {m['search_s']:.1f} s).", ""]
@@ -241,9 +266,11 @@ def main() -> int:
               "|---|---|---|---|---|---|---|"]
     for o in m["search"]["per_stage_count"]:
         if "refused" in o:
-            lines.append(f"| {o['stages']} | {o['dp']} x {o['tp']} | {o['microbatches']} | - | - | - | {o['refused']} |")
+            lines.append(f"| {o['stages']} | {o['dp']}{_DATA.get(o.get('data'), '')} x {o['tp']} | {o['microbatches']} "
+                         f"| - | - | - | {o['refused']} |")
         else:
-            lines.append(f"| {o['stages']} | {o['dp']} x {o['tp']} | {o['microbatches']} | {o['step_s']:.3f} | "
+            lines.append(f"| {o['stages']} | {o['dp']}{_DATA.get(o.get('data'), '')} x {o['tp']} | {o['microbatches']} | "
+                         f"{o['step_s']:.3f} | "
                          f"{100 * o['bubble_fraction']:.1f} % | {max(o['peak_bytes']) / 1e9:.1f} | |")
     lines += ["", "## Beside Megatron-LM", "",
               f"Published figures: {table['source']}; as in `{out['published']}`, checked against: "
@@ -290,6 +317,12 @@ def main() -> int:
                      "stages because 16 bytes per parameter must fit in 40 GB"
                      + (f"; nothing fits for {[r['paper']['params_b'] for r in rows if r not in fit32]} B." if
                         len(fit32) < len(rows) else "."))
+    data16 = [r["whatif_fp16_80GB"].get("data", "replicate") for r in fit16]
+    lines.append(f"- Data axis: the fp16 what-if shards it with FSDP2 in {data16.count('fsdp')} rows, on some stages "
+                 f"only ('mixed') in {data16.count('mixed')}, and replicates it in {data16.count('replicate')}; "
+                 "FSDP2 under torch's schedules shards the optimizer state (gradients stay whole across the "
+                 "microbatches), which is what lets the larger rows fit with fewer stages. The paper's "
+                 "data-parallel replicas each hold their model-parallel shard's whole optimizer state.")
     lines.append("- autopar's stages are all the same shape (dp x tp); it does not interleave (V = 1 here) and "
                  "cuts only between blocks.")
     atomic_write_text(OUT / "a100-simulation.md", "\n".join(lines) + "\n")
