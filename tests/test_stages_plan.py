@@ -224,3 +224,32 @@ def test_fsdp_inside_stages_is_chosen_under_a_limit_and_validates_at_world_4(mon
         assert 0.5 < rec["measured_peak_bytes_per_stage"][k] / want < 1.5, rec
     names = [c.tensor for c in run.validation.checks]
     assert any("grad blocks.0.attn.qkv.weight" in n for n in names) and len(names) > 20
+
+
+@pytest.mark.dist
+def test_hf_gpt2_pipeline_sends_only_the_hidden_state_and_validates_at_world_4(monkeypatch, tmp_path):
+    """Hugging Face GPT-2 (its embedding tied to the head across the two stages) with
+    ``--pipeline 2 --stage-data fsdp``: the units follow data flow (its traced embedding dropout
+    is listed after the blocks), the cut carries only what a block returns (the attention mask
+    built before the blocks is made again in each), and autopar execute validates it in float64
+    with torch's sends checked against the plan's cut."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    for k, v in {"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4", "AUTOPAR_HF_SEQ": "8",
+                 "AUTOPAR_HF_VOCAB": "32"}.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    res = make_plan(ROOT / "strategies/examples/hf_gpt2.py",
+                    PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
+                                stage_data="fsdp", out_dir=str(tmp_path / "plan")), PlanHooks(profile=prof))
+    rt = res.plan.runtime.to_json()
+    assert [s.get("data") for s in rt["stages"]["stages"]] == ["fsdp", "fsdp"]
+    (cut,) = rt["cuts"]
+    assert [len(v["shape"]) for v in cut["values"]] == [3]          # the hidden state [rows, seq, embed] only
+    run, _ = execute(res.plan_path, ExecuteOptions(steps=1, warmup=0, ddp=False, timeout_s=180),
+                     out_dir=tmp_path / "run", progress=lambda *_: None)
+    assert run.validation.passed and run.validation.dtype == "float64"
+    assert run.extra["stages"]["cut_messages_checked"] == 2 * rt["stages"]["schedule"]["microbatches"]

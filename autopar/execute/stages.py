@@ -29,7 +29,7 @@ from ..runtime import launch as rank_launch
 from ..decomp.stages import CutPlan
 from ..runtime.fsdp import LiveBytes, state_tensors
 from ..runtime.stages import (_all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step,
-                              shard_of, whole)
+                              shard_of, stage_loss, whole)
 from .validate import RULE, compare
 
 
@@ -119,6 +119,7 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     dist.barrier()
     # this stage alone on one microbatch, every chunk it holds (every rank at once, as in the step)
     n_last = layout.num_stages * layout.schedule.virtual - 1        # the chunk with the head and loss
+    last_loss = stage_loss(model, loss_fn)                          # as the schedule calls it (HF: .logits)
     fw, bw = [], []
     for _ in range(opts["steps"]):
         f_s = b_s = 0.0
@@ -128,7 +129,7 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
             t0 = time.perf_counter()
             out = mod(*inp)
             t1 = time.perf_counter()
-            (loss_fn(out, y[:mb]) if c == n_last else
+            (last_loss(out, y[:mb]) if c == n_last else
              sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
             f_s += t1 - t0
             b_s += time.perf_counter() - t1

@@ -382,12 +382,19 @@ def crossing_values(graph, units: list[int]) -> dict[int, list[tuple[str, float]
 
 
 def cut_values(graph, units: list[int], traced_batch: int) -> dict[int, list[tuple[str, tuple[int, ...], int, bool]]]:
-    """Per unit boundary, the crossing values as (name, shape, bytes per element, batched): a
-    value whose dim 0 is the traced batch is *batched* (its samples follow the microbatch; the
-    shape keeps dims 1.. and dim 0 is set per microbatch), any other crosses whole (a mask)."""
+    """Per unit boundary, the values the stage runtime sends over it, as (name, shape, bytes per
+    element, batched): those a *block* makes (a layer whose module is ``blocks.i`` / ``h.i`` /
+    ``layers.i``) and a later unit reads -- what a block returns and ``runtime.stages`` passes on.
+    A value made outside the blocks and read by several (Hugging Face GPT-2's attention mask,
+    built before the blocks) is not sent: each block makes its own at run time. A value whose
+    dim 0 is the traced batch is *batched* (its samples follow the microbatch; the shape keeps
+    dims 1.. and dim 0 is set per microbatch), any other crosses whole."""
     n_units = max(units) + 1
+    in_block = {op.name for lay in graph.layers if _BLOCK.match(getattr(lay, "module", "") or "") for op in lay.ops}
     out: dict[int, list[tuple[str, tuple[int, ...], int, bool]]] = {u: [] for u in range(n_units - 1)}
     for v, (pu, lu, shape, item) in sorted(_crossing(graph, units).items()):
+        if v not in in_block:
+            continue
         batched = bool(shape) and shape[0] == int(traced_batch)
         for u in range(pu, lu):
             out[u].append((v, shape, item, batched))
