@@ -371,3 +371,85 @@ def test_clip_grad_norm_under_a_pipeline_plan_at_world_4(monkeypatch, tmp_path, 
         assert r["norm"] == pytest.approx(ref["norm"], rel=1e-12)
         for n, g in r["grads"].items():
             torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(ref["grads"][n]), rtol=1e-12, atol=1e-14)
+
+
+HF_ENV = {"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4", "AUTOPAR_HF_SEQ": "8",
+          "AUTOPAR_HF_VOCAB": "32"}
+
+
+def _hf():
+    from autopar.modelfile import load_model_file
+    return load_model_file(ROOT / "strategies/examples/hf_gpt2.py")
+
+
+def _hf_steps(rank, world, plan, ckpt_in, ckpt_out, n, pipeline):
+    """HF GPT-2 under ``plan``: load model and AdamW (if given), ``n`` user-loop steps (with
+    clipping), save both; the full state (plain plan) or None."""
+    import torch
+    import autopar
+    from autopar.train import clip_grad_norm_, full_state_dict, load, save
+    mf = _hf()
+    torch.manual_seed(1)
+    dm = autopar.parallelize(mf.build_model().double(), plan, **({"sync_module_states": False} if pipeline else {}))
+    opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
+    if ckpt_in:
+        load(ckpt_in, dm, opt)
+    x, y = mf.example_inputs(8)[0], mf.example_targets(8)
+    for _ in range(n):
+        opt.zero_grad()
+        loss = dm.loss(x, y) if pipeline else mf.loss_fn()(dm(x), y)
+        loss.backward()
+        clip_grad_norm_(dm, 0.5)
+        opt.step()
+    if ckpt_out:
+        save(ckpt_out, dm, opt)
+    return {k: v.detach().numpy().copy() for k, v in full_state_dict(dm).items()} if not pipeline else None
+
+
+def _hf_reference(rank, world, kinds):
+    import torch
+    from autopar.runtime.stages import reference_step
+    mf = _hf()
+    torch.manual_seed(1)
+    model = mf.build_model().double()
+    x, y = mf.example_inputs(8)[0], mf.example_targets(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for k in kinds:
+        opt.zero_grad()
+        if k == "p":
+            reference_step(model, x, y, mf.loss_fn(), M)
+        else:
+            mf.loss_fn()(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def test_hf_gpt2_fsdp_stages_train_and_checkpoint_with_its_tied_embedding(monkeypatch, tmp_path):
+    """HF GPT-2 (embedding tied to the head, one on each stage) on two FSDP2 stages of dp 2 at
+    world 4: 2 user-loop steps with clipping and AdamW, save -> a plain plan at world 1 loads
+    model and optimizer, steps once -> equal in float64 to one process running the same 3 steps."""
+    import torch
+
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    from autopar.runtime.launch import run_ranks
+    for k, v in HF_ENV.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    model = ROOT / "strategies/examples/hf_gpt2.py"
+    pipe = make_plan(model, PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
+                                        microbatches=M, stage_data="fsdp", out_dir=str(tmp_path / "pipe")),
+                     PlanHooks(profile=prof))
+    plain = make_plan(model, PlanOptions(world_size=1, batch_size=8, placement="block", trace_cache=False,
+                                         out_dir=str(tmp_path / "plain")), PlanHooks(profile=prof))
+    c1 = str(tmp_path / "ck1")
+    run_ranks(_hf_steps, 4, args=(str(pipe.plan_path), None, c1, 2, True), timeout_s=180)
+    after = run_ranks(_hf_steps, 1, args=(str(plain.plan_path), c1, None, 1, False), timeout_s=180)[0]
+    ref = run_ranks(_hf_reference, 1, args=("ppf",), timeout_s=120)[0]
+    for n, want in ref.items():
+        if n in after:
+            torch.testing.assert_close(torch.from_numpy(after[n]), torch.from_numpy(want), rtol=1e-12, atol=1e-11)
+    assert "transformer.wte.weight" in after

@@ -369,7 +369,8 @@ def parallelize(model: nn.Module, plan: str | Path, *, comm=None, sync_module_st
     if p.runtime is not None and p.runtime.expected == "stages":      # pipeline stages (issue 41)
         with model_env(p.model_env()):
             mf = load_model_file(p.model_file(plan_path))
-        x = mf.example_inputs(p.model.batch_size)[0]
+        with torch.random.fork_rng(devices=[]):   # the cut shapes only: the user's random stream stays as it was
+            x = mf.example_inputs(p.model.batch_size)[0]
         return PipelineModule(model, p, loss_fn or mf.loss_fn(), x)
     cls = module_class or _load_generated_class(p, plan_path)
     train_cls = type(f"Parallel{cls.__name__}", (ParallelModule, cls), {"__module__": __name__})
