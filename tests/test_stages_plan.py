@@ -157,6 +157,13 @@ def test_stage_data_is_refused_by_name_when_sharding_is_left_out(gpt8):
         _plan(gpt8, pipeline=2, stage_data="zero9")
 
 
+def test_zero_bubble_schedules_keep_stages_replicated(gpt8):
+    with pytest.raises(PipelineError, match="zbv schedule"):
+        _plan(gpt8, pipeline=2, schedule="zbv", microbatches=4, stage_data="fsdp")
+    rt = _plan(gpt8, pipeline=2, schedule="zbv", microbatches=4).plan.runtime.to_json()
+    assert rt["search"]["data_axes"] == ["replicate"]
+
+
 def test_fsdp_unit_cost_is_level_1_of_decomp_fsdp():
     """A unit of an FSDP2 stage: memory (S + F) + F + k S, the reduce-scatter's input G transient, its
     gradient reduce-scattered once and its optimizer on the shard instead of an all-reduce and

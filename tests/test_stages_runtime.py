@@ -240,6 +240,35 @@ def test_gpt_two_stages_with_fsdp_inside_world_4(schedule):
     _run(4, "gpt", schedule, 2, data="fsdp")
 
 
+def test_fsdp_stages_with_two_chunks_per_rank_world_4():
+    """Interleaved 1F1B, V = 2 chunks per rank, each chunk its own FSDP2 root over the dp pair."""
+    _run(4, "gpt", "interleaved_1f1b", 2, data="fsdp", virtual=2)
+
+
+def _zero_bubble_fsdp(rank, world):
+    import torch
+
+    from autopar.decomp.stages import Schedule, even_layout
+    from autopar.errors import PipelineError
+    from autopar.runtime.stages import build_runner
+    gpt = _load_gpt(layers=4)
+    model = gpt.GPT().double()
+    layout = even_layout(4, world, 2, Schedule("zbv", 4, 2), data="fsdp")
+    try:
+        build_runner(model, layout, rank, gpt.loss_fn, example_microbatch=torch.randint(0, 32, (1, 8)))
+    except PipelineError as e:
+        return str(e)
+    return "built"
+
+
+def test_fsdp_stages_under_a_zero_bubble_schedule_are_refused_by_name():
+    """torch's split backward (input / weight steps) leaves FSDP2's sharded parameters without
+    gradients: every rank refuses before the first step, naming the schedule."""
+    from autopar.runtime.launch import run_ranks
+    res = run_ranks(_zero_bubble_fsdp, 4, timeout_s=120)
+    assert all("zbv" in r and "FSDP2" in r for r in res), res
+
+
 def test_fsdp_on_the_first_stage_only_world_4():
     """Stage 0 FSDP2, stage 1 replicated (the search's "mixed" option): the same function."""
     _run(4, "gpt", "1f1b", 2, data=("fsdp", "replicate"))

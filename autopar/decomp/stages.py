@@ -99,6 +99,11 @@ PRICED = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 #: whole across the microbatches and reduce-scatters them once after the last backward, so the
 #: memory and traffic are ``decomp.fsdp``'s level 1: ``cost.stages.fsdp_unit_cost``)
 STAGE_DATA = ("replicate", "fsdp")
+#: the schedules that split each backward into input- and weight-gradient steps (zero bubble):
+#: torch's weight step differentiates with respect to the stage module's parameters, which under
+#: FSDP2 are the sharded DTensors, not the gathered tensors the forward used, so their gradients
+#: stay None (seen with torch 2.13 at world 4): FSDP2 stages are refused under these
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -545,7 +550,7 @@ def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
     return (s - 1) / v / (m + (s - 1) / v)
 
 
-__all__ = ["PRICED", "SCHEDULES", "STAGE_DATA", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
+__all__ = ["PRICED", "SCHEDULES", "SPLIT_BACKWARD", "STAGE_DATA", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
            "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts",
            "stage_mesh", "even_layout", "feasible_stage_counts",
            "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decomp.stages import SCHEDULES, CutPlan, StageLayout, chunk_ranges, chunks_of_stage
+from ..decomp.stages import SCHEDULES, SPLIT_BACKWARD, CutPlan, StageLayout, chunk_ranges, chunks_of_stage
 from ..errors import PipelineError
 from .launch import raise_peer_failure
 
@@ -431,6 +431,10 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
         metas = dict(enumerate(_static_metas(every, example_microbatch)))
     held = None
     if st.data == "fsdp" and groups.dp is not None:
+        if layout.schedule.name in SPLIT_BACKWARD:
+            raise PipelineError(f"stage {st.index} is FSDP2 under the {layout.schedule.name} schedule, whose weight-"
+                                "gradient step does not reach FSDP2's gathered parameters",
+                                "re-plan with --stage-data replicate or a schedule with whole backward steps")
         # fully_shard replaces each parameter by a DTensor: find every one (and each tied weight)
         # again by its path in this rank's chunk modules afterwards
         by_id = {id(p): n for n, p in _held(model, (p for _, m in modules for p in m.parameters())).items()}

@@ -42,7 +42,7 @@ from ...decomp.fsdp import UnitParams
 from ...profile.optimizer import optimizer_step_s
 from ...cost.table import StepPrediction
 from ...cost.stages import planned_cut_s
-from ...decomp.stages import (SCHEDULES, STAGE_DATA, CutValue, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
+from ...decomp.stages import (SCHEDULES, SPLIT_BACKWARD, STAGE_DATA, CutValue, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
                               plan_cut, plan_cuts)
 from ...errors import InfeasiblePlan, PipelineError
 from .registry import Candidate, register_strategy
@@ -161,7 +161,7 @@ class PipelineStages:
         tp_ok = heads is not None and (o.kinds is None or "head" in o.kinds)      # tensor parallelism allowed
         tps = [t for t in range(1, rpn + 1) if t == 1 or (tp_ok and heads % t == 0)]
         subplans: dict[tuple[int, int], SubPlan] = {}
-        data_axes = stage_data_axes(o)
+        data_axes = stage_data_axes(o, sched_name)
 
         def sub(tp: int, mb: int) -> SubPlan:
             if (tp, mb) not in subplans:
@@ -267,14 +267,21 @@ def has_tied_weights(graph) -> bool:
     return any(op.attrs.get("tied") for lay in graph.layers for op in lay.ops)
 
 
-def stage_data_axes(o) -> tuple[str, ...]:
+def stage_data_axes(o, schedule: str = "1f1b") -> tuple[str, ...]:
     """What a stage's dp axis may do with its parameters (``decomp.stages.STAGE_DATA``): both
-    unless ``--stage-data`` names one; FSDP2 only where ``--kinds`` allows ``sharded``."""
+    unless ``--stage-data`` names one; FSDP2 only where ``--kinds`` allows ``sharded`` and the
+    schedule runs whole backward steps (``decomp.stages.SPLIT_BACKWARD``)."""
     want = getattr(o, "stage_data", None) or "auto"
     if want not in ("auto", *STAGE_DATA):
         raise PipelineError(f"--stage-data {want!r} is not auto, {' or '.join(STAGE_DATA)}",
                             "use --stage-data auto (the planner chooses), replicate or fsdp")
     allowed = tuple(d for d in STAGE_DATA if d == "replicate" or o.kinds is None or "sharded" in o.kinds)
+    if schedule in SPLIT_BACKWARD:
+        allowed = ("replicate",)
+        if want == "fsdp":
+            raise PipelineError(f"--stage-data fsdp under the {schedule} schedule: its weight-gradient step does not "
+                                "reach FSDP2's gathered parameters", "use gpipe, 1f1b, interleaved_1f1b or looped_bfs "
+                                "with fsdp, or --stage-data replicate")
     if want == "auto":
         return allowed
     if want not in allowed:
