@@ -87,7 +87,7 @@ def test_a_value_crossing_a_cut_backwards_is_refused_by_name():
 @pytest.mark.dist
 def test_a_pipeline_plan_executes_and_validates_at_world_2(monkeypatch, tmp_path):
     """plan --pipeline 2 then execute: float64 validation against one process passes; the run
-    records measured step and bubble beside the prediction."""
+    records measured step and bubble beside the prediction, and torch DDP timed beside it."""
     from autopar.artifacts import PlanHooks, PlanOptions
     from autopar.execute.runner import ExecuteOptions, execute
     from autopar.planner import make_plan
@@ -100,9 +100,11 @@ def test_a_pipeline_plan_executes_and_validates_at_world_2(monkeypatch, tmp_path
     res = make_plan(ROOT / "strategies/examples/gpt.py",
                     PlanOptions(world_size=2, batch_size=8, out_dir=str(tmp_path / "plan"), placement="block",
                                 trace_cache=False, pipeline=2, microbatches=4), PlanHooks(profile=prof))
-    run, out = execute(res.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=False, timeout_s=120),
+    run, out = execute(res.plan_path, ExecuteOptions(steps=2, warmup=1, ddp=True, timeout_s=120),
                        out_dir=tmp_path / "run", progress=lambda *_: None)
     assert run.validation.passed and run.validation.checked > 10
+    assert len(run.baseline.ddp_step_times_s) == 2 and run.baseline.equivalent
+    assert run.ratio_to_ddp == pytest.approx(run.measured.step_time_s / run.baseline.ddp_step_time_s)
     st = run.extra["stages"]
     assert st["measured_step_s"] > 0 and st["predicted_step_s"] == pytest.approx(res.plan.predicted.step_time_s)
     assert 0.0 <= st["measured_bubble_fraction"] <= 1.0 and st["predicted_bubble_fraction"] > 0

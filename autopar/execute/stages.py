@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import Measured, Plan, RunResult, Validation
+from ..artifacts import Baseline, Measured, Plan, RunResult, Validation
 from ..artifacts import write_run
 from ..io import atomic_write_text, sha256_file
 from ..decomp.stages import StageLayout
@@ -30,7 +30,13 @@ from ..decomp.stages import CutPlan
 from ..runtime.fsdp import LiveBytes, state_tensors
 from ..runtime.stages import (_all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step,
                               shard_of, stage_loss, whole)
+from ..runtime.comm import Comm
+from . import timing
+from .baseline import ddp_runner
 from .validate import RULE, compare
+
+#: interleaved rounds of the pipeline's and DDP's timed steps
+ROUNDS = 4
 
 
 def stage_layout(plan: Plan) -> tuple[StageLayout, dict[str, Any]]:
@@ -98,16 +104,37 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     metas = _static_metas(_all_chunks(model, layout), x32[:mb])
     runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x32[:mb])
     opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
-    times = []
-    for i in range(opts["warmup"] + opts["steps"]):
-        opt.zero_grad()
-        dist.barrier()
-        t0 = time.perf_counter()
-        runner.step(x32, y)
-        dist.barrier()
-        opt.step()
-        if i >= opts["warmup"]:
-            times.append(time.perf_counter() - t0)
+
+    def pipeline_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            opt.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            runner.step(x32, y)
+            dist.barrier()
+            opt.step()
+            out.append(time.perf_counter() - t0)
+        return out
+    pipeline_steps(opts["warmup"])
+    # torch DDP on the whole model and batch over the world, timed in interleaved rounds with the
+    # pipeline (the machine's drift falls on both alike)
+    ddp = comm = None
+    if opts.get("ddp") and world > 1:
+        comm = Comm.from_env()
+        ddp = ddp_runner(mf, [x32], y, mf.loss_fn(), comm, opts["seed"], opts["lr"], opts["momentum"])
+        timing.timed_steps(*ddp.step_args(), opts["warmup"], comm, lambda: None, dist.barrier)
+    times: list[float] = []
+    ddp_times: list[float] = []
+    rounds = max(1, min(ROUNDS, opts["steps"]))
+    for k in range(rounds):
+        n = opts["steps"] // rounds + (1 if k < opts["steps"] % rounds else 0)
+        for name in (("pipeline", "ddp") if k % 2 == 0 else ("ddp", "pipeline")):
+            if name == "pipeline":
+                times += pipeline_steps(n)
+            elif ddp is not None:
+                ddp_times += timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
+    baseline = None if ddp is None else ddp.result(ddp_times).to_json()
     # peak memory of one more step (float32, as planned): live tensor bytes of this stage's
     # parameters, gradients, buffers and optimizer state plus everything the step allocates
     opt.zero_grad(set_to_none=True)
@@ -137,7 +164,7 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         bw.append(b_s)
     return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
             "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
-            "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes}
+            "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
 
 
 def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_out_dir, write_report
@@ -148,6 +175,7 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     rtol, atol = opts.tolerances()
     ropts = {"batch": plan.model.batch_size, "dtype": opts.validate_dtype, "seed": opts.seed, "lr": opts.lr,
              "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps, "heads": heads,
+             "ddp": opts.ddp,
              "cuts": dict(plan.runtime.extra).get("cuts")}
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages "
              f"(dp {layout.stages[0].dp}{' FSDP2' if layout.stages[0].data == 'fsdp' else ''} x tp {layout.stages[0].tp} each), "
@@ -166,6 +194,7 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     m = layout.schedule.microbatches
     measured_bubble = max(0.0, 1.0 - m * bott / step) if step > 0 else None
     predicted = plan.predicted.step_time_s
+    baseline = Baseline.from_json(res[0]["baseline"]) if res[0].get("baseline") else None
     stages_rec = {"layout": layout.to_json(), "measured_step_s": step, "predicted_step_s": predicted,
                   "measured_bubble_fraction": measured_bubble,
                   "predicted_bubble_fraction": price.get("bubble_fraction"),
@@ -188,7 +217,8 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
         measured=Measured(step_time_s=step, step_times_s=tuple(res[0]["step_times_s"]),
                           phases={"pipeline_step_s": step}, per_layer=(), grad_sync_bytes_per_step=0.0),
         predicted=plan.predicted, prediction_error=(predicted - step) / step if step > 0 else None,
-        baseline=None, ratio_to_ddp=None, wall_s=time.perf_counter() - t0,
+        baseline=baseline, ratio_to_ddp=step / baseline.ddp_step_time_s if baseline is not None else None,
+        wall_s=time.perf_counter() - t0,
         notes=(f"runtime: pipeline stages ({layout.schedule.torch_class}); measured bubble "
                f"{measured_bubble:.2f} vs predicted {price.get('bubble_fraction', float('nan')):.2f}",),
         extra={"stages": stages_rec})
@@ -205,6 +235,9 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
              f"{'passed' if v.passed else 'FAILED'}, {v.checked} tensors",
              "", "| | measured | predicted |", "|---|---|---|",
              f"| step | {step * 1e3:.3f} ms | {predicted * 1e3:.3f} ms |",
+             *([f"| torch DDP step (whole model on every rank, interleaved rounds) | "
+                f"{baseline.ddp_step_time_s * 1e3:.3f} ms (plan / DDP {step / baseline.ddp_step_time_s:.2f}) | |"]
+               if baseline is not None else []),
              f"| bubble fraction | {measured_bubble:.3f} | {price.get('bubble_fraction', float('nan')):.3f} |",
              *[f"| peak memory per rank, stage {k} | {stages_rec['measured_peak_bytes_per_stage'][k] / 2**20:.2f} MiB | "
                f"{v / 2**20:.2f} MiB |" for k, v in stages_rec["predicted_peak_bytes_per_stage"].items()
