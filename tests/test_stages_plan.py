@@ -159,6 +159,17 @@ def test_stage_data_is_refused_by_name_when_sharding_is_left_out(gpt8):
         _plan(gpt8, pipeline=2, stage_data="zero9")
 
 
+def test_a_block_model_the_stage_runtime_cannot_cut_is_refused_at_plan_time():
+    """torch's TransformerEncoder has layers.i blocks, but the stage runtime has no (pre, blocks,
+    post) for it: --pipeline names that at plan time, not when the plan is executed."""
+    from autopar.errors import PipelineError as PE
+    with pytest.raises(PE, match="cannot cut EncoderClassifier"):
+        _plan(ROOT / "strategies/examples/torch_encoder.py", pipeline=2)
+    res = _plan(ROOT / "strategies/examples/torch_encoder.py", pipeline="auto")
+    (st,) = [s for s in res.plan.strategies if s.strategy == "stages"]
+    assert "cannot cut" in st.illegal and not st.chosen
+
+
 def test_zero_bubble_schedules_keep_stages_replicated(gpt8):
     with pytest.raises(PipelineError, match="zbv schedule"):
         _plan(gpt8, pipeline=2, schedule="zbv", microbatches=4, stage_data="fsdp")

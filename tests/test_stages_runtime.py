@@ -140,6 +140,14 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="re
             model = mf.build_model().double()
             x, y = mf.example_inputs(batch)[0], mf.example_targets(batch)
         loss_fn = mf.loss_fn()
+    elif kind == "hf_llama":    # Hugging Face Llama: rotary tables and causal mask made again in each block
+        from autopar.modelfile import load_model_file
+        with model_env({"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4",
+                        "AUTOPAR_HF_KV_HEADS": "2", "AUTOPAR_HF_SEQ": "8", "AUTOPAR_HF_VOCAB": "32"}):
+            mf = load_model_file(ROOT / "strategies/examples/hf_llama.py")
+            model = mf.build_model().double()
+            x, y = mf.example_inputs(batch)[0], mf.example_targets(batch)
+        loss_fn = mf.loss_fn()
     elif kind == "two_values":
         model = _two_value_model(4).double()
         x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randint(0, 3, (batch,))
@@ -162,7 +170,8 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="re
                           example_microbatch=x[:batch // st.dp // microbatches])
     # the plan's cut steps for these values (float64): what torch must send per rank pair
     mb_rows = st.dp * (batch // st.dp // microbatches)
-    shapes = {"gpt": [(mb_rows, 8, 16)], "hf_gpt2": [(mb_rows, 8, 16)], "two_values": [(mb_rows, 8), (mb_rows, 8)],
+    shapes = {"gpt": [(mb_rows, 8, 16)], "hf_gpt2": [(mb_rows, 8, 16)], "hf_llama": [(mb_rows, 8, 16)],
+              "two_values": [(mb_rows, 8), (mb_rows, 8)],
               "bn": [(mb_rows, 6)]}[kind]
     n_cuts = stages * layout.schedule.virtual - 1
     cuts = plan_cuts(layout, [[CutValue(f"v{i}", sh, 8) for i, sh in enumerate(shapes)]] * n_cuts)
@@ -238,6 +247,13 @@ def test_gpt_two_stages_with_fsdp_inside_world_4(schedule):
     """Each stage's dp pair shards its parameters, gradients and AdamW state with FSDP2
     (``Stage.data == "fsdp"``): the same loss, gradients and parameters after the step."""
     _run(4, "gpt", schedule, 2, data="fsdp")
+
+
+@pytest.mark.parametrize("world,data", [(2, "replicate"), (4, "fsdp")])
+def test_hf_llama_on_two_stages(world, data):
+    """Hugging Face Llama cut between its decoder layers: only the hidden states cross the cut
+    (each block makes the rotary tables and the causal mask again), the same function."""
+    _run(world, "hf_llama", "1f1b", 2, data=data)
 
 
 def test_fsdp_stages_with_two_chunks_per_rank_world_4():

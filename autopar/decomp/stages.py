@@ -271,6 +271,31 @@ def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, 
     return StageLayout(stages, schedule)
 
 
+#: what the stage runtime says of a model it cannot cut (``pipeline_structure`` None)
+CANNOT_CUT_HINT = ("stages run sequential block models: the plain GPT (tok/pos/blocks/ln/head), HF GPT-2, "
+                   "HF Llama, or a module with pipeline_parts() -> (pre, blocks, post)")
+
+
+def pipeline_structure(model) -> str | None:
+    """Which sequential block model ``model`` is, as ``runtime.stages.pipeline_parts`` cuts it
+    into (pre, blocks, post): "parts" (it offers ``pipeline_parts()``), "gpt" (tok, pos, blocks,
+    ln, head), "hf_gpt2" (transformer.wte/wpe/h/ln_f + lm_head), "hf_llama" (model.embed_tokens /
+    layers / norm / rotary_emb + lm_head); None for any other. Attribute checks only: the planner
+    asks it of a model built on the meta device."""
+    if hasattr(model, "pipeline_parts"):
+        return "parts"
+    if all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln", "head")):
+        return "gpt"
+    tr = getattr(model, "transformer", None)
+    if tr is not None and all(hasattr(tr, a) for a in ("wte", "wpe", "h", "ln_f")) and hasattr(model, "lm_head"):
+        return "hf_gpt2"
+    base = getattr(model, "model", None)
+    if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            and hasattr(model, "lm_head"):
+        return "hf_llama"
+    return None
+
+
 def chunk_ranges(layout: StageLayout) -> list[tuple[int, int, int]]:
     """(chunk index, first layer, stop layer) of every model chunk, in model order: the stages'
     own ranges when V = 1; else the layers cut evenly into S*V chunks."""
@@ -550,7 +575,7 @@ def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
     return (s - 1) / v / (m + (s - 1) / v)
 
 
-__all__ = ["PRICED", "SCHEDULES", "SPLIT_BACKWARD", "STAGE_DATA", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
+__all__ = ["CANNOT_CUT_HINT", "PRICED", "SCHEDULES", "SPLIT_BACKWARD", "STAGE_DATA", "pipeline_structure", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
            "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts",
            "stage_mesh", "even_layout", "feasible_stage_counts",
            "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]

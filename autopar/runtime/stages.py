@@ -6,7 +6,8 @@ Which models: *sequential block models*, read as ``pre -> blocks[0..L) -> post``
 layers of the layout are the blocks: the plain GPT of ``strategies/examples/gpt.py``
 (``tok``/``pos`` embeddings, ``blocks``, ``ln`` + ``head``), Hugging Face GPT-2
 (``transformer.wte``/``wpe``/``drop``, ``transformer.h``, ``transformer.ln_f`` + ``lm_head``),
-and any module offering ``pipeline_parts() -> (pre, blocks, post)``. Stage 0 runs ``pre`` and
+Hugging Face Llama (``model.embed_tokens``, ``model.layers`` each with its rotary tables and
+causal mask made again from its input, ``model.norm`` + ``lm_head``), and any module offering ``pipeline_parts() -> (pre, blocks, post)``. Stage 0 runs ``pre`` and
 the last stage ``post``. Several values may cross a cut: a block returning a tuple passes every
 element to the next block (and over the cut, point to point, each with its gradient).
 
@@ -34,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decomp.stages import SCHEDULES, SPLIT_BACKWARD, CutPlan, StageLayout, chunk_ranges, chunks_of_stage
+from ..decomp.stages import (CANNOT_CUT_HINT, SCHEDULES, SPLIT_BACKWARD, CutPlan, StageLayout, chunk_ranges,
+                              chunks_of_stage, pipeline_structure)
 from ..errors import PipelineError
 from .launch import raise_peer_failure
 
@@ -53,6 +55,36 @@ class _GPTPre(nn.Module):
         return self.drop(x) if self.drop is not None else x
 
 
+class _Embed(nn.Module):
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, idx):
+        return self.embed(idx)
+
+
+class _LlamaBlock(nn.Module):
+    """A Hugging Face Llama decoder layer as a pipeline block: hidden states in, hidden states out.
+    What the model's forward computes once before its layers -- the position ids, the rotary
+    tables (``rotary_emb``) and the causal mask -- each block computes again from the hidden
+    states it receives (the same values: they depend on the sequence length only), so that only
+    the hidden states cross a cut, as the planner's cut values say."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config):
+        super().__init__()
+        self.layer, self.rotary, self.config = layer, rotary, config
+
+    def forward(self, x):
+        from transformers.masking_utils import create_causal_mask
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        out = self.layer(x, attention_mask=mask, position_embeddings=self.rotary(x, position_ids=pos),
+                         position_ids=pos, cache=None, use_cache=False)
+        return out[0] if isinstance(out, tuple) else out
+
+
 class _Post(nn.Module):
     def __init__(self, *mods: nn.Module):
         super().__init__()
@@ -65,18 +97,22 @@ class _Post(nn.Module):
 
 
 def pipeline_parts(model: nn.Module) -> tuple[nn.Module | None, Sequence[nn.Module], nn.Module | None]:
-    """``(pre, blocks, post)`` of a sequential block model (module docstring); the modules are the
-    model's own (parameters shared, not copied). Refuses other models naming what it looked for."""
-    if hasattr(model, "pipeline_parts"):
+    """``(pre, blocks, post)`` of a sequential block model (module docstring; which one:
+    ``decomp.stages.pipeline_structure``); the modules are the model's own (parameters shared,
+    not copied). Refuses other models naming what it looked for."""
+    kind = pipeline_structure(model)
+    if kind == "parts":
         return model.pipeline_parts()
-    if all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln", "head")):
+    if kind == "gpt":
         return _GPTPre(model.tok, model.pos), list(model.blocks), _Post(model.ln, model.head)
-    tr = getattr(model, "transformer", None)
-    if tr is not None and all(hasattr(tr, a) for a in ("wte", "wpe", "h", "ln_f")) and hasattr(model, "lm_head"):
+    if kind == "hf_gpt2":
+        tr = model.transformer
         return _GPTPre(tr.wte, tr.wpe, getattr(tr, "drop", None)), list(tr.h), _Post(tr.ln_f, model.lm_head)
-    raise PipelineError(f"cannot cut {type(model).__name__} into pipeline stages",
-                        "stages run sequential block models: the plain GPT (tok/pos/blocks/ln/head), HF "
-                        "GPT-2, or a module with pipeline_parts() -> (pre, blocks, post)")
+    if kind == "hf_llama":
+        base = model.model
+        return (_Embed(base.embed_tokens), [_LlamaBlock(layer, base.rotary_emb, base.config) for layer in base.layers],
+                _Post(base.norm, model.lm_head))
+    raise PipelineError(f"cannot cut {type(model).__name__} into pipeline stages", CANNOT_CUT_HINT)
 
 
 class _LogitsOutput:
@@ -90,7 +126,8 @@ def stage_loss(model: nn.Module, loss_fn: Callable) -> Callable:
     """The loss the last stage calls: ``loss_fn`` itself, or for a Hugging Face LM (whose last
     stage ends at ``lm_head``, a tensor) ``loss_fn`` on an object with ``.logits``, as the user's
     loss reads the model's output."""
-    if hasattr(model, "lm_head") and hasattr(getattr(model, "transformer", None), "h"):
+    if hasattr(model, "lm_head") and (hasattr(getattr(model, "transformer", None), "h")
+                                      or hasattr(getattr(model, "model", None), "layers")):
         return lambda out, target: loss_fn(_LogitsOutput(out), target)
     return loss_fn
 

@@ -42,7 +42,7 @@ from ...decomp.fsdp import UnitParams
 from ...profile.optimizer import optimizer_step_s
 from ...cost.table import StepPrediction
 from ...cost.stages import planned_cut_s
-from ...decomp.stages import (SCHEDULES, SPLIT_BACKWARD, STAGE_DATA, CutValue, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
+from ...decomp.stages import (CANNOT_CUT_HINT, SCHEDULES, SPLIT_BACKWARD, STAGE_DATA, CutValue, pipeline_structure, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
                               plan_cut, plan_cuts)
 from ...errors import InfeasiblePlan, PipelineError
 from .registry import Candidate, register_strategy
@@ -148,6 +148,11 @@ class PipelineStages:
             if mode == "fixed":
                 raise PipelineError(f"--pipeline {fixed}: {why}", "plan with --pipeline off")
             return (Candidate(NAME, "pipeline stages", illegal=why, priority=self.priority),)
+        cannot = runtime_cannot_cut(base.loaded.mf)
+        if cannot is not None:                       # the planner offers only what the stage runtime runs
+            if mode == "fixed":
+                raise PipelineError(f"--pipeline {fixed}: {cannot}", "plan with --pipeline off")
+            return (Candidate(NAME, "pipeline stages", illegal=cannot, priority=self.priority),)
         n_units = max(units) + 1
         crossing_values(base.graph, units)           # refuses a value crossing a cut backwards
         feasible = [s for s in feasible_stage_counts(n_units, world, virtual) if s > 1]
@@ -258,6 +263,17 @@ class PipelineStages:
                             "sub_plan_kinds": c.detail["sub_plan_kinds"], "heads": c.detail["heads"],
                             "executable": True, "search": c.detail["search"],
                             "stage_counts_priced": priced}}
+
+
+def runtime_cannot_cut(mf) -> str | None:
+    """Why ``runtime.stages.pipeline_parts`` cannot cut the model file's model into (pre, blocks,
+    post), asked of the model built on the meta device (no memory), or None when it can."""
+    import torch
+    with torch.device("meta"):
+        model = mf.build_model()
+    if pipeline_structure(model) is None:
+        return f"the stage runtime cannot cut {type(model).__name__} ({CANNOT_CUT_HINT})"
+    return None
 
 
 def has_tied_weights(graph) -> bool:
