@@ -318,6 +318,14 @@ def test_cut_crossed_by_two_values(world, schedule):
     _run(world, "two_values", schedule, 2)
 
 
+@pytest.mark.parametrize("data", ["replicate", "fsdp"])
+def test_batch_norm_running_statistics_with_data_parallel_stages_world_4(data):
+    """Two stages of dp 2: each replica updates its running statistics over its own microbatches
+    from the same start, and the step ends with their mean (reference_step(dp=2) does the same);
+    the gradients are the whole batch's."""
+    _run(4, "bn", "gpipe", 2, batch=16, data=data)
+
+
 def test_batch_norm_statistics_per_microbatch():
     _run(2, "bn", "gpipe", 2)
 

@@ -23,7 +23,9 @@ schedule splits them into M microbatches along dim 0; the loss is the mean over 
 ``loss_fn`` on each (torch's ``scale_grads``: gradients of that mean), then averaged over the D
 groups: for a per-element-mean loss and equal microbatches, the loss of the whole batch. Batch
 norm inside a stage normalises each microbatch with its own statistics and updates running
-statistics once per microbatch, in microbatch order (``reference_step`` computes exactly that).
+statistics once per microbatch, in microbatch order; with D > 1 each replica does so from the
+same running statistics and the step ends with their mean over the D replicas, as the plans'
+local statistics do (``reference_step`` computes exactly that).
 """
 
 from __future__ import annotations
@@ -352,6 +354,12 @@ class StageRunner:
     def stage(self):
         return self.layout.stage_of(self.rank)
 
+    def running_stats(self) -> list[torch.Tensor]:
+        """The batch-norm running means and variances of this rank's chunks (their replicas each
+        update their own over the step's microbatches; ``_step`` averages them over dp)."""
+        return [b for _, m in self.modules for bn in m.modules() if isinstance(bn, nn.modules.batchnorm._BatchNorm)
+                for b in (bn.running_mean, bn.running_var) if b is not None]
+
     def parameters(self):
         seen = set()
         for _, m in self.modules:
@@ -395,6 +403,10 @@ class StageRunner:
             for g in grads:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
+        if self.groups.dp is not None:       # batch norm: the replicas' running statistics, averaged
+            for b in self.running_stats():
+                dist.all_reduce(b, group=self.groups.dp)
+                b /= st.dp
         # the global loss on every rank: the last stage's tp-rank-0 ranks contribute
         contrib = torch.zeros((), dtype=torch.float64)
         if last and self.groups.coords[1] == 0:
@@ -660,15 +672,30 @@ def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
                    microbatches: int, dp: int = 1) -> torch.Tensor:
     """The one-process function a pipelined step computes: the batch cut into ``dp`` row blocks,
     each into ``microbatches`` microbatches, run one after another (batch norm: statistics and
-    running-statistics updates per microbatch, in that order); the loss is the mean of the
-    per-microbatch losses; backward of that mean. Returns the loss (detached)."""
+    running-statistics updates per microbatch, in that order, each row block from the same
+    running statistics, which end as the mean of the blocks' -- the data-parallel replicas each
+    update their own, then average them); the loss is the mean of the per-microbatch losses;
+    backward of that mean. Returns the loss (detached)."""
     total = 0.0
     n = dp * microbatches
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    running = [b for m in bns for b in (m.running_mean, m.running_var) if b is not None]
+    counts = [m.num_batches_tracked for m in bns if m.num_batches_tracked is not None]
+    start = [b.detach().clone() for b in running + counts]
+    ends = [torch.zeros_like(b) for b in running]
     for xb, yb in zip(inputs.chunk(dp), targets.chunk(dp)):
+        with torch.no_grad():       # each data-parallel replica starts from the same running statistics
+            for b, b0 in zip(running + counts, start):
+                b.copy_(b0)
         for xm, ym in zip(xb.tensor_split(microbatches), yb.tensor_split(microbatches)):
             loss = loss_fn(model(xm), ym) / n
             loss.backward()
             total = total + loss.detach()
+        for e, b in zip(ends, running):
+            e += b.detach() / dp
+    with torch.no_grad():           # and the step keeps their mean (``StageRunner``: over the dp group);
+        for b, e in zip(running, ends):   # each replica counted its own M microbatches
+            b.copy_(e)
     return torch.as_tensor(total)
 
 
