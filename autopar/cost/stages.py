@@ -156,7 +156,11 @@ def fsdp_unit_cost(c: StageCost, params: UnitParams, dp: int, optim_copies: floa
         grad_sync_s     = c.grad_sync_s - optim_whole_s + RS(dp, G) + opt(S)
         fill_s          = max(0, AG(dp, G) - next_fwd_s)  (its gather, issued when the previous
                                                        unit's forward starts, FSDP2's prefetch;
-                                                       the caller passes 0 for a stage's first unit)
+                                                       ``next_fwd_s`` is that forward, 0 for unit 0.
+                                                       Units are priced before the cuts are known,
+                                                       so a later stage's first unit counts the
+                                                       previous unit's forward too: at most that
+                                                       much under the truth)
 
     Against a replicated unit (static F + F + k F, sync AR(dp, F) + opt(F)) it saves
     k (F - S) - S of state: nothing with plain SGD (k = 0) or momentum (k = 1) at dp 2, F/2 with
