@@ -273,3 +273,25 @@ def test_hf_gpt2_pipeline_sends_only_the_hidden_state_and_validates_at_world_4(m
                      out_dir=tmp_path / "run", progress=lambda *_: None)
     assert run.validation.passed and run.validation.dtype == "float64"
     assert run.extra["stages"]["cut_messages_checked"] == 2 * rt["stages"]["schedule"]["microbatches"]
+
+
+@pytest.mark.dist
+def test_batch_norm_blocks_on_data_parallel_stages_validate_their_running_statistics(tmp_path):
+    """A model file of batch-norm blocks (``pipeline_parts()``) on two stages of dp 2 at world 4:
+    autopar execute checks each stage's running statistics after the step (each replica's
+    per-microbatch updates, averaged over dp) against one process, beside every gradient."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.execute.runner import ExecuteOptions, execute
+    from autopar.planner import make_plan
+    from autopar.planner.strategies import stages  # noqa: F401
+    from autopar.profile import load_profile
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    res = make_plan(ROOT / "tests/toys/bn_blocks.py",
+                    PlanOptions(world_size=4, batch_size=16, placement="block", trace_cache=False, pipeline=2,
+                                microbatches=4, out_dir=str(tmp_path / "plan")), PlanHooks(profile=prof))
+    assert [s["dp"] for s in res.plan.runtime.to_json()["stages"]["stages"]] == [2, 2]
+    run, _ = execute(res.plan_path, ExecuteOptions(steps=1, warmup=0, ddp=False, timeout_s=180),
+                     out_dir=tmp_path / "run", progress=lambda *_: None)
+    buffers = [c for c in run.validation.checks if "buffer" in c.tensor]
+    assert run.validation.passed and len(buffers) == 4 * 2 * 2       # 4 ranks x 2 blocks each x mean, var
+    assert all(c.passed for c in buffers)

@@ -93,6 +93,13 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     torch.optim.SGD([p for _, p in held], lr=opts["lr"], momentum=opts["momentum"]).step()
     checks += [compare(f"rank {rank}: param {n} after step", whole(p.detach()), want(n, ref_p[n].detach()), rtol, atol)
                for n, p in held]
+    # batch norm: the running statistics this stage holds after the step (per microbatch, averaged
+    # over the dp replicas) against the reference's
+    mine = {id(b) for _, mod in runner.modules for b in mod.buffers()}
+    ref_b = dict(ref.named_buffers())
+    checks += [compare(f"rank {rank}: buffer {n} after step", b.detach(), ref_b[n].detach().to(b.dtype), rtol, atol)
+               for n, b in model.named_buffers() if id(b) in mine and n in ref_b and b.is_floating_point()
+               and ("running_mean" in n or "running_var" in n)]
 
     # timing, float32, a fresh model and schedule
     import torch.distributed as dist
