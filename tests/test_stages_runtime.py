@@ -256,6 +256,14 @@ def test_hf_llama_on_two_stages(world, data):
     _run(world, "hf_llama", "1f1b", 2, data=data)
 
 
+def test_fsdp_and_tensor_parallelism_inside_stages_world_8():
+    """Two stages of dp 2 x tp 2: Megatron's split over tp, then FSDP2 over dp cuts each tp
+    shard again (torchtitan's order); every tp slice of every gradient and parameter (gathered
+    over dp) against one process."""
+    res = _run(8, "gpt", "1f1b", 2, tp=2, data="fsdp")
+    assert all(r["dtensors"] == r["params"] for r in res)
+
+
 def test_fsdp_stages_with_two_chunks_per_rank_world_4():
     """Interleaved 1F1B, V = 2 chunks per rank, each chunk its own FSDP2 root over the dp pair."""
     _run(4, "gpt", "interleaved_1f1b", 2, data="fsdp", virtual=2)
