@@ -88,33 +88,13 @@ def _two_value_model(layers: int):
 
 
 def _bn_model(layers: int):
-    """Blocks with batch norm: statistics per microbatch (the stated semantics)."""
-    import torch
-    from torch import nn
-
-    class Blk(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
-
-        def forward(self, x):
-            return x + torch.relu(self.bn(self.lin(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre, self.blocks, self.post = nn.Linear(4, 6), nn.ModuleList(Blk() for _ in range(layers)), nn.Linear(6, 2)
-
-        def pipeline_parts(self):
-            return self.pre, list(self.blocks), self.post
-
-        def forward(self, x):
-            x = self.pre(x)
-            for b in self.blocks:
-                x = b(x)
-            return self.post(x)
-
-    return Net()
+    """Blocks with batch norm: statistics per microbatch (the stated semantics); the toy model
+    file ``tests/toys/bn_blocks.py`` (its ``LAYERS`` blocks)."""
+    spec = importlib.util.spec_from_file_location("_bn_blocks", ROOT / "tests/toys/bn_blocks.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.LAYERS == layers
+    return mod.build_model()
 
 
 def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="replicate", virtual=1):
