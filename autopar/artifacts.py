@@ -1803,6 +1803,11 @@ class PlanOptions:
         if self.batch_norm not in ("local", "global"):
             raise AutoparError(f"--batch-norm {self.batch_norm!r} is not local or global",
                                "choose local (per group of samples, as DDP) or global (the whole batch)")
+        stray = [f"--{n.replace('_', '-')}" for n in ("microbatches", "schedule", "stage_data")
+                 if getattr(self, n) is not None]
+        if stray and self.pipeline in (None, "off", 0, 1, "1"):
+            raise AutoparError(f"pipeline option(s) {', '.join(stray)} given without pipeline stages",
+                               "add --pipeline auto (or a stage count), or drop " + ", ".join(stray))
         if self.bn_group is not None and (not isinstance(self.bn_group, int) or self.bn_group < 1):
             raise AutoparError(f"--bn-group must be a positive integer, got {self.bn_group!r}",
                                "give the number of samples per statistics group")

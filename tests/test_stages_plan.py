@@ -295,3 +295,13 @@ def test_batch_norm_blocks_on_data_parallel_stages_validate_their_running_statis
     buffers = [c for c in run.validation.checks if "buffer" in c.tensor]
     assert run.validation.passed and len(buffers) == 4 * 2 * 2       # 4 ranks x 2 blocks each x mean, var
     assert all(c.passed for c in buffers)
+
+
+def test_pipeline_options_without_pipeline_are_refused_by_name():
+    """--microbatches, --schedule or --stage-data without --pipeline would be ignored silently."""
+    from autopar.artifacts import PlanOptions
+    from autopar.errors import AutoparError
+    for kw in ({"microbatches": 4}, {"schedule": "gpipe"}, {"stage_data": "fsdp"}):
+        with pytest.raises(AutoparError, match="without pipeline stages"):
+            PlanOptions(world_size=2, **kw)
+        PlanOptions(world_size=2, pipeline=2, **kw)          # with stages: fine

@@ -516,7 +516,8 @@ class ShardedDataParallel:
                 out.append(Candidate(NAME, label, illegal=lay, priority=self.priority))
                 continue
             sub = dataclasses.replace(o, kinds=("sample", "replicate") + TENSOR_KINDS, pins=lay.pins, write=False,
-                                      out_dir=None, pipeline="off", memory_limit_bytes=None)
+                                      out_dir=None, pipeline="off", microbatches=None, schedule=None,
+                                      stage_data=None, memory_limit_bytes=None)
             try:
                 res = base.replan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=base.graph))
             except AutoparError as e:

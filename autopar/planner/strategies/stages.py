@@ -326,6 +326,7 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int) -> SubPl
     o = base.req.options
     pins = tp_pins(tp) if tp > 1 else ()
     sub = dataclasses.replace(o, world_size=tp, batch_size=mb, write=False, out_dir=None, pipeline="off",
+                              microbatches=None, schedule=None, stage_data=None,
                               kinds=sub_plan_kinds(tp),
                               placement="block", memory_limit_bytes=None, pins=pins, nodes=None)
     try:
