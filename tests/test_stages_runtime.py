@@ -236,6 +236,44 @@ def test_hf_llama_on_two_stages(world, data):
     _run(world, "hf_llama", "1f1b", 2, data=data)
 
 
+def _accumulated(rank, world, data):
+    """Two pipelined steps without zero_grad on HF GPT-2 (its embedding tied across the stages):
+    the gradients are the sum of both steps', as one process accumulates them."""
+    import torch
+
+    from autopar.decomp.stages import Schedule, even_layout
+    from autopar.modelfile import load_model_file
+    from autopar.runtime.stages import build_runner, reference_step, whole
+    with model_env({"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4",
+                    "AUTOPAR_HF_SEQ": "8", "AUTOPAR_HF_VOCAB": "32"}):
+        mf = load_model_file(ROOT / "strategies/examples/hf_gpt2.py")
+        torch.manual_seed(0)
+        model = mf.build_model().double()
+        x, y = mf.example_inputs(8)[0], mf.example_targets(8)
+    loss_fn = mf.loss_fn()
+    layout = even_layout(4, world, 2, Schedule("1f1b", 4), data=data)
+    st = layout.stage_of(rank)
+    ref = copy.deepcopy(model)
+    want = float(reference_step(ref, x, y, loss_fn, 4, dp=st.dp)) + float(
+        reference_step(ref, x.flip(0), y.flip(0), loss_fn, 4, dp=st.dp))
+    ref_g = {n: p.grad for n, p in ref.named_parameters()}
+    runner = build_runner(model, layout, rank, loss_fn, example_microbatch=x[:8 // st.dp // 4])
+    got = float(runner.step(x, y)) + float(runner.step(x.flip(0), y.flip(0)))
+    bad = [n for n, p in runner.held_parameters(model).items()
+           if not torch.allclose(whole(p.grad), ref_g[n], **TOL)]
+    return {"bad": bad, "loss": got, "want": want}
+
+
+@pytest.mark.parametrize("world,data", [(2, "replicate"), (4, "fsdp")])
+def test_gradients_accumulate_over_steps_without_zero_grad(world, data):
+    """Each microbatch's loss is divided by M before backward (not torch's scale_grads, which
+    divides the whole .grad after a step and so the gradient left by the step before), and a
+    tied weight's parts are summed for this step only: two steps add up as in one process."""
+    from autopar.runtime.launch import run_ranks
+    for r in run_ranks(_accumulated, world, args=(data,), timeout_s=120):
+        assert r["bad"] == [] and r["loss"] == pytest.approx(r["want"], rel=1e-12), r
+
+
 def test_fsdp_and_tensor_parallelism_inside_stages_world_8():
     """Two stages of dp 2 x tp 2: Megatron's split over tp, then FSDP2 over dp cuts each tp
     shard again (torchtitan's order); every tp slice of every gradient and parameter (gathered

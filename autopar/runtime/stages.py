@@ -20,7 +20,8 @@ step, or, when the stage's ``data`` is "fsdp", its parameters sharded by FSDP2 o
 
 Semantics of one step: data-parallel group d takes rows ``[d B/D, (d+1) B/D)`` of the batch; the
 schedule splits them into M microbatches along dim 0; the loss is the mean over microbatches of
-``loss_fn`` on each (torch's ``scale_grads``: gradients of that mean), then averaged over the D
+``loss_fn`` on each (each microbatch's loss divided by M: gradients of that mean, and a step that
+follows another without ``zero_grad`` adds to the gradients as one process would), then averaged over the D
 groups: for a per-element-mean loss and equal microbatches, the loss of the whole batch. Batch
 norm inside a stage normalises each microbatch with its own statistics and updates running
 statistics once per microbatch, in microbatch order; with D > 1 each replica does so from the
@@ -389,11 +390,17 @@ class StageRunner:
         losses: list[torch.Tensor] = []
         args = (x,) if first else ()
         kw = {"target": y, "losses": losses} if last else {}
+        before = [None if p.grad is None else local(p.grad).detach().clone() for p, _ in self.tied]
         self.schedule.step(*args, **kw)
-        for p, g in self.tied:               # a weight used on several stages (tied embeddings): sum its parts
-            if p.grad is None:
+        for (p, g), b in zip(self.tied, before):   # a weight used on several stages (tied embeddings):
+            if p.grad is None:                     # sum this step's parts (not what earlier steps left)
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(local(p.grad), group=g)    # FSDP2: peers hold the same rows of it
+            new = local(p.grad)                    # FSDP2: peers hold the same rows of it
+            if b is not None:
+                new -= b
+            dist.all_reduce(new, group=g)
+            if b is not None:
+                new += b
         if self.groups.dp is not None and st.data != "fsdp":   # one all-reduce of every gradient, flattened
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -410,7 +417,7 @@ class StageRunner:
         # the global loss on every rank: the last stage's tp-rank-0 ranks contribute
         contrib = torch.zeros((), dtype=torch.float64)
         if last and self.groups.coords[1] == 0:
-            contrib = torch.stack([l.detach().to(torch.float64) for l in losses]).mean() / st.dp
+            contrib = torch.stack([l.detach().to(torch.float64) for l in losses]).sum() / st.dp   # each is 1/M
         dist.all_reduce(contrib)
         return contrib
 
@@ -501,8 +508,11 @@ def build_runner(model: nn.Module, layout: StageLayout, rank: int, loss_fn: Call
               for c, m in modules]
     cls = _schedule_class(layout.schedule.name)
     m = layout.schedule.microbatches
-    schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=stage_loss(model, loss_fn),
-                   scale_grads=True)
+    # the loss of each microbatch divided by M here, not torch's ``scale_grads`` (which divides the
+    # whole .grad after the step, so a gradient accumulated over several steps would shrink too)
+    per_mb = stage_loss(model, loss_fn)
+    schedule = cls(stages if layout.schedule.multi else stages[0], m,
+                   loss_fn=lambda out, target: per_mb(out, target) / m, scale_grads=False)
     return StageRunner(layout, rank, modules, groups, schedule, loss_fn, tied, sharded, held)
 
 
