@@ -517,6 +517,8 @@ def load(path: str | Path, dmodel, optimizer=None) -> dict[str, Any]:
 def full_state_dict(dmodel) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` of the single-process model (parameters and buffers in full),
     on every rank. Collective."""
+    if isinstance(dmodel, PipelineModule):          # pipeline stages: gathered from every stage
+        return dmodel.full_state_dict()
     out = dict(dmodel.full_params())
     out.update(_buffers(dmodel))
     return out
@@ -534,6 +536,9 @@ def _same_model(dmodel, have: dict[str, tuple]) -> None:
 def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
     """Load a single-process ``state_dict`` (every rank passes the same one): each rank keeps
     its block of every parameter (``ModelMismatch`` when names or shapes differ)."""
+    if isinstance(dmodel, PipelineModule):
+        dmodel.load_full_state_dict(state_dict)
+        return
     _same_model(dmodel, {k: tuple(v.shape) for k, v in state_dict.items()})
     comm = dmodel.comm
     with torch.no_grad():

@@ -56,6 +56,12 @@ class PipelineModule(nn.Module):
         st = self.layout.stage_of(self.rank)
         mb = example_inputs.shape[0] // st.dp // self.layout.schedule.microbatches
         self.full = model                                   # every name kept (checkpoints), own stage trained
+        first: dict[int, str] = {}                          # a tied weight's other names -> its own
+        self._aliases: dict[str, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(p), n) != n:
+                self._aliases[n] = first[id(p)]
+        self._order = list(model.state_dict().keys())       # single-process names, in its order
         self.runner = build_runner(model, self.layout, self.rank, loss_fn, heads=extra.get("heads"),
                                    example_microbatch=example_inputs[:mb])
         self._held = self.runner.held_parameters(model)
@@ -155,6 +161,36 @@ class PipelineModule(nn.Module):
             if p.grad is not None:
                 local(p.grad).detach().mul_(coef.to(dtype=p.grad.dtype))
         return total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process ``model.state_dict()`` (every parameter and buffer whole, a tied
+        weight under each of its names), on every rank: each stage's whole tensors
+        (``state_dict_local``) from its rank at (d, t) = (0, 0), exchanged over the world.
+        Collective."""
+        local = self.state_dict_local()
+        mine = {n: v.detach().cpu().clone() for n, v in local.items()} if self.runner.groups.coords == (0, 0) else {}
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out: dict[str, torch.Tensor] = {}
+        for part in every:
+            out.update(part)
+        for alias, name in self._aliases.items():
+            out[alias] = out[name]
+        return {k: out[k] for k in self._order if k in out}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Fill this rank's stage from a single-process state dict (every rank passes the same
+        one): its tp slice and FSDP2 rows of each parameter (``part``), its buffers whole; a
+        missing or misshapen entry is a named error."""
+        mine = {**dict(self._held), **dict(self._bufs)}
+        for k, v in mine.items():
+            have = state_dict.get(k)
+            if have is None or tuple(have.shape) != self.whole_shape(k, v):
+                raise AutoparError(f"the state dict has no entry {k} of shape {self.whole_shape(k, v)}",
+                                   "pass the state_dict() of this model")
+        with torch.no_grad():
+            for k, v in mine.items():
+                v.copy_(self.part(k, state_dict[k].to(v.dtype)))
 
     def state_dict_local(self) -> dict[str, torch.Tensor]:
         """This stage's parameters (whole: tp slices gathered, ``whole``) and buffers under their
