@@ -713,3 +713,48 @@ def test_gradient_accumulation_without_sync_matches_one_process(setup):
                            timeout_s=180)[0]
     bad = [q for q in ref if not _close(grads[q], ref[q])]
     assert not bad, bad
+
+
+_HF_SMALL = {"AUTOPAR_HF_LAYERS": "2", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4", "AUTOPAR_HF_SEQ": "8",
+             "AUTOPAR_HF_VOCAB": "32"}
+
+
+def _tied_state_dict(rank, world, plan):
+    import torch as t
+
+    import autopar
+    from autopar.modelfile import load_model_file
+    from autopar.train import full_state_dict, load_full_state_dict
+    mf = load_model_file(Path(__file__).resolve().parents[1] / "strategies/examples/hf_gpt2.py")
+    t.manual_seed(1)
+    model = mf.build_model().double()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dm = autopar.parallelize(model, plan)
+    got = full_state_dict(dm)
+    fresh = mf.build_model().double()
+    fresh.load_state_dict(got, strict=True)          # what a user exports must load back strictly
+    other = {k: v + 0.25 if v.is_floating_point() else v for k, v in want.items()}
+    load_full_state_dict(dm, other)                  # a single-process state_dict, alias and all
+    back = full_state_dict(dm)
+    return {"keys": sorted(got) == sorted(want), "values": all(t.equal(got[k], want[k]) for k in want),
+            "round_trip": all(t.equal(back[k], other[k]) for k in other)}
+
+
+@pytest.mark.dist
+def test_full_state_dict_keeps_a_tied_weights_every_name(tmp_path, monkeypatch):
+    """HF GPT-2's head is its embedding (one tensor, two names in state_dict()): under a plan at
+    world 2, full_state_dict lists both names (so a fresh model loads it strictly) and
+    load_full_state_dict takes a single-process state_dict with both."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.profile import load_profile
+    from autopar.runtime.launch import run_ranks
+    for k, v in _HF_SMALL.items():
+        monkeypatch.setenv(k, v)
+    root = Path(__file__).resolve().parents[1]
+    prof = load_profile(root / "calibration/cpu-2core-gloo.json", check_machine=False)
+    res = make_plan(root / "strategies/examples/hf_gpt2.py",
+                    PlanOptions(world_size=2, batch_size=8, placement="block", trace_cache=False,
+                                out_dir=str(tmp_path / "plan")), PlanHooks(profile=prof))
+    for r in run_ranks(_tied_state_dict, 2, args=(str(res.plan_path),), timeout_s=180):
+        assert r == {"keys": True, "values": True, "round_trip": True}, r

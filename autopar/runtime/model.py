@@ -74,6 +74,18 @@ class LayerTimer:
         return out
 
 
+def param_aliases(model: nn.Module) -> dict[str, str]:
+    """{other name: first name} of every parameter reachable under several names (a tied
+    weight: GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``): what ``state_dict()``
+    lists beside the names ``named_parameters()`` keeps."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), n) != n:
+            out[n] = first[id(p)]
+    return out
+
+
 def param_shards(graph: LayerGraphData, decisions: dict[int, Decomposition]) -> dict[str, ParamShard]:
     """How each parameter is sharded under the plan (by qualified name)."""
     shards: dict[str, ParamShard] = {}
@@ -170,6 +182,7 @@ class DistModel(nn.Module):
 
         # ---- parameters: this rank's shard of each ----------------------------------------
         full_params = dict(model.named_parameters())
+        self.param_aliases = param_aliases(model)    # a tied weight's other names (``full_state_dict``)
         shards = param_shards(self.graph, self.decisions)
         self.shards = shards
         self.params = nn.ParameterDict()

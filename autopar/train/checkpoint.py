@@ -520,6 +520,9 @@ def full_state_dict(dmodel) -> dict[str, torch.Tensor]:
     if isinstance(dmodel, PipelineModule):          # pipeline stages: gathered from every stage
         return dmodel.full_state_dict()
     out = dict(dmodel.full_params())
+    for alias, name in getattr(dmodel, "param_aliases", {}).items():   # a tied weight under each name
+        if name in out:
+            out[alias] = out[name]
     out.update(_buffers(dmodel))
     return out
 
@@ -539,6 +542,8 @@ def load_full_state_dict(dmodel, state_dict: dict[str, torch.Tensor]) -> None:
     if isinstance(dmodel, PipelineModule):
         dmodel.load_full_state_dict(state_dict)
         return
+    aliases = getattr(dmodel, "param_aliases", {})     # a tied weight's other names: the same tensor
+    state_dict = {k: v for k, v in state_dict.items() if k not in aliases}
     _same_model(dmodel, {k: tuple(v.shape) for k, v in state_dict.items()})
     comm = dmodel.comm
     with torch.no_grad():

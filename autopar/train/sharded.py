@@ -33,6 +33,7 @@ from ..artifacts import load_plan
 from ..errors import AutoparError, PlanFileError
 from ..runtime import fsdp as rf
 from ..runtime.fsdp import check_optimizer as check_sharded_optimizer, check_zero1_optimizer, is_zero1
+from ..runtime.model import param_aliases
 from .api import _model_file_loss, check_model, check_model_file
 from .checkpoint import FORMAT, CheckpointError, _blob, _commit, _data_dir, _quiet, _unblob
 from .mismatch import ModelMismatch, first_of, mismatches
@@ -311,5 +312,6 @@ def _attach_loop_api(model, loss_fn, target_shape) -> None:
     model.loss_fn_default = loss_fn
     model.target_shape = target_shape
     model.bufs = dict(model.named_buffers())      # what ``full_state_dict`` lists (as DistModel's)
+    model.param_aliases = param_aliases(model)    # and a tied weight's other names
     for fn in (reduce_loss, loss, reduce_sum, full_params, full_grads, full_buffers, make_optimizer):
         setattr(model, fn.__name__, types.MethodType(fn, model))

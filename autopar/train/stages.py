@@ -37,6 +37,7 @@ from torch import nn
 from ..artifacts import Plan
 from ..decomp.stages import StageLayout
 from ..errors import AutoparError, PlanFileError
+from ..runtime.model import param_aliases
 from ..runtime.stages import build_runner, local, shard_like, shard_of, whole
 from ..io import atomic_write_text
 
@@ -56,11 +57,7 @@ class PipelineModule(nn.Module):
         st = self.layout.stage_of(self.rank)
         mb = example_inputs.shape[0] // st.dp // self.layout.schedule.microbatches
         self.full = model                                   # every name kept (checkpoints), own stage trained
-        first: dict[int, str] = {}                          # a tied weight's other names -> its own
-        self._aliases: dict[str, str] = {}
-        for n, p in model.named_parameters(remove_duplicate=False):
-            if first.setdefault(id(p), n) != n:
-                self._aliases[n] = first[id(p)]
+        self._aliases = param_aliases(model)                # a tied weight's other names -> its own
         self._order = list(model.state_dict().keys())       # single-process names, in its order
         self.runner = build_runner(model, self.layout, self.rank, loss_fn, heads=extra.get("heads"),
                                    example_microbatch=example_inputs[:mb])
