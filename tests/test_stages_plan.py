@@ -192,7 +192,7 @@ def test_fsdp_unit_cost_is_level_1_of_decomp_fsdp():
         calls.append((kind, p, n))
         return {"allgather": 5.0, "reduce_scatter": 3.0}[kind]
     c = fsdp_unit_cost(StageCost(1.0, 2.0, 0.5 + 0.25, 100.0, 3 * F), u, 4, 2.0, 0.25, coll,
-                       lambda n, nbytes: nbytes / 1000.0, next_fwd_s=4.0)
+                       lambda n, nbytes: nbytes / 1000.0, prev_fwd_s=4.0)
     assert c.static_bytes == (S + F) + F + 2.0 * S and c.transient_bytes == G
     assert c.grad_sync_s == pytest.approx(0.5 + 3.0 + S / 1000.0)
     assert c.fill_s == pytest.approx(1.0) and (c.fwd_s, c.bwd_s, c.act_bytes_per_microbatch) == (1.0, 2.0, 100.0)

@@ -102,7 +102,8 @@ def _case(rank, world, kind, schedule, stages, tp, microbatches, batch, data="re
     import torch.nn.functional as F
 
     from autopar.decomp.stages import CutValue, Schedule, chunk_holder, even_layout, plan_cuts
-    from autopar.runtime.stages import build_runner, check_cut_messages, record_sends, reference_step, shard_of, whole
+    from autopar.runtime.dtensor import whole
+    from autopar.runtime.stages import build_runner, check_cut_messages, record_sends, reference_step, shard_of
 
     torch.manual_seed(0)
     heads = None
@@ -243,7 +244,8 @@ def _accumulated(rank, world, data):
 
     from autopar.decomp.stages import Schedule, even_layout
     from autopar.modelfile import load_model_file
-    from autopar.runtime.stages import build_runner, reference_step, whole
+    from autopar.runtime.dtensor import whole
+    from autopar.runtime.stages import build_runner, reference_step
     with model_env({"AUTOPAR_HF_LAYERS": "4", "AUTOPAR_HF_EMBED": "16", "AUTOPAR_HF_HEADS": "4",
                     "AUTOPAR_HF_SEQ": "8", "AUTOPAR_HF_VOCAB": "32"}):
         mf = load_model_file(ROOT / "strategies/examples/hf_gpt2.py")

@@ -140,7 +140,7 @@ def _sum(costs: Sequence[StageCost]) -> StageCost:
 
 def fsdp_unit_cost(c: StageCost, params: UnitParams, dp: int, optim_copies: float, optim_whole_s: float,
                    collective_s: Callable[[str, int, float], float],
-                   optim_step_s: Callable[[int, float], float], next_fwd_s: float) -> StageCost:
+                   optim_step_s: Callable[[int, float], float], prev_fwd_s: float) -> StageCost:
     """One unit of a stage whose dp axis is FSDP2 (``decomp.stages.STAGE_DATA``), from its cost
     ``c`` on a stage that replicates it (forward, backward, activations: unchanged; ``c.grad_sync_s``
     holds no dp traffic yet, only its tp-group sync and ``optim_whole_s``, the optimizer on the
@@ -154,9 +154,9 @@ def fsdp_unit_cost(c: StageCost, params: UnitParams, dp: int, optim_copies: floa
         transient_bytes = G                           (the reduce-scatter's input, once the last
                                                        backward has freed every activation)
         grad_sync_s     = c.grad_sync_s - optim_whole_s + RS(dp, G) + opt(S)
-        fill_s          = max(0, AG(dp, G) - next_fwd_s)  (its gather, issued when the previous
+        fill_s          = max(0, AG(dp, G) - prev_fwd_s)  (its gather, issued when the previous
                                                        unit's forward starts, FSDP2's prefetch;
-                                                       ``next_fwd_s`` is that forward, 0 for unit 0.
+                                                       ``prev_fwd_s`` is that forward, 0 for unit 0.
                                                        Units are priced before the cuts are known,
                                                        so a later stage's first unit counts the
                                                        previous unit's forward too: at most that
@@ -171,7 +171,7 @@ def fsdp_unit_cost(c: StageCost, params: UnitParams, dp: int, optim_copies: floa
     mem = unit_memory(params, s, optim_copies)
     comm = unit_comm(params, s, collective_s, optim_step_s)
     return StageCost(c.fwd_s, c.bwd_s, c.grad_sync_s - optim_whole_s + comm.reduce_s + comm.optim_s,
-                     c.act_bytes_per_microbatch, mem.resident_bytes, max(0.0, comm.allgather_s - next_fwd_s),
+                     c.act_bytes_per_microbatch, mem.resident_bytes, max(0.0, comm.allgather_s - prev_fwd_s),
                      params.gathered_bytes(dp))
 
 
@@ -356,39 +356,29 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                                        refused=f"pruned: lower bound {bound:.6g} s >= best {best.step_s:.6g} s"))
             continue
         sch = Schedule(schedule, m, virtual)
-        if data == "mixed":
-            variants = (units_of(dp, tp, mb, "replicate"), units_of(dp, tp, mb, "fsdp"))
-            got = _cuts_choosing(variants, s_count, sch, memory_limit_bytes)
-            if got is None or len(set(got[1])) == 1:      # no fit, or every stage the same: a uniform option
-                options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,
-                                           refused="no cut leaves every stage within the memory limit" if got is None
-                                           else f"every stage takes {('replicate', 'fsdp')[got[1][0]]}: the uniform "
-                                                "option"))
-                continue
-            cuts, picks = got
-            bounds = [0, *cuts, n_units]
-            costs = [_sum(variants[picks[k]][bounds[k]:bounds[k + 1]]) for k in range(s_count)]
-            sends = [cut_send_s(s_count, k, tp, mb) for k in range(s_count - 1)]
-            op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound,
-                             data=data, stage_data=tuple(("replicate", "fsdp")[k] for k in picks))
-            options.append(op)
-            if best is None or (op.step_s, op.stages, op.tp, order[op.data]) < \
-                    (best.step_s, best.stages, best.tp, order[best.data]):
-                best = op
+        axes = ("replicate", "fsdp") if data == "mixed" else (data,)     # the ways a stage may take
+        variants = [units_of(dp, tp, mb, a) for a in axes]
+        got = _cuts_choosing(variants, s_count, sch, memory_limit_bytes)
+        if got is None and data == "mixed":
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,
+                                       refused="no cut leaves every stage within the memory limit"))
             continue
-        units = units_of(dp, tp, mb, data)
-        cuts = _cuts_for(units, s_count, sch, memory_limit_bytes)
-        if cuts is None:
-            need = min_peak_bytes(units, s_count, sch)
+        if got is None:
+            need = min_peak_bytes(variants[0], s_count, sch)
             options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, min_peak_bytes=need, data=data,
                                        refused=f"no cut leaves every stage within the memory limit (the least "
                                                f"peak any cut reaches: {need / 2**20:.1f} MiB per rank)"))
             continue
+        cuts, picks = got
+        if data == "mixed" and len(set(picks)) == 1:      # every stage the same: the uniform option's
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,
+                                       refused=f"every stage takes {axes[picks[0]]}: the uniform option"))
+            continue
         bounds = [0, *cuts, n_units]
-        costs = [_sum(units[bounds[k]:bounds[k + 1]]) for k in range(s_count)]
+        costs = [_sum(variants[picks[k]][bounds[k]:bounds[k + 1]]) for k in range(s_count)]
         sends = [cut_send_s(s_count, k, tp, mb) for k in range(s_count - 1)]
         op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound,
-                         data=data)
+                         data=data, stage_data=tuple(axes[k] for k in picks) if data == "mixed" else ())
         options.append(op)
         if best is None or (op.step_s, op.stages, op.tp, order[op.data]) < \
                 (best.step_s, best.stages, best.tp, order[best.data]):

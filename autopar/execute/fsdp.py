@@ -189,13 +189,8 @@ def fsdp_main(plan, plan_path: str, comm, opts) -> dict[str, Any]:
     barrier = comm.barrier
     for args in runs.values():
         timing.timed_steps(*args, opts.warmup, comm, sync, barrier)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    order = list(runs)
-    rounds = max(1, min(ROUNDS, opts.steps))
-    sizes = [opts.steps // rounds + (1 if k < opts.steps % rounds else 0) for k in range(rounds)]
-    for k, n in enumerate(sizes):
-        for name in order[k % len(order):] + order[:k % len(order)]:
-            times[name] += timing.timed_steps(*runs[name], n, comm, sync, barrier)
+    times = timing.interleaved_rounds({name: (lambda n, a=args: timing.timed_steps(*a, n, comm, sync, barrier))
+                                       for name, args in runs.items()}, opts.steps, ROUNDS)
     med = {k: statistics.median(v) for k, v in times.items()}
     phases = instrumented_phases(model, opt, xs_l, plan_loss, comm, sync)
     rs_bytes = sum((p.to_local().numel() * world if hasattr(p, "to_local") else p.numel()) * p.element_size()

@@ -233,17 +233,10 @@ def interleaved(plan_args: tuple, ddp_args: tuple, steps: int, comm, sync, barri
     2-core VM's speed moves by tens of percent within minutes) falls on both alike, where
     timing all of the plan's steps and then all of DDP's read the same native plan at 1.03x
     and at 1.20x DDP in two fresh-clone runs of the example."""
-    rounds = max(1, min(INTERLEAVE_ROUNDS, steps))
-    sizes = [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
-    plan_t: list[float] = []
-    ddp_t: list[float] = []
-    for k, n in enumerate(sizes):
-        for who in ((0, 1) if k % 2 == 0 else (1, 0)):
-            if who == 0:
-                plan_t += timing.timed_steps(*plan_args, n, comm, sync, barrier)
-            else:
-                ddp_t += timing.timed_steps(*ddp_args, n, comm, sync, barrier)
-    return plan_t, ddp_t
+    t = timing.interleaved_rounds({"plan": lambda n: timing.timed_steps(*plan_args, n, comm, sync, barrier),
+                                   "ddp": lambda n: timing.timed_steps(*ddp_args, n, comm, sync, barrier)},
+                                  steps, INTERLEAVE_ROUNDS)
+    return t["plan"], t["ddp"]
 
 
 def _runtime_note(dm) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from ..modelfile import load_model_file, model_env
 from ..runtime import launch as rank_launch
 from ..decomp.stages import CutPlan
 from ..runtime.fsdp import LiveBytes, state_tensors
+from ..runtime.dtensor import whole
 from ..runtime.stages import (_all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step,
-                              shard_of, stage_loss, whole)
+                              shard_of, stage_loss)
 from ..runtime.comm import Comm
 from . import timing
 from .baseline import ddp_runner
@@ -131,17 +132,12 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
         comm = Comm.from_env()
         ddp = ddp_runner(mf, [x32], y, mf.loss_fn(), comm, opts["seed"], opts["lr"], opts["momentum"])
         timing.timed_steps(*ddp.step_args(), opts["warmup"], comm, lambda: None, dist.barrier)
-    times: list[float] = []
-    ddp_times: list[float] = []
-    rounds = max(1, min(ROUNDS, opts["steps"]))
-    for k in range(rounds):
-        n = opts["steps"] // rounds + (1 if k < opts["steps"] % rounds else 0)
-        for name in (("pipeline", "ddp") if k % 2 == 0 else ("ddp", "pipeline")):
-            if name == "pipeline":
-                times += pipeline_steps(n)
-            elif ddp is not None:
-                ddp_times += timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
-    baseline = None if ddp is None else ddp.result(ddp_times).to_json()
+    runs = {"pipeline": pipeline_steps}
+    if ddp is not None:
+        runs["ddp"] = lambda n: timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
+    timed = timing.interleaved_rounds(runs, opts["steps"], ROUNDS)
+    times = timed["pipeline"]
+    baseline = None if ddp is None else ddp.result(timed["ddp"]).to_json()
     # peak memory of one more step (float32, as planned): live tensor bytes of this stage's
     # parameters, gradients, buffers and optimizer state plus everything the step allocates
     opt.zero_grad(set_to_none=True)

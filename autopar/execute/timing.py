@@ -22,6 +22,21 @@ def step_once(model, optim, inputs, loss_of: Callable, finish: Callable[[], None
     optim.step()
 
 
+def interleaved_rounds(runs: dict[str, Callable[[int], list[float]]], steps: int, rounds: int
+                       ) -> dict[str, list[float]]:
+    """``steps`` timed steps of every run (``runs[name](n)`` times n steps), in ``rounds`` rounds
+    of a block of each (the first ``steps % rounds`` blocks one step longer), the order rotating
+    round by round: the machine's drift over the run falls on every run alike."""
+    rounds = max(1, min(rounds, steps))
+    sizes = [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
+    order = list(runs)
+    out: dict[str, list[float]] = {name: [] for name in order}
+    for k, n in enumerate(sizes):
+        for name in order[k % len(order):] + order[:k % len(order)]:
+            out[name] += runs[name](n)
+    return out
+
+
 def timed_steps(model, optim, inputs, loss_of, finish, n: int, comm,
                 sync: Callable[[], None], barrier: Callable[[], None]) -> list[float]:
     """``n`` training steps; each one's wall time on the slowest rank of ``comm``'s mesh (s)."""

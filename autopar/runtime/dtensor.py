@@ -94,3 +94,17 @@ def to_dtensor(spec: DistSpec, device_type: str = "cpu") -> tuple[Any, tuple]:
                               "sizes divide evenly, on a mesh whose ranks increase along every axis, "
                               "before handing the tensor to DTensor")
     return device_mesh(spec.mesh, device_type), tuple(p.to_torch() for p in spec.placements)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole on this rank: a DTensor (e.g. an FSDP2 shard) gathered over its mesh
+    (collective over that mesh), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+

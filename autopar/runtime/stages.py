@@ -40,7 +40,9 @@ from torch import nn
 
 from ..decomp.stages import (CANNOT_CUT_HINT, SCHEDULES, SPLIT_BACKWARD, CutPlan, StageLayout, chunk_ranges,
                               chunks_of_stage, pipeline_structure)
+from ..decomp.fsdp import shard_rows
 from ..errors import PipelineError
+from .dtensor import local
 from .launch import raise_peer_failure
 
 # ------------------------------------------------------------------------------------------
@@ -75,13 +77,14 @@ class _LlamaBlock(nn.Module):
     the hidden states cross a cut, as the planner's cut values say."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config):
+        from transformers.masking_utils import create_causal_mask     # optional package: only for this model
         super().__init__()
         self.layer, self.rotary, self.config = layer, rotary, config
+        self.causal_mask = create_causal_mask
 
     def forward(self, x):
-        from transformers.masking_utils import create_causal_mask
         pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
+        mask = self.causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
                                   position_ids=pos)
         out = self.layer(x, attention_mask=mask, position_embeddings=self.rotary(x, position_ids=pos),
                          position_ids=pos, cache=None, use_cache=False)
@@ -129,8 +132,7 @@ def stage_loss(model: nn.Module, loss_fn: Callable) -> Callable:
     """The loss the last stage calls: ``loss_fn`` itself, or for a Hugging Face LM (whose last
     stage ends at ``lm_head``, a tensor) ``loss_fn`` on an object with ``.logits``, as the user's
     loss reads the model's output."""
-    if hasattr(model, "lm_head") and (hasattr(getattr(model, "transformer", None), "h")
-                                      or hasattr(getattr(model, "model", None), "layers")):
+    if pipeline_structure(model) in ("hf_gpt2", "hf_llama"):
         return lambda out, target: loss_fn(_LogitsOutput(out), target)
     return loss_fn
 
@@ -542,13 +544,6 @@ def shard_stage(modules: list[tuple[int, StageModule]], dp_group, model: nn.Modu
     return modules
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` whole on this rank: a DTensor (an FSDP2 shard) gathered over its mesh (collective
-    over the stage's dp group), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def shard_like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` (the whole tensor on this rank) placed as ``p`` is: for an FSDP2 DTensor, this
     rank's rows as ``torch.chunk`` cuts dim 0 (what ``fully_shard`` holds), as a DTensor on
@@ -558,17 +553,14 @@ def shard_like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return full
     if tuple(pl for pl in p.placements) != (Shard(0),):
         raise PipelineError(f"a stage parameter placed {p.placements}, not FSDP2's Shard(0)", "re-plan the stages")
-    r, n = p.device_mesh.get_local_rank(), p.device_mesh.size()
-    c = -(-full.shape[0] // n) if full.dim() else 0
-    rows = full[r * c:min((r + 1) * c, full.shape[0])] if full.dim() else full
+    if full.dim():
+        r, n = p.device_mesh.get_local_rank(), p.device_mesh.size()
+        start = min(r * -(-full.shape[0] // n), full.shape[0])
+        rows = full.narrow(0, start, shard_rows(full.shape[0], n, r))
+    else:
+        rows = full
     return DTensor.from_local(rows.contiguous(), p.device_mesh, p.placements, run_check=False,
                               shape=full.shape, stride=full.stride())
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule], rank: int) -> tuple:
@@ -583,12 +575,12 @@ def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule]
             holders.setdefault(id(p), set()).add(stage_of_chunk[c])
     out = []
     size = len(layout.stages[0].ranks)
-    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         st = sorted(holders.get(id(p), ()))
         if len(st) < 2:
             continue
         if len({layout.stages[k].data for k in st}) > 1:     # whole on one stage, FSDP2 rows on another
-            raise PipelineError(f"weight {_} is tied across stages {st} whose data axes differ "
+            raise PipelineError(f"weight {name} is tied across stages {st} whose data axes differ "
                                 f"({[layout.stages[k].data for k in st]}): its parts cannot be summed",
                                 "plan with --stage-data replicate or fsdp (one for every stage)")
         for idx in range(size):

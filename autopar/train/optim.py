@@ -26,6 +26,7 @@ import math
 
 import torch
 from ..errors import AutoparError
+from ..runtime.dtensor import local
 from .stages import PipelineModule
 
 #: optimizers whose update is not elementwise (wrong on shards)
@@ -41,25 +42,29 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def grad_norm(dmodel, norm_type: float = 2.0) -> torch.Tensor:
-    """The global gradient norm of ``dmodel`` (every shard counted once), on every rank."""
-    if isinstance(dmodel, PipelineModule):          # a pipeline plan: its own count over stages
-        return dmodel.grad_norm(norm_type)
+    """The global gradient norm of ``dmodel`` (every shard counted once), on every rank: the
+    pieces this rank counts (a plan's shard owners; a pipeline's ``norm_pieces``) reduced over
+    the world."""
+    import torch.distributed as dist
     norm_type = float(norm_type)
-    comm = dmodel.comm
-    dtype = torch.float64
-    acc = torch.zeros((), dtype=dtype, device=comm.device)
-    for qual, p in dmodel.local_params().items():
-        if p.grad is None or not dmodel.shard_owner(qual):
-            continue
-        g = p.grad.detach().to(dtype)
+    if isinstance(dmodel, PipelineModule):
+        pieces, device = dmodel.norm_pieces(), torch.device("cpu")
+        reduce = dist.all_reduce
+    else:
+        comm = dmodel.comm
+        pieces = [p.grad for qual, p in dmodel.local_params().items()
+                  if p.grad is not None and dmodel.shard_owner(qual)]
+        device = comm.device
+        reduce = (lambda t, op: comm.all_reduce_(t, op=op)) if comm.world > 1 else None
+    acc = torch.zeros((), dtype=torch.float64, device=device)
+    for g in pieces:
+        g = g.detach().to(torch.float64)
         if math.isinf(norm_type):
             acc = torch.maximum(acc, g.abs().max() if g.numel() else acc)
         else:
             acc = acc + g.abs().pow(norm_type).sum()
-    if comm.world > 1:
-        import torch.distributed as dist
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        comm.all_reduce_(acc, op=op)
+    if reduce is not None:
+        reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
     return acc if math.isinf(norm_type) else acc.pow(1.0 / norm_type)
 
 
@@ -68,13 +73,11 @@ def clip_grad_norm_(dmodel, max_norm: float, norm_type: float = 2.0,
     """Clip the gradients of ``dmodel`` by their global norm (as
     ``torch.nn.utils.clip_grad_norm_`` does in one process); returns the norm before clipping.
     Collective: every rank calls it after backward."""
-    if isinstance(dmodel, PipelineModule):          # a pipeline plan: its own count over stages
-        return dmodel.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     total = grad_norm(dmodel, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for p in dmodel.parameters():
+    for p in dmodel.parameters():               # a pipeline stage's FSDP2 shards: their local rows
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+            local(p.grad).detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
     return total

@@ -33,6 +33,7 @@ from ..artifacts import load_plan
 from ..errors import AutoparError, PlanFileError
 from ..runtime import fsdp as rf
 from ..runtime.fsdp import check_optimizer as check_sharded_optimizer, check_zero1_optimizer, is_zero1
+from ..runtime.dtensor import local, whole
 from ..runtime.model import param_aliases
 from .api import _model_file_loss, check_model, check_model_file
 from .checkpoint import FORMAT, CheckpointError, _blob, _commit, _data_dir, _quiet, _unblob
@@ -124,7 +125,6 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.tensor import DTensor
     d = _data_dir(Path(path))
     md = FileSystemReader(str(d)).read_metadata().state_dict_metadata
     want = {q: tuple(p.shape) for q, p in model.named_parameters()}
@@ -168,7 +168,7 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
     with torch.no_grad():
         for q, p in params.items():
             v = dest[f"model.{q}"]
-            (p.to_local() if isinstance(p, DTensor) else p).copy_(v.to_local() if isinstance(v, DTensor) else v)
+            local(p).copy_(local(v))
         for q, b in model.named_buffers():
             b.copy_(dest[f"model.{q}"])
     if optimizer is not None:
@@ -178,9 +178,9 @@ def load(path: str | Path, model, optimizer=None) -> dict[str, Any]:
                                   f"optimizer {len(optimizer.param_groups)}", "build the optimizer with the same groups")
         for g, sg in zip(optimizer.param_groups, groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
-        local = getattr(optimizer, "optim", None)
-        if local is not None and state is local.state:       # ZeRO-1: its local groups alike
-            for g, sg in zip(local.param_groups, groups):
+        inner = getattr(optimizer, "optim", None)
+        if inner is not None and state is inner.state:       # ZeRO-1: its local groups alike
+            for g, sg in zip(inner.param_groups, groups):
                 g.update({k: v for k, v in sg.items() if k != "params"})
         state.clear()
         for key, (qual, k) in opt_keys.items():
@@ -263,11 +263,6 @@ def _attach_loop_api(model, loss_fn, target_shape) -> None:
     ``full_grads`` rebuilt in full on every rank."""
     import types
 
-    from torch.distributed.tensor import DTensor
-
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
-
     def reduce_loss(self, loss_local):
         total = loss_local.detach().clone()
         dist.all_reduce(total)
@@ -287,10 +282,10 @@ def _attach_loop_api(model, loss_fn, target_shape) -> None:
         return t
 
     def full_params(self):
-        return {q: full(p.detach()) for q, p in self.named_parameters()}
+        return {q: whole(p.detach()) for q, p in self.named_parameters()}
 
     def full_grads(self):
-        return {q: full(p.grad) if p.grad is not None else torch.zeros_like(full(p.detach()))
+        return {q: whole(p.grad) if p.grad is not None else torch.zeros_like(whole(p.detach()))
                 for q, p in self.named_parameters()}
 
     def full_buffers(self):

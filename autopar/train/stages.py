@@ -20,7 +20,7 @@ the slices over the stage's tp group into the single-process tensor before writi
 checkpoint is the same whatever the plan), and ``part`` cuts this rank's slice out of the whole
 tensor read back. Under FSDP2 stages (``Stage.data == "fsdp"``) each parameter and each of its
 optimizer states is a DTensor shard over the stage's dp group: ``whole`` gathers it first
-(``runtime.stages.whole``) and ``part`` places the rows read back as the parameter's shard
+(``runtime.dtensor.whole``) and ``part`` places the rows read back as the parameter's shard
 (``runtime.stages.shard_like``).
 """
 
@@ -38,7 +38,8 @@ from ..artifacts import Plan
 from ..decomp.stages import StageLayout
 from ..errors import AutoparError, PlanFileError
 from ..runtime.model import param_aliases
-from ..runtime.stages import build_runner, local, shard_like, shard_of, whole
+from ..runtime.dtensor import local, whole
+from ..runtime.stages import build_runner, shard_like, shard_of
 from ..io import atomic_write_text
 
 
@@ -112,8 +113,8 @@ class PipelineModule(nn.Module):
             shape[spec[0]] *= self.layout.stage_of(self.rank).tp
         return tuple(shape)
 
-    # ---- gradient clipping ----------------------------------------------------------------
-    def _counted(self) -> list[torch.Tensor]:
+    # ---- gradient clipping (``train.optim.clip_grad_norm_``) ---------------------------------
+    def norm_pieces(self) -> list[torch.Tensor]:
         """The gradient pieces this rank counts in the global norm, so that every element of
         every single-process gradient is counted once over the world: a replicated dp axis
         counts at d = 0 (its replicas hold equal copies), an FSDP2 one everywhere (each rank
@@ -132,40 +133,17 @@ class PipelineModule(nn.Module):
                 continue
             if not first_of_tied.get(id(p), True):
                 continue
-            out.append(local(p.grad).detach())
+            out.append(local(p.grad))
         return out
-
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global gradient norm (every element counted once, ``_counted``), on every rank;
-        the same as ``torch.nn.utils.clip_grad_norm_`` reports in one process. Collective."""
-        import math
-        norm_type = float(norm_type)
-        acc = torch.zeros((), dtype=torch.float64)
-        for g in self._counted():
-            g = g.to(torch.float64)
-            acc = torch.maximum(acc, g.abs().max()) if math.isinf(norm_type) else acc + g.abs().pow(norm_type).sum()
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
-        return acc if math.isinf(norm_type) else acc.pow(1.0 / norm_type)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Scale every gradient this rank holds by ``min(1, max_norm / (norm + 1e-6))`` of the
-        global norm (torch's rule); returns the norm before clipping. Collective."""
-        total = self.grad_norm(norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for p in self._held.values():
-            if p.grad is not None:
-                local(p.grad).detach().mul_(coef.to(dtype=p.grad.dtype))
-        return total
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process ``model.state_dict()`` (every parameter and buffer whole, a tied
         weight under each of its names), on every rank: each stage's whole tensors
         (``state_dict_local``) from its rank at (d, t) = (0, 0), exchanged over the world.
         Collective."""
-        local = self.state_dict_local()
-        mine = {n: v.detach().cpu().clone() for n, v in local.items()} if self.runner.groups.coords == (0, 0) else {}
+        stage_whole = self.state_dict_local()
+        mine = ({n: v.detach().cpu().clone() for n, v in stage_whole.items()}
+                if self.runner.groups.coords == (0, 0) else {})
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         out: dict[str, torch.Tensor] = {}
