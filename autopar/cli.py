@@ -507,9 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=None, metavar="NAME",
                    help="torch pipeline schedule under --pipeline: gpipe, 1f1b (default), interleaved_1f1b, "
                         "looped_bfs, interleaved_zb, zbv, dualpipev")
-    p.add_argument("--stage-data", default=None, metavar="auto|replicate|fsdp",
-                   help="under --pipeline, what each stage's data-parallel ranks do with its parameters: "
-                        "replicate (all-reduce) or fsdp (FSDP2 sharding); default: the planner chooses")
+    p.add_argument("--stage-data", default=None, metavar="auto|replicate|fsdp|plan",
+                   help="under --pipeline, what each stage's ranks do: replicate (data parallel, all-reduce) "
+                        "or fsdp (FSDP2 sharding) of whole blocks, or plan (the solver's per-layer plan of the "
+                        "model on the stage's ranks: spatial, channel, tensor... inside every stage); "
+                        "default: the planner chooses between replicate and fsdp")
     p.add_argument("--pin", action="append", metavar="PATTERN=KIND|CHOICE",
                    help="fix the layers whose module or layer name matches the glob PATTERN ('*': all) "
                         "to KIND where legal (the solver picks among that kind's choices) or to the exact "

@@ -342,14 +342,14 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                                                refused=f"1F1B needs M >= S ({m} < {s_count})"))
                     continue
                 mb = batch // (dp * m)
-                datas = list(data_axes if dp > 1 else ("replicate",))
+                datas = list(data_axes if dp > 1 or tuple(data_axes) == ("plan",) else ("replicate",))
                 if mixed and dp > 1 and {"replicate", "fsdp"} <= set(datas):
                     datas.append("mixed")       # each stage its own: replicated where it fits, else FSDP2
                 for data in datas:
                     work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb, "replicate" if data == "mixed" else data))
                     todo.append((m * work / s_count, s_count, dp, tp, m, mb, data))
     best: StageOption | None = None
-    order = {d: i for i, d in enumerate(("replicate", "mixed", "fsdp"))}
+    order = {d: i for i, d in enumerate(("replicate", "mixed", "fsdp", "plan"))}
     for bound, s_count, dp, tp, m, mb, data in sorted(todo, key=lambda t: (*t[:6], order.get(t[6], 9))):
         if best is not None and bound >= best.step_s:
             options.append(StageOption(s_count, dp, tp, m, mb, schedule, bound_s=bound, data=data,

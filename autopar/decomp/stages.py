@@ -98,7 +98,10 @@ PRICED = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 #: (``fully_shard`` on every block and on the stage module; ``PipelineStage`` keeps the gradients
 #: whole across the microbatches and reduce-scatters them once after the last backward, so the
 #: memory and traffic are ``decomp.fsdp``'s level 1: ``cost.stages.fsdp_unit_cost``)
-STAGE_DATA = ("replicate", "fsdp")
+#: "plan": the stage's whole sub-mesh runs the solver's per-layer plan of the model on that many
+#: ranks for one microbatch (``runtime.stage_program``; any decomposition kind inside a stage;
+#: its dp x tp is then P x 1, the plan saying how each layer uses the P ranks)
+STAGE_DATA = ("replicate", "fsdp", "plan")
 #: the schedules that split each backward into input- and weight-gradient steps (zero bubble):
 #: torch's weight step differentiates with respect to the stage module's parameters, which under
 #: FSDP2 are the sharded DTensors, not the gathered tensors the forward used, so their gradients
@@ -266,7 +269,7 @@ def even_layout(n_layers: int, world: int, num_stages: int, schedule: Schedule, 
     if len(datas) != num_stages:
         raise PipelineError(f"{len(datas)} data axes for {num_stages} stages", "give one, or one per stage")
     stages = tuple(Stage(k, bounds[k], bounds[k + 1], tuple(range(k * per, (k + 1) * per)), per // tp, tp,
-                         datas[k] if per // tp > 1 else "replicate")
+                         datas[k] if per // tp > 1 or datas[k] == "plan" else "replicate")
                    for k in range(num_stages))
     return StageLayout(stages, schedule)
 
@@ -305,6 +308,11 @@ def chunk_ranges(layout: StageLayout) -> list[tuple[int, int, int]]:
     n = layout.stages[-1].stop_layer
     bounds = [round(k * n / (s_count * v)) for k in range(s_count * v + 1)]
     return [(k, bounds[k], bounds[k + 1]) for k in range(s_count * v)]
+
+
+def chunk_layers(layout: StageLayout, units: Sequence[int]) -> dict[int, list[int]]:
+    """{chunk: the graph layers it runs} (a chunk's unit range, ``chunk_ranges``)."""
+    return {c: [li for li, u in enumerate(units) if lo <= u < hi] for c, lo, hi in chunk_ranges(layout)}
 
 
 def chunks_of_stage(layout: StageLayout, stage: int) -> list[int]:
@@ -544,6 +552,20 @@ def plan_cut(index: int, src: Stage, dst: Stage, values: Sequence[CutValue]) -> 
     return CutPlan(int(index), tuple(values), steps, src.index, dst.index)
 
 
+def plan_program_cut(index: int, src: Stage, dst: Stage, values: Sequence[tuple[CutValue, object]]) -> CutPlan:
+    """A cut of stages running one plan (``Stage.data == "plan"``): each value ``(CutValue, its
+    producer's Sharding)`` crosses as that layout's owned blocks on both sub-meshes (each rank
+    sends its block to its peer, the next stage moving it into its consumer's layout itself; a
+    partial block crosses as it is, so its messages are those of the layout without the partial
+    axis)."""
+    steps = []
+    for v, lay in values:
+        lay = lay.owned().without_partial()
+        steps.append(plan_redistribution(lay.to_spec(v.shape, Mesh(src.ranks, (len(src.ranks),), ("p",))),
+                                         lay.to_spec(v.shape, Mesh(dst.ranks, (len(dst.ranks),), ("p",)))))
+    return CutPlan(int(index), tuple(v for v, _ in values), tuple(steps), src.index, dst.index)
+
+
 def plan_cuts(layout: StageLayout, values: Sequence[Sequence[CutValue]]) -> tuple[CutPlan, ...]:
     """``plan_cut`` of every cut of ``layout`` (``values[k]``: the values crossing cut k): the S - 1
     stage cuts, or with V chunks per rank the S V - 1 chunk cuts, cut c from the rank group
@@ -575,7 +597,7 @@ def bubble_fraction_uniform(schedule: Schedule, num_stages: int) -> float:
     return (s - 1) / v / (m + (s - 1) / v)
 
 
-__all__ = ["CANNOT_CUT_HINT", "PRICED", "SCHEDULES", "SPLIT_BACKWARD", "STAGE_DATA", "pipeline_structure", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
-           "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts",
+__all__ = ["CANNOT_CUT_HINT", "chunk_layers", "PRICED", "SCHEDULES", "SPLIT_BACKWARD", "STAGE_DATA", "pipeline_structure", "chunk_holder", "chunk_ranges", "chunks_of_stage", "CutPlan", "CutValue", "PipelinePrice", "Schedule", "Stage", "StageCost",
+           "StageLayout", "bubble_fraction_uniform", "cut_send_time_s", "cut_value_spec", "plan_cut", "plan_cuts", "plan_program_cut",
            "stage_mesh", "even_layout", "feasible_stage_counts",
            "in_flight_microbatches", "price_pipeline", "stage_counts_priced"]

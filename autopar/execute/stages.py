@@ -32,6 +32,7 @@ from ..runtime.dtensor import whole
 from ..runtime.stages import (_all_chunks, _static_metas, build_runner, check_cut_messages, record_sends, reference_step,
                               shard_of, stage_loss)
 from ..runtime.comm import Comm
+from ..runtime.stage_program import build_program_runner, local_metas
 from . import timing
 from .baseline import ddp_runner
 from .validate import RULE, compare
@@ -70,12 +71,16 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     y = mf.example_targets(batch)
     if torch.is_floating_point(x):
         x = x.to(dtype)
-    mb = batch // st.dp // m
+    program = st.data == "plan"          # every stage runs the solver's plan (``runtime.stage_program``)
+    # one microbatch's rows: of a dp replica's block (block stages), of the whole batch (a stage plan)
+    mb = batch // m if program else batch // st.dp // m
     ref = copy.deepcopy(model)
-    ref_loss = reference_step(ref, x, y, loss_fn, m, dp=st.dp)
+    ref_loss = reference_step(ref, x, y, loss_fn, m, dp=1 if program else st.dp)
     ref_p = dict(ref.named_parameters())
     ref_g = {n: p.grad.detach().clone() for n, p in ref_p.items()}
     torch.optim.SGD(ref.parameters(), lr=opts["lr"], momentum=opts["momentum"]).step()
+    if program:
+        return _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_loss, ref_g, mb)
     runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x[:mb])
     sends = record_sends(runner)
     loss = runner.step(x, y)
@@ -170,6 +175,92 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
             "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
 
 
+def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_loss, ref_g, mb) -> dict[str, Any]:
+    """``_rank`` for stages running a plan (``Stage.data == "plan"``): validation from the stage's
+    ``DistModel`` (every parameter this rank's layers use, rebuilt whole over the stage's mesh),
+    then the same timing, memory and stage-alone measures."""
+    import torch
+    import torch.distributed as dist
+    st = layout.stage_of(rank)
+    record = opts["stage_plan"]
+    runner = build_program_runner(model, layout, record, rank, loss_fn)
+    sends = record_sends(runner)
+    loss = runner.step(x, y)
+    cuts = [CutPlan.from_json(c) for c in opts.get("cuts") or ()]
+    cut_messages = check_cut_messages(runner, sends, cuts) if cuts else 0
+    rtol, atol = opts["rtol"], opts["atol"]
+    dm = runner.dm
+    checks = [compare(f"rank {rank}: loss", loss.reshape(1), ref_loss.to(loss.dtype).reshape(1), rtol, atol)]
+    checks += [compare(f"rank {rank}: grad {n}", g, ref_g[n], rtol, atol) for n, g in sorted(dm.full_grads().items())]
+    torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"]).step()
+    ref_p = dict(ref.named_parameters())
+    checks += [compare(f"rank {rank}: param {n} after step", p, ref_p[n].detach(), rtol, atol)
+               for n, p in sorted(dm.full_params().items())]
+    ref_b = dict(ref.named_buffers())        # batch norm: running statistics per microbatch, in order
+    checks += [compare(f"rank {rank}: buffer {n} after step", b, ref_b[n].detach().to(b.dtype), rtol, atol)
+               for n, b in sorted(dm.full_buffers().items()) if "running_mean" in n or "running_var" in n]
+
+    torch.manual_seed(opts["seed"])
+    model = mf.build_model()
+    x32 = mf.example_inputs(opts["batch"])[0]
+    runner = build_program_runner(model, layout, record, rank, loss_fn)
+    opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
+
+    def pipeline_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            opt.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            runner.step(x32, y)
+            dist.barrier()
+            opt.step()
+            out.append(time.perf_counter() - t0)
+        return out
+    pipeline_steps(opts["warmup"])
+    ddp = comm = None
+    if opts.get("ddp") and world > 1:
+        comm = Comm.from_env()
+        ddp = ddp_runner(mf, [x32], y, mf.loss_fn(), comm, opts["seed"], opts["lr"], opts["momentum"])
+        timing.timed_steps(*ddp.step_args(), opts["warmup"], comm, lambda: None, dist.barrier)
+    runs = {"pipeline": pipeline_steps}
+    if ddp is not None:
+        runs["ddp"] = lambda n: timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
+    timed = timing.interleaved_rounds(runs, opts["steps"], ROUNDS)
+    baseline = None if ddp is None else ddp.result(timed["ddp"]).to_json()
+    opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    with LiveBytes(also=list(state_tensors(runner.dm, opt))) as live:
+        runner.step(x32, y)
+        opt.step()
+    peak_bytes = int(live.peak_bytes)
+    dist.barrier()
+    # this stage alone on one microbatch (its chunks' inputs: random blocks shaped as the plan says)
+    n_last = layout.num_stages * layout.schedule.virtual - 1
+    run_dtype = next(iter(runner.parameters())).dtype
+    fw, bw = [], []
+    for _ in range(opts["steps"]):
+        f_s = b_s = 0.0
+        for c, mod in runner.modules:
+            inp = ((x32[:mb],) if c == 0 else
+                   tuple(torch.randn(t.shape, dtype=t.dtype).requires_grad_(True) if t.is_floating_point() else
+                         torch.zeros(t.shape, dtype=t.dtype) for t in local_metas(runner.dm, mod.ins, run_dtype)))
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = mod(*inp)
+            t1 = time.perf_counter()
+            (runner.dm.local_loss(runner.dm.structured(out), y[:mb], loss_fn) if c == n_last else
+             sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
+            f_s += t1 - t0
+            b_s += time.perf_counter() - t1
+        fw.append(f_s)
+        bw.append(b_s)
+    opt.zero_grad(set_to_none=True)
+    return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": timed["pipeline"],
+            "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
+            "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
+
+
 def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_out_dir, write_report
                    ) -> tuple[RunResult, Path]:
     layout, price = stage_layout(plan)
@@ -179,7 +270,7 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     ropts = {"batch": plan.model.batch_size, "dtype": opts.validate_dtype, "seed": opts.seed, "lr": opts.lr,
              "momentum": opts.momentum, "rtol": rtol, "atol": atol, "warmup": opts.warmup, "steps": opts.steps, "heads": heads,
              "ddp": opts.ddp,
-             "cuts": dict(plan.runtime.extra).get("cuts")}
+             "cuts": dict(plan.runtime.extra).get("cuts"), "stage_plan": dict(plan.runtime.extra).get("stage_plan")}
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages "
              f"(dp {layout.stages[0].dp}{' FSDP2' if layout.stages[0].data == 'fsdp' else ''} x tp {layout.stages[0].tp} each), "
              f"{layout.schedule.torch_class} over {layout.schedule.microbatches} microbatches; validation, "

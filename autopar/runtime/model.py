@@ -147,7 +147,11 @@ def plan_groups(plan: Any, ranks: Sequence[int]) -> list[tuple[int, ...]]:
 
 class DistModel(nn.Module):
     def __init__(self, plan: Plan | dict[str, Any], model: nn.Module, comm: Comm | None = None,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, native: bool | None = None) -> None:
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, native: bool | None = None,
+                 layers: Sequence[int] | None = None) -> None:
+        """``layers``: hold only the parameters and buffers these layers' ops use (a pipeline
+        stage running its own layers of the plan, ``runtime.stage_program``); the traced program
+        is then run per layer range (never natively) and only these layers' gradients synchronise."""
         super().__init__()
         if not isinstance(plan, Plan):   # a plan file's dict (older generated modules) or an in-memory
             # plan of decisions only (calibrate.overhead): both checked like a plan file
@@ -182,6 +186,15 @@ class DistModel(nn.Module):
 
         # ---- parameters: this rank's shard of each ----------------------------------------
         full_params = dict(model.named_parameters())
+        used_bufs = None
+        if layers is not None:          # a stage of the plan: its layers' parameters and buffers only
+            mine = {int(i) for i in layers}
+            ops = [op for lay in self.graph.layers if lay.index in mine for op in lay.ops]
+            used = {q for op in ops for q in op.param_names.values()}
+            used_bufs = {q for op in ops for q in op.buffers.values()}
+            full_params = {q: p for q, p in full_params.items() if q in used}
+            self.buffer_updates = [op for op in self.buffer_updates if set(op.buffers.values()) <= used_bufs]
+            native = False
         self.param_aliases = param_aliases(model)    # a tied weight's other names (``full_state_dict``)
         shards = param_shards(self.graph, self.decisions)
         self.shards = shards
@@ -194,6 +207,8 @@ class DistModel(nn.Module):
             self.qualname[_safe(qual)] = qual
         self.bufs: dict[str, torch.Tensor] = {}
         for qual, buf in model.named_buffers():
+            if used_bufs is not None and qual not in used_bufs:
+                continue
             t = buf.detach().clone()
             self.register_buffer(_safe(qual), t)
             self.bufs[qual] = t

@@ -38,12 +38,14 @@ import time
 
 from ...artifacts import PlanHooks
 from ...cost.stages import fsdp_unit_cost, memory_reach, search_stages
+from ...decomp import REGISTRY
 from ...decomp.fsdp import UnitParams
 from ...profile.optimizer import optimizer_step_s
 from ...cost.table import StepPrediction
 from ...cost.stages import planned_cut_s
+from ...decomp.program import crossing, value_layout
 from ...decomp.stages import (CANNOT_CUT_HINT, SCHEDULES, SPLIT_BACKWARD, STAGE_DATA, CutValue, pipeline_structure, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
-                              plan_cut, plan_cuts)
+                              chunk_holder, chunk_layers, plan_cut, plan_cuts, plan_program_cut)
 from ...errors import InfeasiblePlan, PipelineError
 from .registry import Candidate, register_strategy
 
@@ -148,7 +150,11 @@ class PipelineStages:
             if mode == "fixed":
                 raise PipelineError(f"--pipeline {fixed}: {why}", "plan with --pipeline off")
             return (Candidate(NAME, "pipeline stages", illegal=why, priority=self.priority),)
-        cannot = runtime_cannot_cut(base.loaded.mf)
+        data_axes = stage_data_axes(o, sched_name)
+        program_mode = data_axes == ("plan",)     # the stage runs the plan's program: any traced layers
+        cannot = None if program_mode else runtime_cannot_cut(base.loaded.mf)
+        if program_mode:
+            cannot = program_cannot_run(base.graph, base.loaded.batch_size)
         if cannot is not None:                       # the planner offers only what the stage runtime runs
             if mode == "fixed":
                 raise PipelineError(f"--pipeline {fixed}: {cannot}", "plan with --pipeline off")
@@ -164,16 +170,22 @@ class PipelineStages:
         rpn = int(base.loaded.ranks_per_node)
         heads = gpt_heads(base.graph)
         tp_ok = heads is not None and (o.kinds is None or "head" in o.kinds)      # tensor parallelism allowed
-        tps = [t for t in range(1, rpn + 1) if t == 1 or (tp_ok and heads % t == 0)]
+        tps = [t for t in range(1, rpn + 1) if t == 1 or (tp_ok and heads % t == 0 and not program_mode)]
         subplans: dict[tuple[int, int], SubPlan] = {}
-        data_axes = stage_data_axes(o, sched_name)
 
         def sub(tp: int, mb: int) -> SubPlan:
             if (tp, mb) not in subplans:
                 subplans[(tp, mb)] = _unit_costs(base, tp, mb, units, n_units)
             return subplans[(tp, mb)]
 
+        def psub(p: int, rows: int) -> SubPlan:       # the plan every stage runs: P ranks, one microbatch
+            if (-p, rows) not in subplans:
+                subplans[(-p, rows)] = _unit_costs(base, p, rows, units, n_units, program=True)
+            return subplans[(-p, rows)]
+
         def unit_cost(i, dp, tp, mb, data="replicate"):
+            if data == "plan":
+                return psub(dp, dp * mb).costs[i]
             sp = sub(tp, mb)
             c = sp.costs[i]
             level = profile.level_of(range(0, dp * tp, tp))
@@ -194,6 +206,11 @@ class PipelineStages:
 
         def cut(s_count, k, tp, mb):      # the widest boundary's values, planned between the two sub-meshes
             size = world // s_count
+            if program_mode:
+                sp = psub(size, size * mb)
+                a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size, 1, "plan")
+                b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size, 1, "plan")
+                return max(planned_cut_s(plan_program_cut(k, a, b, vals), ctx) for vals in sp.boundaries.values())
             a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size // tp, tp)
             b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size // tp, tp)
             return planned_cut_s(plan_cut(k, a, b, cut_value_list(widest, size // tp, mb)), ctx)
@@ -225,12 +242,19 @@ class PipelineStages:
             p = best.price
             # each cut's own boundary: the stages' (V = 1) or the chunks' (V chunks per rank, cut evenly;
             # the search priced them with the widest boundary)
-            crossing = [bvalues[stop - 1] for _, _, stop in chunk_ranges(layout)[:-1]]
-            cuts_planned = plan_cuts(layout, [cut_value_list(v, best.dp, best.microbatch) for v in crossing])
+            if program_mode:
+                sp = psub(best.dp, best.dp * best.microbatch)
+                cuts_planned = tuple(plan_program_cut(k, layout.stages[chunk_holder(layout, k)],
+                                                      layout.stages[chunk_holder(layout, k + 1)], vals)
+                                     for k, vals in sorted(program_cut_values(sp, layout).items()))
+            else:
+                crossing = [bvalues[stop - 1] for _, _, stop in chunk_ranges(layout)[:-1]]
+                cuts_planned = plan_cuts(layout, [cut_value_list(v, best.dp, best.microbatch) for v in crossing])
             pred = StepPrediction(step_time_s=p.step_s, fwd_s=0.0, bwd_s=0.0, grad_sync_s=p.sync_tail_s,
                                   exposed_comm_s=p.send_s, optimizer_s=0.0,
                                   memory_per_rank_bytes=max(p.peak_bytes), grad_sync_bytes=0.0)
-            dp_word = f"dp {best.dp}" + (" FSDP2" if best.data == "fsdp" else "") + (
+            dp_word = (f"the solver's plan on {best.dp} ranks" if best.data == "plan" else f"dp {best.dp}") + (
+                " FSDP2" if best.data == "fsdp" else "") + (
                 f" (FSDP2 on stages {[k for k, d in enumerate(best.stage_data) if d == 'fsdp']})"
                 if best.data == "mixed" else "")
             label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, {dp_word} x tp {best.tp})"
@@ -240,8 +264,11 @@ class PipelineStages:
                                    detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
                                            "cuts": [c.to_json() for c in cuts_planned],
                                            "search": search, "heads": heads if best.tp > 1 else None,
-                                           "sub_plan_kinds": list(sub(best.tp, best.microbatch).kinds)
-                                           + (["sharded"] if best.data in ("fsdp", "mixed") else [])}))
+                                           "sub_plan_kinds": list((psub(best.dp, best.dp * best.microbatch) if
+                                                                   program_mode else sub(best.tp, best.microbatch)).kinds)
+                                           + (["sharded"] if best.data in ("fsdp", "mixed") else []),
+                                           **({"stage_plan": psub(best.dp, best.dp * best.microbatch).record}
+                                              if program_mode else {})}))
         if mode == "fixed" and all(c.illegal for c in cands):
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
                                 f"({cands[0].illegal if cands else 'nothing priced'})",
@@ -261,6 +288,7 @@ class PipelineStages:
                             "reason": f"{c.label}: predicted {c.step_time_s * 1e3:.3f} ms, the fastest legal plan",
                             "stages": c.detail["layout"], "price": c.detail["price"], "cuts": c.detail["cuts"],
                             "sub_plan_kinds": c.detail["sub_plan_kinds"], "heads": c.detail["heads"],
+                            **({"stage_plan": c.detail["stage_plan"]} if "stage_plan" in c.detail else {}),
                             "executable": True, "search": c.detail["search"],
                             "stage_counts_priced": priced}}
 
@@ -290,8 +318,10 @@ def stage_data_axes(o, schedule: str = "1f1b") -> tuple[str, ...]:
     want = getattr(o, "stage_data", None) or "auto"
     if want not in ("auto", *STAGE_DATA):
         raise PipelineError(f"--stage-data {want!r} is not auto, {' or '.join(STAGE_DATA)}",
-                            "use --stage-data auto (the planner chooses), replicate or fsdp")
-    allowed = tuple(d for d in STAGE_DATA if d == "replicate" or o.kinds is None or "sharded" in o.kinds)
+                            "use --stage-data auto (the planner chooses), replicate, fsdp or plan")
+    if want == "plan":      # the solver's plan inside every stage: asked for by name (one solve per (P, M))
+        return ("plan",)
+    allowed = tuple(d for d in STAGE_DATA if d == "replicate" or (d == "fsdp" and (o.kinds is None or "sharded" in o.kinds)))
     if schedule in SPLIT_BACKWARD:
         allowed = ("replicate",)
         if want == "fsdp":
@@ -310,18 +340,109 @@ def stage_data_axes(o, schedule: str = "1f1b") -> tuple[str, ...]:
 class SubPlan:
     """A stage's sub-plan on ``tp`` ranks for one microbatch, per block: its costs (no dp
     traffic), gradient bytes per rank (what a replicated dp axis all-reduces), the optimizer's
-    seconds on it whole, and its parameters as one rank holds them (what FSDP2 shards); the kinds."""
+    seconds on it whole, and its parameters as one rank holds them (what FSDP2 shards); the kinds.
+    A stage plan (``--stage-data plan``: the whole sub-mesh planned, ``program=True``) also keeps
+    its graph, decisions and each layer's unit, every unit boundary's crossing values with their
+    layouts (``boundaries``), and plan.json's ``runtime.stage_plan`` record."""
     costs: list
     grad_bytes: list
     optim_s: list
     params: list
     kinds: tuple
+    graph: object = None
+    decs: dict | None = None
+    units: tuple = ()
+    boundaries: dict = dataclasses.field(default_factory=dict)
+    record: dict | None = None
 
 
-def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int) -> SubPlan:
+#: the per-layer kinds a stage running a plan may use: what the op-by-op runtime runs on a
+#: sub-mesh (not the plan-level runtimes: whole graphs per rank, branches on their own groups)
+PROGRAM_EXCLUDED = ("graphs", "branch")
+
+
+def program_cannot_run(graph, traced_batch: int) -> str | None:
+    """Why stages cannot run the solver's plan of this model (``runtime.stage_program``), or None:
+    torch's schedule cuts every model input into microbatches along dim 0, so each must be batched."""
+    for gi in graph.inputs:
+        if not gi.shape or int(gi.shape[0]) != int(traced_batch):
+            return (f"model input {gi.name} {tuple(gi.shape)} has no batch dim 0 of {traced_batch} samples: the "
+                    "schedule cannot cut it into microbatches")
+    return None
+
+
+def program_cut_values(sp: SubPlan, layout) -> dict[int, list]:
+    """{cut c: [(CutValue, its producer's Sharding)]} of a stage layout running stage plan ``sp``."""
+    cuts = crossing(sp.graph, sp.decs, chunk_layers(layout, sp.units))
+    prod = sp.graph.producer()
+    return {c: [(CutValue(v, tuple(sp.graph.value_shape(v)), _value_itemsize(sp.graph, v)),
+                 value_layout(sp.graph, sp.decs, v, prod)) for v in vals] for c, vals in cuts.items()}
+
+
+def _value_itemsize(graph, v: str) -> int:
+    for gi in graph.inputs:
+        if gi.name == v:
+            return _DTYPE_BYTES.get(str(gi.dtype).replace("torch.", ""), 4)
+    for lay in graph.layers:
+        for op in lay.ops:
+            if op.name == v:
+                return _DTYPE_BYTES.get(str(op.dtype).replace("torch.", ""), 4)
+    return 4
+
+
+def _program_sub(base, p: int, rows: int, units: list[int], n_units: int) -> SubPlan:
+    """The model planned on ``p`` ranks for ``rows`` samples (one microbatch of the whole batch),
+    every kind the op-by-op runtime runs (``PROGRAM_EXCLUDED`` out; ``--kinds`` respected), per
+    unit: its layers' costs plus the transitions into them (gradient sync of the plan's own groups
+    included: the stage syncs once a step, as one step of the plan does)."""
+    o = base.req.options
+    kinds = tuple(k for k in REGISTRY if k not in PROGRAM_EXCLUDED and (o.kinds is None or k in o.kinds))
+    sub = dataclasses.replace(o, world_size=p, batch_size=rows, write=False, out_dir=None, pipeline="off",
+                              microbatches=None, schedule=None, stage_data=None, kinds=kinds,
+                              placement="block", memory_limit_bytes=None, nodes=None)
+    res = base.replan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
+    tab, ch = res.table, list(res.solution.choice)
+    tab.ensure_edges()
+    sub_units = block_units(tab.graph) or units
+    acc = [[0.0] * 5 for _ in range(n_units)]
+    for li, u in enumerate(sub_units):
+        c = tab.layers[li].costs[ch[li]]
+        for k, x in enumerate((c.fwd_s, c.bwd_s, c.grad_sync_s + c.optim_step_s, c.activation_bytes + c.workspace_bytes,
+                               c.param_bytes + c.grad_bytes + c.optim_bytes)):
+            acc[u][k] += x
+    for e in tab.edges:                    # a transition runs on its way into its consumer's layer
+        acc[sub_units[e.dst]][0] += e.fwd_s[ch[e.src]][ch[e.dst]]
+        acc[sub_units[e.dst]][1] += e.bwd_s[ch[e.src]][ch[e.dst]]
+    graph = tab.graph
+    decs = {li: tab.layers[li].choices[ch[li]] for li in range(len(ch))}
+    sp = SubPlan([StageCost(*a) for a in acc], [0.0] * n_units, [0.0] * n_units,
+                 [UnitParams(f"block {u}", ()) for u in range(n_units)],
+                 tuple(sorted({d.kind for d in decs.values()})), graph, decs, tuple(sub_units))
+    boundaries = {}
+    for u in range(n_units - 1):              # every place a cut may go: what would cross it
+        layers = {0: [li for li, x in enumerate(sub_units) if x <= u], 1: [li for li, x in enumerate(sub_units) if x > u]}
+        prod = graph.producer()
+        boundaries[u] = [(CutValue(v, tuple(graph.value_shape(v)), _value_itemsize(graph, v)),
+                          value_layout(graph, decs, v, prod)) for v in crossing(graph, decs, layers)[0]]
+    record = {"world_size": p, "graph": dict(res.plan.graph_json), "units": list(sub_units),
+              "batch_norm": res.plan.batch_norm.to_json(),
+              "layers": [{"layer": li, "decomposition": decs[li].to_json()} for li in range(len(ch))],
+              "choices": [str(decs[li]) for li in range(len(ch))]}
+    return dataclasses.replace(sp, boundaries=boundaries, record=record)
+
+
+def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int, program: bool = False) -> SubPlan:
     """The model planned on ``tp`` ranks for ``mb`` samples (one microbatch of one dp replica of a
     stage), with the stage runtime's kinds (module docstring), its per-layer costs summed per
-    block (``SubPlan``)."""
+    block (``SubPlan``); ``program``: the stage plan instead (``_program_sub``, ``tp`` ranks for
+    ``mb`` samples of the whole batch)."""
+    if program:
+        try:
+            return _program_sub(base, tp, mb, units, n_units)
+        except InfeasiblePlan:
+            inf = float("inf")
+            return SubPlan([StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, [0.0] * n_units,
+                           [UnitParams(f"block {u}", ()) for u in range(n_units)], ())
     make_plan = base.replan           # the planner itself, passed in by planner.make (Offer.replan)
     o = base.req.options
     pins = tp_pins(tp) if tp > 1 else ()

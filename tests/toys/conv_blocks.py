@@ -1,0 +1,56 @@
+"""A model file of convolution blocks (``blocks.i``, no module structure the block-stage runtime
+knows) whose stages run the solver's plan (``--stage-data plan``): spatial or channel splits
+inside a stage, halos exchanged on each stage's own ranks. ``AUTOPAR_CONV_BN=1`` adds batch norm."""
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYERS = 4
+DEFAULT_BATCH_SIZE = 8
+CH, SIDE = 8, 16
+
+
+class Block(nn.Module):
+    def __init__(self, bn: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(CH, CH, 3, padding=1)
+        self.bn = nn.BatchNorm2d(CH) if bn else None
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.bn is not None:
+            y = self.bn(y)
+        return x + torch.relu(y)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        bn = os.environ.get("AUTOPAR_CONV_BN") == "1"
+        self.stem = nn.Conv2d(3, CH, 3, padding=1)
+        self.blocks = nn.ModuleList(Block(bn) for _ in range(LAYERS))
+        self.head = nn.Linear(CH, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 3, SIDE, SIDE),)
+
+
+def example_targets(batch_size):
+    return torch.randint(0, 5, (batch_size,))
+
+
+def loss_fn(output, targets):
+    return F.cross_entropy(output, targets)
