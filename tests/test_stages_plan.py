@@ -159,15 +159,19 @@ def test_stage_data_is_refused_by_name_when_sharding_is_left_out(gpt8):
         _plan(gpt8, pipeline=2, stage_data="zero9")
 
 
-def test_a_block_model_the_stage_runtime_cannot_cut_is_refused_at_plan_time():
-    """torch's TransformerEncoder has layers.i blocks, but the stage runtime has no (pre, blocks,
-    post) for it: --pipeline names that at plan time, not when the plan is executed."""
+def test_a_block_model_the_block_runtime_cannot_cut_gets_stage_plans():
+    """torch's TransformerEncoder has layers.i blocks, but the block-stage runtime has no (pre,
+    blocks, post) for it: block stages (--stage-data replicate) are refused by name at plan time,
+    and with the default (auto) its stages run the solver's plan (``runtime.stage_program``)."""
     from autopar.errors import PipelineError as PE
+    enc = ROOT / "strategies/examples/torch_encoder.py"
     with pytest.raises(PE, match="cannot cut EncoderClassifier"):
-        _plan(ROOT / "strategies/examples/torch_encoder.py", pipeline=2)
-    res = _plan(ROOT / "strategies/examples/torch_encoder.py", pipeline="auto")
-    (st,) = [s for s in res.plan.strategies if s.strategy == "stages"]
-    assert "cannot cut" in st.illegal and not st.chosen
+        _plan(enc, pipeline=2, stage_data="replicate")
+    rt = _plan(enc, pipeline=2).plan.runtime.to_json()
+    assert {s["data"] for s in rt["stages"]["stages"]} == {"plan"}
+    assert rt["stage_plan"]["world_size"] == 2 and len(rt["stage_plan"]["units"]) == len(rt["stage_plan"]["layers"])
+    with pytest.raises(PE, match="zbv schedule"):
+        _plan(enc, pipeline=2, stage_data="plan", schedule="zbv", microbatches=4)
 
 
 def test_zero_bubble_schedules_keep_stages_replicated(gpt8):

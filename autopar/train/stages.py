@@ -40,6 +40,7 @@ from ..errors import AutoparError, PlanFileError
 from ..runtime.model import param_aliases
 from ..runtime.dtensor import local, whole
 from ..runtime.stages import build_runner, shard_like, shard_of
+from ..runtime.stage_program import build_program_runner
 from ..io import atomic_write_text
 
 
@@ -60,6 +61,15 @@ class PipelineModule(nn.Module):
         self.full = model                                   # every name kept (checkpoints), own stage trained
         self._aliases = param_aliases(model)                # a tied weight's other names -> its own
         self._order = list(model.state_dict().keys())       # single-process names, in its order
+        #: the stages run the solver's plan (``runtime.stage_program``): each parameter is this
+        #: rank's shard of it under that plan (``dm.shards``), the buffers its stage's copies
+        self.dm = None
+        if st.data == "plan":
+            self.runner = build_program_runner(model, self.layout, extra.get("stage_plan") or {}, self.rank, loss_fn)
+            self.dm = self.runner.dm
+            self._held = self.runner.held_parameters()
+            self._bufs = dict(self.dm.bufs)
+            return
         self.runner = build_runner(model, self.layout, self.rank, loss_fn, heads=extra.get("heads"),
                                    example_microbatch=example_inputs[:mb])
         self._held = self.runner.held_parameters(model)
@@ -74,7 +84,7 @@ class PipelineModule(nn.Module):
 
     def loss(self, inputs, target) -> torch.Tensor:
         """The schedule's step on the whole batch; the global loss, the same on every rank."""
-        x = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+        x = inputs[0] if isinstance(inputs, (tuple, list)) and self.dm is None else inputs
         value = self.runner.step(x, target)
         return value.detach().clone().requires_grad_(True)   # backward(): a no-op (grads are in .grad)
 
@@ -86,7 +96,10 @@ class PipelineModule(nn.Module):
     def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The single-process tensor of ``t``, this rank's part of parameter ``name`` or of a state
         shaped like it: itself, or for a tp slice every tp rank's slice gathered and put back in
-        place (the inverse of ``shard_of``). Collective over the stage's tp group for a slice."""
+        place (the inverse of ``shard_of``). Collective over the stage's tp group for a slice; for a
+        stage plan's shard, over the stage's mesh (every rank of it calls this for the same names)."""
+        if self.dm is not None:
+            return self._plan_whole(name, t)
         t = whole(t)                   # an FSDP2 shard gathered over the stage's dp group first
         spec = self.runner.sharded.get(name)
         if spec is None:
@@ -98,15 +111,35 @@ class PipelineModule(nn.Module):
         pieces = [p.chunk(blocks, dim) for p in parts]           # slice t of block b: pieces[t][b]
         return torch.cat([pieces[i][b] for b in range(blocks) for i in range(tp)], dim)
 
+    def _plan_whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        dm = self.dm
+        sh = dm.shards.get(name)
+        if sh is None or not sh.dims:
+            return t.detach()
+        rank, world = dm.comm.rank, dm.comm.world
+        shape = self.whole_shape(name, t)
+        full = torch.zeros(shape, dtype=t.dtype)
+        if rank == min(sh.grad_group(rank, world)):
+            full[sh.index(shape, rank, world)] = t.detach()
+        return dm.comm.all_reduce_(full)
+
     def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the single-process tensor ``full`` of parameter ``name``: its tp
-        slice, then under FSDP2 its dp rows as a DTensor placed like the parameter."""
+        slice, then under FSDP2 its dp rows as a DTensor placed like the parameter; under a stage
+        plan, its shard (``ParamShard.index``)."""
+        if self.dm is not None:
+            sh = self.dm.shards.get(name)
+            if name not in self._held or sh is None or not sh.dims:
+                return full
+            return full[sh.index(full.shape, self.dm.comm.rank, self.dm.comm.world)].clone()
         spec = self.runner.sharded.get(name)
         if spec is not None:
             full = shard_of(full, spec, self.layout.stage_of(self.rank).tp).contiguous()
         return shard_like(self._held[name], full) if name in self._held else full
 
     def whole_shape(self, name: str, t: torch.Tensor) -> tuple[int, ...]:
+        if self.dm is not None:
+            return tuple(self.dm._global_param_shape(name, t)) if name in self._held else tuple(t.shape)
         spec = self.runner.sharded.get(name)
         shape = list(t.shape)
         if spec is not None:
@@ -126,6 +159,12 @@ class PipelineModule(nn.Module):
         out = []
         for name, p in self._held.items():
             if p.grad is None:
+                continue
+            if self.dm is not None:     # a stage plan: the lowest rank holding each shard counts it
+                sh = self.dm.shards.get(name)
+                grp = sh.grad_group(self.dm.comm.rank, self.dm.comm.world) if sh is not None else [0]
+                if self.dm.comm.rank == min(grp) and first_of_tied.get(id(p), True):
+                    out.append(p.grad)
                 continue
             if st.data != "fsdp" and d != 0:
                 continue
@@ -169,7 +208,11 @@ class PipelineModule(nn.Module):
 
     def state_dict_local(self) -> dict[str, torch.Tensor]:
         """This stage's parameters (whole: tp slices gathered, ``whole``) and buffers under their
-        single-process names. Collective over the tp group when tp > 1."""
+        single-process names. Collective over the tp group when tp > 1 (over the stage's mesh
+        under a stage plan, whose buffers may be valid in each rank's slice only: assembled)."""
+        if self.dm is not None:
+            bufs = {**self._bufs, **self.dm.full_buffers()}
+            return {**{n: self.whole(n, p) for n, p in sorted(self._held.items())}, **bufs}
         return {**{n: self.whole(n, p) for n, p in sorted(self._held.items())}, **dict(self._bufs)}
 
 

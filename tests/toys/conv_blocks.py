@@ -1,6 +1,8 @@
 """A model file of convolution blocks (``blocks.i``, no module structure the block-stage runtime
 knows) whose stages run the solver's plan (``--stage-data plan``): spatial or channel splits
-inside a stage, halos exchanged on each stage's own ranks. ``AUTOPAR_CONV_BN=1`` adds batch norm."""
+inside a stage, halos exchanged on each stage's own ranks. ``AUTOPAR_CONV_BN=1`` adds batch norm;
+``AUTOPAR_CONV_SKIP=1`` a long skip from the stem to the head, so that two values cross every
+stage cut (the residual stream, and the stem's output passed on by the stages between)."""
 import os
 
 import torch
@@ -29,15 +31,17 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         bn = os.environ.get("AUTOPAR_CONV_BN") == "1"
+        self.skip = os.environ.get("AUTOPAR_CONV_SKIP") == "1"
         self.stem = nn.Conv2d(3, CH, 3, padding=1)
         self.blocks = nn.ModuleList(Block(bn) for _ in range(LAYERS))
         self.head = nn.Linear(CH, 5)
 
     def forward(self, x):
-        x = self.stem(x)
+        x = s = self.stem(x)
         for b in self.blocks:
             x = b(x)
-        return self.head(x.mean(dim=(2, 3)))
+        pooled = x.mean(dim=(2, 3))
+        return self.head(pooled + s.mean(dim=(2, 3)) if self.skip else pooled)
 
 
 def build_model():

@@ -153,6 +153,9 @@ class PipelineStages:
         data_axes = stage_data_axes(o, sched_name)
         program_mode = data_axes == ("plan",)     # the stage runs the plan's program: any traced layers
         cannot = None if program_mode else runtime_cannot_cut(base.loaded.mf)
+        if cannot is not None and (getattr(o, "stage_data", None) or "auto") == "auto" and sched_name not in SPLIT_BACKWARD:
+            # the block runtime cannot cut this model: its stages run the solver's plan instead
+            data_axes, program_mode, cannot = ("plan",), True, None
         if program_mode:
             cannot = program_cannot_run(base.graph, base.loaded.batch_size)
         if cannot is not None:                       # the planner offers only what the stage runtime runs
@@ -320,6 +323,10 @@ def stage_data_axes(o, schedule: str = "1f1b") -> tuple[str, ...]:
         raise PipelineError(f"--stage-data {want!r} is not auto, {' or '.join(STAGE_DATA)}",
                             "use --stage-data auto (the planner chooses), replicate, fsdp or plan")
     if want == "plan":      # the solver's plan inside every stage: asked for by name (one solve per (P, M))
+        if schedule in SPLIT_BACKWARD:
+            raise PipelineError(f"--stage-data plan under the {schedule} schedule: its weight-gradient step reads the "
+                                "stage module's own parameters, and a stage plan's are its DistModel's",
+                                "use gpipe, 1f1b, interleaved_1f1b or looped_bfs with --stage-data plan")
         return ("plan",)
     allowed = tuple(d for d in STAGE_DATA if d == "replicate" or (d == "fsdp" and (o.kinds is None or "sharded" in o.kinds)))
     if schedule in SPLIT_BACKWARD:
