@@ -75,6 +75,21 @@ if [ "$ONLY_PLANS" = 0 ]; then
   AUTOPAR_GPT_LAYERS=8 autopar execute reports/stages/gpt8-w4-pp2/plan.json --steps 20 \
       --out reports/stages/gpt8-w4-pp2/run
 fi
+# stages running the solver's plan on their sub-mesh (--stage-data plan): tensor-parallel layers
+# (pinned: on this CPU profile the solver keeps them data parallel), spatial convolutions with
+# halos, and torch's TransformerEncoder, which the block runtime cannot cut (auto: stage plans)
+stage_plan() {   # name, model file, then plan options
+  local name=$1 model=$2; shift 2
+  autopar plan "strategies/examples/$model.py" --world-size 4 --batch-size 8 --pipeline 2 \
+      --calibration "$CPU" --shapes "$SHAPES" -o "reports/stages/$name" "$@" > /dev/null
+  if [ "$ONLY_PLANS" = 0 ]; then
+    autopar execute "reports/stages/$name/plan.json" --steps 20 --out "reports/stages/$name/run" > /dev/null
+  fi
+}
+AUTOPAR_GPT_LAYERS=8 stage_plan gpt8-w4-pp2-tp gpt --stage-data plan --pin 'blocks.*.attn=head' \
+    --pin 'blocks.*.fc=filter' --pin 'blocks.*.out=row_parallel'
+AUTOPAR_CONV_SIDE=32 stage_plan conv-w4-pp2-spatial conv_blocks --stage-data plan --pin 'blocks.*=spatial'
+AUTOPAR_ENC_LAYERS=4 stage_plan encoder-w4-pp2 torch_encoder
 
 # --- simulated clusters (datasheet A100 profile; planned, not run) ------------------------
 SWEEP=1,2,4,8,16,32,64,128,256,512,1024

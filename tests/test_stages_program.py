@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.dist
 TOL = dict(rtol=1e-12, atol=1e-13)
-CONV = ROOT / "tests/toys/conv_blocks.py"
+CONV = ROOT / "strategies/examples/conv_blocks.py"
 GPT = ROOT / "strategies/examples/gpt.py"
 GPT_ENV = {"AUTOPAR_GPT_LAYERS": "4", "AUTOPAR_GPT_EMBED": "16", "AUTOPAR_GPT_HEADS": "4", "AUTOPAR_GPT_SEQ": "8",
            "AUTOPAR_GPT_VOCAB": "32"}

@@ -261,6 +261,29 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
             "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
 
 
+def _mesh_words(st, stage_plan: dict | None) -> str:
+    """How a stage uses its ranks, for the report: dp x tp of whole blocks, or the stage plan."""
+    if st.data == "plan" and stage_plan:
+        return f"the solver's plan on {len(st.ranks)} ranks: {', '.join(sorted(set(stage_plan.get('choices', ()))))}"
+    return f"dp {st.dp}{' FSDP2' if st.data == 'fsdp' else ''} x tp {st.tp}"
+
+
+def _stage_plan_lines(stage_plan: dict | None, cuts) -> list[str]:
+    """The report's lines on a stage plan: each choice and how many layers take it, and what
+    crosses each cut (each rank sends its block as its producer's layout leaves it)."""
+    if not stage_plan:
+        return []
+    count: dict[str, int] = {}
+    for c in stage_plan.get("choices", ()):
+        count[c] = count.get(c, 0) + 1
+    out = ["- stage plan (the model planned on each stage's ranks for one microbatch; every stage runs its "
+           "layers of it): " + ", ".join(f"{c} x {n} layers" for c, n in sorted(count.items()))]
+    for c in cuts or ():
+        vals = ", ".join(f"{v['name']} {tuple(v['shape'])} ({v['steps_str']})" for v in c["values"])
+        out.append(f"- cut {c['cut']} (stage {c['from_stage']} -> {c['to_stage']}): {vals}")
+    return out
+
+
 def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_out_dir, write_report
                    ) -> tuple[RunResult, Path]:
     layout, price = stage_layout(plan)
@@ -272,7 +295,7 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
              "ddp": opts.ddp,
              "cuts": dict(plan.runtime.extra).get("cuts"), "stage_plan": dict(plan.runtime.extra).get("stage_plan")}
     progress(f"executing {plan_path} on {world} processes ({opts.backend}): {layout.num_stages} pipeline stages "
-             f"(dp {layout.stages[0].dp}{' FSDP2' if layout.stages[0].data == 'fsdp' else ''} x tp {layout.stages[0].tp} each), "
+             f"({_mesh_words(layout.stages[0], ropts.get('stage_plan'))} each), "
              f"{layout.schedule.torch_class} over {layout.schedule.microbatches} microbatches; validation, "
              f"{opts.warmup}+{opts.steps} timed steps")
     t0 = time.perf_counter()
@@ -323,7 +346,8 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     v = run.validation
     lines = [f"# {plan.model.name}: {layout.num_stages} pipeline stages on {world} ranks", "",
              f"- stages: " + "; ".join(f"{s.index}: blocks [{s.first_layer}, {s.stop_layer}) on ranks {list(s.ranks)} "
-                                       f"(dp {s.dp}{' FSDP2' if s.data == 'fsdp' else ''} x tp {s.tp})" for s in layout.stages),
+                                       f"({_mesh_words(s, ropts.get('stage_plan'))})" for s in layout.stages),
+             *_stage_plan_lines(ropts.get("stage_plan"), ropts.get("cuts")),
              f"- schedule: {layout.schedule.torch_class}, {m} microbatches",
              f"- validation ({v.dtype}, {v.rule}, rtol {v.rtol:g}, atol {v.atol:g}): "
              f"{'passed' if v.passed else 'FAILED'}, {v.checked} tensors",

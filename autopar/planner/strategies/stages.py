@@ -24,10 +24,19 @@ schedule (``decomp.stages.price_pipeline``). The stage layout, the search's time
 option tried (priced, pruned with its bound, or refused with why) go to plan.json's
 ``runtime`` record (``expected: "stages"``).
 
+Stage plans (``--stage-data plan``; the default for block models the block runtime cannot cut):
+instead of dp x tp of whole blocks, the model is planned on ``P = world / S`` ranks for one
+microbatch of the whole batch with every kind the op-by-op runtime runs (``_program_sub``, one
+solve per (P, microbatch)), each block's cost the sum of its layers' and of the transitions into
+them; every stage runs its layers of that plan (``runtime.stage_program``), and each cut is priced
+by its values as their producers' layouts leave them (``decomp.stages.plan_program_cut``: each
+rank's block to its peer). plan.json keeps the plan under ``runtime.stage_plan``.
+
 Limits (stated, not hidden): every stage has the same sub-mesh shape; tp stays within a node and
-divides the heads; tensor parallelism inside a stage is for plain GPT blocks (what
-``runtime.stages.shard_gpt_blocks`` runs), other block models get tp = 1. The plan's per-layer
-decisions are the whole-world solver's; the stages are in the runtime record.
+divides the heads; block stages split tp for plain GPT blocks only (what
+``runtime.stages.shard_gpt_blocks`` runs), other block models get tp = 1 there (stage plans
+split any layer the solver can). The plan's top-level per-layer decisions (and its generated
+module) are the whole-world solver's; the stages are in the runtime record.
 """
 
 from __future__ import annotations

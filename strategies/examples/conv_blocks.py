@@ -1,6 +1,7 @@
-"""A model file of convolution blocks (``blocks.i``, no module structure the block-stage runtime
-knows) whose stages run the solver's plan (``--stage-data plan``): spatial or channel splits
-inside a stage, halos exchanged on each stage's own ranks. ``AUTOPAR_CONV_BN=1`` adds batch norm;
+"""A small residual CNN of convolution blocks (``blocks.i``) for pipeline stages that run the
+solver's plan (``--stage-data plan``): spatial or channel splits inside a stage, halos exchanged
+on each stage's own ranks. Sizes: ``AUTOPAR_CONV_LAYERS`` blocks (4), ``AUTOPAR_CONV_CH``
+channels (8), ``AUTOPAR_CONV_SIDE`` pixels a side (16). ``AUTOPAR_CONV_BN=1`` adds batch norm;
 ``AUTOPAR_CONV_SKIP=1`` a long skip from the stem to the head, so that two values cross every
 stage cut (the residual stream, and the stem's output passed on by the stages between)."""
 import os
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYERS = 4
+LAYERS = int(os.environ.get("AUTOPAR_CONV_LAYERS", 4))
 DEFAULT_BATCH_SIZE = 8
-CH, SIDE = 8, 16
+CH = int(os.environ.get("AUTOPAR_CONV_CH", 8))
+SIDE = int(os.environ.get("AUTOPAR_CONV_SIDE", 16))
 
 
 class Block(nn.Module):
