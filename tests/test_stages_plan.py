@@ -309,3 +309,15 @@ def test_pipeline_options_without_pipeline_are_refused_by_name():
         with pytest.raises(AutoparError, match="without pipeline stages"):
             PlanOptions(world_size=2, **kw)
         PlanOptions(world_size=2, pipeline=2, **kw)          # with stages: fine
+
+
+def test_the_generated_module_of_a_stage_plan_runs_the_stages(gpt8):
+    """A stage plan's generated module lays out the stages and trains through
+    ``autopar.parallelize`` (the pipeline), not the whole-world per-layer plan."""
+    from autopar.codegen.generate import generate_module
+    plan = _plan(gpt8, pipeline=2, stage_data="plan").plan
+    text = generate_module(plan)
+    compile(text, "gpt_dist.py", "exec")
+    assert "stage 0: blocks [0, 4) on ranks [0, 1]" in text and "stage 1: blocks [4, 8) on ranks [2, 3]" in text
+    assert "stage plan (the model on 2 ranks" in text and "cut 0 (stage 0 -> 1)" in text
+    assert "autopar.parallelize(model, PLAN_FILE)" in text and "class PlannedModel" not in text

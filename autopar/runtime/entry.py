@@ -68,7 +68,8 @@ def run_generated(cls, plan_file: str | Path, argv: list[str]) -> int:
     opt = torch.optim.SGD(dm.parameters(), lr=args.lr, momentum=0.9)
     xs, ys = synthetic_batch(mf, plan.model.batch_size, args.seed + 1)
     check_edge_indices(plan.graph(), xs)   # a GNN batch's edges inside their graphs
-    local, target = shard_batch(dm, xs, ys)
+    # a pipeline's step takes the whole batch on every rank (``train.stages.PipelineModule``)
+    local, target = (xs, ys) if getattr(dm, "whole_batch", False) else shard_batch(dm, xs, ys)
     times = []
     for step in range(args.steps):
         dist.barrier()

@@ -47,6 +47,9 @@ from ..io import atomic_write_text
 class PipelineModule(nn.Module):
     """This rank's stage of a pipeline plan, driven by torch's schedule (module docstring)."""
 
+    #: ``loss`` takes the whole batch on every rank (no ``shard_batch``)
+    whole_batch = True
+
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, example_inputs: torch.Tensor):
         super().__init__()
         rt = plan.runtime
