@@ -67,20 +67,19 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     dtype = getattr(torch, opts["dtype"])
     torch.manual_seed(opts["seed"])
     model = mf.build_model().to(dtype)
-    x = mf.example_inputs(batch)[0]
+    xs = tuple(t.to(dtype) if torch.is_floating_point(t) else t for t in mf.example_inputs(batch))
+    x = xs[0]                   # block stages feed one input; a stage plan takes every one
     y = mf.example_targets(batch)
-    if torch.is_floating_point(x):
-        x = x.to(dtype)
     program = st.data == "plan"          # every stage runs the solver's plan (``runtime.stage_program``)
     # one microbatch's rows: of a dp replica's block (block stages), of the whole batch (a stage plan)
     mb = batch // m if program else batch // st.dp // m
     ref = copy.deepcopy(model)
-    ref_loss = reference_step(ref, x, y, loss_fn, m, dp=1 if program else st.dp)
+    ref_loss = reference_step(ref, xs if program else x, y, loss_fn, m, dp=1 if program else st.dp)
     ref_p = dict(ref.named_parameters())
     ref_g = {n: p.grad.detach().clone() for n, p in ref_p.items()}
     torch.optim.SGD(ref.parameters(), lr=opts["lr"], momentum=opts["momentum"]).step()
     if program:
-        return _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_loss, ref_g, mb)
+        return _program_rank(rank, world, mf, layout, opts, model, xs, y, loss_fn, ref, ref_loss, ref_g, mb)
     runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x[:mb])
     sends = record_sends(runner)
     loss = runner.step(x, y)
@@ -116,42 +115,8 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     # model (an FSDP2 stage's parameters are DTensors outside its own modules' hooks)
     metas = _static_metas(_all_chunks(model, layout), x32[:mb])
     runner = build_runner(model, layout, rank, loss_fn, heads=opts.get("heads"), example_microbatch=x32[:mb])
-    opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
-
-    def pipeline_steps(n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            opt.zero_grad()
-            dist.barrier()
-            t0 = time.perf_counter()
-            runner.step(x32, y)
-            dist.barrier()
-            opt.step()
-            out.append(time.perf_counter() - t0)
-        return out
-    pipeline_steps(opts["warmup"])
-    # torch DDP on the whole model and batch over the world, timed in interleaved rounds with the
-    # pipeline (the machine's drift falls on both alike)
-    ddp = comm = None
-    if opts.get("ddp") and world > 1:
-        comm = Comm.from_env()
-        ddp = ddp_runner(mf, [x32], y, mf.loss_fn(), comm, opts["seed"], opts["lr"], opts["momentum"])
-        timing.timed_steps(*ddp.step_args(), opts["warmup"], comm, lambda: None, dist.barrier)
-    runs = {"pipeline": pipeline_steps}
-    if ddp is not None:
-        runs["ddp"] = lambda n: timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
-    timed = timing.interleaved_rounds(runs, opts["steps"], ROUNDS)
-    times = timed["pipeline"]
-    baseline = None if ddp is None else ddp.result(timed["ddp"]).to_json()
-    # peak memory of one more step (float32, as planned): live tensor bytes of this stage's
-    # parameters, gradients, buffers and optimizer state plus everything the step allocates
-    opt.zero_grad(set_to_none=True)
-    dist.barrier()
-    with LiveBytes(also=[t for _, m in runner.modules for t in state_tensors(m, opt)]) as live:
-        runner.step(x32, y)
-        opt.step()
-    peak_bytes = int(live.peak_bytes)
-    dist.barrier()
+    times, baseline, peak_bytes = _timed(runner, x32, y, mf, opts, world,
+                                         lambda opt: [t for _, m in runner.modules for t in state_tensors(m, opt)])
     # this stage alone on one microbatch, every chunk it holds (every rank at once, as in the step)
     n_last = layout.num_stages * layout.schedule.virtual - 1        # the chunk with the head and loss
     last_loss = stage_loss(model, loss_fn)                          # as the schedule calls it (HF: .logits)
@@ -173,6 +138,49 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
             "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
             "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
+
+
+def _timed(runner, x32, y, mf, opts, world: int, state) -> tuple[list[float], dict | None, int]:
+    """The pipeline's timed steps (float32, SGD) and, with ``opts["ddp"]``, torch DDP on the whole
+    model and batch over the world in interleaved rounds (the machine's drift falls on both
+    alike); then the peak memory of one more step: live tensor bytes of ``state(opt)`` (the
+    stage's parameters, gradients, buffers and optimizer state) plus what the step allocates.
+    Returns (step times, DDP baseline JSON or None, peak bytes)."""
+    import torch
+    import torch.distributed as dist
+    opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
+
+    def pipeline_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            opt.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            runner.step(x32, y)
+            dist.barrier()
+            opt.step()
+            out.append(time.perf_counter() - t0)
+        return out
+    pipeline_steps(opts["warmup"])
+    ddp = comm = None
+    if opts.get("ddp") and world > 1:
+        comm = Comm.from_env()
+        xs = list(x32) if isinstance(x32, tuple) else [x32]
+        ddp = ddp_runner(mf, xs, y, mf.loss_fn(), comm, opts["seed"], opts["lr"], opts["momentum"])
+        timing.timed_steps(*ddp.step_args(), opts["warmup"], comm, lambda: None, dist.barrier)
+    runs = {"pipeline": pipeline_steps}
+    if ddp is not None:
+        runs["ddp"] = lambda n: timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
+    timed = timing.interleaved_rounds(runs, opts["steps"], ROUNDS)
+    baseline = None if ddp is None else ddp.result(timed["ddp"]).to_json()
+    opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    with LiveBytes(also=state(opt)) as live:
+        runner.step(x32, y)
+        opt.step()
+    dist.barrier()
+    opt.zero_grad(set_to_none=True)
+    return timed["pipeline"], baseline, int(live.peak_bytes)
 
 
 def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_loss, ref_g, mb) -> dict[str, Any]:
@@ -202,39 +210,9 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
 
     torch.manual_seed(opts["seed"])
     model = mf.build_model()
-    x32 = mf.example_inputs(opts["batch"])[0]
+    x32 = tuple(mf.example_inputs(opts["batch"]))
     runner = build_program_runner(model, layout, record, rank, loss_fn)
-    opt = torch.optim.SGD(list(runner.parameters()), lr=opts["lr"], momentum=opts["momentum"])
-
-    def pipeline_steps(n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            opt.zero_grad()
-            dist.barrier()
-            t0 = time.perf_counter()
-            runner.step(x32, y)
-            dist.barrier()
-            opt.step()
-            out.append(time.perf_counter() - t0)
-        return out
-    pipeline_steps(opts["warmup"])
-    ddp = comm = None
-    if opts.get("ddp") and world > 1:
-        comm = Comm.from_env()
-        ddp = ddp_runner(mf, [x32], y, mf.loss_fn(), comm, opts["seed"], opts["lr"], opts["momentum"])
-        timing.timed_steps(*ddp.step_args(), opts["warmup"], comm, lambda: None, dist.barrier)
-    runs = {"pipeline": pipeline_steps}
-    if ddp is not None:
-        runs["ddp"] = lambda n: timing.timed_steps(*ddp.step_args(), n, comm, lambda: None, dist.barrier)
-    timed = timing.interleaved_rounds(runs, opts["steps"], ROUNDS)
-    baseline = None if ddp is None else ddp.result(timed["ddp"]).to_json()
-    opt.zero_grad(set_to_none=True)
-    dist.barrier()
-    with LiveBytes(also=list(state_tensors(runner.dm, opt))) as live:
-        runner.step(x32, y)
-        opt.step()
-    peak_bytes = int(live.peak_bytes)
-    dist.barrier()
+    times, baseline, peak_bytes = _timed(runner, x32, y, mf, opts, world, lambda opt: state_tensors(runner.dm, opt))
     # this stage alone on one microbatch (its chunks' inputs: random blocks shaped as the plan says)
     n_last = layout.num_stages * layout.schedule.virtual - 1
     run_dtype = next(iter(runner.parameters())).dtype
@@ -242,7 +220,7 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
     for _ in range(opts["steps"]):
         f_s = b_s = 0.0
         for c, mod in runner.modules:
-            inp = ((x32[:mb],) if c == 0 else
+            inp = (tuple(t[:mb] for t in x32) if c == 0 else
                    tuple(torch.randn(t.shape, dtype=t.dtype).requires_grad_(True) if t.is_floating_point() else
                          torch.zeros(t.shape, dtype=t.dtype) for t in local_metas(runner.dm, mod.ins, run_dtype)))
             dist.barrier()
@@ -255,8 +233,7 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
             b_s += time.perf_counter() - t1
         fw.append(f_s)
         bw.append(b_s)
-    opt.zero_grad(set_to_none=True)
-    return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": timed["pipeline"],
+    return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
             "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
             "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
 

@@ -670,9 +670,10 @@ def _prod(shape) -> int:
     return n
 
 
-def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
+def reference_step(model: nn.Module, inputs, targets: torch.Tensor, loss_fn: Callable,
                    microbatches: int, dp: int = 1) -> torch.Tensor:
-    """The one-process function a pipelined step computes: the batch cut into ``dp`` row blocks,
+    """The one-process function a pipelined step computes (``inputs``: the model's input tensor, or
+    a tuple of them, each cut alike along dim 0): the batch cut into ``dp`` row blocks,
     each into ``microbatches`` microbatches, run one after another (batch norm: statistics and
     running-statistics updates per microbatch, in that order, each row block from the same
     running statistics, which end as the mean of the blocks' -- the data-parallel replicas each
@@ -685,12 +686,14 @@ def reference_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     counts = [m.num_batches_tracked for m in bns if m.num_batches_tracked is not None]
     start = [b.detach().clone() for b in running + counts]
     ends = [torch.zeros_like(b) for b in running]
-    for xb, yb in zip(inputs.chunk(dp), targets.chunk(dp)):
+    xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)     # one input or several
+    blocks = list(zip(*(x.chunk(dp) for x in xs)))
+    for xb, yb in zip(blocks, targets.chunk(dp)):
         with torch.no_grad():       # each data-parallel replica starts from the same running statistics
             for b, b0 in zip(running + counts, start):
                 b.copy_(b0)
-        for xm, ym in zip(xb.tensor_split(microbatches), yb.tensor_split(microbatches)):
-            loss = loss_fn(model(xm), ym) / n
+        for xm, ym in zip(zip(*(x.tensor_split(microbatches) for x in xb)), yb.tensor_split(microbatches)):
+            loss = loss_fn(model(*xm), ym) / n
             loss.backward()
             total = total + loss.detach()
         for e, b in zip(ends, running):
