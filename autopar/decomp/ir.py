@@ -209,13 +209,20 @@ class LayerGraphData:
         return out
 
     def value_shape(self, value: str) -> list[int]:
+        return self._value(value)[0]
+
+    def value_dtype(self, value: str) -> str:
+        """The traced dtype of a graph input or op output, without ``torch.`` (e.g. "float32")."""
+        return str(self._value(value)[1]).replace("torch.", "")
+
+    def _value(self, value: str) -> tuple[list[int], str]:
         for gi in self.inputs:
             if gi.name == value:
-                return gi.shape
+                return gi.shape, gi.dtype
         for lay in self.layers:
             for op in lay.ops:
                 if op.name == value:
-                    return op.out_shape
+                    return op.out_shape, op.dtype
         raise KeyError(value)
 
     def to_json(self) -> dict[str, Any]:

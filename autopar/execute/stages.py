@@ -107,7 +107,6 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
                and ("running_mean" in n or "running_var" in n)]
 
     # timing, float32, a fresh model and schedule
-    import torch.distributed as dist
     torch.manual_seed(opts["seed"])
     model = mf.build_model()
     x32 = mf.example_inputs(batch)[0]
@@ -120,24 +119,36 @@ def _rank(rank: int, world: int, model_path: str, env: dict, layout_json: dict, 
     # this stage alone on one microbatch, every chunk it holds (every rank at once, as in the step)
     n_last = layout.num_stages * layout.schedule.virtual - 1        # the chunk with the head and loss
     last_loss = stage_loss(model, loss_fn)                          # as the schedule calls it (HF: .logits)
+    fwd_s, bwd_s = _stage_alone(runner, opts["steps"], n_last,
+                                lambda c, mod: tuple(t.detach().clone().requires_grad_(t.is_floating_point())
+                                                     for t in metas[c][0]),
+                                lambda out: last_loss(out, y[:mb]))
+    return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
+            "fwd_s": fwd_s, "bwd_s": bwd_s, "loss": float(loss),
+            "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
+
+
+def _stage_alone(runner, steps: int, n_last: int, inputs, loss) -> tuple[float, float]:
+    """This stage alone on one microbatch, every chunk it holds (every rank at once, as in the
+    step): the medians over ``steps`` of its forward and of its backward (of ``loss(out)`` on the
+    last chunk, of the outputs' sum elsewhere); ``inputs(c, module)`` makes a chunk's inputs."""
+    import torch.distributed as dist
     fw, bw = [], []
-    for _ in range(opts["steps"]):
+    for _ in range(steps):
         f_s = b_s = 0.0
         for c, mod in runner.modules:
-            inp = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in metas[c][0])
+            inp = inputs(c, mod)
             dist.barrier()
             t0 = time.perf_counter()
             out = mod(*inp)
             t1 = time.perf_counter()
-            (last_loss(out, y[:mb]) if c == n_last else
+            (loss(out) if c == n_last else
              sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
             f_s += t1 - t0
             b_s += time.perf_counter() - t1
         fw.append(f_s)
         bw.append(b_s)
-    return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
-            "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
-            "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
+    return statistics.median(fw), statistics.median(bw)
 
 
 def _timed(runner, x32, y, mf, opts, world: int, state) -> tuple[list[float], dict | None, int]:
@@ -188,7 +199,6 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
     ``DistModel`` (every parameter this rank's layers use, rebuilt whole over the stage's mesh),
     then the same timing, memory and stage-alone measures."""
     import torch
-    import torch.distributed as dist
     st = layout.stage_of(rank)
     record = opts["stage_plan"]
     runner = build_program_runner(model, layout, record, rank, loss_fn)
@@ -216,25 +226,17 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
     # this stage alone on one microbatch (its chunks' inputs: random blocks shaped as the plan says)
     n_last = layout.num_stages * layout.schedule.virtual - 1
     run_dtype = next(iter(runner.parameters())).dtype
-    fw, bw = [], []
-    for _ in range(opts["steps"]):
-        f_s = b_s = 0.0
-        for c, mod in runner.modules:
-            inp = (tuple(t[:mb] for t in x32) if c == 0 else
-                   tuple(torch.randn(t.shape, dtype=t.dtype).requires_grad_(True) if t.is_floating_point() else
-                         torch.zeros(t.shape, dtype=t.dtype) for t in local_metas(runner.dm, mod.ins, run_dtype)))
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = mod(*inp)
-            t1 = time.perf_counter()
-            (runner.dm.local_loss(runner.dm.structured(out), y[:mb], loss_fn) if c == n_last else
-             sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))).backward()
-            f_s += t1 - t0
-            b_s += time.perf_counter() - t1
-        fw.append(f_s)
-        bw.append(b_s)
+    dm = runner.dm
+
+    def inputs(c, mod):
+        if c == 0:
+            return tuple(t[:mb] for t in x32)
+        return tuple(torch.randn(t.shape, dtype=t.dtype).requires_grad_(True) if t.is_floating_point() else
+                     torch.zeros(t.shape, dtype=t.dtype) for t in local_metas(dm, mod.ins, run_dtype))
+    fwd_s, bwd_s = _stage_alone(runner, opts["steps"], n_last, inputs,
+                                lambda out: dm.local_loss(dm.structured(out), y[:mb], loss_fn))
     return {"rank": rank, "stage": st.index, "checks": checks, "step_times_s": times,
-            "fwd_s": statistics.median(fw), "bwd_s": statistics.median(bw), "loss": float(loss),
+            "fwd_s": fwd_s, "bwd_s": bwd_s, "loss": float(loss),
             "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
 
 

@@ -111,20 +111,9 @@ def local_metas(dm: DistModel, values: Sequence[str], dtype: torch.dtype) -> tup
     for v in values:
         lay = value_layout(dm.graph, dm.decisions, v, prod).owned()
         shape = lay.local_shape(tuple(dm.graph.value_shape(v)), dm.comm.rank, dm.comm.world)
-        t = torch.empty(shape, dtype=_run_dtype(_dtype_of(dm.graph, v), dtype))
+        t = torch.empty(shape, dtype=_run_dtype(dm.graph.value_dtype(v), dtype))
         out.append(t.requires_grad_(t.is_floating_point()))
     return tuple(out)
-
-
-def _dtype_of(graph, v: str) -> str:
-    for gi in graph.inputs:
-        if gi.name == v:
-            return gi.dtype
-    for lay in graph.layers:
-        for op in lay.ops:
-            if op.name == v:
-                return str(op.dtype).replace("torch.", "")
-    return "float32"
 
 
 @dataclass
@@ -249,7 +238,7 @@ def _output_meta(dm: DistModel, dtype: torch.dtype) -> torch.Tensor:
     lm = loss_move(dm.graph, dm.decisions, dm.comm.world)
     lay = lm.dst if lm is not None else value_layout(dm.graph, dm.decisions, out)
     shape = lay.owned().local_shape(tuple(dm.graph.value_shape(out)), dm.comm.rank, dm.comm.world)
-    return torch.empty(shape, dtype=_run_dtype(_dtype_of(dm.graph, out), dtype), requires_grad=True)
+    return torch.empty(shape, dtype=_run_dtype(dm.graph.value_dtype(out), dtype), requires_grad=True)
 
 
 def _tied(plan: Plan, layout: StageLayout, chunks: dict[int, list[int]], dm: DistModel, rank: int) -> tuple:

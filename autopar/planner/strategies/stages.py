@@ -396,14 +396,7 @@ def program_cut_values(sp: SubPlan, layout) -> dict[int, list]:
 
 
 def _value_itemsize(graph, v: str) -> int:
-    for gi in graph.inputs:
-        if gi.name == v:
-            return _DTYPE_BYTES.get(str(gi.dtype).replace("torch.", ""), 4)
-    for lay in graph.layers:
-        for op in lay.ops:
-            if op.name == v:
-                return _DTYPE_BYTES.get(str(op.dtype).replace("torch.", ""), 4)
-    return 4
+    return _DTYPE_BYTES.get(graph.value_dtype(v), 4)
 
 
 def _program_sub(base, p: int, rows: int, units: list[int], n_units: int) -> SubPlan:
