@@ -511,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under --pipeline, what each stage's ranks do: replicate (data parallel, all-reduce) "
                         "or fsdp (FSDP2 sharding) of whole blocks, or plan (the solver's per-layer plan of the "
                         "model on the stage's ranks: spatial, channel, tensor... inside every stage); "
-                        "default: the planner chooses between replicate and fsdp")
+                        "default: the planner chooses (stage plans where the block runtime cannot cut the model or "
+                        "few solves price them)")
     p.add_argument("--pin", action="append", metavar="PATTERN=KIND|CHOICE",
                    help="fix the layers whose module or layer name matches the glob PATTERN ('*': all) "
                         "to KIND where legal (the solver picks among that kind's choices) or to the exact "

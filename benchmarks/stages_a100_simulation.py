@@ -165,7 +165,7 @@ def _search(cfg, prof, prof_path, memory_limit, opt_state=2.0):
     for s_count in feasible_stage_counts(n, world):
         size = world // s_count
 
-        def cut(s_count, k, tp, mb, size=size):   # the residual stream, planned between the two sub-meshes
+        def cut(s_count, k, tp, mb, data, size=size):   # the residual stream, planned between the two sub-meshes
             a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size // tp, tp)
             b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size // tp, tp)
             return planned_cut_s(plan_cut(k, a, b, [CutValue("h", (size // tp * mb, SEQ, cfg["hidden"]), 4)]), ctx)

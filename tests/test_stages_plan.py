@@ -321,3 +321,19 @@ def test_the_generated_module_of_a_stage_plan_runs_the_stages(gpt8):
     assert "stage 0: blocks [0, 4) on ranks [0, 1]" in text and "stage 1: blocks [4, 8) on ranks [2, 3]" in text
     assert "stage plan (the model on 2 ranks" in text and "cut 0 (stage 0 -> 1)" in text
     assert "autopar.parallelize(model, PLAN_FILE)" in text and "class PlannedModel" not in text
+
+
+def test_auto_weighs_stage_plans_beside_block_stages_when_few_solves(gpt8):
+    """Under --stage-data auto the search prices the solver's stage plan beside dp x tp block
+    stages when at most PLAN_SOLVES_IN_AUTO stage plans would be solved (here 2: P = 2 ranks,
+    M 2 or 4), and keeps the fastest; a search over many stage counts and microbatch counts would
+    solve far more, so there stage plans are asked for by name."""
+    from autopar.planner.strategies.stages import PLAN_SOLVES_IN_AUTO, plan_solves
+    rt = _plan(gpt8, pipeline=2).plan.runtime.to_json()
+    assert rt["search"]["data_axes"] == ["replicate", "fsdp", "plan"]
+    priced = [o for o in rt["stage_counts_priced"] if "refused" not in o]
+    plans = [o for o in priced if o["data"] == "plan"]
+    assert plans and all(o["tp"] == 1 and o["dp"] == 2 for o in plans)
+    assert rt["price"]["step_s"] == min(o["step_s"] for o in priced)
+    assert plan_solves([2], 4, 8, "1f1b", None) == {(2, 4), (2, 2)}
+    assert len(plan_solves([2, 4, 8, 16, 32], 64, 512, "1f1b", None)) > PLAN_SOLVES_IN_AUTO

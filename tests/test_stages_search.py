@@ -57,9 +57,9 @@ def _uniform(i, dp, tp, mb, data="replicate"):
 
 
 def test_no_pipeline_when_everything_fits_and_stages_when_memory_forces_them():
-    free = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb: 1e-5)
+    free = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb, data: 1e-5)
     assert free.best.stages == 1       # bubble-free data parallelism wins when it fits
-    tight = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb: 1e-5, memory_limit_bytes=80e6)
+    tight = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb, data: 1e-5, memory_limit_bytes=80e6)
     assert tight.best.stages > 1
     best = tight.best
     assert best.price.peak_bytes and max(best.price.peak_bytes) <= 80e6
@@ -70,14 +70,14 @@ def test_no_pipeline_when_everything_fits_and_stages_when_memory_forces_them():
 
 
 def test_uniform_blocks_are_cut_evenly():
-    s = search_stages(8, 4, 16, _uniform, lambda S, k, tp, mb: 1e-5, stage_counts=[4])
+    s = search_stages(8, 4, 16, _uniform, lambda S, k, tp, mb, data: 1e-5, stage_counts=[4])
     assert s.best.cuts == (2, 4, 6)
 
 
 def test_infeasible_requests_are_named():
     with pytest.raises(PipelineError, match=r"feasible stage counts \[1, 2, 4, 8\]"):
-        search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb: 0.0, stage_counts=[3])
-    nothing = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb: 0.0, memory_limit_bytes=1.0)
+        search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb, data: 0.0, stage_counts=[3])
+    nothing = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb, data: 0.0, memory_limit_bytes=1.0)
     with pytest.raises(PipelineError, match="feasible stage counts: none"):
         require_fit(nothing, 8, 8)
 
@@ -111,7 +111,7 @@ def test_pruning_by_the_lower_bound_keeps_the_best_and_every_m_divisor_is_tried(
         return StageCost(1e-3 * (1 + i % 3) * mb / tp + 2e-4, 2e-3 * mb / tp + 2e-4, 1e-4 * dp,
                          act_bytes_per_microbatch=mb * 1e6 / tp, static_bytes=16e6 / tp)
     for limit in (None, 60e6):
-        s = search_stages(8, 8, 32, unit, lambda S, k, tp, mb: 1e-5, tps=(1, 2), memory_limit_bytes=limit)
+        s = search_stages(8, 8, 32, unit, lambda S, k, tp, mb, data: 1e-5, tps=(1, 2), memory_limit_bytes=limit)
         assert s.best.step_s == pytest.approx(_exhaustive_best(8, 8, 32, unit, limit), rel=1e-12)
         if limit is None:      # the unsplit data-parallel option is found early and bounds most others
             assert sum(1 for o in s.options if o.refused and o.refused.startswith("pruned")) > 10
@@ -136,7 +136,7 @@ def test_min_peak_bytes_is_the_least_peak_of_any_cut():
 
 
 def test_nothing_fitting_names_the_memory_each_stage_count_reaches():
-    nothing = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb: 0.0, memory_limit_bytes=1e6)
+    nothing = search_stages(8, 8, 64, _uniform, lambda S, k, tp, mb, data: 0.0, memory_limit_bytes=1e6)
     with pytest.raises(PipelineError, match=r"least peak per rank each stage count reaches: 1: [\d.]+ MiB, 2: "):
         require_fit(nothing, 8, 8)
 
@@ -153,11 +153,11 @@ def test_each_stage_takes_fsdp_only_where_memory_needs_it():
             return StageCost(1.0, 1.0, 0.5, 10.0, 60.0, fill_s=0.2)
         return StageCost(1.0, 1.0, 0.1, 10.0, 100.0)
     kw = dict(stage_counts=[2], microbatches=4, memory_limit_bytes=460.0)
-    s = search_stages(8, 4, 8, unit, lambda S, k, tp, mb: 0.0, data_axes=("replicate", "fsdp"), **kw)
+    s = search_stages(8, 4, 8, unit, lambda S, k, tp, mb, data: 0.0, data_axes=("replicate", "fsdp"), **kw)
     by = {o.data: o for o in s.options}
     assert by["replicate"].price is None and "memory" in by["replicate"].refused
     assert s.best.data == "mixed" and s.best.stage_data == ("fsdp", "replicate") and s.best.cuts == (4,)
     assert s.best.step_s < by["fsdp"].step_s
     assert s.best.to_json()["stage_data"] == ["fsdp", "replicate"]
-    alone = search_stages(8, 4, 8, unit, lambda S, k, tp, mb: 0.0, data_axes=("replicate", "fsdp"), mixed=False, **kw)
+    alone = search_stages(8, 4, 8, unit, lambda S, k, tp, mb, data: 0.0, data_axes=("replicate", "fsdp"), mixed=False, **kw)
     assert alone.best.data == "fsdp" and all(o.data != "mixed" for o in alone.options)

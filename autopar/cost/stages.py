@@ -280,7 +280,7 @@ def microbatch_counts(per_replica: int, s_count: int, schedule: str) -> list[int
 
 
 def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
-                  cut_send_s: Callable[[int, int, int, int], float], *, stage_counts: Sequence[int] | None = None,
+                  cut_send_s: Callable[[int, int, int, int, str], float], *, stage_counts: Sequence[int] | None = None,
                   tps: Sequence[int] = (1,), microbatches: int | None = None, schedule: str = "1f1b",
                   virtual: int = 1, memory_limit_bytes: float | None = None,
                   data_axes: Sequence[str] = ("replicate",), mixed: bool = True) -> StageSearch:
@@ -297,7 +297,10 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
     are priced in order of that bound and one whose bound is not below the best step found is
     recorded as pruned, with its bound, without cutting it.
 
-    ``cut_send_s(S, k, tp, microbatch)``: one microbatch's values over cut k of a layout of S
+    A stage plan ("plan" in ``data_axes``: the solver's plan on the stage's ``dp`` ranks, ``tp``
+    1) is tried at tp 1 only, and only where a stage has more than one rank unless it is the only axis.
+
+    ``cut_send_s(S, k, tp, microbatch, data)``: one microbatch's values over cut k of a layout of S
     stages (the caller knows the link level: stage ranks are consecutive blocks)."""
     feasible = feasible_stage_counts(n_units, world, virtual)
     counts = list(stage_counts) if stage_counts is not None else feasible
@@ -342,7 +345,11 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                                                refused=f"1F1B needs M >= S ({m} < {s_count})"))
                     continue
                 mb = batch // (dp * m)
-                datas = list(data_axes if dp > 1 or tuple(data_axes) == ("plan",) else ("replicate",))
+                only_plan = tuple(data_axes) == ("plan",)
+                datas = [d for d in (data_axes if dp > 1 or only_plan else ("replicate",))
+                         if d != "plan" or tp == 1]
+                if not datas:
+                    continue
                 if mixed and dp > 1 and {"replicate", "fsdp"} <= set(datas):
                     datas.append("mixed")       # each stage its own: replicated where it fits, else FSDP2
                 for data in datas:
@@ -376,7 +383,7 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
             continue
         bounds = [0, *cuts, n_units]
         costs = [_sum(variants[picks[k]][bounds[k]:bounds[k + 1]]) for k in range(s_count)]
-        sends = [cut_send_s(s_count, k, tp, mb) for k in range(s_count - 1)]
+        sends = [cut_send_s(s_count, k, tp, mb, data) for k in range(s_count - 1)]
         op = StageOption(s_count, dp, tp, m, mb, schedule, cuts, price_pipeline(costs, sends, sch), bound_s=bound,
                          data=data, stage_data=tuple(axes[k] for k in picks) if data == "mixed" else ())
         options.append(op)

@@ -46,7 +46,7 @@ import re
 import time
 
 from ...artifacts import PlanHooks
-from ...cost.stages import fsdp_unit_cost, memory_reach, search_stages
+from ...cost.stages import fsdp_unit_cost, memory_reach, microbatch_counts, search_stages
 from ...decomp import REGISTRY
 from ...decomp.fsdp import UnitParams
 from ...profile.optimizer import optimizer_step_s
@@ -160,9 +160,10 @@ class PipelineStages:
                 raise PipelineError(f"--pipeline {fixed}: {why}", "plan with --pipeline off")
             return (Candidate(NAME, "pipeline stages", illegal=why, priority=self.priority),)
         data_axes = stage_data_axes(o, sched_name)
-        program_mode = data_axes == ("plan",)     # the stage runs the plan's program: any traced layers
+        program_mode = data_axes == ("plan",)     # only stage plans: the plan's program, any traced layers
+        auto = (getattr(o, "stage_data", None) or "auto") == "auto" and sched_name not in SPLIT_BACKWARD
         cannot = None if program_mode else runtime_cannot_cut(base.loaded.mf)
-        if cannot is not None and (getattr(o, "stage_data", None) or "auto") == "auto" and sched_name not in SPLIT_BACKWARD:
+        if cannot is not None and auto:
             # the block runtime cannot cut this model: its stages run the solver's plan instead
             data_axes, program_mode, cannot = ("plan",), True, None
         if program_mode:
@@ -178,6 +179,9 @@ class PipelineStages:
             raise PipelineError(f"--pipeline {fixed} is not feasible for {n_units} blocks on {world} ranks",
                                 f"use one of the feasible stage counts {feasible} (or --pipeline auto|off)")
         counts = [fixed] if mode == "fixed" else feasible
+        if auto and not program_mode and program_cannot_run(base.graph, batch) is None and \
+                0 < len(plan_solves(counts, world, batch, sched_name, getattr(o, "microbatches", None))) <= PLAN_SOLVES_IN_AUTO:
+            data_axes = (*data_axes, "plan")       # few enough solves: stage plans weighed beside block stages
         profile = base.loaded.profile
         rpn = int(base.loaded.ranks_per_node)
         heads = gpt_heads(base.graph)
@@ -216,9 +220,9 @@ class PipelineStages:
         widest = bvalues.get(widest_boundary(bvalues), [])
         ctx = base.table.ctx
 
-        def cut(s_count, k, tp, mb):      # the widest boundary's values, planned between the two sub-meshes
+        def cut(s_count, k, tp, mb, data="replicate"):   # the widest boundary's values, planned between the sub-meshes
             size = world // s_count
-            if program_mode:
+            if data == "plan":
                 sp = psub(size, size * mb)
                 a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size, 1, "plan")
                 b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size, 1, "plan")
@@ -254,7 +258,7 @@ class PipelineStages:
             p = best.price
             # each cut's own boundary: the stages' (V = 1) or the chunks' (V chunks per rank, cut evenly;
             # the search priced them with the widest boundary)
-            if program_mode:
+            if best.data == "plan":
                 sp = psub(best.dp, best.dp * best.microbatch)
                 cuts_planned = tuple(plan_program_cut(k, layout.stages[chunk_holder(layout, k)],
                                                       layout.stages[chunk_holder(layout, k + 1)], vals)
@@ -277,10 +281,10 @@ class PipelineStages:
                                            "cuts": [c.to_json() for c in cuts_planned],
                                            "search": search, "heads": heads if best.tp > 1 else None,
                                            "sub_plan_kinds": list((psub(best.dp, best.dp * best.microbatch) if
-                                                                   program_mode else sub(best.tp, best.microbatch)).kinds)
+                                                                   best.data == "plan" else sub(best.tp, best.microbatch)).kinds)
                                            + (["sharded"] if best.data in ("fsdp", "mixed") else []),
                                            **({"stage_plan": psub(best.dp, best.dp * best.microbatch).record}
-                                              if program_mode else {})}))
+                                              if best.data == "plan" else {})}))
         if mode == "fixed" and all(c.illegal for c in cands):
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
                                 f"({cands[0].illegal if cands else 'nothing priced'})",
@@ -370,6 +374,28 @@ class SubPlan:
     units: tuple = ()
     boundaries: dict = dataclasses.field(default_factory=dict)
     record: dict | None = None
+
+
+#: ``--stage-data auto`` weighs stage plans beside block stages when at most this many stage plans
+#: (one solve of the whole model per (ranks per stage, microbatch rows)) would be solved; beyond it,
+#: planning would be dominated by those solves (every stage count times every microbatch count,
+#: each a solve of the whole model on up to world / 2 ranks), and ``--stage-data plan`` asks for
+#: them by name
+PLAN_SOLVES_IN_AUTO = 8
+
+
+def plan_solves(counts, world: int, batch: int, schedule: str, microbatches: int | None) -> set[tuple[int, int]]:
+    """The (ranks per stage, microbatch rows) pairs a search over ``counts`` stage counts would
+    solve a stage plan for (``cost.stages.microbatch_counts``, or the fixed M): stages of more than
+    one rank only."""
+    out = set()
+    for s in counts:
+        p = world // s
+        if p < 2 or batch % p:
+            continue
+        ms = [microbatches] if microbatches else microbatch_counts(batch // p, s, schedule)
+        out |= {(p, batch // m) for m in ms if m and (batch // p) % m == 0}
+    return out
 
 
 #: the per-layer kinds a stage running a plan may use: what the op-by-op runtime runs on a
