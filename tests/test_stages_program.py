@@ -61,7 +61,10 @@ def _rank(rank, world, model_path, env, rt):
     runner = build_program_runner(model, layout, rt["stage_plan"], rank, mf.loss_fn())
     sends = record_sends(runner)
     loss = runner.step(x, y)
-    n_msgs = check_cut_messages(runner, sends, [CutPlan.from_json(c) for c in rt["cuts"]], itemsize=8)
+    # bytes too where every value is floating (float64 here); shapes only with a mask over the cut
+    floating = all(v["itemsize"] == 4 for c in rt["cuts"] for v in c["values"])
+    n_msgs = check_cut_messages(runner, sends, [CutPlan.from_json(c) for c in rt["cuts"]],
+                                itemsize=8 if floating else None)
     dm = runner.dm
     grads = dm.full_grads()
     torch.optim.SGD(list(runner.parameters()), lr=0.1).step()
@@ -128,6 +131,21 @@ def test_spatial_layers_with_batch_norm_and_two_crossing_values_at_world_4(monke
     out = _run(4, CONV, env, rt)
     _check(out, _param_names(CONV, env))
     assert {n for r in out for n in r["running"]} >= {"blocks.0.bn.running_mean", "blocks.3.bn.running_var"}
+
+
+def test_hugging_face_gpt2_with_heads_a_tied_embedding_and_a_mask_over_the_cut_at_world_4(monkeypatch):
+    """Hugging Face GPT-2: attention heads split inside each stage, its token embedding tied to the
+    head on the last stage (their gradient parts summed over the two stages' peers), and two
+    values over the cut: the residual stream and the attention mask made before the blocks (an
+    ``expand``ed view, sent contiguous)."""
+    gpt2 = ROOT / "strategies/examples/hf_gpt2.py"
+    res = _plan(gpt2, 4, {}, monkeypatch, pipeline=2, stage_data="plan", microbatches=2, pins=("*.attn=head",))
+    rt = res.plan.runtime.to_json()
+    assert any(c.startswith("head") for c in rt["stage_plan"]["choices"])
+    (cut,) = rt["cuts"]
+    assert len(cut["values"]) == 2
+    out = _run(4, gpt2, {}, rt)
+    _check(out, _param_names(gpt2, {}))
 
 
 def test_interleaved_chunks_and_a_model_the_block_runtime_cannot_cut_at_world_2(monkeypatch):

@@ -98,7 +98,10 @@ class ProgramChunk(nn.Module):
 
 
 def _passed(t: torch.Tensor) -> torch.Tensor:
-    """A value sent on: a view when it is a received leaf (its gradient flows back through it)."""
+    """A value sent on: contiguous (torch sends whole buffers: an ``expand``ed mask is copied), and
+    a view when it is a received leaf (its gradient flows back through it)."""
+    if not t.is_contiguous():
+        return t.contiguous()
     return t.view_as(t) if t.is_leaf and t.requires_grad else t
 
 
