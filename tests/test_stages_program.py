@@ -148,6 +148,19 @@ def test_hugging_face_gpt2_with_heads_a_tied_embedding_and_a_mask_over_the_cut_a
     _check(out, _param_names(gpt2, {}))
 
 
+def test_hugging_face_llama_rotary_tables_cross_in_their_own_dtype_at_world_2(monkeypatch):
+    """Hugging Face Llama: its rotary tables are made once before the layers, in float32 even in a
+    float64 run (the traced program casts explicitly), and cross the cut beside the residual
+    stream and the mask; each crosses widened to the run's dtype (``wire_dtype``), which the
+    receiving stage's buffers have (it read float32 bytes as float64 before: NaN losses)."""
+    llama = ROOT / "strategies/examples/hf_llama.py"
+    res = _plan(llama, 2, {}, monkeypatch, pipeline=2, stage_data="plan", microbatches=2)
+    rt = res.plan.runtime.to_json()
+    (cut,) = rt["cuts"]
+    assert len(cut["values"]) >= 3
+    _check(_run(2, llama, {}, rt), _param_names(llama, {}))
+
+
 def test_interleaved_chunks_and_a_model_the_block_runtime_cannot_cut_at_world_2(monkeypatch):
     """torch's TransformerEncoder (no (pre, blocks, post) the block runtime knows): --pipeline 2
     plans its stages with the solver's plan by default, run here under interleaved 1F1B (two

@@ -93,16 +93,30 @@ class ProgramChunk(nn.Module):
             if lm is not None:
                 out = redistribute(out, lm.src, lm.dst, dm.graph.value_shape(lm.value), dm.comm)
             return out
-        res = tuple(_passed(env[var(v)]) for v in self.outs)
+        run = next((p.dtype for p in dm.params.values() if p.is_floating_point()), torch.float32)
+        res = tuple(_passed(env[var(v)], wire_dtype(dm.graph.value_dtype(v), run)) for v in self.outs)
         return res[0] if len(res) == 1 else res
 
 
-def _passed(t: torch.Tensor) -> torch.Tensor:
-    """A value sent on: contiguous (torch sends whole buffers: an ``expand``ed mask is copied), and
-    a view when it is a received leaf (its gradient flows back through it)."""
+def _passed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A value sent on: in its wire dtype (``wire_dtype``), contiguous (torch sends whole buffers:
+    an ``expand``ed mask is copied), and a view when it is a received leaf (its gradient flows
+    back through it)."""
+    if t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
     if not t.is_contiguous():
         return t.contiguous()
     return t.view_as(t) if t.is_leaf and t.requires_grad else t
+
+
+def wire_dtype(traced: str, run: torch.dtype) -> torch.dtype:
+    """The dtype a value crosses a cut in, which the receiver's buffer must have: a non-floating
+    value its traced dtype; a floating one the wider of its traced dtype and the run's (the
+    parameters'). A floating value is computed in the run's dtype except where the traced
+    program casts explicitly (Hugging Face Llama's rotary tables stay float32 in a float64 run);
+    such a value is widened for the trip, exactly, as the op consuming it would promote it."""
+    t = getattr(torch, str(traced).replace("torch.", ""))
+    return torch.promote_types(t, run) if t.is_floating_point else t
 
 
 def local_metas(dm: DistModel, values: Sequence[str], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -114,7 +128,7 @@ def local_metas(dm: DistModel, values: Sequence[str], dtype: torch.dtype) -> tup
     for v in values:
         lay = value_layout(dm.graph, dm.decisions, v, prod).owned()
         shape = lay.local_shape(tuple(dm.graph.value_shape(v)), dm.comm.rank, dm.comm.world)
-        t = torch.empty(shape, dtype=_run_dtype(dm.graph.value_dtype(v), dtype))
+        t = torch.empty(shape, dtype=wire_dtype(dm.graph.value_dtype(v), dtype))
         out.append(t.requires_grad_(t.is_floating_point()))
     return tuple(out)
 
@@ -217,7 +231,7 @@ def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, ra
     stages = []
     for c, mod in modules:
         ins = local_metas(dm, cuts[c - 1], run_dtype) if c > 0 else tuple(
-            torch.empty(gi.shape, dtype=_run_dtype(gi.dtype, run_dtype)) for gi in graph.inputs)
+            torch.empty(gi.shape, dtype=wire_dtype(gi.dtype, run_dtype)) for gi in graph.inputs)
         outs = local_metas(dm, cuts[c], run_dtype) if c < n_chunks - 1 else (_output_meta(dm, run_dtype),)
         stages.append(PipelineStage(mod, c, n_chunks, torch.device("cpu"), group=groups.pipeline,
                                     input_args=ins, output_args=outs if len(outs) > 1 else outs[0]))
@@ -230,18 +244,13 @@ def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, ra
     return ProgramRunner(layout, rank, modules, groups, schedule, dm, tied, {}, None)
 
 
-def _run_dtype(traced: str, run: torch.dtype) -> torch.dtype:
-    t = getattr(torch, str(traced).replace("torch.", ""))
-    return run if t.is_floating_point else t
-
-
 def _output_meta(dm: DistModel, dtype: torch.dtype) -> torch.Tensor:
     """This rank's block of the graph's output in the layout the loss reads it in."""
     out = dm.graph.output
     lm = loss_move(dm.graph, dm.decisions, dm.comm.world)
     lay = lm.dst if lm is not None else value_layout(dm.graph, dm.decisions, out)
     shape = lay.owned().local_shape(tuple(dm.graph.value_shape(out)), dm.comm.rank, dm.comm.world)
-    return torch.empty(shape, dtype=_run_dtype(dm.graph.value_dtype(out), dtype), requires_grad=True)
+    return torch.empty(shape, dtype=wire_dtype(dm.graph.value_dtype(out), dtype), requires_grad=True)
 
 
 def _tied(plan: Plan, layout: StageLayout, chunks: dict[int, list[int]], dm: DistModel, rank: int) -> tuple:
