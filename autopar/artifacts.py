@@ -1317,10 +1317,25 @@ class Check(_Record):
     extra: JsonObject = field(default_factory=JsonObject)
 
     def to_json(self) -> dict[str, Any]:
+        """Non-finite figures (a NaN gradient, a shape mismatch's infinite difference) as the
+        strings "nan" / "inf" / "-inf": run.json is strict JSON, and a failed check must still be
+        written (``from_json`` reads them back as floats)."""
         out = super().to_json()
         if out.get("note") is None:
             out.pop("note", None)
+        for k in _CHECK_FIGURES:
+            v = out.get(k)
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k] = str(v)
         return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]):
+        return super().from_json({k: float(v) if k in _CHECK_FIGURES and isinstance(v, str) else v
+                                  for k, v in obj.items()})
+
+
+_CHECK_FIGURES = ("max_abs_diff", "max_abs_ref", "rel")
 
 
 @dataclass(frozen=True)

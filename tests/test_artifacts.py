@@ -129,6 +129,19 @@ def test_run_round_trips(plan, tmp_path):
     assert no_base.to_json()["baseline"] == {} and RunResult.from_json(no_base.to_json()) == no_base
 
 
+def test_a_failed_run_with_nan_and_infinite_differences_is_still_written(plan, tmp_path):
+    """A NaN gradient or a shape mismatch gives non-finite figures; run.json is strict JSON, so they
+    are written as strings and read back as floats (the run writing it used to raise instead)."""
+    import math
+    bad = (Check("grad:w", False, math.nan, 1.0, math.nan), Check("param:b", False, math.inf, 0.0, math.inf))
+    run = dataclasses.replace(_run(plan), validation=dataclasses.replace(_run(plan).validation, checks=bad))
+    write_run(run, tmp_path / "r" / "run.json")
+    back = load_run(tmp_path / "r")
+    c0, c1 = back.validation.checks
+    assert math.isnan(c0.max_abs_diff) and math.isnan(c0.rel) and c1.max_abs_diff == math.inf
+    assert '"max_abs_diff": "nan"' in (tmp_path / "r" / "run.json").read_text()
+
+
 def test_run_of_another_schema_is_refused(plan, tmp_path):
     j = _run(plan).to_json()
     j["schema"] = "autopar.run/0"
