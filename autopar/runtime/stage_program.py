@@ -103,7 +103,7 @@ def _passed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     an ``expand``ed mask is copied), and a view when it is a received leaf (its gradient flows
     back through it)."""
     if t.is_floating_point() and t.dtype != dtype:
-        return t.to(dtype)
+        return t.to(dtype).contiguous()
     if not t.is_contiguous():
         return t.contiguous()
     return t.view_as(t) if t.is_leaf and t.requires_grad else t
@@ -121,8 +121,8 @@ def wire_dtype(traced: str, run: torch.dtype) -> torch.dtype:
 
 def local_metas(dm: DistModel, values: Sequence[str], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Empty tensors shaped as this rank's local blocks of ``values`` (each as its producer leaves
-    it): what crosses a cut, for ``PipelineStage``'s static shapes. Floating values take ``dtype``
-    (the run's), others their traced dtype; floating ones carry a gradient."""
+    it): what crosses a cut, for ``PipelineStage``'s static shapes, in its ``wire_dtype`` (``dtype``:
+    the run's); floating ones carry a gradient."""
     prod = dm.graph.producer()
     out = []
     for v in values:
@@ -203,7 +203,7 @@ def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, ra
     if plan.bn_stats().local and any(op.kind == "batch_norm" for lay in plan.graph().layers for op in lay.ops):
         raise PipelineError("stages running a plan with local batch-norm statistics: their running statistics are "
                             "deferred to a step's end, which a pipeline schedule does not have",
-                            "re-plan with --stage-data replicate (block stages), or --bn global")
+                            "re-plan with --batch-norm global, or --stage-data replicate (block stages)")
     st = layout.stage_of(rank)
     if plan.world_size != len(st.ranks):
         raise PipelineError(f"the stage plan is for {plan.world_size} ranks, stage {st.index} has {len(st.ranks)}",
