@@ -337,3 +337,14 @@ def test_auto_weighs_stage_plans_beside_block_stages_when_few_solves(gpt8):
     assert rt["price"]["step_s"] == min(o["step_s"] for o in priced)
     assert plan_solves([2], 4, 8, "1f1b", None) == {(2, 4), (2, 2)}
     assert len(plan_solves([2, 4, 8, 16, 32], 64, 512, "1f1b", None)) > PLAN_SOLVES_IN_AUTO
+
+
+def test_stage_plans_with_local_batch_norm_are_refused_at_plan_time(monkeypatch):
+    """Stage plans run batch norm with global statistics only: local ones (the default) are named
+    at plan time, with the flag that fixes it."""
+    monkeypatch.setenv("AUTOPAR_CONV_BN", "1")
+    conv = ROOT / "strategies/examples/conv_blocks.py"
+    with pytest.raises(PipelineError, match="--batch-norm global"):
+        _plan(conv, pipeline=2, stage_data="plan")
+    rt = _plan(conv, pipeline=2, stage_data="plan", batch_norm="global").plan.runtime.to_json()
+    assert rt["stage_plan"]["batch_norm"]["mode"] == "global"

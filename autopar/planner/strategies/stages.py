@@ -166,8 +166,9 @@ class PipelineStages:
         if cannot is not None and auto:
             # the block runtime cannot cut this model: its stages run the solver's plan instead
             data_axes, program_mode, cannot = ("plan",), True, None
+        bn_local = bool(getattr(base.table.ctx.batch_norm, "local", False))
         if program_mode:
-            cannot = program_cannot_run(base.graph, base.loaded.batch_size)
+            cannot = program_cannot_run(base.graph, base.loaded.batch_size, bn_local)
         if cannot is not None:                       # the planner offers only what the stage runtime runs
             if mode == "fixed":
                 raise PipelineError(f"--pipeline {fixed}: {cannot}", "plan with --pipeline off")
@@ -179,7 +180,7 @@ class PipelineStages:
             raise PipelineError(f"--pipeline {fixed} is not feasible for {n_units} blocks on {world} ranks",
                                 f"use one of the feasible stage counts {feasible} (or --pipeline auto|off)")
         counts = [fixed] if mode == "fixed" else feasible
-        if auto and not program_mode and program_cannot_run(base.graph, batch) is None and \
+        if auto and not program_mode and program_cannot_run(base.graph, batch, bn_local) is None and \
                 0 < len(plan_solves(counts, world, batch, sched_name, getattr(o, "microbatches", None))) <= PLAN_SOLVES_IN_AUTO:
             data_axes = (*data_axes, "plan")       # few enough solves: stage plans weighed beside block stages
         profile = base.loaded.profile
@@ -403,9 +404,14 @@ def plan_solves(counts, world: int, batch: int, schedule: str, microbatches: int
 PROGRAM_EXCLUDED = ("graphs", "branch")
 
 
-def program_cannot_run(graph, traced_batch: int) -> str | None:
+def program_cannot_run(graph, traced_batch: int, bn_local: bool = False) -> str | None:
     """Why stages cannot run the solver's plan of this model (``runtime.stage_program``), or None:
-    torch's schedule cuts every model input into microbatches along dim 0, so each must be batched."""
+    torch's schedule cuts every model input into microbatches along dim 0, so each must be
+    batched; batch norm needs global statistics there (local ones defer their running statistics
+    to a step's end, which a schedule does not have)."""
+    if bn_local and any(op.kind == "batch_norm" for lay in graph.layers for op in lay.ops):
+        return ("stage plans need global batch-norm statistics (--batch-norm global): local ones update running "
+                "statistics at a step's end, which a pipeline schedule does not have")
     for gi in graph.inputs:
         if not gi.shape or int(gi.shape[0]) != int(traced_batch):
             return (f"model input {gi.name} {tuple(gi.shape)} has no batch dim 0 of {traced_batch} samples: the "
