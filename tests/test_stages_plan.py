@@ -325,8 +325,8 @@ def test_the_generated_module_of_a_stage_plan_runs_the_stages(gpt8):
 
 def test_auto_weighs_stage_plans_beside_block_stages_when_few_solves(gpt8):
     """Under --stage-data auto the search prices the solver's stage plan beside dp x tp block
-    stages when at most PLAN_SOLVES_IN_AUTO stage plans would be solved (here 2: P = 2 ranks,
-    M 2 or 4), and keeps the fastest; a search over many stage counts and microbatch counts would
+    stages when at most PLAN_SOLVES_IN_AUTO stage plans would be solved (here 3: P = 2 ranks,
+    M 2, 4 or 8), and keeps the fastest; a search over many stage counts and microbatch counts would
     solve far more, so there stage plans are asked for by name."""
     from autopar.planner.strategies.stages import PLAN_SOLVES_IN_AUTO, plan_solves
     rt = _plan(gpt8, pipeline=2).plan.runtime.to_json()
@@ -335,7 +335,7 @@ def test_auto_weighs_stage_plans_beside_block_stages_when_few_solves(gpt8):
     plans = [o for o in priced if o["data"] == "plan"]
     assert plans and all(o["tp"] == 1 and o["dp"] == 2 for o in plans)
     assert rt["price"]["step_s"] == min(o["step_s"] for o in priced)
-    assert plan_solves([2], 4, 8, "1f1b", None) == {(2, 4), (2, 2)}
+    assert plan_solves([2], 4, 8, "1f1b", None) == {(2, 4), (2, 2), (2, 1)}
     assert len(plan_solves([2, 4, 8, 16, 32], 64, 512, "1f1b", None)) > PLAN_SOLVES_IN_AUTO
 
 
@@ -348,3 +348,26 @@ def test_stage_plans_with_local_batch_norm_are_refused_at_plan_time(monkeypatch)
         _plan(conv, pipeline=2, stage_data="plan")
     rt = _plan(conv, pipeline=2, stage_data="plan", batch_norm="global").plan.runtime.to_json()
     assert rt["stage_plan"]["batch_norm"]["mode"] == "global"
+
+
+def test_a_stage_plan_is_solved_again_under_the_memory_limit(monkeypatch):
+    """One 64x64 image per microbatch on two ranks a stage: the fastest stage plan keeps every
+    layer whole on both ranks, which no cut fits under 1.5 MiB; the plan is then solved again
+    under the budget every cut needs (``stage_plan_budget``), and splits the convolutions."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.planner import make_plan
+    from autopar.profile import load_profile
+    for k, v in {"AUTOPAR_CONV_SIDE": "64", "AUTOPAR_CONV_CH": "16"}.items():
+        monkeypatch.setenv(k, v)
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+
+    def plan(limit):
+        return make_plan(ROOT / "strategies/examples/conv_blocks.py", PlanOptions(
+            world_size=4, batch_size=4, write=False, placement="block", trace_cache=False, pipeline=2,
+            stage_data="plan", microbatches=4, memory_limit_bytes=limit), PlanHooks(profile=prof)).plan.runtime.to_json()
+    free = plan(None)
+    assert set(free["stage_plan"]["choices"]) == {"replicate"} and max(free["price"]["peak_bytes"]) > 1.5 * 2**20
+    tight = plan(1.5 * 2**20)
+    kinds = {c.split("(")[0] for c in tight["stage_plan"]["choices"]}
+    assert kinds & {"spatial", "filter", "channel"}
+    assert max(tight["price"]["peak_bytes"]) <= 1.5 * 2**20 and tight["price"]["step_s"] > free["price"]["step_s"]

@@ -34,6 +34,7 @@ least peak per rank any cut of it reaches (``min_peak_bytes``: bisection with th
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -297,8 +298,11 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
     are priced in order of that bound and one whose bound is not below the best step found is
     recorded as pruned, with its bound, without cutting it.
 
-    A stage plan ("plan" in ``data_axes``: the solver's plan on the stage's ``dp`` ranks, ``tp``
-    1) is tried at tp 1 only, and only where a stage has more than one rank unless it is the only axis.
+    A stage plan ("plan" in ``data_axes``: the solver's plan on all of a stage's ranks, recorded as
+    dp = the stage's ranks, tp 1) takes M from the divisors of the whole batch, and its
+    ``microbatch`` is the whole microbatch's samples (they need not split over the ranks: the
+    plan may split them spatially, by channel...); it is tried where a stage has more than one
+    rank, or everywhere when it is the only axis.
 
     ``cut_send_s(S, k, tp, microbatch, data)``: one microbatch's values over cut k of a layout of S
     stages (the caller knows the link level: stage ranks are consecutive blocks)."""
@@ -315,9 +319,40 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
 
     options: list[StageOption] = []
     todo: list[tuple[float, int, int, int, int, int, str]] = []     # (bound, S, dp, tp, M, microbatch, data)
+    block_axes = tuple(d for d in data_axes if d != "plan")
+
+    def queue(s_count: int, dp: int, tp: int, m: int, mb: int, datas: Sequence[str], samples: int) -> None:
+        """Check M against the schedule and queue each data axis with its lower bound."""
+        try:
+            Schedule(schedule, m, virtual)
+        except PipelineError as e:
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, refused=e.message))
+            return
+        if schedule == "1f1b" and m < s_count:
+            options.append(StageOption(s_count, dp, tp, m, mb, schedule, refused=f"1F1B needs M >= S ({m} < {s_count})"))
+            return
+        for data in datas:
+            work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb, "replicate" if data == "mixed" else data))
+            if not math.isfinite(work):          # the sub-mesh has no sub-plan (none fits its budget)
+                options.append(StageOption(s_count, dp, tp, m, mb, schedule, data=data,
+                                           refused=f"no sub-plan on {dp * tp} ranks for {samples} samples "
+                                                   "(the solver found none within its memory budget)"))
+                continue
+            todo.append((m * work / s_count, s_count, dp, tp, m, mb, data))
+
     for s_count in counts:
         per = world // s_count
-        for tp in tps:
+        if "plan" in data_axes and (per > 1 or not block_axes):
+            # a stage plan: the solver's plan on all ``per`` ranks for one microbatch of the whole batch
+            # (``microbatch``: its samples; they need not split over the ranks: spatial, channel...)
+            ms = [microbatches] if microbatches is not None else microbatch_counts(batch, s_count, schedule)
+            if microbatches is not None and batch % microbatches:
+                options.append(StageOption(s_count, per, 1, microbatches, 0, schedule, data="plan",
+                                           refused=f"batch {batch} does not split into M {microbatches}"))
+            else:
+                for m in ms:
+                    queue(s_count, per, 1, m, batch // m, ("plan",), batch // m)
+        for tp in tps if block_axes else ():
             if per % tp:
                 continue
             dp = per // tp
@@ -335,26 +370,11 @@ def search_stages(n_units: int, world: int, batch: int, unit_cost: UnitCost,
                                            refused=f"the per-replica batch {batch // dp} has no M >= S = {s_count}"))
                 continue
             for m in ms:
-                try:
-                    Schedule(schedule, m, virtual)
-                except PipelineError as e:
-                    options.append(StageOption(s_count, dp, tp, m, batch // (dp * m), schedule, refused=e.message))
-                    continue
-                if schedule == "1f1b" and m < s_count:
-                    options.append(StageOption(s_count, dp, tp, m, batch // (dp * m), schedule,
-                                               refused=f"1F1B needs M >= S ({m} < {s_count})"))
-                    continue
                 mb = batch // (dp * m)
-                only_plan = tuple(data_axes) == ("plan",)
-                datas = [d for d in (data_axes if dp > 1 or only_plan else ("replicate",))
-                         if d != "plan" or tp == 1]
-                if not datas:
-                    continue
+                datas = list(block_axes if dp > 1 else ("replicate",))
                 if mixed and dp > 1 and {"replicate", "fsdp"} <= set(datas):
                     datas.append("mixed")       # each stage its own: replicated where it fits, else FSDP2
-                for data in datas:
-                    work = sum(u.fwd_s + u.bwd_s for u in units_of(dp, tp, mb, "replicate" if data == "mixed" else data))
-                    todo.append((m * work / s_count, s_count, dp, tp, m, mb, data))
+                queue(s_count, dp, tp, m, mb, datas, mb * dp)
     best: StageOption | None = None
     order = {d: i for i, d in enumerate(("replicate", "mixed", "fsdp", "plan"))}
     for bound, s_count, dp, tp, m, mb, data in sorted(todo, key=lambda t: (*t[:6], order.get(t[6], 9))):

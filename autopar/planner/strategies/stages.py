@@ -53,7 +53,7 @@ from ...profile.optimizer import optimizer_step_s
 from ...cost.table import StepPrediction
 from ...cost.stages import planned_cut_s
 from ...decomp.program import crossing, value_layout
-from ...decomp.stages import (CANNOT_CUT_HINT, SCHEDULES, SPLIT_BACKWARD, STAGE_DATA, CutValue, pipeline_structure, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts,
+from ...decomp.stages import (CANNOT_CUT_HINT, SCHEDULES, SPLIT_BACKWARD, STAGE_DATA, CutValue, pipeline_structure, chunk_ranges, Schedule, Stage, StageCost, even_layout, feasible_stage_counts, in_flight_microbatches,
                               chunk_holder, chunk_layers, plan_cut, plan_cuts, plan_program_cut)
 from ...errors import InfeasiblePlan, PipelineError
 from .registry import Candidate, register_strategy
@@ -197,12 +197,20 @@ class PipelineStages:
 
         def psub(p: int, rows: int) -> SubPlan:       # the plan every stage runs: P ranks, one microbatch
             if (-p, rows) not in subplans:
-                subplans[(-p, rows)] = _unit_costs(base, p, rows, units, n_units, program=True)
+                sp = _unit_costs(base, p, rows, units, n_units, program=True)
+                limit = base.memory_limit_bytes
+                if limit is not None and sp.record is not None:
+                    s_count = world // p
+                    budget = stage_plan_budget(limit, s_count, Schedule(sched_name, max(1, batch // rows), virtual))
+                    if sum(c.static_bytes + budget[1] * c.act_bytes_per_microbatch for c in sp.costs) > s_count * limit:
+                        # no cut of the fastest plan fits: the plan solved again under the budget
+                        sp = _unit_costs(base, p, rows, units, n_units, program=True, memory_limit=budget[0])
+                subplans[(-p, rows)] = sp
             return subplans[(-p, rows)]
 
         def unit_cost(i, dp, tp, mb, data="replicate"):
-            if data == "plan":
-                return psub(dp, dp * mb).costs[i]
+            if data == "plan":              # ``mb``: the whole microbatch's samples (``search_stages``)
+                return psub(dp, mb).costs[i]
             sp = sub(tp, mb)
             c = sp.costs[i]
             level = profile.level_of(range(0, dp * tp, tp))
@@ -224,7 +232,7 @@ class PipelineStages:
         def cut(s_count, k, tp, mb, data="replicate"):   # the widest boundary's values, planned between the sub-meshes
             size = world // s_count
             if data == "plan":
-                sp = psub(size, size * mb)
+                sp = psub(size, mb)
                 a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size, 1, "plan")
                 b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size, 1, "plan")
                 return max(planned_cut_s(plan_program_cut(k, a, b, vals), ctx) for vals in sp.boundaries.values())
@@ -260,7 +268,7 @@ class PipelineStages:
             # each cut's own boundary: the stages' (V = 1) or the chunks' (V chunks per rank, cut evenly;
             # the search priced them with the widest boundary)
             if best.data == "plan":
-                sp = psub(best.dp, best.dp * best.microbatch)
+                sp = psub(best.dp, best.microbatch)
                 cuts_planned = tuple(plan_program_cut(k, layout.stages[chunk_holder(layout, k)],
                                                       layout.stages[chunk_holder(layout, k + 1)], vals)
                                      for k, vals in sorted(program_cut_values(sp, layout).items()))
@@ -281,10 +289,10 @@ class PipelineStages:
                                    detail={"layout": layout.to_json(), "price": p.to_json(), "priced": records,
                                            "cuts": [c.to_json() for c in cuts_planned],
                                            "search": search, "heads": heads if best.tp > 1 else None,
-                                           "sub_plan_kinds": list((psub(best.dp, best.dp * best.microbatch) if
+                                           "sub_plan_kinds": list((psub(best.dp, best.microbatch) if
                                                                    best.data == "plan" else sub(best.tp, best.microbatch)).kinds)
                                            + (["sharded"] if best.data in ("fsdp", "mixed") else []),
-                                           **({"stage_plan": psub(best.dp, best.dp * best.microbatch).record}
+                                           **({"stage_plan": psub(best.dp, best.microbatch).record}
                                               if best.data == "plan" else {})}))
         if mode == "fixed" and all(c.illegal for c in cands):
             raise PipelineError(f"--pipeline {fixed} leaves a stage without memory or the batch unsplit "
@@ -392,10 +400,10 @@ def plan_solves(counts, world: int, batch: int, schedule: str, microbatches: int
     out = set()
     for s in counts:
         p = world // s
-        if p < 2 or batch % p:
+        if p < 2:
             continue
-        ms = [microbatches] if microbatches else microbatch_counts(batch // p, s, schedule)
-        out |= {(p, batch // m) for m in ms if m and (batch // p) % m == 0}
+        ms = [microbatches] if microbatches else microbatch_counts(batch, s, schedule)
+        out |= {(p, batch // m) for m in ms if m and batch % m == 0}
     return out
 
 
@@ -431,16 +439,28 @@ def _value_itemsize(graph, v: str) -> int:
     return _DTYPE_BYTES.get(graph.value_dtype(v), 4)
 
 
-def _program_sub(base, p: int, rows: int, units: list[int], n_units: int) -> SubPlan:
+def stage_plan_budget(limit: float, s_count: int, schedule: Schedule) -> tuple[float, float]:
+    """(memory limit for the stage plan's solve, F) under a per-rank ``limit``: every cut of a
+    model into S stages needs ``sum over layers (static + F act) <= S limit`` (F: the most
+    microbatches a stage keeps in flight, stage 0's), and a plan of the whole model whose one-
+    microbatch memory ``sum (static + act)`` is at most ``S limit / F`` meets it. A budget, not a
+    guarantee: the cuts still have to balance the stages."""
+    f = max(1.0, in_flight_microbatches(schedule, s_count, 0))
+    return s_count * limit / f, f
+
+
+def _program_sub(base, p: int, rows: int, units: list[int], n_units: int,
+                 memory_limit: float | None = None) -> SubPlan:
     """The model planned on ``p`` ranks for ``rows`` samples (one microbatch of the whole batch),
     every kind the op-by-op runtime runs (``PROGRAM_EXCLUDED`` out; ``--kinds`` respected), per
     unit: its layers' costs plus the transitions into them (gradient sync of the plan's own groups
-    included: the stage syncs once a step, as one step of the plan does)."""
+    included: the stage syncs once a step, as one step of the plan does); ``memory_limit``: the
+    solve's (``stage_plan_budget``), none for the fastest plan."""
     o = base.req.options
     kinds = tuple(k for k in REGISTRY if k not in PROGRAM_EXCLUDED and (o.kinds is None or k in o.kinds))
     sub = dataclasses.replace(o, world_size=p, batch_size=rows, write=False, out_dir=None, pipeline="off",
                               microbatches=None, schedule=None, stage_data=None, kinds=kinds,
-                              placement="block", memory_limit_bytes=None, nodes=None)
+                              placement="block", memory_limit_bytes=memory_limit, nodes=None)
     res = base.replan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
     tab, ch = res.table, list(res.solution.choice)
     tab.ensure_edges()
@@ -472,14 +492,15 @@ def _program_sub(base, p: int, rows: int, units: list[int], n_units: int) -> Sub
     return dataclasses.replace(sp, boundaries=boundaries, record=record)
 
 
-def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int, program: bool = False) -> SubPlan:
+def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int, program: bool = False,
+                memory_limit: float | None = None) -> SubPlan:
     """The model planned on ``tp`` ranks for ``mb`` samples (one microbatch of one dp replica of a
     stage), with the stage runtime's kinds (module docstring), its per-layer costs summed per
     block (``SubPlan``); ``program``: the stage plan instead (``_program_sub``, ``tp`` ranks for
     ``mb`` samples of the whole batch)."""
     if program:
         try:
-            return _program_sub(base, tp, mb, units, n_units)
+            return _program_sub(base, tp, mb, units, n_units, memory_limit)
         except InfeasiblePlan:
             inf = float("inf")
             return SubPlan([StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, [0.0] * n_units,
