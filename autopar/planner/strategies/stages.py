@@ -256,8 +256,9 @@ class PipelineStages:
             best = per.get(s_count)
             if best is None or best.price is None:
                 why = best.refused if best is not None else "nothing to price"
-                if all(c.illegal for c in cands) and s_count == counts[-1]:
+                if all(c.illegal for c in cands) and s_count == counts[-1] and mode != "fixed":
                     why += f" ({search['memory_reach']})"       # nothing fits: what each count reaches
+                                                                # (a fixed count's error names it itself)
                 cands.append(Candidate(NAME, f"pipeline {s_count} stages", illegal=why, priority=self.priority,
                                        forced=mode == "fixed"))
                 continue
