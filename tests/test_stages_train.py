@@ -339,13 +339,17 @@ def _clipped_reference(rank, world, hf):
     return {"norm": float(total), "grads": {n: p.grad.numpy().copy() for n, p in model.named_parameters()}}
 
 
+TP_KINDS = ("sample", "replicate", "head", "filter", "row_parallel")
+
+
 @pytest.mark.parametrize("data,kinds,hf", [("replicate", None, False), ("fsdp", ("sample", "replicate", "sharded"), False),
-                                           ("replicate", None, True)])
+                                           ("replicate", None, True), ("plan", TP_KINDS, False), ("plan", None, True)])
 def test_clip_grad_norm_under_a_pipeline_plan_at_world_4(monkeypatch, tmp_path, data, kinds, hf):
     """``autopar.train.clip_grad_norm_`` under a pipeline plan at world 4 (2 stages of dp 2,
-    replicated or FSDP2; HF GPT-2 with its embedding tied across the stages): the global norm
-    counts every element once over stages, replicas and shards, equal to torch's in one process,
-    and every clipped gradient equals the reference's clipped one (float64, 1e-12)."""
+    replicated or FSDP2, or running the solver's stage plan: the GPT's heads, filters and rows split
+    over each stage's two ranks; HF GPT-2 with its embedding tied across the stages): the global
+    norm counts every element once over stages, replicas, shards and splits, equal to torch's in
+    one process, and every clipped gradient equals the reference's clipped one (float64, 1e-12)."""
     import torch
 
     from autopar.artifacts import PlanHooks, PlanOptions
@@ -361,6 +365,8 @@ def test_clip_grad_norm_under_a_pipeline_plan_at_world_4(monkeypatch, tmp_path, 
     model = ROOT / ("strategies/examples/hf_gpt2.py" if hf else "strategies/examples/gpt.py")
     pipe = make_plan(model, PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
                                         microbatches=M, stage_data=data, kinds=kinds or ("sample", "replicate"),
+                                        pins=("blocks.*.attn=head", "blocks.*.fc=filter", "blocks.*.out=row_parallel")
+                                        if kinds == TP_KINDS else (),
                                         out_dir=str(tmp_path / "pipe")), PlanHooks(profile=prof))
     st = pipe.plan.runtime.to_json()["stages"]["stages"]
     assert [(s["dp"], s.get("data", "replicate")) for s in st] == [(2, data), (2, data)]
