@@ -256,7 +256,7 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
     li = find_layer(plan, str(layer))
     d = plan.layer(li)
     recorded = {a.choice: a.time_s for a in d.alternatives}
-    notes: list[str] = []
+    notes: list[str] = list(_stage_notes(plan, d, li))
     gp = plan.solver.extra.get("graph_parallel") or {}
     if str(gp.get("chosen", "")).startswith("graphs"):
         notes.append(f"plan-level choice: {gp['chosen']} (whole graphs per rank, the user's module run natively) "
@@ -339,6 +339,27 @@ def explain_layer(plan, plan_path: str | Path, layer: str | int) -> Explanation:
     why = _why(plan, d, cands, choice is not None)
     return Explanation(li, d.name, d.module, tuple(d.kinds), tuple(d.out_shape), d.choice, tuple(cands),
                        dict(o.illegal), tuple(neighbours), source, not stale, tuple(notes), why)
+
+
+def _stage_notes(plan, d, li: int) -> list[str]:
+    """For a plan that runs pipeline stages (plan.json ``runtime.stages``): what runs this layer
+    -- its block's stage and, under a stage plan, the stage plan's choice for it -- beside the
+    whole-world decision explained below (kept for comparison, not run)."""
+    rt = plan.runtime
+    extra = dict(rt.extra) if rt is not None else {}
+    if rt is None or rt.expected != "stages" or "stages" not in extra:
+        return []
+    out = [f"this plan runs pipeline stages ({rt.reason}); the decision explained below is the whole-world "
+           "solver's, recorded for comparison, not what runs"]
+    sp = extra.get("stage_plan")
+    layers = (sp or {}).get("graph", {}).get("layers") or []
+    if sp and li < len(layers) and layers[li].get("name") == d.name:
+        unit = sp["units"][li]
+        stage = next((s for s in extra["stages"]["stages"] if s["layers"][0] <= unit < s["layers"][1]), None)
+        where = f"stage {stage['index']} (ranks {stage['ranks']})" if stage else "its stage"
+        out.append(f"under the stage plan (the model on {sp['world_size']} ranks per stage, one microbatch) this "
+                   f"layer is {sp['choices'][li]}, run on {where}")
+    return out
 
 
 def _plan_level_reasons(plan, d) -> list[str]:

@@ -371,3 +371,20 @@ def test_a_stage_plan_is_solved_again_under_the_memory_limit(monkeypatch):
     kinds = {c.split("(")[0] for c in tight["stage_plan"]["choices"]}
     assert kinds & {"spatial", "filter", "channel"}
     assert max(tight["price"]["peak_bytes"]) <= 1.5 * 2**20 and tight["price"]["step_s"] > free["price"]["step_s"]
+
+
+def test_explain_names_the_stage_plans_choice_for_a_layer(gpt8, tmp_path):
+    """``autopar explain`` of a stage layout says that stages run, and, under a stage plan, the
+    stage plan's choice for the layer and the stage that runs it."""
+    from autopar.artifacts import PlanHooks, PlanOptions
+    from autopar.explain import explain
+    from autopar.planner import make_plan
+    from autopar.profile import load_profile
+    prof = load_profile(ROOT / "calibration/cpu-2core-gloo.json", check_machine=False)
+    res = make_plan(gpt8, PlanOptions(world_size=4, batch_size=8, placement="block", trace_cache=False, pipeline=2,
+                                      stage_data="plan", out_dir=str(tmp_path / "p")), PlanHooks(profile=prof))
+    text = explain(res.plan_path, 5)
+    assert "this plan runs pipeline stages" in text
+    assert "under the stage plan (the model on 2 ranks per stage, one microbatch) this layer is" in text
+    assert "run on stage 0 (ranks [0, 1])" in text
+    assert "x tp" not in res.plan.runtime.to_json()["reason"]

@@ -283,7 +283,8 @@ class PipelineStages:
                 " FSDP2" if best.data == "fsdp" else "") + (
                 f" (FSDP2 on stages {[k for k, d in enumerate(best.stage_data) if d == 'fsdp']})"
                 if best.data == "mixed" else "")
-            label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, {dp_word} x tp {best.tp})"
+            mesh_word = dp_word if best.data == "plan" else f"{dp_word} x tp {best.tp}"
+            label = f"pipeline {s_count} stages x M {best.microbatches} ({sched_name}, {mesh_word})"
             cands.append(Candidate(NAME, label, pred, table=base.table, choice=tuple(base.solution.choice),
                                    runtime="stages", forced=mode == "fixed", priority=self.priority,
                                    note=f"pipeline stages: {layout.to_json()['stages']}",
