@@ -108,6 +108,10 @@ def test_a_pipeline_plan_executes_and_validates_at_world_2(monkeypatch, tmp_path
     st = run.extra["stages"]
     assert st["measured_step_s"] > 0 and st["predicted_step_s"] == pytest.approx(res.plan.predicted.step_time_s)
     assert 0.0 <= st["measured_bubble_fraction"] <= 1.0 and st["predicted_bubble_fraction"] > 0
+    # like for like: the predicted idle share holds the bubble and the sends and sync tail beside it
+    price = res.plan.runtime.to_json()["price"]
+    assert st["predicted_idle_fraction"] == pytest.approx(1 - price["ideal_s"] / price["step_s"])
+    assert st["predicted_idle_fraction"] > st["predicted_bubble_fraction"]
     assert st["cut_messages_checked"] == 4      # stage 0 sent its 4 microbatches as plan.json's cut steps say
     assert (out / "run.json").is_file() and (out / "report.md").is_file()
 

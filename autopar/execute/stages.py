@@ -4,9 +4,12 @@ one process in the validation dtype (the loss, every gradient each rank holds, t
 after the SGD step execute uses everywhere), then time ``steps`` steps in float32 and report the
 measured step and bubble beside the plan's prediction.
 
-Measured bubble: ``1 - M (f + b)_bottleneck / step``, with each stage's forward and backward of
-one microbatch timed alone on its own ranks right after the timed steps (the idle share of the
-bottleneck stage's ranks); predicted: ``price.bubble_s / step_s`` from plan.json.
+Idle share of the bottleneck stage: measured ``1 - M (f + b)_bottleneck / step``, with each
+stage's forward and backward of one microbatch timed alone on its own ranks right after the timed
+steps; predicted, the same quantity from plan.json's price, ``1 - ideal_s / step_s`` (ideal_s = M
+max_s (f_s + b_s)): the schedule's bubble, the sends over the cuts, the gradient sync's tail and,
+measured, any overhead of the step. The bubble alone (``price.bubble_s / step_s``) is reported as
+predicted only: a run cannot time it apart from the sends.
 """
 
 from __future__ import annotations
@@ -240,6 +243,10 @@ def _program_rank(rank, world, mf, layout, opts, model, x, y, loss_fn, ref, ref_
             "cut_messages_checked": cut_messages, "peak_bytes": peak_bytes, "baseline": baseline}
 
 
+def _frac(x, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def _mesh_words(st, stage_plan: dict | None) -> str:
     """How a stage uses its ranks, for the report: dp x tp of whole blocks, or the stage plan."""
     if st.data == "plan" and stage_plan:
@@ -289,13 +296,19 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
     bott = max(statistics.median(v) for v in per_stage.values())
     m = layout.schedule.microbatches
     measured_bubble = max(0.0, 1.0 - m * bott / step) if step > 0 else None
+    p_step, p_ideal = price.get("step_s"), price.get("ideal_s")
+    predicted_idle = 1.0 - p_ideal / p_step if p_step and p_ideal is not None else None
     predicted = plan.predicted.step_time_s
     baseline = Baseline.from_json(res[0]["baseline"]) if res[0].get("baseline") else None
     stages_rec = {"layout": layout.to_json(), "measured_step_s": step, "predicted_step_s": predicted,
                   "measured_bubble_fraction": measured_bubble,
+                  "predicted_idle_fraction": predicted_idle,
                   "predicted_bubble_fraction": price.get("bubble_fraction"),
                   "stage_fwd_plus_bwd_s_alone": {str(k): statistics.median(v) for k, v in per_stage.items()},
-                  "bubble_rule": "1 - M (f + b)_bottleneck / step; f, b: one microbatch on its stage alone",
+                  "bubble_rule": "measured_bubble_fraction is the bottleneck stage's idle share, 1 - M (f + b)_bottleneck "
+                                 "/ step (f, b: one microbatch on its stage alone): the schedule's bubble, the sends, the "
+                                 "gradient sync's tail and any overhead; predicted_idle_fraction is the same quantity "
+                                 "from the price (1 - ideal_s / step_s); predicted_bubble_fraction the bubble alone",
                   "cut_messages_checked": sum(r["cut_messages_checked"] for r in res),
                   "measured_peak_bytes_per_stage": {str(k): max(r["peak_bytes"] for r in res if r["stage"] == k)
                                                     for k in per_stage},
@@ -315,8 +328,9 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
         predicted=plan.predicted, prediction_error=(predicted - step) / step if step > 0 else None,
         baseline=baseline, ratio_to_ddp=step / baseline.ddp_step_time_s if baseline is not None else None,
         wall_s=time.perf_counter() - t0,
-        notes=(f"runtime: pipeline stages ({layout.schedule.torch_class}); measured bubble "
-               f"{measured_bubble:.2f} vs predicted {price.get('bubble_fraction', float('nan')):.2f}",),
+        notes=(f"runtime: pipeline stages ({layout.schedule.torch_class}); the bottleneck stage idle "
+               f"{measured_bubble:.2f} of the step, predicted {_frac(predicted_idle)} (of which the bubble "
+               f"{_frac(price.get('bubble_fraction'))})",),
         extra={"stages": stages_rec})
     progress(run.notes[0])
     progress(f"step: measured {step * 1e3:.2f} ms, predicted {predicted * 1e3:.2f} ms")
@@ -335,11 +349,13 @@ def execute_stages(plan_path: Path, plan: Plan, opts, out_dir, progress, choose_
              *([f"| torch DDP step (whole model on every rank, interleaved rounds) | "
                 f"{baseline.ddp_step_time_s * 1e3:.3f} ms (plan / DDP {step / baseline.ddp_step_time_s:.2f}) | |"]
                if baseline is not None else []),
-             f"| bubble fraction | {measured_bubble:.3f} | {price.get('bubble_fraction', float('nan')):.3f} |",
+             f"| bottleneck stage idle (bubble + sends + sync tail + overhead), share of the step | "
+             f"{measured_bubble:.3f} | {_frac(predicted_idle, 3)} |",
+             f"| of which the schedule's bubble | (not separable) | {_frac(price.get('bubble_fraction'), 3)} |",
              *[f"| peak memory per rank, stage {k} | {stages_rec['measured_peak_bytes_per_stage'][k] / 2**20:.2f} MiB | "
                f"{v / 2**20:.2f} MiB |" for k, v in stages_rec["predicted_peak_bytes_per_stage"].items()
                if k in stages_rec["measured_peak_bytes_per_stage"]], "",
-             f"Measured bubble: {stages_rec['bubble_rule']}. Memory measured by "
+             f"Idle share: {stages_rec['bubble_rule']}. Memory measured by "
              f"{stages_rec['memory_measured_by']}."]
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     return run, out
