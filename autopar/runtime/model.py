@@ -481,20 +481,27 @@ class DistModel(nn.Module):
 
     def _full(self, get: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
-        world, rank = self.comm.world, self.comm.rank
         for safe, p in self.params.items():
             qual = self.qualname[safe]
-            sh = self.shards.get(qual, ParamShard())
-            if not sh.dims:
-                out[qual] = get(p).clone()
-                continue
-            grp = sh.grad_group(rank, world)
-            shape = list(self._global_param_shape(qual, p))
-            full = torch.zeros(shape, dtype=p.dtype, device=p.device)
-            if rank == min(grp):
-                full[sh.index(shape, rank, world)] = get(p)
-            out[qual] = self.comm.all_reduce_(full)
+            t = get(p)
+            w = self.whole_param(qual, t)
+            out[qual] = t.clone() if w is t else w
         return out
+
+    def whole_param(self, qual: str, t: torch.Tensor) -> torch.Tensor:
+        """The single-process tensor of ``t``, this rank's shard of parameter ``qual`` (or of a
+        tensor shaped like it: its gradient, an optimizer state): ``t`` itself when the plan keeps
+        the parameter whole, else every shard put in place over the mesh (collective: every rank
+        of the mesh calls it for the same ``qual``)."""
+        sh = self.shards.get(qual, ParamShard())
+        if not sh.dims:
+            return t
+        world, rank = self.comm.world, self.comm.rank
+        shape = list(self._global_param_shape(qual, t))
+        full = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        if rank == min(sh.grad_group(rank, world)):
+            full[sh.index(shape, rank, world)] = t
+        return self.comm.all_reduce_(full)
 
     def _global_param_shape(self, qual: str, p: torch.Tensor) -> list[int]:
         for lay in self.graph.layers:

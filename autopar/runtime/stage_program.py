@@ -43,7 +43,7 @@ from .comm import Comm, create_groups
 from .launch import raise_peer_failure
 from .model import DistModel, plan_groups
 from .redistribute import redistribute
-from .stages import StageGroups, _schedule_class, make_groups
+from .stages import StageGroups, _schedule_class, make_groups, peer_group
 
 
 def stage_plan(record: dict) -> tuple[Plan, list[int]]:
@@ -73,6 +73,7 @@ class ProgramChunk(nn.Module):
         self.ins, self.outs = list(ins), list(outs)
         self.shapes = {st.value: tuple(dm.graph.value_shape(st.value)) for st in self.steps if isinstance(st, MoveStep)}
         self.loss_move = loss_move(dm.graph, decs, dm.comm.world) if last else None
+        self._wire: tuple | None = None          # (run dtype, each outgoing value's wire dtype)
 
     def forward(self, *values):
         dm = self.dm[0]
@@ -93,9 +94,15 @@ class ProgramChunk(nn.Module):
             if lm is not None:
                 out = redistribute(out, lm.src, lm.dst, dm.graph.value_shape(lm.value), dm.comm)
             return out
-        run = next((p.dtype for p in dm.params.values() if p.is_floating_point()), torch.float32)
-        res = tuple(_passed(env[var(v)], wire_dtype(dm.graph.value_dtype(v), run)) for v in self.outs)
+        res = tuple(_passed(env[var(v)], d) for v, d in zip(self.outs, self._wire_dtypes(dm)))
         return res[0] if len(res) == 1 else res
+
+    def _wire_dtypes(self, dm: DistModel) -> tuple[torch.dtype, ...]:
+        """Each outgoing value's ``wire_dtype`` for the run's dtype (the parameters'), kept until it changes."""
+        run = next((p.dtype for p in dm.params.values() if p.is_floating_point()), torch.float32)
+        if self._wire is None or self._wire[0] != run:
+            self._wire = (run, tuple(wire_dtype(dm.graph.value_dtype(v), run) for v in self.outs))
+        return self._wire[1]
 
 
 def _passed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -147,7 +154,6 @@ class ProgramRunner:
     dm: DistModel
     tied: tuple = ()
     sharded: dict = None          # (``runtime.stages``' tp slices: none here; ``dm.shards`` says how)
-    held: dict | None = None
 
     @property
     def stage(self):
@@ -193,14 +199,15 @@ class ProgramRunner:
         return contrib
 
 
-def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, rank: int, loss_fn: Callable,
-                         dtype: torch.dtype | None = None) -> ProgramRunner:
+def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, rank: int,
+                         loss_fn: Callable) -> ProgramRunner:
     """This rank's chunks of the stage plan ``record`` (plan.json ``runtime.stage_plan``) on its
     stage's sub-mesh, and torch's schedule over them. Every rank calls it (group creation is
     collective). ``model``: the single-process model, built identically on every rank."""
     from torch.distributed.pipelining import PipelineStage
     plan, units = stage_plan(record)
-    if plan.bn_stats().local and any(op.kind == "batch_norm" for lay in plan.graph().layers for op in lay.ops):
+    graph = plan.graph()
+    if plan.bn_stats().local and any(op.kind == "batch_norm" for lay in graph.layers for op in lay.ops):
         raise PipelineError("stages running a plan with local batch-norm statistics: their running statistics are "
                             "deferred to a step's end, which a pipeline schedule does not have",
                             "re-plan with --batch-norm global, or --stage-data replicate (block stages)")
@@ -209,7 +216,6 @@ def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, ra
         raise PipelineError(f"the stage plan is for {plan.world_size} ranks, stage {st.index} has {len(st.ranks)}",
                             "re-plan the stages")
     chunks = chunk_layers(layout, units)
-    graph = plan.graph()
     decs = {d.layer: d.decomposition() for d in plan.layers}
     cuts = crossing(graph, decs, chunks)
     create_groups([g for s in layout.stages for g in plan_groups(plan, s.ranks)])
@@ -218,8 +224,6 @@ def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, ra
     dm = DistModel(plan, model, comm=Comm.from_env(ranks=st.ranks), native=False,
                    layers=[li for c in mine for li in chunks[c]])
     dm.gradsync.remove()                       # gradients summed once after the schedule, not per microbatch
-    if dtype is not None:
-        dm.to(dtype)
     run_dtype = next((p.dtype for p in dm.params.values() if p.is_floating_point()), torch.float32)
     n_chunks = layout.num_stages * layout.schedule.virtual
     modules = []
@@ -240,8 +244,8 @@ def build_program_runner(model: nn.Module, layout: StageLayout, record: dict, ra
         return dm.local_loss(dm.structured(out), target, loss_fn) / m
     cls = _schedule_class(layout.schedule.name)
     schedule = cls(stages if layout.schedule.multi else stages[0], m, loss_fn=per_mb, scale_grads=False)
-    tied = _tied(plan, layout, chunks, dm, rank)
-    return ProgramRunner(layout, rank, modules, groups, schedule, dm, tied, {}, None)
+    tied = _tied(graph, layout, chunks, dm, rank)
+    return ProgramRunner(layout, rank, modules, groups, schedule, dm, tied, {})
 
 
 def _output_meta(dm: DistModel, dtype: torch.dtype) -> torch.Tensor:
@@ -253,11 +257,10 @@ def _output_meta(dm: DistModel, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=wire_dtype(dm.graph.value_dtype(out), dtype), requires_grad=True)
 
 
-def _tied(plan: Plan, layout: StageLayout, chunks: dict[int, list[int]], dm: DistModel, rank: int) -> tuple:
+def _tied(graph, layout: StageLayout, chunks: dict[int, list[int]], dm: DistModel, rank: int) -> tuple:
     """(parameter, group) for each parameter read by layers of several stages: its peers (same
     mesh index) over those stages, where its parts are summed. Every rank creates every group in
     name order (collective)."""
-    graph = plan.graph()
     stage_of_chunk = {c: s for s in range(layout.num_stages) for c in chunks_of_stage(layout, s)}
     holders: dict[str, set[int]] = {}
     for c, layers in chunks.items():
@@ -266,15 +269,10 @@ def _tied(plan: Plan, layout: StageLayout, chunks: dict[int, list[int]], dm: Dis
                 for q in op.param_names.values():
                     holders.setdefault(q, set()).add(stage_of_chunk[c])
     out = []
-    size = len(layout.stages[0].ranks)
     for q in sorted(holders):
-        st = sorted(holders[q])
-        if len(st) < 2:
-            continue
-        for idx in range(size):
-            ranks = [layout.stages[s].ranks[idx] for s in st]
-            g = dist.new_group(ranks)
-            if rank in ranks:
+        if len(holders[q]) > 1:
+            g = peer_group(layout, sorted(holders[q]), rank)
+            if g is not None:
                 out.append((dm.param(q), g))
     return tuple(out)
 

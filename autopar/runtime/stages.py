@@ -574,7 +574,6 @@ def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule]
         for p in mod.parameters():
             holders.setdefault(id(p), set()).add(stage_of_chunk[c])
     out = []
-    size = len(layout.stages[0].ranks)
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         st = sorted(holders.get(id(p), ()))
         if len(st) < 2:
@@ -583,12 +582,23 @@ def _tied_groups(model: nn.Module, layout: StageLayout, every: list[StageModule]
             raise PipelineError(f"weight {name} is tied across stages {st} whose data axes differ "
                                 f"({[layout.stages[k].data for k in st]}): its parts cannot be summed",
                                 "plan with --stage-data replicate or fsdp (one for every stage)")
-        for idx in range(size):
-            ranks = [layout.stages[s].ranks[idx] for s in st]
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                out.append((p, g))
+        g = peer_group(layout, st, rank)
+        if g is not None:
+            out.append((p, g))
     return tuple(out)
+
+
+def peer_group(layout: StageLayout, stages: Sequence[int], rank: int):
+    """Create, for every mesh index, the group of that index's rank in each of ``stages`` (where a
+    weight tied across them has its parts summed); this rank's, or None when it is in none.
+    Collective: every rank calls it with the same ``stages``."""
+    mine = None
+    for idx in range(len(layout.stages[0].ranks)):
+        ranks = [layout.stages[s].ranks[idx] for s in stages]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
 
 
 # ------------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ class PipelineModule(nn.Module):
         place (the inverse of ``shard_of``). Collective over the stage's tp group for a slice; for a
         stage plan's shard, over the stage's mesh (every rank of it calls this for the same names)."""
         if self.dm is not None:
-            return self._plan_whole(name, t)
+            return self.dm.whole_param(name, t.detach())
         t = whole(t)                   # an FSDP2 shard gathered over the stage's dp group first
         spec = self.runner.sharded.get(name)
         if spec is None:
@@ -113,18 +113,6 @@ class PipelineModule(nn.Module):
         dist.all_gather(parts, t.detach().contiguous(), group=self.runner.groups.tp)
         pieces = [p.chunk(blocks, dim) for p in parts]           # slice t of block b: pieces[t][b]
         return torch.cat([pieces[i][b] for b in range(blocks) for i in range(tp)], dim)
-
-    def _plan_whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        dm = self.dm
-        sh = dm.shards.get(name)
-        if sh is None or not sh.dims:
-            return t.detach()
-        rank, world = dm.comm.rank, dm.comm.world
-        shape = self.whole_shape(name, t)
-        full = torch.zeros(shape, dtype=t.dtype)
-        if rank == min(sh.grad_group(rank, world)):
-            full[sh.index(shape, rank, world)] = t.detach()
-        return dm.comm.all_reduce_(full)
 
     def part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the single-process tensor ``full`` of parameter ``name``: its tp

@@ -197,14 +197,14 @@ class PipelineStages:
 
         def psub(p: int, rows: int) -> SubPlan:       # the plan every stage runs: P ranks, one microbatch
             if (-p, rows) not in subplans:
-                sp = _unit_costs(base, p, rows, units, n_units, program=True)
+                sp = _program_sub(base, p, rows, units, n_units)
                 limit = base.memory_limit_bytes
                 if limit is not None and sp.record is not None:
                     s_count = world // p
                     budget = stage_plan_budget(limit, s_count, Schedule(sched_name, max(1, batch // rows), virtual))
                     if sum(c.static_bytes + budget[1] * c.act_bytes_per_microbatch for c in sp.costs) > s_count * limit:
                         # no cut of the fastest plan fits: the plan solved again under the budget
-                        sp = _unit_costs(base, p, rows, units, n_units, program=True, memory_limit=budget[0])
+                        sp = _program_sub(base, p, rows, units, n_units, memory_limit=budget[0])
                 subplans[(-p, rows)] = sp
             return subplans[(-p, rows)]
 
@@ -228,14 +228,18 @@ class PipelineStages:
         bvalues = cut_values(base.graph, units, batch)
         widest = bvalues.get(widest_boundary(bvalues), [])
         ctx = base.table.ctx
+        plan_cut_s: dict[tuple[int, int, int], float] = {}      # a stage plan's cut, per (S, k, microbatch)
 
         def cut(s_count, k, tp, mb, data="replicate"):   # the widest boundary's values, planned between the sub-meshes
             size = world // s_count
             if data == "plan":
-                sp = psub(size, mb)
-                a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size, 1, "plan")
-                b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size, 1, "plan")
-                return max(planned_cut_s(plan_program_cut(k, a, b, vals), ctx) for vals in sp.boundaries.values())
+                if (s_count, k, mb) not in plan_cut_s:
+                    sp = psub(size, mb)
+                    a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size, 1, "plan")
+                    b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size, 1, "plan")
+                    plan_cut_s[(s_count, k, mb)] = max((planned_cut_s(plan_program_cut(k, a, b, vals), ctx)
+                                                        for vals in sp.boundaries.values()))
+                return plan_cut_s[(s_count, k, mb)]
             a = Stage(k, 0, 1, tuple(range(k * size, (k + 1) * size)), size // tp, tp)
             b = Stage(k + 1, 1, 2, tuple(range((k + 1) * size, (k + 2) * size)), size // tp, tp)
             return planned_cut_s(plan_cut(k, a, b, cut_value_list(widest, size // tp, mb)), ctx)
@@ -372,7 +376,7 @@ class SubPlan:
     """A stage's sub-plan on ``tp`` ranks for one microbatch, per block: its costs (no dp
     traffic), gradient bytes per rank (what a replicated dp axis all-reduces), the optimizer's
     seconds on it whole, and its parameters as one rank holds them (what FSDP2 shards); the kinds.
-    A stage plan (``--stage-data plan``: the whole sub-mesh planned, ``program=True``) also keeps
+    A stage plan (``--stage-data plan``: the whole sub-mesh planned, ``_program_sub``) also keeps
     its graph, decisions and each layer's unit, every unit boundary's crossing values with their
     layouts (``boundaries``), and plan.json's ``runtime.stage_plan`` record."""
     costs: list
@@ -431,10 +435,15 @@ def program_cannot_run(graph, traced_batch: int, bn_local: bool = False) -> str 
 
 def program_cut_values(sp: SubPlan, layout) -> dict[int, list]:
     """{cut c: [(CutValue, its producer's Sharding)]} of a stage layout running stage plan ``sp``."""
-    cuts = crossing(sp.graph, sp.decs, chunk_layers(layout, sp.units))
-    prod = sp.graph.producer()
-    return {c: [(CutValue(v, tuple(sp.graph.value_shape(v)), _value_itemsize(sp.graph, v)),
-                 value_layout(sp.graph, sp.decs, v, prod)) for v in vals] for c, vals in cuts.items()}
+    return _cut_pairs(sp.graph, sp.decs, chunk_layers(layout, sp.units))
+
+
+def _cut_pairs(graph, decs, chunks: dict[int, list[int]]) -> dict[int, list]:
+    """{cut c after chunk c: [(CutValue, its producer's Sharding)]} (``decomp.program.crossing``)."""
+    prod = graph.producer()
+    return {c: [(CutValue(v, tuple(graph.value_shape(v)), _value_itemsize(graph, v)),
+                 value_layout(graph, decs, v, prod)) for v in vals]
+            for c, vals in crossing(graph, decs, chunks).items()}
 
 
 def _value_itemsize(graph, v: str) -> int:
@@ -457,13 +466,16 @@ def _program_sub(base, p: int, rows: int, units: list[int], n_units: int,
     every kind the op-by-op runtime runs (``PROGRAM_EXCLUDED`` out; ``--kinds`` respected), per
     unit: its layers' costs plus the transitions into them (gradient sync of the plan's own groups
     included: the stage syncs once a step, as one step of the plan does); ``memory_limit``: the
-    solve's (``stage_plan_budget``), none for the fastest plan."""
+    solve's (``stage_plan_budget``), none for the fastest plan. No plan at all: ``_priced_out``."""
     o = base.req.options
     kinds = tuple(k for k in REGISTRY if k not in PROGRAM_EXCLUDED and (o.kinds is None or k in o.kinds))
     sub = dataclasses.replace(o, world_size=p, batch_size=rows, write=False, out_dir=None, pipeline="off",
                               microbatches=None, schedule=None, stage_data=None, kinds=kinds,
                               placement="block", memory_limit_bytes=memory_limit, nodes=None)
-    res = base.replan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
+    try:
+        res = base.replan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
+    except InfeasiblePlan:
+        return _priced_out(n_units)
     tab, ch = res.table, list(res.solution.choice)
     tab.ensure_edges()
     sub_units = block_units(tab.graph) or units
@@ -481,12 +493,8 @@ def _program_sub(base, p: int, rows: int, units: list[int], n_units: int,
     sp = SubPlan([StageCost(*a) for a in acc], [0.0] * n_units, [0.0] * n_units,
                  [UnitParams(f"block {u}", ()) for u in range(n_units)],
                  tuple(sorted({d.kind for d in decs.values()})), graph, decs, tuple(sub_units))
-    boundaries = {}
-    for u in range(n_units - 1):              # every place a cut may go: what would cross it
-        layers = {0: [li for li, x in enumerate(sub_units) if x <= u], 1: [li for li, x in enumerate(sub_units) if x > u]}
-        prod = graph.producer()
-        boundaries[u] = [(CutValue(v, tuple(graph.value_shape(v)), _value_itemsize(graph, v)),
-                          value_layout(graph, decs, v, prod)) for v in crossing(graph, decs, layers)[0]]
+    # every place a cut may go (after each unit): what would cross it
+    boundaries = _cut_pairs(graph, decs, {u: [li for li, x in enumerate(sub_units) if x == u] for u in range(n_units)})
     record = {"world_size": p, "graph": dict(res.plan.graph_json), "units": list(sub_units),
               "batch_norm": res.plan.batch_norm.to_json(),
               "layers": [{"layer": li, "decomposition": decs[li].to_json()} for li in range(len(ch))],
@@ -494,19 +502,17 @@ def _program_sub(base, p: int, rows: int, units: list[int], n_units: int,
     return dataclasses.replace(sp, boundaries=boundaries, record=record)
 
 
-def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int, program: bool = False,
-                memory_limit: float | None = None) -> SubPlan:
+def _priced_out(n_units: int) -> SubPlan:
+    """A sub-mesh with no sub-plan: every unit infinitely slow and large (the search refuses it)."""
+    inf = float("inf")
+    return SubPlan([StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, [0.0] * n_units,
+                   [UnitParams(f"block {u}", ()) for u in range(n_units)], ())
+
+
+def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int) -> SubPlan:
     """The model planned on ``tp`` ranks for ``mb`` samples (one microbatch of one dp replica of a
     stage), with the stage runtime's kinds (module docstring), its per-layer costs summed per
-    block (``SubPlan``); ``program``: the stage plan instead (``_program_sub``, ``tp`` ranks for
-    ``mb`` samples of the whole batch)."""
-    if program:
-        try:
-            return _program_sub(base, tp, mb, units, n_units, memory_limit)
-        except InfeasiblePlan:
-            inf = float("inf")
-            return SubPlan([StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, [0.0] * n_units,
-                           [UnitParams(f"block {u}", ()) for u in range(n_units)], ())
+    block (``SubPlan``)."""
     make_plan = base.replan           # the planner itself, passed in by planner.make (Offer.replan)
     o = base.req.options
     pins = tp_pins(tp) if tp > 1 else ()
@@ -517,9 +523,7 @@ def _unit_costs(base, tp: int, mb: int, units: list[int], n_units: int, program:
     try:
         res = make_plan(base.loaded.model_file, sub, PlanHooks(profile=base.loaded.profile, graph=None))
     except InfeasiblePlan:           # no sub-plan at all: every unit priced out
-        inf = float("inf")
-        return SubPlan([StageCost(inf, inf, 0.0, inf, inf)] * n_units, [0.0] * n_units, [0.0] * n_units,
-                       [UnitParams(f"block {u}", ()) for u in range(n_units)], ())
+        return _priced_out(n_units)
     tab, ch = res.table, list(res.solution.choice)
     sub_units = block_units(tab.graph) or units
     acc = [[0.0] * 5 for _ in range(n_units)]
